@@ -1,0 +1,284 @@
+"""The accelerator contract: what a back end (CPU, NVIDIA, Ascend, a third party's) must provide.
+
+An accelerator is one class made of small sub-interfaces (device and memory, small ops, attention,
+MoE, sampling kernels, collectives) plus a frozen `Capabilities` model and an import-light `probe()`.
+The core resolves the kernels it needs once at start-up into plain attributes; nothing on the hot
+path goes through a registry.
+
+Tensor conventions used by every kernel below:
+- token-major ragged layout: `T` tokens of many sequences flattened, no padding, unless a kernel
+  says `B` (batch of sequences) and takes an explicit mask;
+- weights in the `nn.Linear` layout `[out_features, in_features]`;
+- `*_fp32` arguments are float32 whatever the activation dtype.
+
+Subclass method signatures are checked when the subclass is defined (`__init_subclass__`): a
+back end that renames or drops a parameter fails at import, not in the middle of a forward pass.
+"""
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+#: Version of this contract. A plugin built against another *major* version is refused at
+#: selection with both versions in the message; a newer minor on the core side is accepted.
+INTERFACE_VERSION = "1.0"
+
+
+class ProbeResult(BaseModel):
+    """What `probe()` found, without initialising any device runtime."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    usable: bool
+    reason: str = ""  # why not usable (or a one-line description when usable)
+    details: dict[str, str] = {}
+
+
+class Capabilities(BaseModel):
+    """What a back end declares it supports. Features and the conformance kit read this."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    device_type: str  # torch device type: "cpu", "cuda", "npu", ...
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    token_bitmask: bool = False  # apply_token_bitmask is implemented (structured outputs)
+    rejection_sampling: bool = False  # rejection_sample is implemented (speculative decoding)
+    graph_capture: bool = False  # decode steps can be captured as a device graph
+    fp8_weights: bool = False  # FP8 block-scaled weights are used without dequantisation
+    collectives: str = "none"  # torch.distributed backend: "gloo", "nccl", "hccl", "none"
+    fast_paths: tuple[str, ...] = ()  # vendor libraries active on this machine (e.g. "flash_mla")
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    free_bytes: int
+    total_bytes: int
+
+
+@dataclass
+class MoEDispatch:
+    """How routed (token, expert) pairs were grouped by expert; produced by `moe_dispatch`."""
+
+    tokens_per_expert: torch.Tensor  # [num_local_experts] int64, counts of grouped rows
+    source_token: torch.Tensor  # [N] int64, the token each grouped row came from
+    source_slot: torch.Tensor  # [N] int64, which of the token's top-k choices it is
+    num_tokens: int
+
+
+def _check_signatures(cls: type, interface: type) -> None:
+    for name, member in vars(interface).items():
+        if not getattr(member, "__isabstractmethod__", False):
+            continue
+        impl = getattr(cls, name, None)
+        if impl is None or getattr(impl, "__isabstractmethod__", False):
+            continue
+        want = [(p.name, p.kind) for p in inspect.signature(member).parameters.values()]
+        got = [(p.name, p.kind) for p in inspect.signature(impl).parameters.values()]
+        if want != got:
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__}.{name} has signature "
+                f"({', '.join(n for n, _ in got)}) but the accelerator interface "
+                f"{interface.__name__}.{name} requires ({', '.join(n for n, _ in want)})"
+            )
+
+
+class _Interface(ABC):
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for base in cls.__mro__[1:]:
+            if base is not _Interface and issubclass(base, _Interface) and base.__module__ == __name__:
+                _check_signatures(cls, base)
+
+
+class DeviceMemory(_Interface):
+    """Device placement, memory accounting and synchronisation."""
+
+    @abstractmethod
+    def device(self, index: int = 0) -> torch.device:
+        """The torch device for local device `index`."""
+
+    @abstractmethod
+    def memory_info(self) -> MemoryInfo:
+        """Free and total bytes of the memory the back end allocates from (RAM on CPU)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until all queued work on the current device has finished."""
+
+
+class SmallOps(_Interface):
+    """Dense linear algebra and element-wise ops."""
+
+    @abstractmethod
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`x @ weight.T`; x `[..., in]`, weight `[out, in]`; result in x's dtype."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dim, computed in fp32, cast back to x's dtype once.
+
+        `weight` is None for the unweighted normalisation (per-head q norm)."""
+
+    @abstractmethod
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+        """Interleaved RoPE on the last `2 * cos.shape[-1]` dims of x, the other dims unchanged.
+
+        x `[T, ..., d]`; cos/sin `[T, r/2]` fp32 (broadcast over the middle dims). Pairs are dims
+        (2i, 2i+1). `inverse=True` rotates by the negative angle (attention-output de-rotation).
+        Returns a new tensor of x's dtype."""
+
+    @abstractmethod
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        """`silu(min(gate, limit)) * clamp(up, -limit, limit)`; limit <= 0 disables the clamps."""
+
+    @abstractmethod
+    def hc_pre(
+        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+        sinkhorn_iters: int, eps: float, norm_eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC mixing weights and collapse (deepseek-v4.md §4 steps 1-7).
+
+        streams `[T, n, D]`; fn `[(2+n)n, nD]`, base `[(2+n)n]`, scale `[3]`, all fp32.
+        Returns (collapsed `[T, D]` in streams' dtype, post `[T, n]` fp32, comb `[T, n, n]` fp32)."""
+
+    @abstractmethod
+    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """mHC expansion: `X'_k = post_k * y + sum_j comb[j, k] * X_j` -> `[T, n, D]` in streams' dtype."""
+
+    @abstractmethod
+    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                eps: float, norm_eps: float) -> torch.Tensor:
+        """Output-head collapse of the streams (no Sinkhorn, no post) -> `[T, D]`."""
+
+
+class AttentionOps(_Interface):
+    """Attention with sinks over an explicit key set, the compressor pooling and the indexer."""
+
+    @abstractmethod
+    def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
+                       sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        """Shared-KV (MQA) attention with a per-head sink logit in the softmax denominator.
+
+        q `[B, S, H, d]`; kv `[B, L, d]` (K = V); mask `[B, S, L]` bool, True = attend;
+        sinks `[H]` fp32. Returns `[B, S, H, d]` in q's dtype. A row with no visible key
+        attends to nothing (output 0; the sink absorbs all mass)."""
+
+    @abstractmethod
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        """Gated softmax pooling of compressor slots, per channel, in fp32.
+
+        kv, score `[..., slots, d]` (score already includes the position bias; -inf = empty
+        slot). Returns `[..., d]` fp32 = sum over slots of softmax(score) * kv."""
+
+    @abstractmethod
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, k: int) -> torch.Tensor:
+        """Lightning-indexer selection.
+
+        q `[B, S, Hi, di]`; weights `[B, S, Hi]` (already scaled); keys `[B, E, di]`;
+        mask `[B, S, E]` bool (True = visible). Score `I[s, e] = sum_h w[h] * relu(q_h . k_e)`
+        in fp32 (the 1/sqrt(di) scale is applied by the caller to q or w). Returns
+        `[B, S, k]` int64 entry indices; picks on invisible entries are -1."""
+
+
+class MoEOps(_Interface):
+    """Routing and expert computation: route -> dispatch -> grouped experts -> combine."""
+
+    @abstractmethod
+    def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                  routed_scaling_factor: float, hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pick experts from fp32 affinity scores `[T, E]` (already sqrt-softplus'ed).
+
+        Selection: `hash_ids` `[T, k]` when given (hash layers), else top-k of `scores + bias`.
+        Weights: the selected scores normalised to sum 1, times `routed_scaling_factor`.
+        Returns (weights `[T, k]` fp32, ids `[T, k]` int64)."""
+
+    @abstractmethod
+    def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
+        """Group the (token, choice) pairs by expert. Returns (rows `[N, D]`, plan)."""
+
+    @abstractmethod
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
+                    swiglu_limit: float) -> torch.Tensor:
+        """Clamped-SwiGLU experts on grouped rows. w13 `[E, 2I, D]` (gate rows first, then up),
+        w2 `[E, D, I]`. Returns `[N, D]` in rows' dtype."""
+
+    @abstractmethod
+    def moe_combine(self, out_rows: torch.Tensor, plan: MoEDispatch, weights: torch.Tensor) -> torch.Tensor:
+        """Weighted sum of each token's expert outputs, accumulated in fp32 -> `[T, D]` fp32."""
+
+
+class SamplingOps(_Interface):
+    """Sampler kernels. The policy (which request gets what) lives in the core."""
+
+    @abstractmethod
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """In place: logits `[B, V]`; bitmask `[B, ceil(V/32)]` int32, bit (v % 32) of word v // 32
+        set = token v allowed; disallowed logits become -inf."""
+
+    @abstractmethod
+    def sample(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Draw one token per row of `probs` `[B, V]` fp32 (rows sum to 1). A row's generator, when
+        given, makes its draw independent of the other rows. Returns `[B]` int64."""
+
+
+class Collectives(_Interface):
+    """torch.distributed process group over the back end's communication library."""
+
+    @abstractmethod
+    def init_process_group(self, rank: int, world_size: int, init_method: str) -> None:
+        """Join the process group (gloo / nccl / hccl)."""
+
+    @abstractmethod
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum across ranks, in place; returns the tensor."""
+
+    @abstractmethod
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's tensor along dim 0."""
+
+    @abstractmethod
+    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int]) -> torch.Tensor:
+        """Uneven all-to-all along dim 0 (EP dispatch and combine)."""
+
+
+class Accelerator(DeviceMemory, SmallOps, AttentionOps, MoEOps, SamplingOps, Collectives):
+    """Base class of every accelerator plugin.
+
+    Register a subclass under the entry-point group `deepinfer.accelerators`; the entry-point name
+    is what users put in `DEEPINFER_ACCELERATOR`. `probe()` must be import-light: it may look for
+    libraries and devices but must not initialise a device runtime, raise, or change the
+    environment. `__init__` may initialise the device.
+    """
+
+    #: Entry-point name, e.g. "cpu".
+    name: ClassVar[str] = ""
+    #: The INTERFACE_VERSION this plugin was written against.
+    interface_version: ClassVar[str] = INTERFACE_VERSION
+    #: Shown by `deepinfer plugins` / errors: the pip package that provides this plugin.
+    package: ClassVar[str] = "deepinfer"
+
+    @classmethod
+    @abstractmethod
+    def probe(cls) -> ProbeResult:
+        """Is this back end usable on this machine? Never raises; never initialises a device."""
+
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """The frozen capability declaration of this instance."""
+
+
+def interface_compatible(plugin_version: str, core_version: str = INTERFACE_VERSION) -> bool:
+    """Same major version, and the plugin's minor is not newer than the core's."""
+    try:
+        p_major, p_minor = (int(v) for v in plugin_version.split(".")[:2])
+        c_major, c_minor = (int(v) for v in core_version.split(".")[:2])
+    except ValueError:
+        return False
+    return p_major == c_major and p_minor <= c_minor

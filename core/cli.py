@@ -1,0 +1,85 @@
+"""The `deepinfer` command: version, plugin listing, doctor, and the sub-commands of other modules."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+from deepinfer import envs
+from deepinfer.version import __version__
+
+# Sub-commands implemented elsewhere: name -> ("module:function", help). Each takes argv.
+DELEGATED = {
+    "generate": ("deepinfer.entrypoints.generate:main", "generate text from a prompt (offline)"),
+    "make-model": ("deepinfer.models.deepseek_v4.make_model:main", "write a random-weight DeepSeek-V4 checkpoint"),
+    "conformance": ("deepinfer.testing.conformance:main", "run the back-end conformance kit"),
+}
+
+
+def cmd_plugins(args) -> int:
+    from deepinfer.plugins import ACCELERATOR_GROUP, FEATURE_GROUP, discover
+
+    rows = [info for group in (ACCELERATOR_GROUP, FEATURE_GROUP)
+            for infos in discover(group).values() for info in infos]
+    if args.json:
+        print(json.dumps([{"name": r.name, "group": r.group, "value": r.value, "distribution": r.distribution,
+                           "version": r.version} for r in rows], indent=2))
+        return 0
+    print(_table(["name", "group", "distribution", "version", "object"],
+                 [[r.name, r.group, r.distribution, r.version, r.value] for r in rows]))
+    return 0
+
+
+def cmd_doctor(args) -> int:
+    from deepinfer.plugins import ACCELERATOR_GROUP, PluginError, discover, probe, select_accelerator_class
+
+    rows = []
+    for name in sorted(discover(ACCELERATOR_GROUP)):
+        result, info = probe(name)
+        rows.append([name, "yes" if result.usable else "no", info.version if info else "-", result.reason])
+    print(f"deepinfer {__version__}")
+    print(_table(["accelerator", "usable", "version", "reason"], rows))
+    chosen = envs.get("DEEPINFER_ACCELERATOR")
+    try:
+        cls = select_accelerator_class(chosen)
+    except PluginError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    how = "DEEPINFER_ACCELERATOR" if chosen else "auto-selected"
+    print(f"\nselected: {cls.name} ({how})")
+    return 0
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    widths[-1] = 0  # the last column is free text; do not pad it
+    fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * len(h) for h in header])] + [fmt(r) for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        target, _ = DELEGATED[argv[0]]
+        module, func = target.split(":")
+        return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 inference engine")
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
+    sub = parser.add_subparsers(dest="command")
+    p = sub.add_parser("plugins", help="list installed accelerator and feature plugins (without importing them)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    sub.add_parser("doctor", help="probe every accelerator and show which one would be used")
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    args = parser.parse_args(argv)
+    if args.command == "plugins":
+        return cmd_plugins(args)
+    if args.command == "doctor":
+        return cmd_doctor(args)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""One request's life in the engine: its tokens, progress, cache resources and finish state."""
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+
+from deepinfer.engine.detokenizer import IncrementalDetokenizer
+from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted and waiting to recompute)
+    RUNNING = "running"  # holds a slot and cache blocks
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int  # FCFS order; lower = older
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    #: tokens whose model state is written, or will be written by a step already handed to the
+    #: runner (counted when scheduled, as in vLLM v1).
+    num_computed_tokens: int = 0
+    #: tokens sampled by steps still in flight (async pipeline), not yet in `output_token_ids`.
+    num_pending_tokens: int = 0
+    slot: int | None = None
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    #: logits processors (by index in the engine's list) that track this request.
+    processors: list[int] = field(default_factory=list)
+
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    error: str | None = None
+    sum_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    text: str = ""
+
+    # -- token counts -----------------------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens that are known (appended)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
+    def num_outputs_with_pending(self) -> int:
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    # -- finishing --------------------------------------------------------------------------------
+
+    def finish(self, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.error = error
+        self.finished_time = time.monotonic()
+
+    def to_output(self) -> RequestOutput:
+        n_out = len(self.output_token_ids)
+        ppl = math.exp(-self.sum_logprob / n_out) if n_out else None
+        metrics = RequestMetrics(
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=n_out, decode_ppl=ppl,
+            accept_rate=None, num_preemptions=self.num_preemptions, arrival_time=self.arrival_time,
+            first_token_time=self.first_token_time, finished_time=self.finished_time)
+        completion = CompletionOutput(
+            index=0, text=self.text, token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.sum_logprob if n_out else None,
+            logprobs=self.logprobs, finish_reason=self.finish_reason, stop_reason=self.stop_reason)
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt,
+                             prompt_token_ids=list(self.prompt_token_ids), outputs=[completion],
+                             finished=self.is_finished, metrics=metrics, error=self.error)

@@ -1,0 +1,133 @@
+"""Per-request sampling settings (vLLM-compatible names, plus DeepInfer's `seq_seed` and `so_args`).
+
+Every value is checked when the object is built: a bad value raises `ValueError` naming the field,
+the value and the valid range, before any request runs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+_SCHEMA_TYPES = ("regex", "json", "ebnf")
+
+
+@dataclass
+class SamplingParams:
+    """How one request is sampled and when it stops.
+
+    temperature: 0 means greedy (argmax); > 0 scales the logits before sampling.
+    top_p: nucleus sampling, 0 < top_p <= 1 (1 = off).
+    top_k: keep the k most likely tokens; 0 or -1 = off.
+    min_p: drop tokens whose probability is below min_p × the top token's; 0 = off.
+    max_tokens: most tokens to generate (finish_reason "length" when reached).
+    min_tokens: EOS and stop tokens are suppressed until this many tokens were generated.
+    stop: strings that end the output (the stop string itself is not included in `text`).
+    stop_token_ids: token ids that end the output (the token is kept in `token_ids`).
+    ignore_eos: keep generating after the EOS token (up to max_tokens).
+    logprobs: also return the log-probabilities of this many most likely tokens per position
+        (plus the sampled one); None = off, 0 = the sampled token only.
+    seq_seed: seed of this request's sampling; the same seed gives the same tokens whatever the
+        request is batched with.
+    so_args: structured-output constraint `{"schema_type": "regex"|"json"|"ebnf", "schema": str}`,
+        interpreted by the structured-output feature.
+    skip_special_tokens: leave special/control tokens out of `text`.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    seq_seed: int | None = None
+    so_args: dict[str, Any] | None = None
+    skip_special_tokens: bool = True
+    _stop_list: list[str] = field(default_factory=list, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, rule: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name}={getattr(self, name)!r} is invalid: {rule}")
+
+        def is_int(value: Any) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_num(value: Any) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "must be in (0, 1]; 1 disables nucleus sampling")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "must be an integer >= 1, or 0 / -1 to disable it")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "must be in [0, 1]; 0 disables it")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "must be an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "must be an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", "must be None or an integer >= 0 (number of top tokens to return)")
+        if self.seq_seed is not None and not is_int(self.seq_seed):
+            raise bad("seq_seed", "must be None or an integer")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "must be True or False")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", "must be True or False")
+
+        if self.stop is None:
+            stops: list[str] = []
+        elif isinstance(self.stop, str):
+            stops = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            stops = list(self.stop)
+        else:
+            raise bad("stop", "must be a string, a list of strings, or None")
+        if any(s == "" for s in stops):
+            raise bad("stop", "stop strings must not be empty")
+        self._stop_list = stops
+
+        if self.stop_token_ids is not None:
+            ids = self.stop_token_ids
+            if not isinstance(ids, (list, tuple)) or not all(is_int(t) and t >= 0 for t in ids):
+                raise bad("stop_token_ids", "must be a list of non-negative integer token ids, or None")
+            self.stop_token_ids = list(ids)
+
+        if self.so_args is not None:
+            so = self.so_args
+            if not isinstance(so, dict) or set(so) != {"schema_type", "schema"}:
+                raise bad("so_args", 'must be a dict with exactly the keys "schema_type" and "schema"')
+            if so["schema_type"] not in _SCHEMA_TYPES:
+                raise bad("so_args", f'schema_type must be one of {", ".join(_SCHEMA_TYPES)}')
+            if not isinstance(so["schema"], str) or not so["schema"]:
+                raise bad("so_args", "schema must be a non-empty string (for json: json.dumps(schema))")
+
+    # -- derived values used by the engine ------------------------------------------------------
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_list
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def effective_top_k(self) -> int:
+        """0 when top-k is off (the user may write -1 or 0)."""
+        return max(self.top_k, 0)
+
+    def clone(self, **changes: Any) -> SamplingParams:
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        values.update(changes)
+        return SamplingParams(**values)

@@ -1,0 +1,50 @@
+"""Shared fixtures. Tests never touch the network; tiny checkpoints are built in tmp folders."""
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fake_distribution(tmp_path, monkeypatch):
+    """Make an installed-looking distribution (dist-info + module) visible on sys.path.
+
+    This is exactly what pip leaves behind, so importlib.metadata discovers its entry points."""
+    created = []
+
+    def make(dist: str, version: str, entry_points: dict[str, dict[str, str]], modules: dict[str, str]):
+        root = tmp_path / f"site-{dist}"
+        info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = []
+        for group, eps in entry_points.items():
+            lines.append(f"[{group}]")
+            lines += [f"{k} = {v}" for k, v in eps.items()]
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        for mod, code in modules.items():
+            (root / f"{mod}.py").write_text(textwrap.dedent(code))
+            created.append(mod)
+        monkeypatch.syspath_prepend(str(root))
+        importlib.invalidate_caches()
+        return root
+
+    yield make
+    for mod in created:
+        sys.modules.pop(mod, None)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No DEEPINFER_* variable from the outer environment leaks into a test."""
+    import os
+    for key in list(os.environ):
+        if key.startswith("DEEPINFER_"):
+            monkeypatch.delenv(key)
+    return monkeypatch

@@ -1,0 +1,52 @@
+"""The `deepinfer` command as a user runs it (subprocesses, real entry points)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "deepinfer.cli", *args], capture_output=True, text=True,
+                          env=full_env, timeout=120)
+
+
+def test_version():
+    out = run("--version")
+    assert out.returncode == 0 and out.stdout.startswith("deepinfer ")
+
+
+def test_plugins_json_lists_distribution_and_version():
+    out = run("plugins", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout) if r["group"] == "deepinfer.accelerators"}
+    assert {"cpu", "nvidia", "ascend"} <= set(rows)
+    assert rows["cpu"]["distribution"] == "deepinfer" and rows["cpu"]["version"]
+
+
+def test_doctor_cpu_usable_others_with_reasons():
+    out = run("doctor", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.split()}
+    assert " yes " in lines["cpu"]
+    assert " no " in lines["nvidia"] and ("CUDA" in lines["nvidia"] or "GPU" in lines["nvidia"])
+    assert " no " in lines["ascend"] and "torch_npu" in lines["ascend"]
+    assert "selected: cpu" in out.stdout
+
+
+def test_doctor_ascend_fails_with_reason_and_fix():
+    out = run("doctor", env={"DEEPINFER_ACCELERATOR": "ascend"})
+    assert out.returncode != 0
+    assert "not usable" in out.stderr and "torch_npu" in out.stderr and "DEEPINFER_ACCELERATOR=<name>" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["tpu9000"])
+def test_doctor_unknown_lists_installed(name):
+    out = run("doctor", env={"DEEPINFER_ACCELERATOR": name})
+    assert out.returncode != 0
+    assert f"'{name}' is not installed" in out.stderr and "cpu" in out.stderr

@@ -1,0 +1,79 @@
+"""The wheel works on its own: build it, install it into a fresh virtual environment together
+with the third-party test plugin, and use both there exactly as a user would."""
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def sh(*cmd, env=None, check=True, cwd=None) -> subprocess.CompletedProcess:
+    out = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{cmd} failed:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("wheel")
+    dist = tmp / "dist"
+    for project in (REPO, REPO / "tests" / "plugins" / "acme"):
+        sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, project,
+           cwd=tmp)
+    wheels = sorted(dist.glob("*.whl"))
+    assert {w.name.split("-")[0] for w in wheels} == {"deepinfer", "deepinfer_acme"}
+    venv = tmp / "venv"
+    sh(sys.executable, "-m", "venv", "--without-pip", venv)
+    py = venv / "bin" / "python"
+    target = Path(sh(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
+    # Dependencies (torch, pydantic, ...) come from this environment through a plain path entry;
+    # .pth files of this environment (such as an editable deepinfer) are deliberately not run.
+    (target / "_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target, *wheels)
+    return venv
+
+
+def venv_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_") and k != "PYTHONPATH"}
+    env.update(extra)
+    return env
+
+
+def test_installed_from_wheel_not_from_source(fresh_venv):
+    out = sh(fresh_venv / "bin" / "python", "-c", "import deepinfer, deepinfer_plugins.cpu as c; print(deepinfer.__file__, c.__file__)",
+             env=venv_env(), cwd=fresh_venv)
+    assert str(fresh_venv) in out.stdout and str(REPO / "core") not in out.stdout
+
+
+def test_plugins_lists_third_party(fresh_venv):
+    out = sh(fresh_venv / "bin" / "deepinfer", "plugins", "--json", env=venv_env())
+    rows = {r["name"]: r for r in json.loads(out.stdout)}
+    assert rows["acme"]["distribution"] == "deepinfer-acme" and rows["acme"]["version"] == "2.3.1"
+    assert rows["cpu"]["distribution"] == "deepinfer"
+
+
+def test_third_party_selectable(fresh_venv):
+    out = sh(fresh_venv / "bin" / "deepinfer", "doctor", env=venv_env(DEEPINFER_ACCELERATOR="acme"))
+    assert "selected: acme (DEEPINFER_ACCELERATOR)" in out.stdout
+
+
+def test_third_party_version_mismatch(fresh_venv):
+    out = sh(fresh_venv / "bin" / "deepinfer", "doctor", env=venv_env(DEEPINFER_ACCELERATOR="acme-legacy"), check=False)
+    assert out.returncode != 0
+    assert "interface version 0.3" in out.stderr and "deepinfer-acme 2.3.1" in out.stderr
+
+
+def test_third_party_hardware_absent(fresh_venv):
+    out = sh(fresh_venv / "bin" / "deepinfer", "doctor",
+             env=venv_env(DEEPINFER_ACCELERATOR="acme", ACME_DEVICE_PRESENT="0"), check=False)
+    assert out.returncode != 0 and "no Acme device found" in out.stderr
