@@ -43,3 +43,12 @@ class LogitsProcessor(ABC):
     def rollback(self, request_id: str, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens (speculative decoding)."""
         raise NotImplementedError(f"{type(self).__name__} does not support rollback")
+
+    def pop_failures(self) -> dict[str, tuple[str, str]]:
+        """Requests this processor cannot continue, found since the last call: request id ->
+        (finish_reason, message). "grammar_dead_end": the constraint admits no token (its bitmask
+        row was left all zeros); "error": e.g. its grammar failed to compile after admission (its
+        row was left untouched). The engine calls this after `fill_bitmask` and `accept`, finishes
+        each request with that reason and message, and discards any token sampled for it in that step.
+        Default: none."""
+        return {}

@@ -39,7 +39,7 @@ def fresh_venv(tmp_path_factory):
     # Dependencies (torch, pydantic, ...) come from this environment through a plain path entry;
     # .pth files of this environment (such as an editable deepinfer) are deliberately not run.
     (target / "_deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    sh(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", target, *wheels)
+    sh(sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-deps", "--no-index", *wheels)
     return venv
 
 
@@ -77,3 +77,11 @@ def test_third_party_hardware_absent(fresh_venv):
     out = sh(fresh_venv / "bin" / "deepinfer", "doctor",
              env=venv_env(DEEPINFER_ACCELERATOR="acme", ACME_DEVICE_PRESENT="0"), check=False)
     assert out.returncode != 0 and "no Acme device found" in out.stderr
+
+
+def test_third_party_passes_conformance(fresh_venv, tmp_path):
+    report = tmp_path / "acme.json"
+    out = sh(fresh_venv / "bin" / "deepinfer", "conformance", "acme", f"--conformance-report={report}",
+             env=venv_env(), check=False, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert json.loads(report.read_text())["summary"]["failed"] == 0

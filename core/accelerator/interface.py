@@ -78,7 +78,8 @@ def _check_signatures(cls: type, interface: type) -> None:
         impl = getattr(cls, name, None)
         if impl is None or getattr(impl, "__isabstractmethod__", False):
             continue
-        want = [(p.name, p.kind) for p in inspect.signature(member).parameters.values()]
+        # getattr binds classmethods the same way on both sides, so their signatures compare
+        want = [(p.name, p.kind) for p in inspect.signature(getattr(interface, name)).parameters.values()]
         got = [(p.name, p.kind) for p in inspect.signature(impl).parameters.values()]
         if want != got:
             raise TypeError(

@@ -5,8 +5,8 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from deepinfer.engine.detokenizer import IncrementalDetokenizer
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
@@ -47,8 +47,9 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
-    detokenizer: IncrementalDetokenizer | None = None
-    text: str = ""
+    stop_decoder: Any = None  # incremental detokenizer, only for requests with stop strings
+    stop_text: str = ""  # text decoded so far by stop_decoder
+    text: str = ""  # final text, set when the request finishes
 
     # -- token counts -----------------------------------------------------------------------------
 

@@ -94,3 +94,26 @@ class ForwardBatch:
 class ForwardOutput:
     logits: torch.Tensor  # [L, V] fp32
     streams: torch.Tensor | None = None  # [L, n, D] final residual streams at logits_indices
+
+
+def allocate_cache_tensors(layout: CacheLayout, num_slots: int, num_blocks: dict[str, int], block_size: int,
+                           device: torch.device | str) -> CacheTensors:
+    """Preallocate (zeroed) the state described by `layout`.
+
+    - slot tensor `name`: `[len(t.layers), num_slots, *t.shape]`;
+    - block-group tensor `name` of group `g`: `[len(t.layers), num_blocks[g] * block_size, *t.shape]`,
+      where entry `e` of a sequence lives at row `block_table[e // block_size] * block_size +
+      e % block_size` (`block_table` = the sequence's row of `ForwardBatch.block_tables[g]`).
+    """
+    if num_slots < 1 or block_size < 1:
+        raise ValueError(f"num_slots ({num_slots}) and block_size ({block_size}) must be positive")
+    missing = [g.name for g in layout.block_groups if g.name not in num_blocks]
+    if missing:
+        raise ValueError(f"num_blocks has no count for block groups {missing}; give one per group "
+                         f"({[g.name for g in layout.block_groups]})")
+    slot = {t.name: torch.zeros((len(t.layers), num_slots, *t.shape), dtype=t.dtype, device=device)
+            for t in layout.slot_tensors}
+    blocks = {g.name: {t.name: torch.zeros((len(t.layers), num_blocks[g.name] * block_size, *t.shape),
+                                           dtype=t.dtype, device=device) for t in g.tensors}
+              for g in layout.block_groups}
+    return CacheTensors(slot=slot, blocks=blocks, block_size=block_size)

@@ -111,10 +111,12 @@ class DeepseekV4Config(BaseModel):
         return self
 
     # ----- derived -----
+    def compress_ratio_for(self, layer_type: str) -> int:
+        """0 for sliding-only layers, else the compression rate m of that layer type."""
+        return 0 if layer_type == SLIDING else self.csa_compress_rate if layer_type == CSA else self.hca_compress_rate
+
     def compress_ratio(self, layer: int) -> int:
-        """0 for sliding-only layers, else the layer's compression rate m."""
-        t = self.layer_types[layer]
-        return 0 if t == SLIDING else self.csa_compress_rate if t == CSA else self.hca_compress_rate
+        return self.compress_ratio_for(self.layer_types[layer])
 
     @property
     def compress_ratios(self) -> tuple[int, ...]:

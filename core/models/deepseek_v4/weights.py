@@ -68,12 +68,13 @@ _TOP_RENAMES = {
 _BLOCK_RE = re.compile(r"^((?:layers|mtp)\.\d+)\.(.+)$")
 _FUSED_RE = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv|_scale)?$")
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
-_FP32_RE = re.compile(r"(attn_sink|\.ape|(^|\.)hc_[a-z_]+|gate\.bias)$")
+_FP32_RE = re.compile(r"(attn_sink|\.ape|(^|\.)hc_[a-z_]+|gate\.bias|gate\.weight|norm\.weight)$")
 
 
 def weight_kind(name: str) -> str:
-    """"int" for the hash-routing table, "fp32" for tensors kept in fp32 whatever the model dtype
-    (sinks, position biases, mHC parameters, router bias), else "float" (model dtype)."""
+    """"int" for the hash-routing table, "fp32" for tensors the model keeps in fp32 whatever its
+    dtype (sinks, position biases, mHC parameters, norm weights, router weight and bias), else
+    "float" (model dtype)."""
     if name.endswith("tid2eid"):
         return "int"
     return "fp32" if _FP32_RE.search(name) else "float"

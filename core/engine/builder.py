@@ -1,0 +1,127 @@
+"""Build an `EngineCore` from an `EngineConfig`: back end, checkpoint, model, tokenizer, cache pool, features.
+
+Memory budget (`gpu_memory_utilization`, default 0.85): the fraction of the memory the back end
+reports free at start-up (`accelerator.memory_info()`: device memory on a GPU, available RAM on the
+CPU) that weights, activations and the cache may take together; the cache gets what is left after
+the loaded weights and an activation reserve. `cache_memory_gb` replaces that computation with an
+explicit cache size. Either way the pool is never larger than `max_num_seqs` sequences of
+`max_model_len` tokens can use, and a budget too small for one such sequence is a start-up error
+that says how much is needed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.cache_manager import GiB, CacheManager, PoolSize, size_pool
+from deepinfer.engine.engine_core import EngineCore
+
+logger = logging.getLogger("deepinfer")
+
+DEFAULT_MAX_MODEL_LEN = 32768
+
+
+@dataclass
+class BuildInfo:
+    model_path: str
+    model_source: str  # "local", "hf-cache", "env", "default"
+    is_default_model: bool
+    dtype: torch.dtype
+    weight_bytes: int
+    pool: PoolSize
+    load_seconds: float
+    cache_seconds: float
+
+
+def _dtype(config: EngineConfig) -> str | None:
+    return None if config.dtype == "auto" else config.dtype
+
+
+def activation_reserve_bytes(model_config, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """A rough upper estimate of the forward's transient memory: the residual streams and their
+    temporaries for the step's tokens, plus the sampler's fp32 copies of the logits."""
+    hidden = getattr(model_config, "hidden_size", 4096) * getattr(model_config, "hc_mult", 1)
+    vocab = getattr(model_config, "vocab_size", 0)
+    return max_num_batched_tokens * hidden * 4 * 16 + max_num_seqs * vocab * 4 * 4
+
+
+def cache_budget(config: EngineConfig, free_bytes: int, weight_bytes: int, reserve_bytes: int) -> int:
+    if config.cache_memory_gb is not None:
+        return int(config.cache_memory_gb * GiB)
+    budget = int(config.gpu_memory_utilization * free_bytes) - weight_bytes - reserve_bytes
+    if budget <= 0:
+        raise ValueError(
+            f"no memory is left for the cache: gpu_memory_utilization={config.gpu_memory_utilization} of "
+            f"{free_bytes / GiB:.2f} GiB free is {config.gpu_memory_utilization * free_bytes / GiB:.2f} GiB, but the "
+            f"weights take {weight_bytes / GiB:.2f} GiB and activations about {reserve_bytes / GiB:.2f} GiB. "
+            f"Raise gpu_memory_utilization, set cache_memory_gb explicitly, or lower max_num_batched_tokens.")
+    return budget
+
+
+def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
+    from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint
+    from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from deepinfer.models.interface import allocate_cache_tensors
+    from deepinfer.models.resolve import resolve_model
+    from deepinfer.plugins import load_features, select_accelerator
+    from deepinfer.tokenizer import load_tokenizer
+
+    if config.ep * config.dp * config.cp != 1:
+        raise ValueError(f"ep={config.ep}, dp={config.dp}, cp={config.cp}: this engine runs on one device "
+                         f"(ep = dp = cp = 1) until expert/data/context parallelism lands")
+    accelerator = select_accelerator(config.accelerator)
+    device = accelerator.device(0)
+    free_bytes = accelerator.memory_info().free_bytes  # before the weights are loaded
+
+    t0 = time.perf_counter()
+    resolved = resolve_model(config.model)
+    model_config, weights = load_checkpoint(resolved.path, _dtype(config))
+    float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point() and t.dtype != torch.float32]
+    dtype = float_dtypes[0] if float_dtypes else torch.float32
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    model = DeepseekV4ForCausalLM(model_config, accelerator, dtype, device)
+    model.load_weights(weights)
+    del weights
+    load_seconds = time.perf_counter() - t0
+
+    eos = model_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (tuple, list)) else [] if eos is None else [eos])
+    tokenizer = load_tokenizer(resolved.path, config.tokenizer, vocab_size=model_config.vocab_size,
+                               bos_token_id=model_config.bos_token_id,
+                               eos_token_id=next(iter(sorted(eos_ids)), None))
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+
+    limit = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+
+    t1 = time.perf_counter()
+    layout = model.cache_layout(0)  # speculative decoding will ask for max_rollback > 0
+    reserve = activation_reserve_bytes(model_config, config.max_num_batched_tokens, config.max_num_seqs)
+    budget = cache_budget(config, free_bytes, weight_bytes, reserve)
+    pool = size_pool(layout, budget_bytes=budget, max_model_len=max_model_len,
+                     max_num_seqs=config.max_num_seqs, block_size=config.block_size)
+    tensors = allocate_cache_tensors(layout, pool.num_slots, pool.num_blocks, pool.block_size, device)
+    model.bind_cache(tensors)
+    cache = CacheManager(layout, pool.num_slots, pool.num_blocks, pool.block_size)
+    cache_seconds = time.perf_counter() - t1
+    logger.info("cache pool: %d slots, blocks %s (%.3f GiB) in %.2f s", pool.num_slots, pool.num_blocks,
+                pool.total_bytes / GiB, cache_seconds)
+
+    features = load_features(config, accelerator)
+    engine = EngineCore(
+        model=model, accelerator=accelerator, tokenizer=tokenizer, cache=cache, max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+        vocab_size=model_config.vocab_size, eos_token_ids=eos_ids, device=device,
+        async_pipeline=config.async_pipeline, sampler_force_topk=config.sampler_force_topk, seed=config.seed,
+        features=features, config=config)
+    info = BuildInfo(model_path=str(resolved.path), model_source=resolved.source,
+                     is_default_model=resolved.is_default, dtype=dtype, weight_bytes=weight_bytes, pool=pool,
+                     load_seconds=load_seconds, cache_seconds=cache_seconds)
+    return engine, info

@@ -1,0 +1,138 @@
+"""Logits -> tokens: masks, greedy / temperature / top-k / top-p / min-p, per-request seeds, logprobs.
+
+Policy lives here; the two device operations (applying a token bitmask, drawing from a
+distribution) are the accelerator's `apply_token_bitmask` and `sample` kernels.
+
+Batch invariance: every decision is made per row from that row's own parameters, so a row is
+processed the same way whatever else is in the batch; with a per-request `seq_seed` the draw uses
+a generator seeded from (seq_seed, output position), so a request samples the same tokens alone
+or in any batch (given the same logits).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seq_seed: int, output_index: int) -> int:
+    """A well-mixed 64-bit seed for one request's `output_index`-th draw (splitmix64)."""
+    z = (seq_seed * 0x9E3779B97F4A7C15 + output_index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per sampled row (in the order of the batch's logits rows)."""
+
+    temperature: list[float]
+    top_k: list[int]  # 0 = off
+    top_p: list[float]
+    min_p: list[float]
+    seeds: list[int | None]  # per-position seed, or None for the engine's shared generator
+    num_logprobs: list[int | None]
+    banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids) masked (min_tokens)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.temperature)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [L] int64; -1 for a dead row
+    logprobs: torch.Tensor  # [L] fp32, raw log-probability of the sampled token (0 for dead rows)
+    ranks: torch.Tensor  # [L] int64, rank of the sampled token in the raw distribution (1 = top)
+    dead: torch.Tensor  # [L] bool: every token was masked
+    top_ids: torch.Tensor | None = None  # [L, K] the K most likely tokens (raw distribution)
+    top_logprobs: torch.Tensor | None = None  # [L, K]
+
+
+class Sampler:
+    def __init__(self, accelerator, force_topk: int | None = None, generator: torch.Generator | None = None):
+        self.accelerator = accelerator
+        self.force_topk = force_topk
+        self.generator = generator  # shared generator for rows without a seq_seed
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None = None) -> SamplerOutput:
+        logits = logits.float()
+        num_rows, vocab = logits.shape
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        masked = logits.clone()
+        for row, ids in meta.banned:
+            masked[row, ids] = float("-inf")
+        if bitmask is not None:
+            self.accelerator.apply_token_bitmask(masked, bitmask)
+        device = logits.device
+        dead = torch.isneginf(masked.max(dim=-1).values) if num_rows else torch.zeros(0, dtype=torch.bool, device=device)
+        alive = [i for i, d in enumerate(dead.tolist()) if not d]
+
+        tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+        greedy = [i for i in alive if meta.temperature[i] == 0 or meta.top_k[i] == 1]
+        if greedy:
+            tokens[greedy] = masked[greedy].argmax(dim=-1)
+        # Rows that need a sorted candidate list are drawn separately from those that do not, so a
+        # row's path never depends on its neighbours.
+        random_rows = [i for i in alive if i not in set(greedy)]
+        needs_sort = [i for i in random_rows if self._needs_sort(meta, i)]
+        plain = [i for i in random_rows if i not in set(needs_sort)]
+        if plain:
+            probs = torch.softmax(masked[plain] / self._col(meta.temperature, plain, device), dim=-1)
+            tokens[plain] = self.accelerator.sample(probs, self._generators(meta, plain, device))
+        if needs_sort:
+            tokens[needs_sort] = self._sample_sorted(masked[needs_sort], meta, needs_sort, vocab)
+
+        safe = tokens.clamp(min=0).unsqueeze(1)
+        token_logprobs = raw_logprobs.gather(1, safe).squeeze(1).masked_fill(dead, 0.0)
+        ranks = (raw_logprobs > token_logprobs.unsqueeze(1)).sum(dim=1) + 1
+        out = SamplerOutput(token_ids=tokens, logprobs=token_logprobs, ranks=ranks, dead=dead)
+        k = max((n for n in meta.num_logprobs if n), default=0)
+        if k:
+            out.top_logprobs, out.top_ids = raw_logprobs.topk(min(k, vocab), dim=-1)
+        return out
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _needs_sort(self, meta: SamplingMetadata, i: int) -> bool:
+        return bool(self.force_topk or meta.top_k[i] > 0 or meta.top_p[i] < 1.0 or meta.min_p[i] > 0.0)
+
+    @staticmethod
+    def _col(values: list[float], rows: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor([values[i] for i in rows], dtype=torch.float32, device=device).unsqueeze(1)
+
+    def _generators(self, meta: SamplingMetadata, rows: list[int], device: torch.device) -> list[torch.Generator | None]:
+        gens: list[torch.Generator | None] = []
+        for i in rows:
+            seed = meta.seeds[i]
+            if seed is None:
+                gens.append(self.generator)
+            else:
+                g = torch.Generator(device=device)
+                g.manual_seed(seed)
+                gens.append(g)
+        return gens
+
+    def _sample_sorted(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int], vocab: int) -> torch.Tensor:
+        """Temperature, then top-k / top-p / min-p over candidates sorted by probability."""
+        device = logits.device
+        scaled = logits / self._col(meta.temperature, rows, device)
+        width = min(self.force_topk, vocab) if self.force_topk else vocab
+        values, indices = scaled.topk(width, dim=-1)  # sorted, descending
+        ranks = torch.arange(width, device=device).unsqueeze(0)
+        top_k = torch.tensor([meta.top_k[i] or width for i in rows], device=device).unsqueeze(1)
+        values = values.masked_fill(ranks >= top_k, float("-inf"))
+        probs = torch.softmax(values, dim=-1)
+        top_p = self._col(meta.top_p, rows, device)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely candidates
+        drop = before >= top_p
+        min_p = self._col(meta.min_p, rows, device)
+        drop |= probs < min_p * probs[:, :1]
+        drop[:, 0] = False  # the most likely candidate always stays
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+        choice = self.accelerator.sample(probs, self._generators(meta, rows, device))
+        return indices.gather(1, choice.unsqueeze(1)).squeeze(1)

@@ -1,0 +1,154 @@
+"""`LLM`: the offline batch API (vLLM-compatible where it can be).
+
+    from deepinfer import LLM, SamplingParams
+    llm = LLM()                                   # the embedded default model
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+    print(outs[0].outputs[0].text)
+
+Errors: invalid `SamplingParams` raise ValueError when they are built. A problem with one request
+found at admission (empty or too long prompt, out-of-vocabulary token ids, a rejected constraint)
+does not raise: that request's `RequestOutput` has finish_reason "error" and an `error` message,
+and the other requests complete. Bad arguments to `generate` itself (wrong types, a sampling_params
+list of the wrong length) raise ValueError/TypeError before anything runs.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from deepinfer.config import EngineConfig, load_config
+from deepinfer.outputs import RequestOutput
+from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """An offline engine over one model.
+
+    Args: `model` (checkpoint directory or Hugging Face id in the local cache; None = the embedded
+    default model or DEEPINFER_HF_MODEL_DIR), `accelerator` (back-end name; None = auto), `dtype`
+    ("auto", "float32", "bfloat16"), `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
+    `seed`, `config` (a TOML file path, or an `EngineConfig`), `features` (`{name: table}`, as
+    `[features.<name>]` in TOML), and any other `EngineConfig` field as a keyword
+    (`gpu_memory_utilization`, `cache_memory_gb`, `async_pipeline`, `sampler_force_topk`, ...).
+    """
+
+    def __init__(self, model: str | Path | None = None, accelerator: str | None = None, dtype: str | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, seed: int | None = None,
+                 config: str | Path | EngineConfig | None = None, features: dict[str, dict] | None = None,
+                 **kwargs: Any):
+        from deepinfer.engine.builder import build_engine
+
+        unknown = sorted(set(kwargs) - set(EngineConfig.model_fields))
+        if unknown:
+            raise TypeError(f"LLM() got unknown arguments {unknown}; valid engine settings: "
+                            f"{', '.join(sorted(EngineConfig.model_fields))}")
+        explicit = dict(model=None if model is None else str(model), accelerator=accelerator, dtype=dtype,
+                        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, seed=seed, features=features, **kwargs)
+        if isinstance(config, EngineConfig):
+            values = config.model_dump()
+            values.update({k: v for k, v in explicit.items() if v is not None})
+            try:
+                self.config = EngineConfig(**values)
+            except Exception as e:  # pydantic's ValidationError is a ValueError
+                raise ValueError(f"invalid engine configuration: {e}") from None
+        else:
+            self.config = load_config(explicit, config_file=config)
+        self.engine, self.build_info = build_engine(self.config)
+        if self.build_info.is_default_model:
+            logger.warning("no model given: using the embedded default model (random weights) at %s",
+                           self.build_info.model_path)
+
+    # -- API --------------------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompt_list)
+        elif isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompt_list):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompt_list)} prompts; give one, "
+                                 f"or one per prompt")
+            params = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be a SamplingParams, a list of them, or None; got "
+                            f"{type(sampling_params).__name__}")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams")
+
+        engine = self.engine
+        requests = [engine.add_request(prompt, p) for prompt, p in zip(prompt_list, params)]
+        bar = _progress(len(requests), use_tqdm)
+        done = sum(r.is_finished for r in requests)
+        if bar is not None:
+            bar.update(done)
+        try:
+            while done < len(requests):
+                finished = engine.step()
+                done += len(finished)
+                if bar is not None and finished:
+                    bar.update(len(finished))
+        except BaseException:
+            engine.abort_all()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r.to_output() for r in requests]
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker thread (also done at interpreter exit)."""
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+    raise TypeError(f"prompts must be a string, a list of token ids, a dict, or a list of these; got "
+                    f"{type(prompts).__name__}")
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total == 0:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", dynamic_ncols=True)

@@ -1,0 +1,118 @@
+"""Shared-KV MQA with sinks over a sliding window plus compressed entries (deepseek-v4.md §7, §8).
+
+One class serves the three layer types: sliding (window only, main RoPE), HCA (window + all
+visible entries of rate m) and CSA (window + the lightning indexer's top-k of the overlapping
+rate-4 entries). Queries are processed in the groups of `StepPlan.groups` (all decode tokens
+together, prefill in bounded query blocks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.deepseek_v4.compressor import Compressor
+from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.deepseek_v4.rope import RotaryTables
+from deepinfer.models.deepseek_v4.state import StepPlan
+
+
+@dataclass
+class AttentionState:
+    """This layer's views of the bound cache."""
+
+    window: torch.Tensor  # [num_slots, Rw, d]
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None  # main compressor raw rows (kv, score)
+    entries: torch.Tensor | None = None  # [num_entries, d]
+    indexer_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    indexer_keys: torch.Tensor | None = None  # [num_entries, index_head_dim]
+
+
+def _sub(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+class Attention:
+    def __init__(self, config: DeepseekV4Config, layer_type: str, weights: dict[str, torch.Tensor],
+                 accel: Accelerator):
+        """`weights`: this block's tensors under official names relative to `attn.`."""
+        self.c, self.accel, self.type = config, accel, layer_type
+        self.w = weights
+        self.rope_kind = "main" if layer_type == SLIDING else "compress"
+        self.rate = config.compress_ratio_for(layer_type)
+        eps = config.rms_norm_eps
+        self.compressor = None
+        if layer_type in (CSA, HCA):
+            self.compressor = Compressor(accel, _sub(weights, "compressor."), self.rate, layer_type == CSA,
+                                         config.head_dim, eps)
+        self.indexer_compressor = None
+        if layer_type == CSA:
+            self.indexer_compressor = Compressor(accel, _sub(weights, "indexer.compressor."), self.rate, True,
+                                                 config.index_head_dim, eps)
+        self.state: AttentionState | None = None
+
+    def forward(self, x: torch.Tensor, plan: StepPlan, rope: RotaryTables,
+                cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """x `[T, D]` (normalised attention input) -> `[T, D]`."""
+        if self.state is None:
+            raise RuntimeError("no cache bound: call bind_cache() before forward()")
+        a, c, w, st = self.accel, self.c, self.w, self.state
+        T, H, d, eps = x.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
+        cos, sin = cos_sin[self.rope_kind]
+
+        qr = a.rms_norm(a.linear(x, w["wq_a.weight"]), w["q_norm.weight"], eps)
+        q = a.rms_norm(a.linear(qr, w["wq_b.weight"]).view(T, H, d), None, eps)
+        q = a.rotary(q, cos, sin, False)
+        kv = a.rotary(a.rms_norm(a.linear(x, w["wkv.weight"]), w["kv_norm.weight"], eps), cos, sin, False)
+
+        if self.compressor is not None:
+            self.compressor.update(x, plan, rope, st.rows[0], st.rows[1], st.entries)
+        index_q = index_w = None
+        if self.indexer_compressor is not None:
+            self.indexer_compressor.update(x, plan, rope, st.indexer_rows[0], st.indexer_rows[1], st.indexer_keys)
+            Hi, di = c.index_n_heads, c.index_head_dim
+            index_q = a.rotary(a.linear(qr, w["indexer.wq_b.weight"]).view(T, Hi, di), *cos_sin["compress"], False)
+            index_w = a.linear(x, w["indexer.weights_proj.weight"]).float() * (Hi ** -0.5 * di ** -0.5)
+
+        window_flat = st.window.view(-1, d)
+        out = torch.zeros_like(q)
+        for gi, g in enumerate(plan.groups):
+            keys = torch.where(g.key_is_new.unsqueeze(-1), kv[g.key_new_row], window_flat[g.key_ring_row])
+            mask = g.window_mask
+            if self.rate:
+                ev = plan.entry_view(gi, self.rate)
+                if self.type == CSA:
+                    ckeys, cmask = self._selected_entries(g, ev, index_q, index_w)
+                else:
+                    ckeys, cmask = st.entries[ev.flat], ev.visible
+                keys, mask = torch.cat((keys, ckeys), dim=1), torch.cat((mask, cmask), dim=2)
+            o = a.sink_attention(q[g.rows], keys, mask, w["attn_sink"], d ** -0.5)
+            out[g.rows[g.q_valid]] = o[g.q_valid]
+
+        write = plan.ring_write(st.window.shape[1])
+        window_flat[write.ring_row] = kv[write.rows]
+
+        o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
+        wo_a = w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
+        grouped = torch.cat([a.linear(o[:, i], wo_a[i]) for i in range(c.o_groups)], dim=-1)
+        return a.linear(grouped, w["wo_b.weight"])
+
+    def _selected_entries(self, g, ev, index_q: torch.Tensor, index_w: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer top-k per query, then the union of the picks of each item as its key set."""
+        st = self.state
+        sel = self.accel.indexer_topk(index_q[g.rows], index_w[g.rows], st.indexer_keys[ev.flat], ev.visible,
+                                      self.c.index_topk)  # [B, S, k], -1 = none
+        B, S, E = ev.visible.shape
+        picked = torch.zeros((B, S, E + 1), dtype=torch.bool, device=sel.device)
+        picked.scatter_(2, torch.where(sel >= 0, sel, E), True)
+        picked = picked[..., :E] & g.q_valid.unsqueeze(-1)
+        used = picked.any(dim=1)  # [B, E]
+        counts = used.sum(dim=1)
+        U = int(counts.max()) if B else 0
+        order = torch.argsort((~used).to(torch.int8), dim=1, stable=True)[:, :U]  # used entries first
+        u_valid = torch.arange(U, device=sel.device) < counts.unsqueeze(1)
+        keys = st.entries[ev.flat.gather(1, order)]
+        mask = picked.gather(2, order.unsqueeze(1).expand(B, S, U)) & u_valid.unsqueeze(1)
+        return keys, mask

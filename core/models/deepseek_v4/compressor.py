@@ -1,0 +1,52 @@
+"""The gated-softmax compressor (deepseek-v4.md §8.2) over per-position raw rows.
+
+Every token stores its raw row (c_t, z_t + ape[t mod m]) in a per-slot ring. When the last token
+of window w arrives, entry w is pooled from the rows of that window (HCA: m slots) or of that
+window plus the previous window's Ca half (CSA, "overlap": 2m slots, slots of position < 0 are
+empty), RMS-normalised, rotated at position m*w with the compress RoPE and written to the
+block group. Used for the main CSA/HCA entries and for the indexer keys.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.deepseek_v4.rope import RotaryTables
+from deepinfer.models.deepseek_v4.state import StepPlan
+
+
+class Compressor:
+    def __init__(self, accel: Accelerator, weights: dict[str, torch.Tensor], rate: int, overlap: bool,
+                 out_dim: int, eps: float):
+        self.accel, self.rate, self.overlap, self.out_dim, self.eps = accel, rate, overlap, out_dim, eps
+        self.wkv, self.wgate = weights["wkv.weight"], weights["wgate.weight"]
+        self.ape, self.norm = weights["ape"], weights["norm.weight"]
+
+    def update(self, x: torch.Tensor, plan: StepPlan, rope: RotaryTables, rows_kv: torch.Tensor,
+               rows_score: torch.Tensor, entries: torch.Tensor) -> None:
+        """x `[T, D]` attention input; rows_* `[num_slots, Rc, coff*d_c]` fp32 (this layer);
+        entries `[num_entries, d_c]` (this layer's block-group tensor)."""
+        a = self.accel
+        kv = a.linear(x, self.wkv).float()
+        score = a.linear(x, self.wgate).float() + self.ape[plan.positions % self.rate]
+        ring = rows_kv.shape[1]
+        flat_kv, flat_score = rows_kv.view(-1, rows_kv.shape[-1]), rows_score.view(-1, rows_score.shape[-1])
+        cp = plan.compress_plan(self.rate, ring, self.overlap)
+        if cp.num_windows:
+            new = cp.is_new.unsqueeze(-1)
+            src_kv = torch.where(new, kv[cp.new_row], flat_kv[cp.ring_row])
+            src_score = torch.where(new, score[cp.new_row], flat_score[cp.ring_row])
+            if self.overlap:  # previous window's Ca (first half of channels), own window's Cb
+                m, d = self.rate, self.out_dim
+                src_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)
+                src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
+            empty = cp.empty.unsqueeze(-1)
+            src_kv = src_kv.masked_fill(empty, 0.0)
+            src_score = src_score.masked_fill(empty, float("-inf"))
+            pooled = a.compress_pool(src_kv, src_score).to(entries.dtype)
+            normed = a.rms_norm(pooled, self.norm, self.eps)
+            cos, sin = rope.cos_sin(cp.rope_pos, "compress")
+            entries[cp.entry_row] = a.rotary(normed, cos, sin, False)
+        write = plan.ring_write(ring)
+        flat_kv[write.ring_row] = kv[write.rows]
+        flat_score[write.ring_row] = score[write.rows]

@@ -1,0 +1,197 @@
+"""DeepSeek-V4 causal LM on ragged batches with engine-managed state (deepseek-v4.md §3-§14).
+
+    model = DeepseekV4ForCausalLM(config, accelerator, dtype=torch.float32, device="cpu")
+    model.load_weights(canonicalize(state_dict))
+    layout = model.cache_layout(max_rollback=4)
+    model.bind_cache(allocate_cache_tensors(layout, num_slots, num_blocks, block_size, device))
+    out = model.forward(batch)          # ForwardOutput(logits [L, V] fp32, streams)
+    draft = model.mtp_forward(streams, next_token_ids, mtp_batch)
+
+Hardware-agnostic: only torch and the accelerator object it is given.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.deepseek_v4.attention import AttentionState, _sub
+from deepinfer.models.deepseek_v4.block import DecoderBlock
+from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.deepseek_v4.rope import RotaryTables
+from deepinfer.models.deepseek_v4.state import (
+    COMPRESSED_KV, CSA_ROWS, HCA_ROWS, INDEXER_KEYS, INDEXER_ROWS, WINDOW_KV, RingSizes, StepPlan,
+    build_cache_layout, group_name,
+)
+from deepinfer.models.deepseek_v4.weights import check_weights, weight_kind
+from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
+
+
+class DeepseekV4ForCausalLM:
+    def __init__(self, config: DeepseekV4Config, accelerator: Accelerator, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", query_block: int = 256):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {dtype} is not supported; choose torch.float32, torch.bfloat16 or torch.float16")
+        self.config, self.accel, self.dtype = config, accelerator, dtype
+        self.device = torch.device(device)
+        self.query_block = query_block
+        self.rope = RotaryTables(config, self.device)
+        self.blocks: list[DecoderBlock] = []
+        self.mtp_block: DecoderBlock | None = None
+        self.top: dict[str, torch.Tensor] = {}
+        self.mtp_top: dict[str, torch.Tensor] = {}
+        self._cache: CacheTensors | None = None
+        self._rings: RingSizes | None = None
+        self._num_slots = 0
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_block is not None
+
+    # ----- weights -----
+    def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
+        """Load dequantised tensors under official names (see weights.canonicalize). The MTP block
+        (`mtp.0.*`) is loaded when present; it is optional."""
+        quantised = [k for k in canonical if k.endswith(".scale")]
+        if quantised:
+            raise ValueError(f"{len(quantised)} quantisation scales found (e.g. {quantised[0]!r}); dequantise the "
+                             f"checkpoint with the checkpoint loader before load_weights")
+        c = self.config
+        with_mtp = c.num_nextn_predict_layers > 0 and any(k.startswith("mtp.0.") for k in canonical)
+        state = {k: v for k, v in canonical.items() if with_mtp or not k.startswith("mtp.")}
+        if not with_mtp:
+            state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+        check_weights(state, c, include_mtp=with_mtp)
+        # only MTP block 0 is used (V4 ships one); drop further MTP blocks
+        state = {k: self._convert(k, v) for k, v in state.items() if not (k.startswith("mtp.") and not k.startswith("mtp.0."))}
+        self.top = {k: state[k] for k in ("embed.weight", "norm.weight", "head.weight",
+                                          "hc_head_fn", "hc_head_base", "hc_head_scale")}
+        self.blocks = [DecoderBlock(c, c.layer_types[i], c.mlp_layer_types[i],
+                                    self._fuse_experts(_sub(state, f"layers.{i}.")), self.accel)
+                       for i in range(c.num_hidden_layers)]
+        self.mtp_block, self.mtp_top = None, {}
+        if with_mtp:
+            mtp = _sub(state, "mtp.0.")
+            self.mtp_top = {k: mtp.pop(k) for k in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight",
+                                                    "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")}
+            self.mtp_block = DecoderBlock(c, SLIDING, "moe", self._fuse_experts(mtp), self.accel)
+        if self._cache is not None:
+            self.bind_cache(self._cache)
+
+    def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        kind = weight_kind(name)
+        dtype = torch.long if kind == "int" else torch.float32 if kind == "fp32" else self.dtype
+        return t.to(device=self.device, dtype=dtype).contiguous()
+
+    def _fuse_experts(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        E = self.config.n_routed_experts
+        w13 = torch.stack([torch.cat((w.pop(f"ffn.experts.{e}.w1.weight"), w.pop(f"ffn.experts.{e}.w3.weight")))
+                           for e in range(E)])
+        w2 = torch.stack([w.pop(f"ffn.experts.{e}.w2.weight") for e in range(E)])
+        w["ffn.experts.w13"], w["ffn.experts.w2"] = w13, w2
+        return w
+
+    # ----- state -----
+    def cache_layout(self, max_rollback: int) -> CacheLayout:
+        return build_cache_layout(self.config, self.dtype, max_rollback)
+
+    def bind_cache(self, cache: CacheTensors) -> None:
+        """Bind preallocated state (see interface.allocate_cache_tensors); checks every tensor
+        against the layout implied by the config and the window ring size."""
+        c = self.config
+        if WINDOW_KV not in cache.slot:
+            raise ValueError(f"cache has no {WINDOW_KV!r} tensor; allocate it from model.cache_layout()")
+        window = cache.slot[WINDOW_KV]
+        max_rollback = window.shape[2] - c.sliding_window
+        layout = self.cache_layout(max_rollback)
+        for t in layout.slot_tensors:
+            got = cache.slot.get(t.name)
+            if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.layers) or got.dtype != t.dtype:
+                raise ValueError(f"cache slot tensor {t.name!r} does not match the layout (expected "
+                                 f"[{len(t.layers)}, slots, {', '.join(map(str, t.shape))}] {t.dtype}); allocate "
+                                 f"the cache from model.cache_layout({max_rollback})")
+        for g in layout.block_groups:
+            for t in g.tensors:
+                got = cache.blocks.get(g.name, {}).get(t.name)
+                if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.layers):
+                    raise ValueError(f"cache block tensor {g.name}/{t.name} does not match the layout; allocate "
+                                     f"the cache from model.cache_layout({max_rollback})")
+        self._cache = cache
+        self._num_slots = window.shape[1]
+        self._rings = RingSizes(window=window.shape[2],
+                                csa_rows=2 * c.csa_compress_rate + max_rollback,
+                                hca_rows=c.hca_compress_rate + max_rollback)
+        index = {t.name: t.layers for t in layout.slot_tensors}
+        gindex = {(g.name, t.name): t.layers for g in layout.block_groups for t in g.tensors}
+
+        def slot(name: str, layer: int) -> torch.Tensor:
+            return cache.slot[name][index[name].index(layer)]
+
+        def block(rate: int, name: str, layer: int) -> torch.Tensor:
+            return cache.blocks[group_name(rate)][name][gindex[(group_name(rate), name)].index(layer)]
+
+        for i, blk in enumerate(self.blocks):
+            t = c.layer_types[i]
+            st = AttentionState(window=slot(WINDOW_KV, i))
+            if t == CSA:
+                st.rows = (slot(CSA_ROWS[0], i), slot(CSA_ROWS[1], i))
+                st.indexer_rows = (slot(INDEXER_ROWS[0], i), slot(INDEXER_ROWS[1], i))
+                st.entries = block(c.csa_compress_rate, COMPRESSED_KV, i)
+                st.indexer_keys = block(c.csa_compress_rate, INDEXER_KEYS, i)
+            elif t == HCA:
+                st.rows = (slot(HCA_ROWS[0], i), slot(HCA_ROWS[1], i))
+                st.entries = block(c.hca_compress_rate, COMPRESSED_KV, i)
+            blk.attn.state = st
+        if self.mtp_block is not None:
+            self.mtp_block.attn.state = AttentionState(window=slot(WINDOW_KV, c.num_hidden_layers))
+
+    def _plan(self, batch: ForwardBatch) -> StepPlan:
+        if self._cache is None:
+            raise RuntimeError("no cache bound: call bind_cache(allocate_cache_tensors(model.cache_layout(...), ...))")
+        return StepPlan(batch, self.config, self._rings, self._cache.block_size, self._num_slots, self.query_block)
+
+    # ----- forward -----
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if not self.blocks:
+            raise RuntimeError("no weights loaded: call load_weights() first")
+        c, a = self.config, self.accel
+        plan = self._plan(batch)
+        ids = batch.input_ids.to(self.device)
+        cos_sin = {k: self.rope.cos_sin(plan.positions, k) for k in ("main", "compress")}
+        x = self.top["embed.weight"][ids]
+        streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        for blk in self.blocks:
+            streams = blk.forward(streams, ids, plan, self.rope, cos_sin)
+        picked = streams[batch.logits_indices.to(self.device)]
+        logits = self._logits(picked, self.top["hc_head_fn"], self.top["hc_head_base"], self.top["hc_head_scale"],
+                              self.top["norm.weight"])
+        return ForwardOutput(logits=logits, streams=picked if batch.return_streams else None)
+
+    @torch.no_grad()
+    def mtp_forward(self, streams: torch.Tensor, next_token_ids: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
+        """The MTP block (§14.1). streams `[T, n, D]`: the trunk's final residual streams at the
+        rows of `batch` (positions t, before hc_head); next_token_ids `[T]`: the token at t+1.
+        `batch` describes the MTP's own state: positions t, context_lens = positions already run
+        through the MTP for each sequence (its window ring is separate from the trunk's).
+        Returns logits for t+2 at `batch.logits_indices` (and the MTP output streams there when
+        `batch.return_streams`, for chaining drafts)."""
+        if self.mtp_block is None:
+            raise RuntimeError("this checkpoint has no MTP weights (mtp.0.*) loaded")
+        c, a, w = self.config, self.accel, self.mtp_top
+        plan = self._plan(batch)
+        ids = next_token_ids.to(self.device)
+        eps = c.rms_norm_eps
+        cos_sin = {k: self.rope.cos_sin(plan.positions, k) for k in ("main", "compress")}
+        e = a.linear(a.rms_norm(self.top["embed.weight"][ids], w["enorm.weight"], eps), w["e_proj.weight"])
+        h = a.linear(a.rms_norm(streams.to(self.dtype), w["hnorm.weight"], eps), w["h_proj.weight"])
+        x = self.mtp_block.forward(e.unsqueeze(1) + h, ids, plan, self.rope, cos_sin)
+        picked = x[batch.logits_indices.to(self.device)]
+        logits = self._logits(picked, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], w["norm.weight"])
+        return ForwardOutput(logits=logits, streams=picked if batch.return_streams else None)
+
+    def _logits(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                norm: torch.Tensor) -> torch.Tensor:
+        a, c = self.accel, self.config
+        h = a.hc_head(streams, fn, base, scale, c.hc_eps, c.rms_norm_eps)
+        h = a.rms_norm(h, norm, c.rms_norm_eps)
+        return a.linear(h, self.top["head.weight"]).float()

@@ -1,0 +1,48 @@
+"""Routed MoE with hash layers, clamped SwiGLU and a shared expert (deepseek-v4.md §9).
+
+route -> dispatch -> grouped experts -> combine, all through the accelerator. Router logits are
+computed in fp32 (as the official code does; identical to transformers in fp32).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+
+
+def routing_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+class MoE:
+    def __init__(self, config: DeepseekV4Config, is_hash: bool, weights: dict[str, torch.Tensor],
+                 accel: Accelerator):
+        """`weights`: the block's tensors relative to `ffn.`, with the routed experts already fused
+        into `experts.w13` `[E, 2I, D]` and `experts.w2` `[E, D, I]`."""
+        self.c, self.accel, self.is_hash = config, accel, is_hash
+        self.gate = weights["gate.weight"]
+        self.bias = None if is_hash else weights["gate.bias"]
+        self.tid2eid = weights["gate.tid2eid"] if is_hash else None
+        self.w13, self.w2 = weights["experts.w13"], weights["experts.w2"]
+        self.shared = None
+        if config.n_shared_experts:
+            self.shared = tuple(weights[f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2"))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        a, c = self.accel, self.c
+        scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
+        hash_ids = self.tid2eid[input_ids] if self.is_hash else None
+        weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor, hash_ids)
+        rows, dispatch = a.moe_dispatch(x, ids, c.n_routed_experts)
+        y = a.moe_combine(a.moe_experts(rows, dispatch, self.w13, self.w2, c.swiglu_limit), dispatch, weights)
+        if self.shared is not None:
+            w1, w3, w2 = self.shared
+            h = a.swiglu(a.linear(x, w1), a.linear(x, w3), c.swiglu_limit)
+            y = y + a.linear(h, w2).float()
+        return y.to(x.dtype)

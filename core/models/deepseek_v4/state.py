@@ -1,0 +1,268 @@
+"""Per-sequence decode state of DeepSeek-V4 (deepseek-v4.md §12) and the per-step addressing plan.
+
+Slot state (one slot per running sequence), rings indexed by absolute position mod ring size:
+- `window_kv` `[Rw, d]`, every layer (MTP block included): post-norm, post-RoPE kv of the last
+  positions; `Rw = sliding_window + max_rollback`.
+- compressor raw rows, per compressor: `*_rows_kv` (c_t) and `*_rows_score` (z_t + ape[t mod m]),
+  fp32, `[Rc, coff * d_c]`; CSA (main and indexer): `Rc = 2m + max_rollback` (the previous
+  window's Ca half is needed by the overlap), HCA: `Rc = m + max_rollback`.
+Block groups (one per distinct compression rate m, named "c{m}"), one entry per m tokens:
+- `compressed_kv` `[d]` (CSA and HCA layers of that rate), `indexer_keys` `[index_head_dim]` (CSA).
+
+A window entry is pooled from the raw rows when its last token arrives, so state is a pure
+function of the tokens: truncating the last k <= max_rollback tokens is exact by setting the
+length back (stale entries beyond floor(T/m) are invisible and recomputed when reached again).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from deepinfer.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
+from deepinfer.models.interface import BlockGroup, CacheLayout, ForwardBatch, StateTensor
+
+WINDOW_KV = "window_kv"
+CSA_ROWS = ("csa_rows_kv", "csa_rows_score")
+INDEXER_ROWS = ("indexer_rows_kv", "indexer_rows_score")
+HCA_ROWS = ("hca_rows_kv", "hca_rows_score")
+COMPRESSED_KV = "compressed_kv"
+INDEXER_KEYS = "indexer_keys"
+
+
+def group_name(rate: int) -> str:
+    return f"c{rate}"
+
+
+@dataclass(frozen=True)
+class RingSizes:
+    window: int
+    csa_rows: int
+    hca_rows: int
+
+
+def ring_sizes(config: DeepseekV4Config, max_rollback: int) -> RingSizes:
+    if max_rollback < 0:
+        raise ValueError(f"max_rollback must be >= 0, got {max_rollback}")
+    return RingSizes(window=config.sliding_window + max_rollback,
+                     csa_rows=2 * config.csa_compress_rate + max_rollback,
+                     hca_rows=config.hca_compress_rate + max_rollback)
+
+
+def build_cache_layout(config: DeepseekV4Config, dtype: torch.dtype, max_rollback: int) -> CacheLayout:
+    rings = ring_sizes(config, max_rollback)
+    L, d, di = config.num_hidden_layers, config.head_dim, config.index_head_dim
+    mtp = tuple(range(L, L + config.num_nextn_predict_layers))
+    csa = tuple(i for i in range(L) if config.layer_types[i] == CSA)
+    hca = tuple(i for i in range(L) if config.layer_types[i] == HCA)
+    slot = [StateTensor(WINDOW_KV, (rings.window, d), dtype, tuple(range(L)) + mtp)]
+    if csa:
+        slot += [StateTensor(n, (rings.csa_rows, 2 * d), torch.float32, csa) for n in CSA_ROWS]
+        slot += [StateTensor(n, (rings.csa_rows, 2 * di), torch.float32, csa) for n in INDEXER_ROWS]
+    if hca:
+        slot += [StateTensor(n, (rings.hca_rows, d), torch.float32, hca) for n in HCA_ROWS]
+    compressed: dict[int, list[int]] = {}
+    for i in csa:
+        compressed.setdefault(config.csa_compress_rate, []).append(i)
+    for i in hca:
+        compressed.setdefault(config.hca_compress_rate, []).append(i)
+    groups = []
+    for rate, layers in sorted(compressed.items()):
+        tensors = [StateTensor(COMPRESSED_KV, (d,), dtype, tuple(sorted(layers)))]
+        if rate == config.csa_compress_rate and csa:
+            tensors.append(StateTensor(INDEXER_KEYS, (di,), dtype, csa))
+        groups.append(BlockGroup(group_name(rate), rate, tuple(tensors)))
+    return CacheLayout(slot_tensors=tuple(slot), block_groups=tuple(groups), max_rollback=max_rollback)
+
+
+@dataclass
+class AttnGroup:
+    """Query blocks of one or more sequences attended in one padded kernel call.
+
+    Item b covers new tokens [a_b, b_b) of sequence seq[b]; its window keys are the contiguous
+    positions [max(0, pos_a - W + 1), pos_b), read from the new rows or from the ring."""
+
+    seq: torch.Tensor  # [B] batch sequence index
+    rows: torch.Tensor  # [B, S] token rows (clamped where padded)
+    q_valid: torch.Tensor  # [B, S]
+    q_pos: torch.Tensor  # [B, S]
+    key_is_new: torch.Tensor  # [B, Lw]
+    key_new_row: torch.Tensor  # [B, Lw]
+    key_ring_row: torch.Tensor  # [B, Lw] flat index into [num_slots * Rw]
+    window_mask: torch.Tensor  # [B, S, Lw]
+    end_pos: torch.Tensor  # [B] one past the item's last position
+
+
+@dataclass
+class EntryView:
+    """Compressed entries of rate m that exist for each item of a group."""
+
+    flat: torch.Tensor  # [B, E] row in the block-group tensor (0 where invalid)
+    visible: torch.Tensor  # [B, S, E] entry w visible to query t iff w < (t+1) // m
+
+
+@dataclass
+class CompressPlan:
+    """Windows of rate m completed during this step and where their raw rows are."""
+
+    num_windows: int
+    is_new: torch.Tensor  # [Nw, slots] the row is produced in this step
+    new_row: torch.Tensor  # [Nw, slots]
+    ring_row: torch.Tensor  # [Nw, slots] flat index into [num_slots * Rc]
+    empty: torch.Tensor  # [Nw, slots] position < 0 (first CSA window: no previous Ca half)
+    entry_row: torch.Tensor  # [Nw] row in the block-group tensor
+    rope_pos: torch.Tensor  # [Nw] first position of the window (m * w)
+
+
+@dataclass
+class RingWrite:
+    rows: torch.Tensor  # [K] token rows to store
+    ring_row: torch.Tensor  # [K] flat ring index
+
+
+class StepPlan:
+    """Addressing for one ragged step, shared by all layers (built once per forward)."""
+
+    def __init__(self, batch: ForwardBatch, config: DeepseekV4Config, rings: RingSizes, block_size: int,
+                 num_slots: int, query_block: int = 256):
+        self.config, self.rings, self.block_size, self.query_block = config, rings, block_size, query_block
+        dev = batch.input_ids.device
+        self.device = dev
+        B = batch.num_seqs
+        if len(batch.context_lens) != B or batch.slots.numel() != B:
+            raise ValueError(f"ForwardBatch has {B} query_lens but {len(batch.context_lens)} context_lens and "
+                             f"{batch.slots.numel()} slots; give one of each per sequence")
+        self.q_lens = [int(n) for n in batch.query_lens]
+        self.ctx = [int(c) for c in batch.context_lens]
+        self.slots = [int(s) for s in batch.slots.tolist()]
+        if len(set(self.slots)) != B or any(s < 0 or s >= num_slots for s in self.slots):
+            raise ValueError(f"slots {self.slots} must be distinct and within [0, {num_slots})")
+        self.T = sum(self.q_lens)
+        if batch.input_ids.numel() != self.T or batch.positions.numel() != self.T:
+            raise ValueError(f"input_ids/positions have {batch.input_ids.numel()}/{batch.positions.numel()} rows "
+                             f"but query_lens sum to {self.T}")
+        self.row_start = [0] * B
+        for i in range(1, B):
+            self.row_start[i] = self.row_start[i - 1] + self.q_lens[i - 1]
+        q_lens_t = torch.tensor(self.q_lens, device=dev)
+        self.row_seq = torch.repeat_interleave(torch.arange(B, device=dev), q_lens_t)
+        ctx_t = torch.tensor(self.ctx, device=dev)
+        start_t = torch.tensor(self.row_start, device=dev)
+        expected = ctx_t[self.row_seq] + torch.arange(self.T, device=dev) - start_t[self.row_seq]
+        if not torch.equal(batch.positions.to(dev).long(), expected):
+            raise ValueError("ForwardBatch.positions must be context_len + 0..query_len-1 for every sequence "
+                             "(state is addressed by absolute position)")
+        self.positions = expected
+        self.block_tables = batch.block_tables
+        self._entry_views: dict[tuple[int, int], EntryView] = {}
+        self._compress_plans: dict[tuple[int, int, bool], CompressPlan] = {}
+        self._ring_writes: dict[int, RingWrite] = {}
+
+    # ----- attention groups -----
+    @cached_property
+    def groups(self) -> list[AttnGroup]:
+        """Decode tokens (query_len 1) of all sequences in one group; every other sequence in
+        blocks of `query_block` queries (bounded key ranges, O(S * (W + block)) work)."""
+        decode = [(i, 0, 1) for i in range(len(self.q_lens)) if self.q_lens[i] == 1]
+        out = [self._group(decode)] if decode else []
+        for i, n in enumerate(self.q_lens):
+            if n > 1:
+                for a in range(0, n, self.query_block):
+                    out.append(self._group([(i, a, min(n, a + self.query_block))]))
+        return out
+
+    def _group(self, items: list[tuple[int, int, int]]) -> AttnGroup:
+        dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
+        seq = torch.tensor([i for i, _, _ in items], device=dev)
+        a = torch.tensor([x for _, x, _ in items], device=dev)
+        b = torch.tensor([y for _, _, y in items], device=dev)
+        ctx = torch.tensor(self.ctx, device=dev)[seq]
+        start = torch.tensor(self.row_start, device=dev)[seq]
+        slot = torch.tensor(self.slots, device=dev)[seq]
+        S = int((b - a).max())
+        ar = torch.arange(S, device=dev)
+        q_valid = ar < (b - a).unsqueeze(1)
+        q_pos = ctx.unsqueeze(1) + a.unsqueeze(1) + ar
+        rows = torch.where(q_valid, start.unsqueeze(1) + a.unsqueeze(1) + ar, torch.zeros_like(q_pos))
+        end = ctx + b
+        key_start = (ctx + a - (W - 1)).clamp(min=0)
+        Lw = int((end - key_start).max())
+        key_pos = key_start.unsqueeze(1) + torch.arange(Lw, device=dev)
+        k_valid = key_pos < end.unsqueeze(1)
+        key_is_new = key_pos >= ctx.unsqueeze(1)
+        key_new_row = torch.where(k_valid & key_is_new, start.unsqueeze(1) + key_pos - ctx.unsqueeze(1), 0)
+        key_ring_row = torch.where(k_valid & ~key_is_new, slot.unsqueeze(1) * Rw + key_pos % Rw, 0)
+        kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
+        window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
+        return AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end)
+
+    def _entry_rows(self, rate: int, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Block-group rows of entry ids `entries` `[B, E]` of sequences `seq` `[B]`."""
+        if not bool(valid.any()):
+            return torch.zeros_like(entries)
+        name = group_name(rate)
+        if name not in self.block_tables:
+            raise ValueError(f"ForwardBatch.block_tables has no table for block group {name!r}")
+        table = self.block_tables[name].to(self.device)[seq]
+        bs = self.block_size
+        col = torch.where(valid, entries // bs, 0)
+        if bool(valid.any()) and int(col[valid].max()) >= table.shape[1]:
+            raise ValueError(f"block table of group {name!r} has {table.shape[1]} columns, too few for "
+                             f"{int(entries[valid].max()) + 1} entries of {bs} per block")
+        block = table.gather(1, col)
+        if bool((block[valid] < 0).any()):
+            raise ValueError(f"block table of group {name!r} lacks blocks for existing entries; the cache manager "
+                             f"must allocate ceil(entries / block_size) blocks per sequence")
+        return torch.where(valid, block * bs + entries % bs, 0)
+
+    def entry_view(self, group_index: int, rate: int) -> EntryView:
+        key = (group_index, rate)
+        if key not in self._entry_views:
+            g = self.groups[group_index]
+            count = g.end_pos // rate
+            E = int(count.max())
+            e = torch.arange(E, device=self.device)
+            valid = e < count.unsqueeze(1)
+            flat = self._entry_rows(rate, g.seq, e.expand(len(count), E), valid)
+            visible = valid.unsqueeze(1) & g.q_valid.unsqueeze(2) & (e < ((g.q_pos + 1) // rate).unsqueeze(2))
+            self._entry_views[key] = EntryView(flat, visible)
+        return self._entry_views[key]
+
+    # ----- compressor -----
+    def compress_plan(self, rate: int, ring: int, overlap: bool) -> CompressPlan:
+        key = (rate, ring, overlap)
+        if key in self._compress_plans:
+            return self._compress_plans[key]
+        dev = self.device
+        seqs, ws = [], []
+        for i, (c, n) in enumerate(zip(self.ctx, self.q_lens)):
+            first, last = c // rate, (c + n) // rate  # windows [first, last) complete in this step
+            seqs += [i] * (last - first)
+            ws += range(first, last)
+        seq = torch.tensor(seqs, dtype=torch.long, device=dev)
+        w = torch.tensor(ws, dtype=torch.long, device=dev)
+        offs = torch.arange(2 * rate if overlap else rate, device=dev) - (rate if overlap else 0)
+        pos = (rate * w).unsqueeze(1) + offs  # [Nw, slots]: previous window's slots first (overlap)
+        ctx = torch.tensor(self.ctx, device=dev)[seq].unsqueeze(1)
+        start = torch.tensor(self.row_start, device=dev)[seq].unsqueeze(1)
+        slot = torch.tensor(self.slots, device=dev)[seq].unsqueeze(1)
+        empty = pos < 0
+        is_new = pos >= ctx
+        new_row = torch.where(is_new, start + pos - ctx, 0)
+        ring_row = torch.where(~is_new & ~empty, slot * ring + pos % ring, 0)
+        entry_row = self._entry_rows(rate, seq, w.unsqueeze(1), torch.ones_like(w, dtype=torch.bool).unsqueeze(1))
+        plan = CompressPlan(len(ws), is_new, new_row, ring_row, empty, entry_row.squeeze(1), rate * w)
+        self._compress_plans[key] = plan
+        return plan
+
+    def ring_write(self, ring: int) -> RingWrite:
+        """The new rows to store in a ring of `ring` positions: the last `ring` of each sequence."""
+        if ring not in self._ring_writes:
+            dev = self.device
+            end = torch.tensor([c + n for c, n in zip(self.ctx, self.q_lens)], device=dev)[self.row_seq]
+            keep = self.positions >= end - ring
+            rows = torch.nonzero(keep).squeeze(1)
+            slot = torch.tensor(self.slots, device=dev)[self.row_seq[rows]]
+            self._ring_writes[ring] = RingWrite(rows, slot * ring + self.positions[rows] % ring)
+        return self._ring_writes[ring]

@@ -1,0 +1,167 @@
+"""Turn a `--model_name` (or none) into a local checkpoint directory. Never uses the network.
+
+Rules (the seeds' examples/_config.py behaviour, without downloads):
+
+* an existing local directory is used directly (it must hold `config.json`);
+* a Hugging Face id (`org/name`) is looked up in the local Hugging Face cache only
+  (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, layout
+  `models--org--name/snapshots/<revision>/`); if it is not there, the error says how to download it;
+* no model: `DEEPINFER_HF_MODEL_DIR` if set (it replaces only the *default* model, never an explicit
+  one), else the embedded default model, a small random-weight V4 checkpoint created on first use
+  in `$DEEPINFER_CACHE_DIR/models/default-v4-tiny` (default `~/.cache/deepinfer/...`) and reused.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from deepinfer import envs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "default-v4-tiny"
+DEFAULT_MODEL_SIZE = "default"
+CONFIG_FILE = "config.json"
+_HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path  # local directory holding config.json and the weights
+    source: str  # "local", "hf-cache", "env" (DEEPINFER_HF_MODEL_DIR) or "default"
+    name: str  # what the user asked for (or the default's name)
+
+    @property
+    def is_default(self) -> bool:
+        """True when the embedded random-weight default model is used (callers should say so)."""
+        return self.source == "default"
+
+
+def _require_config(path: Path, how: str) -> Path:
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(
+            f"HF checkpoint requires config.json: {path / CONFIG_FILE} does not exist ({how}). Point it at "
+            f"the folder that holds config.json and the *.safetensors files, or finish the download.")
+    return path
+
+
+def hf_hub_cache_dir() -> Path:
+    """The Hugging Face hub cache folder, following huggingface_hub's environment variables."""
+    # HF's own variables, not deepinfer's: read directly (envs.py documents DEEPINFER_* only).
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(os.environ["HUGGINGFACE_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "huggingface" / "hub"
+
+
+def _download_hint(model_id: str) -> str:
+    return (f"deepinfer never downloads. Download it first, e.g. `huggingface-cli download {model_id}` or "
+            f"`python -c \"from huggingface_hub import snapshot_download; snapshot_download('{model_id}')\"`, "
+            f"or pass a local directory (--model_name /path/to/checkpoint).")
+
+
+def find_in_hf_cache(model_id: str, revision: str | None = None) -> Path:
+    """The snapshot directory of `model_id` in the local hub cache (FileNotFoundError if absent)."""
+    cache = hf_hub_cache_dir()
+    repo = cache / ("models--" + model_id.replace("/", "--"))
+    snapshots = repo / "snapshots"
+    if not snapshots.is_dir():
+        raise FileNotFoundError(
+            f"model {model_id!r} is not a local directory and is not in the local Hugging Face cache "
+            f"(looked for {repo}). {_download_hint(model_id)}")
+    wanted = revision or "main"
+    ref = repo / "refs" / wanted
+    if ref.is_file():
+        candidate = snapshots / ref.read_text().strip()
+    elif revision is not None:
+        candidate = snapshots / revision
+    else:  # no refs/main (e.g. copied caches): the most recently written snapshot with a config
+        with_config = [p for p in snapshots.iterdir() if (p / CONFIG_FILE).is_file()]
+        if not with_config:
+            raise FileNotFoundError(f"model {model_id!r} is in the Hugging Face cache ({repo}) but no snapshot has "
+                                    f"config.json (incomplete download?). {_download_hint(model_id)}")
+        candidate = max(with_config, key=lambda p: p.stat().st_mtime)
+    if not candidate.is_dir():
+        raise FileNotFoundError(f"revision {wanted!r} of {model_id!r} is not in the local Hugging Face cache "
+                                f"({candidate} is missing). {_download_hint(model_id)}")
+    return _require_config(candidate, f"Hugging Face cache snapshot of {model_id}")
+
+
+def deepinfer_cache_dir() -> Path:
+    """Where deepinfer keeps generated files (`DEEPINFER_CACHE_DIR`, default ~/.cache/deepinfer)."""
+    configured = envs.get("DEEPINFER_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "deepinfer"
+
+
+def default_model_dir() -> Path:
+    return deepinfer_cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def _is_current_default(path: Path) -> bool:
+    from deepinfer.models.deepseek_v4.make_model import MARKER_FILE, SPEC_VERSION
+
+    try:
+        marker = json.loads((path / MARKER_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return marker.get("spec_version") == SPEC_VERSION and marker.get("size") == DEFAULT_MODEL_SIZE
+
+
+def ensure_default_model() -> Path:
+    """The embedded default model's directory, creating it on first use (a few seconds).
+
+    It is written to a temporary folder next to its final place and renamed, so concurrent
+    processes never see a half-written checkpoint; a stale one (older make-model spec) is replaced.
+    """
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    target = default_model_dir()
+    if _is_current_default(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    try:
+        make_model(tmp, size=DEFAULT_MODEL_SIZE, seed=0, with_mtp=True, overwrite=True, progress=False)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        if target.exists() and not _is_current_default(target):
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process finished first
+            if not _is_current_default(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model(model_name: str | os.PathLike | None = None) -> ResolvedModel:
+    """Local directory for `model_name` (see the module docstring for the rules)."""
+    if model_name is not None and str(model_name).strip() != "":
+        name = str(model_name)
+        path = Path(name).expanduser()
+        if path.is_dir():
+            return ResolvedModel(_require_config(path.resolve(), f"--model_name {name}"), "local", name)
+        id_part, _, revision = name.partition("@")
+        if _HF_ID.match(id_part) and not name.startswith((".", "/", "~")):
+            return ResolvedModel(find_in_hf_cache(id_part, revision or None), "hf-cache", name)
+        raise FileNotFoundError(f"model {name!r} is neither an existing directory nor a Hugging Face id "
+                                f"(org/name); give the folder that holds config.json and the weights")
+    env_dir = envs.get("DEEPINFER_HF_MODEL_DIR")
+    if env_dir:
+        path = Path(env_dir).expanduser()
+        if not path.is_dir():
+            raise FileNotFoundError(f"DEEPINFER_HF_MODEL_DIR={env_dir} is not a directory; point it at the "
+                                    f"folder that holds config.json and the weights, or unset it")
+        return ResolvedModel(_require_config(path.resolve(), "from DEEPINFER_HF_MODEL_DIR"), "env", env_dir)
+    return ResolvedModel(ensure_default_model(), "default", DEFAULT_MODEL_NAME)

@@ -1,0 +1,353 @@
+"""The conformance tests (run through `deepinfer.testing.conformance`; see that module).
+
+Fixtures: `acc` (the back end under test, instantiated), `ref` (the CPU reference back end),
+`accelerator_class`, `accelerator_name`.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from deepinfer.accelerator import interface as api
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
+
+
+def _dtypes(acc):
+    return [DTYPES[d] for d in acc.capabilities().dtypes if d in DTYPES]
+
+
+def _close(got, want, dtype, what):
+    got = got.detach().to("cpu", torch.float32)
+    want = want.detach().to("cpu", torch.float32)
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != reference {tuple(want.shape)}"
+    torch.testing.assert_close(got, want, **TOL[dtype], msg=lambda m: f"{what} ({dtype}): {m}")
+
+
+def _on(acc, *tensors):
+    dev = acc.device()
+    return [t.to(dev) if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+# ------------------------------------------------------------------------------------ level 0
+
+
+@pytest.mark.level(0)
+def test_is_an_accelerator_with_compatible_interface(accelerator_class):
+    assert issubclass(accelerator_class, api.Accelerator)
+    assert api.interface_compatible(accelerator_class.interface_version), \
+        f"interface {accelerator_class.interface_version} vs core {api.INTERFACE_VERSION}"
+    assert not inspect.isabstract(accelerator_class), \
+        f"abstract methods left: {sorted(accelerator_class.__abstractmethods__)}"
+
+
+@pytest.mark.level(0)
+def test_entry_point_name_matches(accelerator_class, accelerator_name):
+    assert accelerator_class.name == accelerator_name
+
+
+@pytest.mark.level(0)
+def test_signatures_match_the_interface(accelerator_class):
+    for base in (api.DeviceMemory, api.SmallOps, api.AttentionOps, api.MoEOps, api.SamplingOps, api.Collectives):
+        api._check_signatures(accelerator_class, base)
+
+
+@pytest.mark.level(0)
+def test_capabilities_are_frozen_and_consistent(acc, accelerator_class):
+    caps = acc.capabilities()
+    assert isinstance(caps, api.Capabilities) and caps.name == accelerator_class.name
+    with pytest.raises(Exception):
+        caps.name = "other"  # frozen
+    assert set(caps.dtypes) <= set(DTYPES)
+
+
+IMPORT_SAFETY = r"""
+import json, os, sys
+before = dict(os.environ)
+from deepinfer.plugins import load_accelerator_class
+cls = load_accelerator_class(sys.argv[1])
+result = cls.probe()
+import torch
+print(json.dumps({
+    "probe_type": type(result).__name__,
+    "env_changed": sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k)),
+    "cuda_initialized": bool(torch.cuda.is_initialized()),
+    "npu_imported": "torch_npu" in sys.modules and sys.argv[1] != "ascend",
+}))
+"""
+
+
+@pytest.mark.level(0)
+def test_import_and_probe_are_safe(accelerator_name):
+    """Importing the plugin and probing must not raise, initialise a device runtime, or change env."""
+    out = subprocess.run([sys.executable, "-c", IMPORT_SAFETY, accelerator_name], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    facts = json.loads(out.stdout.strip().splitlines()[-1])
+    assert facts["probe_type"] == "ProbeResult"
+    assert facts["env_changed"] == [], f"probe changed the environment: {facts['env_changed']}"
+    assert not facts["cuda_initialized"], "import + probe initialised CUDA"
+
+
+# ------------------------------------------------------------------------------------ level 1
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.level(1)
+def test_linear(acc, ref):
+    g = _gen(1)
+    for dtype in _dtypes(acc):
+        x, w = torch.randn(7, 48, generator=g).to(dtype), torch.randn(24, 48, generator=g).to(dtype)
+        _close(acc.linear(*_on(acc, x, w)), ref.linear(x, w), dtype, "linear")
+
+
+@pytest.mark.level(1)
+def test_rms_norm(acc, ref):
+    g = _gen(2)
+    for dtype in _dtypes(acc):
+        x = torch.randn(5, 3, 32, generator=g).to(dtype)
+        w = torch.rand(32, generator=g) + 0.5
+        _close(acc.rms_norm(*_on(acc, x, w), 1e-6), ref.rms_norm(x, w, 1e-6), dtype, "rms_norm")
+        _close(acc.rms_norm(*_on(acc, x), None, 1e-6), ref.rms_norm(x, None, 1e-6), dtype, "rms_norm(unweighted)")
+
+
+@pytest.mark.level(1)
+def test_rotary(acc, ref):
+    g = _gen(3)
+    for dtype in _dtypes(acc):
+        x = torch.randn(6, 4, 32, generator=g).to(dtype)
+        ang = torch.rand(6, 4, generator=g) * 6.0
+        cos, sin = ang.cos(), ang.sin()
+        for inverse in (False, True):
+            _close(acc.rotary(*_on(acc, x, cos, sin), inverse), ref.rotary(x, cos, sin, inverse), dtype, "rotary")
+
+
+@pytest.mark.level(1)
+def test_swiglu(acc, ref):
+    g = _gen(4)
+    for dtype in _dtypes(acc):
+        a, b = (torch.randn(9, 16, generator=g) * 8).to(dtype), (torch.randn(9, 16, generator=g) * 8).to(dtype)
+        _close(acc.swiglu(*_on(acc, a, b), 10.0), ref.swiglu(a, b, 10.0), dtype, "swiglu")
+
+
+def _hc_params(g, n=4, d=16):
+    return (torch.randn((2 + n) * n, n * d, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g) * 0.1,
+            torch.rand(3, generator=g) + 0.5)
+
+
+@pytest.mark.level(1)
+def test_hc_pre_post_head(acc, ref):
+    g = _gen(5)
+    for dtype in _dtypes(acc):
+        streams = torch.randn(5, 4, 16, generator=g).to(dtype)
+        fn, base, scale = _hc_params(g)
+        got = acc.hc_pre(*_on(acc, streams, fn, base, scale), 20, 1e-6, 1e-6)
+        want = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        for name, a, b in zip(("collapsed", "post", "comb"), got, want):
+            _close(a, b, dtype, f"hc_pre.{name}")
+        y = torch.randn(5, 16, generator=g).to(dtype)
+        _close(acc.hc_post(*_on(acc, y, streams, want[1], want[2])), ref.hc_post(y, streams, want[1], want[2]),
+               dtype, "hc_post")
+        hfn, hbase, hscale = torch.randn(4, 64, generator=g) * 0.1, torch.randn(4, generator=g), torch.rand(1, generator=g)
+        _close(acc.hc_head(*_on(acc, streams, hfn, hbase, hscale), 1e-6, 1e-6),
+               ref.hc_head(streams, hfn, hbase, hscale, 1e-6, 1e-6), dtype, "hc_head")
+
+
+@pytest.mark.level(1)
+def test_sink_attention_ragged_masks(acc, ref):
+    g = _gen(6)
+    for dtype in _dtypes(acc):
+        q = torch.randn(3, 5, 4, 32, generator=g).to(dtype)
+        kv = torch.randn(3, 11, 32, generator=g).to(dtype)
+        mask = torch.rand(3, 5, 11, generator=g) > 0.4
+        mask[1] = False  # a sequence with nothing visible: output must be 0, not NaN
+        mask[2, :, 7:] = False  # ragged: shorter key set
+        sinks = torch.randn(4, generator=g)
+        got = acc.sink_attention(*_on(acc, q, kv, mask, sinks), 32 ** -0.5)
+        want = ref.sink_attention(q, kv, mask, sinks, 32 ** -0.5)
+        assert torch.isfinite(got.float()).all()
+        _close(got, want, dtype, "sink_attention")
+
+
+@pytest.mark.level(1)
+def test_compress_pool(acc, ref):
+    g = _gen(7)
+    for dtype in _dtypes(acc):
+        kv = torch.randn(2, 3, 8, 16, generator=g)
+        score = torch.randn(2, 3, 8, 16, generator=g)
+        score[0, 0, :4] = float("-inf")  # empty overlap slots of the first CSA window
+        _close(acc.compress_pool(*_on(acc, kv, score)), ref.compress_pool(kv, score), torch.float32, "compress_pool")
+
+
+@pytest.mark.level(1)
+def test_indexer_topk(acc, ref):
+    g = _gen(8)
+    q = torch.randn(2, 5, 16, 8, generator=g)
+    w = torch.randn(2, 5, 16, generator=g)
+    keys = torch.randn(2, 12, 8, generator=g)
+    mask = torch.ones(2, 5, 12, dtype=torch.bool)
+    mask[1, :, 6:] = False
+    mask[0, 0, 2:] = False  # fewer visible than k: extra picks must be -1
+    got = acc.indexer_topk(*_on(acc, q, w, keys, mask), 4).cpu()
+    want = ref.indexer_topk(q, w, keys, mask, 4)
+    assert got.shape == want.shape
+    for a, b in zip(got.reshape(-1, 4).tolist(), want.reshape(-1, 4).tolist()):
+        assert sorted(a) == sorted(b), "indexer_topk selected a different set"
+
+
+@pytest.mark.level(1)
+def test_moe_pipeline(acc, ref):
+    g = _gen(9)
+    T, E, K, D, inter = 13, 8, 2, 16, 12
+    for dtype in _dtypes(acc):
+        scores = torch.nn.functional.softplus(torch.randn(T, E, generator=g)).sqrt()
+        bias = torch.randn(E, generator=g) * 0.1
+        x = torch.randn(T, D, generator=g).to(dtype)
+        w13 = (torch.randn(E, 2 * inter, D, generator=g) * 0.3).to(dtype)
+        w2 = (torch.randn(E, D, inter, generator=g) * 0.3).to(dtype)
+        for hash_ids in (None, torch.randint(0, E, (T, K), generator=g)):
+            wa, ia = acc.moe_route(*_on(acc, scores, bias), K, 1.5, None if hash_ids is None else hash_ids.to(acc.device()))
+            wr, ir = ref.moe_route(scores, bias, K, 1.5, hash_ids)
+            assert ia.cpu().sort(-1).values.tolist() == ir.sort(-1).values.tolist(), "moe_route picked other experts"
+            _close(wa.sort(-1).values, wr.sort(-1).values, torch.float32, "moe_route weights")
+            rows_a, plan_a = acc.moe_dispatch(*_on(acc, x, ia), E)
+            out_a = acc.moe_combine(acc.moe_experts(rows_a, plan_a, *_on(acc, w13, w2), 10.0), plan_a, wa)
+            rows_r, plan_r = ref.moe_dispatch(x, ir, E)
+            out_r = ref.moe_combine(ref.moe_experts(rows_r, plan_r, w13, w2, 10.0), plan_r, wr)
+            _close(out_a, out_r, dtype, "moe dispatch->experts->combine")
+
+
+# ------------------------------------------------------------------------------------ level 2
+
+
+@pytest.mark.level(2)
+def test_greedy_is_exact(acc):
+    probs = torch.zeros(4, 50)
+    probs[torch.arange(4), torch.tensor([3, 0, 49, 17])] = 1.0
+    got = acc.sample(*_on(acc, probs), [None] * 4).cpu()
+    assert got.tolist() == [3, 0, 49, 17]
+
+
+@pytest.mark.level(2)
+def test_samples_stay_in_support(acc):
+    g = _gen(10)
+    probs = torch.zeros(64, 100)
+    support = torch.randint(0, 100, (64, 5), generator=g)
+    probs.scatter_(1, support, torch.rand(64, 5, generator=g) + 0.1)
+    probs /= probs.sum(-1, keepdim=True)
+    got = acc.sample(*_on(acc, probs), [None] * 64).cpu()
+    assert all(t in s for t, s in zip(got.tolist(), support.tolist()))
+
+
+@pytest.mark.level(2)
+def test_seeded_sampling_is_deterministic_per_row(acc):
+    probs = torch.softmax(torch.randn(3, 1000, generator=_gen(11)), -1)
+    dev = acc.device()
+
+    def draw(seeds):
+        gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+        return acc.sample(probs.to(dev), gens).cpu().tolist()
+
+    a, b = draw([1, 2, 3]), draw([1, 2, 3])
+    assert a == b
+    # a row's draw depends only on its own generator, not on the other rows
+    assert draw([1, 99, 98])[0] == a[0]
+
+
+@pytest.mark.level(2)
+@pytest.mark.capability("token_bitmask")
+def test_token_bitmask_including_all_masked_row(acc, ref):
+    V = 100
+    words = (V + 31) // 32
+    allowed = [[5, 6, 99], [0], [], list(range(V))]
+    bitmask = torch.zeros(len(allowed), words, dtype=torch.int32)
+    for r, toks in enumerate(allowed):
+        for t in toks:
+            word = int(bitmask[r, t // 32]) & 0xFFFFFFFF | (1 << (t % 32))
+            bitmask[r, t // 32] = word - (1 << 32) if word >= 1 << 31 else word
+    logits = torch.randn(len(allowed), V, generator=_gen(12))
+    got = logits.clone().to(acc.device())
+    acc.apply_token_bitmask(got, bitmask.to(acc.device()))
+    got = got.cpu()
+    for r, toks in enumerate(allowed):
+        finite = torch.isfinite(got[r]).nonzero().flatten().tolist()
+        assert finite == sorted(toks), f"row {r}: allowed {finite}, expected {sorted(toks)}"
+        assert not torch.isnan(got[r]).any()
+    torch.testing.assert_close(got[0, [5, 6, 99]], logits[0, [5, 6, 99]])
+
+
+# ------------------------------------------------------------------------------------ level 3
+
+
+@pytest.mark.level(3)
+def test_memory_info_is_consistent(acc):
+    info = acc.memory_info()
+    assert 0 < info.free_bytes <= info.total_bytes
+    drops = []
+    for _ in range(3):  # other processes move the figure on a shared host: the best of 3 must show it
+        before = acc.memory_info().free_bytes
+        block = torch.ones(512 * 2**20 // 4, device=acc.device())  # 512 MiB, touched
+        acc.synchronize()
+        drops.append(before - acc.memory_info().free_bytes)
+        del block
+        if drops[-1] > 256 * 2**20:
+            break
+    assert max(drops) > 256 * 2**20, f"allocating 512 MiB lowered free memory by at most {max(drops) / 2**20:.0f} MiB"
+
+
+# ------------------------------------------------------------------------------------ level 4
+
+
+def _collective_worker(rank, world, name, init, queue):
+    from deepinfer.plugins import load_accelerator_class
+    acc = load_accelerator_class(name)()
+    torch.set_num_threads(1)
+    acc.init_process_group(rank, world, init)
+    dev = acc.device(rank if acc.capabilities().device_type != "cpu" else 0)
+    t = torch.full((3,), float(rank + 1), device=dev)
+    reduced = acc.all_reduce(t.clone()).cpu().tolist()
+    gathered = acc.all_gather(torch.tensor([rank, rank], device=dev)).cpu().tolist()
+    # uneven all-to-all: rank r sends (r + j + 1) rows to rank j
+    send = [rank + j + 1 for j in range(world)]
+    recv = [j + rank + 1 for j in range(world)]
+    x = torch.cat([torch.full((n, 2), float(rank * 10 + j), device=dev) for j, n in enumerate(send)])
+    y = acc.all_to_all(x, send, recv).cpu()
+    # EP dispatch -> combine identity: send rows out and back
+    back = acc.all_to_all(y.to(dev), recv, send).cpu()
+    queue.put((rank, reduced, gathered, y[:, 0].tolist(), bool(torch.equal(back, x.cpu()))))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.level(4)
+def test_collectives_two_ranks(acc, accelerator_name, tmp_path):
+    caps = acc.capabilities()
+    if caps.collectives == "none":
+        pytest.skip("no collectives declared")
+    if caps.device_type != "cpu" and getattr(getattr(torch, caps.device_type, None), "device_count", lambda: 0)() < 2:
+        pytest.skip("needs 2 devices")
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [ctx.Process(target=_collective_worker, args=(r, 2, accelerator_name, init, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs)
+    for rank, reduced, gathered, received, identity in results:
+        assert reduced == [3.0, 3.0, 3.0]
+        assert gathered == [0, 0, 1, 1]
+        expected = [float(src * 10 + rank) for src in range(2) for _ in range(src + rank + 1)]
+        assert received == expected, "uneven all_to_all delivered the wrong rows"
+        assert identity, "dispatch -> combine did not return the original rows"

@@ -1,0 +1,195 @@
+"""Plain-PyTorch kernels of the accelerator interface (fp32 and bf16), the reference every other
+back end is checked against. Semantics follow transformers' DeepseekV4 (deepseek-v4.md §4-§10);
+reductions and softmaxes run in fp32. Large intermediate tensors are chunked so that memory stays
+bounded on long prompts.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.accelerator.interface import AttentionOps, MoEDispatch, MoEOps, SamplingOps, SmallOps
+
+# Upper bound on elements of one score block (attention / indexer), ~256 MB of fp32.
+_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+def _row_chunks(rows: int, per_row: int) -> int:
+    return max(1, min(rows, _MAX_SCORE_ELEMENTS // max(per_row, 1)))
+
+
+class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
+    # ----- small ops -----
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return F.linear(x, weight)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        if weight is not None:
+            y = weight.float() * y
+        return y.to(x.dtype)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+        half = cos.shape[-1]
+        r = 2 * half
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+        c, s = cos.float().reshape(shape), sin.float().reshape(shape)
+        if inverse:
+            s = -s
+        rot = x[..., -r:].float().unflatten(-1, (half, 2))
+        even, odd = rot[..., 0], rot[..., 1]
+        out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+        return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        if limit > 0:
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+        return F.silu(gate) * up
+
+    def _hc_mix(self, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        flat = streams.flatten(-2).float()
+        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+        return F.linear(flat, fn.float())
+
+    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        n = streams.shape[-2]
+        mixes = self._hc_mix(streams, fn, norm_eps)
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+        scale = scale.float()
+        pre = torch.sigmoid(pre_w * scale[0] + pre_b) + eps
+        post = 2 * torch.sigmoid(post_w * scale[1] + post_b)
+        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+        return collapsed, post, comb
+
+    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        # X'_k = post_k * y + sum_j comb[j, k] * X_j
+        mixed = torch.matmul(comb.transpose(-1, -2), streams.float())
+        return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(streams.dtype)
+
+    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                eps: float, norm_eps: float) -> torch.Tensor:
+        mixes = self._hc_mix(streams, fn, norm_eps)
+        pre = torch.sigmoid(mixes * scale.float() + base.float()) + eps
+        return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+
+    # ----- attention -----
+    def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
+                       sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        B, S, H, d = q.shape
+        L = kv.shape[1]
+        out = torch.empty_like(q)
+        kvf = kv.float()
+        sink = sinks.float().view(1, 1, H, 1)
+        step = _row_chunks(S, B * H * (L + 1))
+        for s0 in range(0, S, step):
+            qf = q[:, s0:s0 + step].float()
+            scores = torch.einsum("bshd,bld->bshl", qf, kvf) * scale
+            scores = scores.masked_fill(~mask[:, s0:s0 + step].unsqueeze(2), float("-inf"))
+            top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
+            p = torch.exp(scores - top)
+            denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
+            out[:, s0:s0 + step] = torch.einsum("bshl,bld->bshd", p / denom, kvf).to(q.dtype)
+        return out
+
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(score.float(), dim=-2)
+        return (weights * kv.float()).sum(dim=-2)
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, k: int) -> torch.Tensor:
+        B, S, Hi, _ = q.shape
+        E = keys.shape[1]
+        if E == 0:
+            return torch.full((B, S, k), -1, dtype=torch.long, device=q.device)
+        keys_f = keys.float()
+        kk = min(k, E)
+        picks = torch.empty((B, S, kk), dtype=torch.long, device=q.device)
+        step = _row_chunks(S, B * Hi * E)
+        for s0 in range(0, S, step):
+            dots = torch.einsum("bshd,bed->bshe", q[:, s0:s0 + step].float(), keys_f).relu_()
+            score = (dots * weights[:, s0:s0 + step].float().unsqueeze(-1)).sum(dim=2)
+            m = mask[:, s0:s0 + step]
+            score = score.masked_fill(~m, float("-inf"))
+            idx = score.topk(kk, dim=-1).indices
+            picks[:, s0:s0 + step] = torch.where(m.gather(-1, idx), idx, torch.full_like(idx, -1))
+        if kk < k:
+            picks = F.pad(picks, (0, k - kk), value=-1)
+        return picks
+
+    # ----- MoE -----
+    def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                  routed_scaling_factor: float, hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = scores.float()
+        if hash_ids is not None:
+            ids = hash_ids.long()
+        else:
+            biased = scores + bias.float() if bias is not None else scores
+            ids = biased.topk(top_k, dim=-1).indices
+        w = scores.gather(1, ids)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * routed_scaling_factor, ids
+
+    def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
+        T, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        plan = MoEDispatch(
+            tokens_per_expert=torch.bincount(flat, minlength=num_experts),
+            source_token=order // k,
+            source_slot=order % k,
+            num_tokens=T,
+        )
+        return x[plan.source_token], plan
+
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
+                    swiglu_limit: float) -> torch.Tensor:
+        out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
+        inter = w2.shape[2]
+        start = 0
+        # one GEMM pair per expert over its grouped rows (no loop over tokens)
+        for e, count in enumerate(plan.tokens_per_expert.tolist()):
+            if count == 0:
+                continue
+            chunk = rows[start:start + count]
+            gate_up = self.linear(chunk, w13[e])
+            h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+            out[start:start + count] = self.linear(h, w2[e])
+            start += count
+        return out
+
+    def moe_combine(self, out_rows: torch.Tensor, plan: MoEDispatch, weights: torch.Tensor) -> torch.Tensor:
+        w = weights.float()[plan.source_token, plan.source_slot].unsqueeze(-1)
+        y = torch.zeros((plan.num_tokens, out_rows.shape[-1]), dtype=torch.float32, device=out_rows.device)
+        y.index_add_(0, plan.source_token, out_rows.float() * w)
+        return y
+
+    # ----- sampling -----
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        V = logits.shape[-1]
+        bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(-2)[..., :V]
+        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+
+    def sample(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        if len(generators) != probs.shape[0]:
+            raise ValueError(f"sample got {probs.shape[0]} rows but {len(generators)} generators; give one per row "
+                             f"(None for rows without a seed)")
+        out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+        free = [i for i, g in enumerate(generators) if g is None]
+        if free:
+            out[free] = torch.multinomial(probs[free].float(), 1).squeeze(-1)
+        for i, g in enumerate(generators):
+            if g is not None:
+                out[i] = torch.multinomial(probs[i].float(), 1, generator=g).squeeze(-1)
+        return out
