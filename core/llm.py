@@ -116,11 +116,23 @@ class LLM:
                 bar.close()
         return [r.to_output() for r in requests]
 
-    def shutdown(self) -> None:
-        """Stop the engine's worker thread (also done at interpreter exit)."""
+    def stats(self) -> dict[str, Any]:
+        """Cache-pool usage and scheduler counters since the engine started (and speculative-decoding
+        totals under "spec_decode" when the dspark feature is on)."""
+        cache = self.engine.stats()
+        return {"cache_usage": cache.usage, "peak_cache_usage": cache.peak_usage,
+                "slots_used": cache.slots_used, "slots_total": cache.slots_total,
+                "blocks_used": cache.blocks_used, "blocks_total": cache.blocks_total,
+                "cache_bytes": self.build_info.pool.total_bytes,
+                "num_preemptions": self.engine.scheduler.num_preemptions, "num_steps": self.engine.num_steps,
+                "spec_decode": None if self.engine.spec_stats is None else self.engine.spec_stats.as_dict()}
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the engine's worker thread and wait for it (a forward already running finishes
+        first). Also done, without waiting, when the LLM is garbage-collected."""
         engine = getattr(self, "engine", None)
         if engine is not None:
-            engine.shutdown()
+            engine.shutdown(wait=wait)
 
     def __enter__(self) -> LLM:
         return self
@@ -130,7 +142,7 @@ class LLM:
 
     def __del__(self):
         try:
-            self.shutdown()
+            self.shutdown(wait=False)
         except Exception:
             pass
 

@@ -40,9 +40,10 @@ class RequestMetrics:
     #: exp(-mean log p(token)) over the generated tokens, under the model's raw distribution
     #: (before temperature, top-k/p and masks). None when nothing was generated.
     decode_ppl: float | None = None
-    #: accepted / proposed speculative draft tokens; None without speculative decoding.
+    #: accepted / verified speculative draft tokens (drafts the target checked); None without
+    #: speculative decoding or when no draft was verified.
     accept_rate: float | None = None
-    num_draft_tokens: int = 0
+    num_draft_tokens: int = 0  # drafts verified
     num_accepted_tokens: int = 0
     num_preemptions: int = 0
     arrival_time: float = 0.0

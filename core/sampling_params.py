@@ -29,7 +29,8 @@ class SamplingParams:
         (plus the sampled one); None = off, 0 = the sampled token only.
     seq_seed: seed of this request's sampling; the same seed gives the same tokens whatever the
         request is batched with.
-    so_args: structured-output constraint `{"schema_type": "regex"|"json"|"ebnf", "schema": str}`,
+    so_args: structured-output constraint `{"schema_type": "regex"|"json"|"ebnf", "schema": str}`
+        (a JSON schema may also be a dict),
         interpreted by the structured-output feature.
     skip_special_tokens: leave special/control tokens out of `text`.
     """
@@ -109,8 +110,9 @@ class SamplingParams:
                 raise bad("so_args", 'must be a dict with exactly the keys "schema_type" and "schema"')
             if so["schema_type"] not in _SCHEMA_TYPES:
                 raise bad("so_args", f'schema_type must be one of {", ".join(_SCHEMA_TYPES)}')
-            if not isinstance(so["schema"], str) or not so["schema"]:
-                raise bad("so_args", "schema must be a non-empty string (for json: json.dumps(schema))")
+            json_dict = so["schema_type"] == "json" and isinstance(so["schema"], dict) and so["schema"]
+            if not json_dict and (not isinstance(so["schema"], str) or not so["schema"]):
+                raise bad("so_args", "schema must be a non-empty string (for json: json.dumps(schema), or a dict)")
 
     # -- derived values used by the engine ------------------------------------------------------
 

@@ -97,13 +97,15 @@ def check_outputs(params: list, outputs: list, eos_token_id: int | None, eos_tex
             continue
         completion = out.outputs[0]
         label = f"request {i} ({so_args['schema_type']})"
+        if completion.finish_reason in ("error", "grammar_dead_end"):
+            problems.append(f"{label}: failed with finish_reason={completion.finish_reason!r}: {out.error}")
+            continue
         ended_on_eos = (completion.finish_reason == "stop" and eos_token_id is not None
                         and bool(completion.token_ids) and completion.token_ids[-1] == eos_token_id)
         if not ended_on_eos:
             last = completion.token_ids[-1] if completion.token_ids else None
             problems.append(f"{label}: generation did not end on EOS (finish_reason={completion.finish_reason!r}, "
-                            f"last token {last}, EOS {eos_token_id})"
-                            + (f"; error: {out.error}" if getattr(out, "error", None) else ""))
+                            f"last token {last}, EOS {eos_token_id})")
         text = completion.text
         if eos_text and text.endswith(eos_text):
             text = text[: -len(eos_text)]

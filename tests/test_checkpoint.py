@@ -73,6 +73,33 @@ def test_official_hf_and_hybrid_names_give_identical_tensors(tiny, reference, tm
     _assert_same(from_hybrid, {k: v for k, v in from_hf.items() if not k.startswith("mtp.")})
 
 
+def _our_logits(path: Path, tokens: list[int]) -> torch.Tensor:
+    from model_harness import Runner, accelerator
+
+    from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+
+    config, tensors = load_checkpoint(path, torch.float32)
+    model = DeepseekV4ForCausalLM(config, accelerator(), dtype=torch.float32, device="cpu")
+    model.load_weights(tensors)
+    runner = Runner(model)
+    runner.add("seq")
+    return runner.step({"seq": tokens})["seq"]
+
+
+def test_naming_forms_give_identical_logits_that_match_transformers(tiny, reference, tmp_path):
+    from model_harness import hf_logits, max_rel_diff
+    from transformers import DeepseekV4ForCausalLM
+
+    hf_model = DeepseekV4ForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    hf_model.save_pretrained(tmp_path / "hybrid")
+    official = _write(tmp_path / "official", reference, _config_dict(tiny))
+    tokens = [0, 5, 9, 17, 33, 65, 129, 257, 300, 12, 7, 3, 99, 100, 101, 102, 103, 104, 7, 8]  # past index_topk*4
+    from_hf = _our_logits(tiny, tokens)
+    assert torch.equal(_our_logits(official, tokens), from_hf)
+    assert torch.equal(_our_logits(tmp_path / "hybrid", tokens), from_hf)
+    assert max_rel_diff(from_hf, hf_logits(hf_model, tokens)) < 1e-5
+
+
 def test_load_dtypes(tiny):
     _, tensors = load_checkpoint(tiny, "bfloat16")
     assert tensors["embed.weight"].dtype == torch.bfloat16
@@ -132,7 +159,7 @@ def test_quantised_checkpoint_matches_independent_dequantisation(mode, tmp_path)
     _, bf16 = load_checkpoint(path, torch.bfloat16)
     assert config.expert_dtype == ("fp4" if mode == "fp4-experts" else "fp8")
     assert not any(k.endswith(".scale") for k in fp32)
-    quantised = [k for k in raw if k + "" != k.replace(".weight", ".scale") and k.replace(".weight", ".scale") in raw]
+    quantised = [k for k in raw if k.endswith(".weight") and k[: -len(".weight")] + ".scale" in raw]
     assert expert in quantised and "mtp.0.e_proj.weight" in quantised
     for name in quantised:
         want = _independent_dequant(raw[name], raw[name.replace(".weight", ".scale")])
@@ -161,6 +188,14 @@ def test_fp8_scale_and_shape_problems_are_reported(tmp_path):
         load_checkpoint(tmp_path / "bad")
     assert "layers.0.attn.wq_a.weight (torch.float8_e4m3fn) has no scale tensor" in str(e.value)
     assert "layers.0.attn.wq_b.scale: shape (3, 3)" in str(e.value)
+
+
+def test_fp4_experts_are_never_read_as_fp8(tmp_path):
+    path = make_model(tmp_path / "q", "tiny", seed=1, quantize="fp4-experts")
+    config = _config_dict(path)
+    (path / "config.json").write_text(json.dumps({**config, "expert_dtype": "fp8"}))
+    with pytest.raises(CheckpointError, match=r"layers.0.ffn.experts.0.w1.weight is packed FP4 .* expert_dtype 'fp8'"):
+        load_checkpoint(path)
 
 
 # --- shards ------------------------------------------------------------------------------------------
@@ -209,7 +244,7 @@ def test_missing_unexpected_and_misshaped_tensors_in_one_error(reference, tiny, 
 
 def test_too_large_for_ram(tiny, monkeypatch):
     monkeypatch.setattr(ckpt, "available_memory_bytes", lambda: 100_000)
-    with pytest.raises(CheckpointTooLargeError, match=r"needs about 0.00 GiB of RAM .* but only 0.00 GiB is available"):
+    with pytest.raises(CheckpointTooLargeError, match=r"needs about 2.\d MiB of RAM once loaded as float32 .* but only 0.1 MiB is available"):
         load_checkpoint(tiny, torch.float32)
 
 

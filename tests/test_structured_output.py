@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,12 +51,6 @@ def params(so_args):
     return SimpleNamespace(so_args=so_args)
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Reference unpack-and-fill, kept independent of any back end's kernel."""
-    allowed = (bitmask.unsqueeze(-1) & _BITS).ne(0).flatten(1)[:, : logits.shape[1]]
-    logits.masked_fill_(~allowed, float("-inf"))
-
-
 def allowed_ids(bitmask_row: torch.Tensor, vocab_size: int) -> set[int]:
     allowed = (bitmask_row.unsqueeze(-1) & _BITS).ne(0).flatten()[:vocab_size]
     return set(torch.nonzero(allowed).flatten().tolist())
@@ -85,7 +80,7 @@ def generate(proc: StructuredOutputProcessor, so_args: dict, runs: int, seed: in
     ids = [f"r{seed}-{i}" for i in range(runs)]
     for rid in ids:
         assert proc.add_request(rid, params(so_args))
-    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     finished: dict[str, bool] = {rid: False for rid in ids}
     active = list(ids)
@@ -95,9 +90,10 @@ def generate(proc: StructuredOutputProcessor, so_args: dict, runs: int, seed: in
         bitmask = torch.full((len(active), vocab.bitmask_width), -1, dtype=torch.int32)
         proc.fill_bitmask(active, bitmask)
         assert not proc.pop_failures()
-        logits = torch.randn(len(active), vocab.vocab_size, generator=gen)
-        apply_bitmask(logits, bitmask)
-        sampled = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=gen).flatten().tolist()
+        # Sampling at temperature 1 from fresh i.i.d. random logits picks each allowed token with
+        # equal chance, so draw that directly (numpy: fast and free of torch thread start-up).
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, : vocab.vocab_size]
+        sampled = [int(rng.choice(np.flatnonzero(row))) for row in allowed]
         still = []
         for rid, token in zip(active, sampled):
             tokens[rid].append(token)
@@ -162,6 +158,14 @@ def test_unconstrained_request_is_not_tracked_and_its_row_untouched(processor, v
     processor.fill_bitmask(["plain", "c"], bitmask)
     assert bool((bitmask[0] == -1).all())
     assert allowed_ids(bitmask[1], vocabulary.vocab_size) and not bool((bitmask[1] == -1).all())
+
+
+def test_bitmask_shape_is_checked(processor, vocabulary):
+    assert processor.add_request("c", params(CONSTRAINTS["regex"]))
+    with pytest.raises(ValueError, match="bitmask has 2 rows but 1 requests"):
+        processor.fill_bitmask(["c"], torch.full((2, vocabulary.bitmask_width), -1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="bitmask must be int32"):
+        processor.fill_bitmask(["c"], torch.full((1, 10), -1, dtype=torch.int32))
 
 
 def test_control_tokens_blocked_inside_a_json_string(processor, tokenizer, vocabulary):
@@ -307,3 +311,132 @@ def test_feature_spec_and_lazy_xgrammar_import():
             "assert 'xgrammar' not in sys.modules")
     import subprocess
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- end to end through LLM.generate: a tiny random checkpoint with the real 129,280-token tokenizer --
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    # max_position_embeddings: examples/offline_inference.py asks for max_model_len 32768.
+    return make_model(tmp_path_factory.mktemp("so") / "tiny", "tiny", seed=1, vocab_size=129280,
+                      max_position_embeddings=32768)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    from deepinfer import LLM
+
+    engine = LLM(model=str(tiny_checkpoint), accelerator="cpu", dtype="float32", max_num_seqs=8, max_model_len=256)
+    yield engine
+    engine.shutdown()  # joins the async worker before the interpreter exits
+
+
+def test_generate_mixes_constrained_and_unconstrained_requests(llm):
+    from deepinfer import SamplingParams
+
+    prompts, sample_params = samples.sample_requests(max_tokens=64)  # greedy, as in the seeds
+    sampled = [SamplingParams(temperature=1.0, max_tokens=64, seq_seed=i, so_args=dict(CONSTRAINTS[name]))
+               for i, name in enumerate(CONSTRAINTS)]
+    sampled.append(SamplingParams(temperature=1.0, max_tokens=64, seq_seed=7,
+                                  so_args={"schema_type": "json", "schema": NESTED_SCHEMA}))  # a dict schema
+    free = [SamplingParams(temperature=1.0, max_tokens=6, seq_seed=9), SamplingParams(temperature=0, max_tokens=5)]
+    params = sample_params + sampled + free
+    outputs = llm.generate(prompts + ["Fill in:"] * len(sampled) + ["Hello", "Hi"], params, use_tqdm=False)
+    assert samples.check_outputs(params, outputs, llm.tokenizer.eos_token_id) == []
+    for out in outputs[-2:]:
+        assert out.outputs[0].finish_reason == "length" and out.error is None
+
+
+def test_bad_constraints_fail_alone(llm):
+    from deepinfer import SamplingParams
+
+    bad_regex = SamplingParams(temperature=0, max_tokens=32, so_args={"schema_type": "regex", "schema": "[a-"})
+    bad_json = SamplingParams(temperature=0, max_tokens=32, so_args={"schema_type": "json", "schema": '{"type": 5}'})
+    good = SamplingParams(temperature=0, max_tokens=32, so_args=dict(CONSTRAINTS["ebnf"]))
+    outputs = llm.generate(["a", "b", "c"], [bad_regex, good, bad_json], use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["error", "stop", "error"]
+    assert "invalid regex constraint" in outputs[0].error and "invalid json constraint" in outputs[2].error
+    assert samples.check_outputs([good], [outputs[1]], llm.tokenizer.eos_token_id) == []
+
+
+def test_check_outputs_reports_violations_and_missing_eos(llm):
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=32, so_args=dict(CONSTRAINTS["regex"]))
+    [out] = llm.generate(["a"], [params], use_tqdm=False)
+    eos = llm.tokenizer.eos_token_id
+    assert samples.check_outputs([params], [out], eos) == []
+    out.outputs[0].text += "x"
+    assert "does not fully match" in samples.check_outputs([params], [out], eos)[0]
+    out.outputs[0].finish_reason = "length"
+    assert any("did not end on EOS" in p for p in samples.check_outputs([params], [out], eos))
+
+
+def test_engine_ends_a_dead_end_request_with_a_clear_reason():
+    from deepinfer.sampling_params import SamplingParams
+
+    from engine_helpers import TOY_EOS, ToyTokenizer, run_all, toy_engine
+
+    alphabet = ToyTokenizer.ALPHABET
+    tokens = tuple(["<bos>", "<eos>"] + list(alphabet[2:]))[:64]
+    vocab = Vocabulary(tokens=tokens, vocab_size=64, stop_token_ids=(TOY_EOS,), vocab_type="raw")
+    proc = StructuredOutputProcessor(vocab)
+    engine = toy_engine(processors=[proc])
+    params = [SamplingParams(temperature=0, max_tokens=8, so_args={"schema_type": "regex", "schema": "ab(é)"}),
+              SamplingParams(temperature=0, max_tokens=8, so_args={"schema_type": "regex", "schema": "ab"})]
+    dead, fine = run_all(engine, ["x", "y"], params)
+    assert dead.outputs[0].finish_reason == DEAD_END and "admits no token after 2 generated tokens" in dead.error
+    assert dead.outputs[0].text == "ab"
+    assert fine.outputs[0].finish_reason == "stop" and fine.outputs[0].text == "ab"
+    assert fine.outputs[0].token_ids[-1] == TOY_EOS
+
+
+def test_engine_imports_xgrammar_only_for_the_first_constrained_request(tiny_checkpoint):
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys
+        from deepinfer import LLM, SamplingParams
+        with LLM(model={str(tiny_checkpoint)!r}, accelerator="cpu", dtype="float32", max_model_len=64) as llm:
+            llm.generate(["hi"], SamplingParams(max_tokens=2), use_tqdm=False)
+            assert "xgrammar" not in sys.modules, "xgrammar imported without a constrained request"
+            [out] = llm.generate(["hi"], SamplingParams(max_tokens=8, so_args={{"schema_type": "regex", "schema": "ok"}}),
+                                 use_tqdm=False)
+            assert "xgrammar" in sys.modules and out.outputs[0].text == "ok", out
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_offline_inference_check_passes(tiny_checkpoint, capsys):
+    import offline_inference
+
+    assert offline_inference.main(["--model_name", str(tiny_checkpoint), "--check_structured_output"]) == 0
+    assert "structured output check passed" in capsys.readouterr().out
+
+
+def test_offline_inference_check_exits_non_zero_on_a_violation(tiny_checkpoint):
+    import subprocess
+    import textwrap
+
+    # The injected violation: the regex validator expects lower-case letters the constraint forbids.
+    code = textwrap.dedent(f"""
+        import runpy, sys
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        import _structured_output as S
+        S.VALIDATORS["regex"] = lambda schema, text: S.validate_regex("[a-z]{{2}}-[0-9]{{3}}", text)
+        sys.argv = ["offline_inference.py", "--model_name", {str(tiny_checkpoint)!r}, "--check_structured_output"]
+        runpy.run_path({str(EXAMPLES / "offline_inference.py")!r}, run_name="__main__")
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "structured output check FAILED" in result.stderr
+    assert "(regex): " in result.stderr and "does not fully match the regex '[a-z]{2}-[0-9]{3}'" in result.stderr
+    assert "(json)" not in result.stderr  # only the injected violation is reported

@@ -228,6 +228,26 @@ class SamplingOps(_Interface):
         """Draw one token per row of `probs` `[B, V]` fp32 (rows sum to 1). A row's generator, when
         given, makes its draw independent of the other rows. Returns `[B]` int64."""
 
+    def rejection_sample(self, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                         draft_token_ids: torch.Tensor, num_drafts: list[int],
+                         generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Speculative rejection sampling over B requests (optional: `Capabilities.rejection_sampling`).
+
+        Request b has `m_b = num_drafts[b]` drafts, ragged and concatenated: `target_probs`
+        `[sum(m_b + 1), V]` fp32, the distribution each of its m_b + 1 positions is sampled from
+        (after temperature, filters and masks); `draft_probs` `[sum(m_b), V]` fp32, the distribution
+        each draft was drawn from, or None when every draft was chosen deterministically (one-hot);
+        `draft_token_ids` `[sum(m_b)]` int64. Draft i passes with probability
+        `min(1, p_i(d_i) / q_i(d_i))`; at the first failure one token is drawn from
+        `normalise(max(p_i - q_i, 0))` and the request stops; when every draft passes, a bonus token
+        is drawn from `p_{m_b}`. The emitted tokens are then distributed exactly as sampling from p
+        one position at a time. A position whose p has no mass (every token masked) emits nothing.
+        Request b draws only from `generators[b]` when given (m_b uniforms, then one categorical
+        draw), so its result does not depend on the other requests.
+        Returns `[B, 1 + max(m_b)]` int64: each request's emitted tokens, then -1."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement rejection_sample; a back end that does "
+                                  f"declares Capabilities.rejection_sampling=True")
+
 
 class Collectives(_Interface):
     """torch.distributed process group over the back end's communication library."""

@@ -6,12 +6,16 @@ CPU back end the forward is torch kernels, which release the GIL, so the two thr
 
 The thread is a daemon (it can never keep the interpreter alive) and `shutdown` joins it: it
 fails every queued step and unblocks a step waiting for its bitmask, so Ctrl-C or an engine error
-never leaves the worker stuck.
+never leaves the worker stuck. At interpreter exit an `atexit` hook lets a forward that is still
+running finish and joins the thread: a daemon thread killed inside a torch kernel aborts the
+process ("terminate called without an active exception").
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 
 from deepinfer.engine.runner import ModelRunner, PreparedStep
@@ -33,6 +37,7 @@ class StepWorker:
         self._closed = False
         self._thread = threading.Thread(target=self._loop, name="deepinfer-step-worker", daemon=True)
         self._thread.start()
+        atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     def submit(self, step: PreparedStep) -> Future:
         """Queue `step`; the future resolves to its SamplerOutput (or the error it raised)."""
@@ -66,8 +71,10 @@ class StepWorker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def shutdown(self, timeout: float = 30.0) -> None:
-        """Fail what is queued, release a step waiting for its bitmask, and join the thread."""
+    def shutdown(self, wait: bool = True, timeout: float | None = 60.0) -> None:
+        """Fail what is queued, release a step waiting for its bitmask, and join the thread (a
+        forward already running cannot be interrupted: with wait=False the daemon thread finishes
+        it and exits on its own)."""
         with self._lock:
             self._closed = True
             pending = list(self._pending)
@@ -82,4 +89,11 @@ class StepWorker:
             if item is not _STOP:
                 item[1].cancel()
         self._queue.put(_STOP)
-        self._thread.join(timeout)
+        if wait:
+            self._thread.join(timeout)
+
+
+def _shutdown_at_exit(ref: weakref.ref) -> None:
+    worker = ref()
+    if worker is not None and worker.alive:
+        worker.shutdown(wait=True, timeout=None)

@@ -101,8 +101,12 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
 
+    features = load_features(config, accelerator)
     t1 = time.perf_counter()
-    layout = model.cache_layout(0)  # speculative decoding will ask for max_rollback > 0
+    # a feature that drops positions after writing them (speculative decoding: rejected drafts)
+    # declares how many through its config's `max_rollback`; the rings are sized for it
+    max_rollback = max((getattr(c, "max_rollback", 0) for c in features.configs.values()), default=0)
+    layout = model.cache_layout(max_rollback)
     reserve = activation_reserve_bytes(model_config, config.max_num_batched_tokens, config.max_num_seqs)
     budget = cache_budget(config, free_bytes, weight_bytes, reserve)
     pool = size_pool(layout, budget_bytes=budget, max_model_len=max_model_len,
@@ -114,7 +118,6 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     logger.info("cache pool: %d slots, blocks %s (%.3f GiB) in %.2f s", pool.num_slots, pool.num_blocks,
                 pool.total_bytes / GiB, cache_seconds)
 
-    features = load_features(config, accelerator)
     engine = EngineCore(
         model=model, accelerator=accelerator, tokenizer=tokenizer, cache=cache, max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,

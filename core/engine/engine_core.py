@@ -14,6 +14,14 @@ A request that finishes in step N may already be scheduled in step N+1; what tha
 for it is discarded. Its cache is freed at once: a freed slot or block can only be handed out by
 a later schedule, whose step runs after step N+1 (the worker is serial), so no live state is
 overwritten. Both modes produce identical tokens.
+
+Speculative decoding (a draft proposer from the `draft_proposer` slot, `self.speculator`): before
+scheduling, the speculator may trim each decode's drafts (variable-length verification); a decode
+verifies its drafts in the step's one forward; `_update` applies the emitted tokens (accepted
+drafts plus one), sets the sequence length back over the rejected drafts and stores the next
+drafts, cut to the prefix the request's grammar allows. With the async pipeline, a request with a
+step in flight waits for it (its next input depends on the acceptance), so the pipeline overlaps
+different requests' steps instead.
 """
 from __future__ import annotations
 
@@ -65,17 +73,27 @@ class EngineCore:
         self.features = features
         self.processors: list[LogitsProcessor] = []
         self.async_pipeline = async_pipeline
-        self.worker = StepWorker(self.runner) if async_pipeline else None
+        self.worker: StepWorker | None = None
         self._in_flight: tuple[PreparedStep, Future] | None = None
         self._ids = itertools.count()
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._failures: dict[str, tuple[str, str]] = {}
         self.num_steps = 0
+        # Engine-thread time: in step() in all, and blocked on the forward + sampling (running it in
+        # sync mode, waiting for the worker in async mode). The difference is host work.
+        self.step_seconds = 0.0
+        self.wait_seconds = 0.0
         self._closed = False
+        self.speculator: Any = None  # speculative decoding (the draft_proposer slot), see _update
         if features is not None:
             features.start(self)
             self.processors = list(features.processors)
+            self.speculator = features.draft_proposer
+            self.runner.speculator = self.speculator
+            self.scheduler.speculative = self.speculator is not None
+        if async_pipeline:  # last: nothing above can leave a thread behind when it fails
+            self.worker = StepWorker(self.runner)
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -167,7 +185,10 @@ class EngineCore:
         """One engine step; returns the requests that finished in it."""
         if self._closed:
             raise RuntimeError("the engine was shut down")
+        step_start = time.perf_counter()
         finished: list[Request] = []
+        if self.speculator is not None:  # how many drafts each decode verifies this step
+            self.speculator.plan([r for r in self.scheduler.running if r.draft_token_ids and not r.num_pending_tokens])
         sched = self.scheduler.schedule()
         prev = self._in_flight
         current: PreparedStep | None = None
@@ -175,21 +196,27 @@ class EngineCore:
             current = self.runner.prepare(sched, prev[0] if prev else None)
             self.num_steps += 1
         if self.worker is not None:
-            future = self.worker.submit(current) if current is not None else None
+            self._in_flight = (current, self.worker.submit(current)) if current is not None else None
             if prev is not None:
-                finished += self._update(prev[0], prev[1].result())
+                waited = time.perf_counter()
+                out = prev[1].result()
+                self.wait_seconds += time.perf_counter() - waited
+                finished += self._update(prev[0], out)
             if current is not None:
                 self._fill_bitmask(current, finished)
-            self._in_flight = (current, future) if current is not None else None
         elif current is not None:
             self._fill_bitmask(current, finished)
-            finished += self._update(current, self.runner.execute(current))
+            waited = time.perf_counter()
+            out = self.runner.execute(current)
+            self.wait_seconds += time.perf_counter() - waited
+            finished += self._update(current, out)
         if current is None and prev is None and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not schedule any request although some are unfinished; "
                                "this is a bug (cache pool smaller than one request?)")
         if self.features is not None:
             self.features.hook.deepinfer_step_end(scheduler_output=sched,
                                                   finished_request_ids=[r.request_id for r in finished])
+        self.step_seconds += time.perf_counter() - step_start
         return finished
 
     def _fill_bitmask(self, step: PreparedStep, finished: list[Request]) -> None:
@@ -197,16 +224,20 @@ class EngineCore:
             return
         try:
             words = -(-self.vocab_size // 32)
-            rows = len(step.sample_rows)
+            rows = step.sampling.num_rows  # one per sampled request, plus one per draft
             combined = torch.full((rows, words), -1, dtype=torch.int32)
             for index, processor in enumerate(self.processors):
-                mine = [(i, s.request_id) for i, s in enumerate(step.sample_rows)
+                mine = [(i, s) for i, s in enumerate(step.sample_rows)
                         if index in s.request.processors and not s.request.is_finished]
                 if not mine:
                     continue
-                part = torch.full((len(mine), words), -1, dtype=torch.int32)
-                processor.fill_bitmask([rid for _, rid in mine], part)
-                combined[[i for i, _ in mine]] &= part
+                drafts = [s.draft_token_ids for _, s in mine]
+                part = torch.full((sum(1 + len(d) for d in drafts), words), -1, dtype=torch.int32)
+                if any(drafts):  # a row after each draft too: the mask if the drafts before it pass
+                    processor.fill_bitmask([s.request_id for _, s in mine], part, drafts)
+                else:
+                    processor.fill_bitmask([s.request_id for _, s in mine], part)
+                combined[[step.logits_starts[i] + k for i, s in mine for k in range(1 + len(s.draft_token_ids))]] &= part
             finished += self._apply_processor_failures()
         except BaseException as exc:
             step.bitmask.set_exception(exc)
@@ -233,33 +264,85 @@ class EngineCore:
         logprobs = out.logprobs.tolist()
         dead = out.dead.tolist()
         ranks = out.ranks.tolist() if any(s.request.params.logprobs is not None for s in step.sample_rows) else None
-        for row, s in enumerate(step.sample_rows):
+        outcomes: list[tuple[int, int]] = []  # (drafts verified, drafts accepted) per verification
+        for index, s in enumerate(step.sample_rows):
             req = s.request
             req.num_pending_tokens -= 1
             if req.is_finished:
-                continue  # finished by an earlier step; this token is discarded
-            if dead[row]:
-                self._finish(req, DEAD_END, error="every token of the vocabulary was masked by the logits "
-                                                  "processors, so no token could be sampled")
-                finished.append(req)
-                continue
-            token = tokens[row]
-            stop_by_processor = False
-            for index in req.processors:
-                stop_by_processor |= self.processors[index].accept(req.request_id, [token])
-            if req.processors:
-                finished += self._apply_processor_failures()
-                if req.is_finished:
-                    continue  # its token is discarded
-            self._append(req, token, logprobs[row], out, row, ranks)
-            reason = "stop" if stop_by_processor else None
-            stop_reason = None
-            if reason is None:
-                reason, stop_reason = self._check_stop(req, token)
-            if reason is not None:
-                self._finish(req, reason, stop_reason=stop_reason)
-                finished.append(req)
+                continue  # finished by an earlier step; its tokens are discarded
+            start = step.logits_starts[index]
+            num_drafts = len(s.draft_token_ids)
+            # a verification emits the accepted drafts and one more token; its later rows are -1
+            for row in range(start, start + num_drafts + 1):
+                if tokens[row] < 0 and not dead[row]:
+                    break
+                if self._apply_token(req, row, tokens, logprobs, dead, out, ranks, finished):
+                    break  # the request finished; the rest is discarded
+            if self.speculator is not None:
+                emitted = sum(1 for t in tokens[start:start + num_drafts + 1] if t >= 0)
+                self._after_verification(step, s, max(emitted - 1, 0), outcomes)
+        if outcomes:
+            self.speculator.stats.record_step(outcomes)
         return finished
+
+    def _apply_token(self, req: Request, row: int, tokens: list[int], logprobs: list[float], dead: list[bool],
+                     out: SamplerOutput, ranks: list[int] | None, finished: list[Request]) -> bool:
+        """Apply one sampled (or accepted draft) token; True when the request finished."""
+        if dead[row]:
+            self._finish(req, DEAD_END, error="every token of the vocabulary was masked by the logits "
+                                              "processors, so no token could be sampled")
+            finished.append(req)
+            return True
+        token = tokens[row]
+        stop_by_processor = False
+        for index in req.processors:
+            stop_by_processor |= self.processors[index].accept(req.request_id, [token])
+        if req.processors:
+            finished += self._apply_processor_failures()
+            if req.is_finished:
+                return True  # its token is discarded
+        self._append(req, token, logprobs[row], out, row, ranks)
+        reason = "stop" if stop_by_processor else None
+        stop_reason = None
+        if reason is None:
+            reason, stop_reason = self._check_stop(req, token)
+        if reason is not None:
+            self._finish(req, reason, stop_reason=stop_reason)
+            finished.append(req)
+            return True
+        return False
+
+    def _after_verification(self, step: PreparedStep, s, accepted: int, outcomes: list[tuple[int, int]]) -> None:
+        """Speculative decoding: statistics, rollback of the rejected drafts' positions, next drafts.
+
+        The model's state of a rejected draft's position needs no undo: the sequence length is set
+        back and the next step overwrites it (the cache rings hold `max_rollback` extra positions).
+        Logits processors never saw the rejected drafts (they accept emitted tokens only), and the
+        draft proposer restarts from the committed length at every step."""
+        req = s.request
+        num_drafts = len(s.draft_token_ids)
+        if s.is_decode:
+            outcomes.append((num_drafts, accepted))
+            req.num_drafts_verified += num_drafts
+            req.num_drafts_accepted += accepted
+        req.draft_token_ids, req.draft_state = [], None
+        if req.is_finished or req.status is not RequestStatus.RUNNING:
+            return  # finished, or preempted while this step ran (its state is recomputed)
+        req.num_computed_tokens = s.context_len + s.query_len - num_drafts + accepted
+        drafts = step.drafts.get(req.request_id)
+        if drafts is not None and drafts.token_ids:
+            req.draft_token_ids = drafts.token_ids[:self._valid_draft_prefix(req, drafts.token_ids)]
+            req.draft_state = drafts
+
+    def _valid_draft_prefix(self, req: Request, drafts: list[int]) -> int:
+        """Leading drafts every logits processor of the request allows: a draft its grammar rejects
+        can never be accepted, so it is not worth verifying."""
+        n = len(drafts)
+        for index in req.processors:
+            check = getattr(self.processors[index], "count_valid_draft", None)
+            if check is not None and n:
+                n = min(n, check(req.request_id, drafts[:n]))
+        return n
 
     def _append(self, req: Request, token: int, logprob: float, out: SamplerOutput, row: int,
                 ranks: list[int] | None) -> None:
@@ -328,16 +411,15 @@ class EngineCore:
         req.text = text
 
     def abort_all(self) -> None:
-        """Drop every unfinished request (after an interrupt): frees their cache and processor state."""
+        """Drop every unfinished request (after an interrupt): frees their cache and processor state.
+
+        Does not wait for a step still running on the worker: its results are dropped, and any later
+        step runs after it (the worker is serial), so reusing the freed cache is safe."""
         if self._in_flight is not None:
-            step, future = self._in_flight
+            step, _ = self._in_flight
             self._in_flight = None
             if not step.bitmask.done():
-                step.bitmask.set_result(None)
-            try:
-                future.result()
-            except Exception:
-                pass
+                step.bitmask.set_result(None)  # let it finish without a mask; nobody reads its tokens
         for req in list(self._requests.values()):
             if not req.is_finished:
                 self._finish(req, "abort", error="aborted")
@@ -347,13 +429,20 @@ class EngineCore:
     def stats(self) -> CacheStats:
         return self.cache.stats()
 
-    def shutdown(self) -> None:
-        """Stop the worker thread (joined) and announce shutdown to the features. Idempotent."""
+    @property
+    def spec_stats(self) -> Any:
+        """Speculative-decoding totals (accepted length, verified drafts per step, acceptance by
+        position), or None without speculative decoding."""
+        return None if self.speculator is None else self.speculator.stats
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the worker thread (joined unless wait=False) and announce shutdown to the features.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self.worker is not None:
-            self.worker.shutdown()
+            self.worker.shutdown(wait=wait)
         if self.features is not None:
             try:
                 self.features.shutdown(self)
@@ -362,7 +451,7 @@ class EngineCore:
 
     def __del__(self):
         try:
-            self.shutdown()
+            self.shutdown(wait=False)
         except Exception:
             pass
 

@@ -38,6 +38,12 @@ class Request:
     block_ids: dict[str, list[int]] = field(default_factory=dict)
     #: logits processors (by index in the engine's list) that track this request.
     processors: list[int] = field(default_factory=list)
+    #: speculative decoding: drafts for the tokens after the last one, verified with it next step,
+    #: and the draft proposer's own record of them (confidences, draft distributions).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_state: Any = None
+    num_drafts_verified: int = 0
+    num_drafts_accepted: int = 0
 
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -100,7 +106,9 @@ class Request:
         ppl = math.exp(-self.sum_logprob / n_out) if n_out else None
         metrics = RequestMetrics(
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=n_out, decode_ppl=ppl,
-            accept_rate=None, num_preemptions=self.num_preemptions, arrival_time=self.arrival_time,
+            accept_rate=self.num_drafts_accepted / self.num_drafts_verified if self.num_drafts_verified else None,
+            num_draft_tokens=self.num_drafts_verified, num_accepted_tokens=self.num_drafts_accepted,
+            num_preemptions=self.num_preemptions, arrival_time=self.arrival_time,
             first_token_time=self.first_token_time, finished_time=self.finished_time)
         completion = CompletionOutput(
             index=0, text=self.text, token_ids=list(self.output_token_ids),

@@ -41,6 +41,15 @@ class SamplingMetadata:
     def num_rows(self) -> int:
         return len(self.temperature)
 
+    def subset(self, rows: list[int]) -> SamplingMetadata:
+        """The metadata of `rows`, renumbered 0..len(rows)-1 (speculative verification)."""
+        index = {r: i for i, r in enumerate(rows)}
+        return SamplingMetadata(
+            temperature=[self.temperature[r] for r in rows], top_k=[self.top_k[r] for r in rows],
+            top_p=[self.top_p[r] for r in rows], min_p=[self.min_p[r] for r in rows],
+            seeds=[self.seeds[r] for r in rows], num_logprobs=[self.num_logprobs[r] for r in rows],
+            banned=[(index[r], ids) for r, ids in self.banned if r in index])
+
 
 @dataclass
 class SamplerOutput:
@@ -61,39 +70,72 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None = None) -> SamplerOutput:
         logits = logits.float()
         num_rows, vocab = logits.shape
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        masked, dead, greedy, plain, needs_sort = self._prepare(logits, meta, bitmask)
+        device = logits.device
+        tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+        if greedy:
+            tokens[greedy] = masked[greedy].argmax(dim=-1)
+        if plain:
+            probs = torch.softmax(masked[plain] / self._col(meta.temperature, plain, device), dim=-1)
+            tokens[plain] = self.accelerator.sample(probs, self._generators(meta, plain, device))
+        if needs_sort:
+            probs, indices = self._sorted_probs(masked[needs_sort], meta, needs_sort, vocab)
+            choice = self.accelerator.sample(probs, self._generators(meta, needs_sort, device))
+            tokens[needs_sort] = indices.gather(1, choice.unsqueeze(1)).squeeze(1)
+        logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs.masked_fill(dead, 0.0), ranks=ranks, dead=dead,
+                             top_ids=top_ids, top_logprobs=top_logprobs)
+
+    def probabilities(self, logits: torch.Tensor, meta: SamplingMetadata,
+                      bitmask: torch.Tensor | None = None) -> torch.Tensor:
+        """`[L, V]` fp32: the distribution `__call__` draws each row's token from (one-hot at the
+        masked argmax for greedy rows, all zeros for dead rows). Speculative rejection sampling
+        needs it whole."""
+        logits = logits.float()
+        num_rows, vocab = logits.shape
+        masked, _, greedy, plain, needs_sort = self._prepare(logits, meta, bitmask)
+        device = logits.device
+        out = torch.zeros((num_rows, vocab), dtype=torch.float32, device=device)
+        if greedy:
+            out[greedy, masked[greedy].argmax(dim=-1)] = 1.0
+        if plain:
+            out[plain] = torch.softmax(masked[plain] / self._col(meta.temperature, plain, device), dim=-1)
+        if needs_sort:
+            probs, indices = self._sorted_probs(masked[needs_sort], meta, needs_sort, vocab)
+            out[needs_sort] = torch.zeros((len(needs_sort), vocab), device=device).scatter_(1, indices, probs)
+        return out
+
+    def score(self, logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Raw-distribution statistics of chosen `tokens` `[L]` (-1 = none): (log-probability,
+        rank (1 = most likely), and the top-k ids and log-probabilities when a row asks for them)."""
+        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        token_logprobs = raw_logprobs.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
+        ranks = (raw_logprobs > token_logprobs.unsqueeze(1)).sum(dim=1) + 1
+        k = max((n for n in meta.num_logprobs if n), default=0)
+        if not k:
+            return token_logprobs, ranks, None, None
+        top_logprobs, top_ids = raw_logprobs.topk(min(k, logits.shape[1]), dim=-1)
+        return token_logprobs, ranks, top_ids, top_logprobs
+
+    def _prepare(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None):
+        """Masked logits, dead rows, and the alive rows split by how they are drawn."""
+        num_rows = logits.shape[0]
         masked = logits.clone()
         for row, ids in meta.banned:
             masked[row, ids] = float("-inf")
         if bitmask is not None:
             self.accelerator.apply_token_bitmask(masked, bitmask)
-        device = logits.device
-        dead = torch.isneginf(masked.max(dim=-1).values) if num_rows else torch.zeros(0, dtype=torch.bool, device=device)
+        dead = torch.isneginf(masked.max(dim=-1).values) if num_rows else \
+            torch.zeros(0, dtype=torch.bool, device=logits.device)
         alive = [i for i, d in enumerate(dead.tolist()) if not d]
-
-        tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
         greedy = [i for i in alive if meta.temperature[i] == 0 or meta.top_k[i] == 1]
-        if greedy:
-            tokens[greedy] = masked[greedy].argmax(dim=-1)
         # Rows that need a sorted candidate list are drawn separately from those that do not, so a
         # row's path never depends on its neighbours.
         random_rows = [i for i in alive if i not in set(greedy)]
         needs_sort = [i for i in random_rows if self._needs_sort(meta, i)]
         plain = [i for i in random_rows if i not in set(needs_sort)]
-        if plain:
-            probs = torch.softmax(masked[plain] / self._col(meta.temperature, plain, device), dim=-1)
-            tokens[plain] = self.accelerator.sample(probs, self._generators(meta, plain, device))
-        if needs_sort:
-            tokens[needs_sort] = self._sample_sorted(masked[needs_sort], meta, needs_sort, vocab)
-
-        safe = tokens.clamp(min=0).unsqueeze(1)
-        token_logprobs = raw_logprobs.gather(1, safe).squeeze(1).masked_fill(dead, 0.0)
-        ranks = (raw_logprobs > token_logprobs.unsqueeze(1)).sum(dim=1) + 1
-        out = SamplerOutput(token_ids=tokens, logprobs=token_logprobs, ranks=ranks, dead=dead)
-        k = max((n for n in meta.num_logprobs if n), default=0)
-        if k:
-            out.top_logprobs, out.top_ids = raw_logprobs.topk(min(k, vocab), dim=-1)
-        return out
+        return masked, dead, greedy, plain, needs_sort
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -116,8 +158,10 @@ class Sampler:
                 gens.append(g)
         return gens
 
-    def _sample_sorted(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int], vocab: int) -> torch.Tensor:
-        """Temperature, then top-k / top-p / min-p over candidates sorted by probability."""
+    def _sorted_probs(self, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int], vocab: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, then top-k / top-p / min-p over candidates sorted by probability:
+        (probabilities `[R, W]`, their token ids `[R, W]`)."""
         device = logits.device
         scaled = logits / self._col(meta.temperature, rows, device)
         width = min(self.force_topk, vocab) if self.force_topk else vocab
@@ -134,5 +178,4 @@ class Sampler:
         drop[:, 0] = False  # the most likely candidate always stays
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-        choice = self.accelerator.sample(probs, self._generators(meta, rows, device))
-        return indices.gather(1, choice.unsqueeze(1)).squeeze(1)
+        return probs, indices

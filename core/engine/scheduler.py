@@ -9,6 +9,11 @@ Policy (vLLM v1 style, one token budget per step):
   blocks are freed, it goes back to the waiting queue with its generated tokens kept, and later
   recomputes prompt + generated tokens and continues where it stopped.
 
+Speculative decoding (`speculative`): a decode carries its drafts (`Request.draft_token_ids`, at
+most what the budget, max_tokens and max_model_len leave room for) and is scheduled as 1 + m query
+tokens; the drafts' positions count as computed until the engine rolls back the rejected ones. A
+request whose step is still in flight is not scheduled again until its result is applied.
+
 The scheduler never touches a device: `schedule()` returns a `SchedulerOutput`, the typed contract
 the runner executes. It works with steps in flight (async pipeline): a token sampled by a step that
 has not finished yet is counted in `num_pending_tokens` and scheduled as a placeholder input.
@@ -31,10 +36,17 @@ class ScheduledRequest:
     num_placeholders: int  # trailing inputs sampled by the step in flight (filled by the runner)
     sample: bool  # this chunk reaches the end of the known tokens: sample the next token
     output_index: int  # index among generated tokens of the token sampled after this chunk
+    #: speculative decoding: drafts verified after the last known token (a decode step only)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def query_len(self) -> int:
-        return len(self.token_ids) + self.num_placeholders
+        return len(self.token_ids) + self.num_placeholders + len(self.draft_token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One known token after generated ones: a decode (verification) step, not a prompt chunk."""
+        return self.sample and len(self.token_ids) + self.num_placeholders == 1 and self.output_index > 0
 
     @property
     def request_id(self) -> str:
@@ -68,6 +80,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        #: speculative decoding is on: decodes carry their drafts, and a request whose step is still
+        #: in flight waits for it (its next input depends on how many drafts were accepted)
+        self.speculative = False
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._step = 0
@@ -80,7 +95,10 @@ class Scheduler:
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
-        keys = [r.arrival_index for r in self.waiting]
+        if not self.waiting or self.waiting[-1].arrival_index < request.arrival_index:
+            self.waiting.append(request)  # new arrivals: O(1)
+            return
+        keys = [r.arrival_index for r in self.waiting]  # a preempted request returns to its place
         self.waiting.insert(bisect.bisect(keys, request.arrival_index), request)
 
     def finish_request(self, request: Request) -> None:
@@ -98,6 +116,7 @@ class Scheduler:
         self.running.remove(request)
         self.cache.free(request)
         request.num_computed_tokens = 0
+        request.draft_token_ids = []  # a recomputed request drafts anew after its last chunk
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -108,11 +127,20 @@ class Scheduler:
         return (r.num_outputs_with_pending >= r.params.max_tokens
                 or r.num_tokens_with_pending >= self.max_model_len)
 
+    def _num_drafts(self, r: Request, remaining: int, budget: int) -> int:
+        """Drafts to verify with a decode: as many as it has, within the token budget and without
+        passing max_tokens or max_model_len even if all of them are accepted."""
+        if not (self.speculative and r.draft_token_ids and remaining == 1):
+            return 0
+        return max(0, min(len(r.draft_token_ids), budget - 1, r.params.max_tokens - r.num_outputs_with_pending - 1,
+                          self.max_model_len - r.num_tokens_with_pending - 1))
+
     # -- one step ---------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
         plan: dict[Request, int] = {}  # request -> new tokens this step (applied at the end)
+        drafts: dict[Request, int] = {}  # request -> drafts among them
         preempted: list[str] = []  # its cache was just freed for lack of room: not readmitted now
 
         def remaining(r: Request) -> int:
@@ -124,17 +152,26 @@ class Scheduler:
                 break
             if req not in self.running or remaining(req) <= 0 or self._done_generating(req):
                 continue
-            n = min(remaining(req), budget)
+            if self.speculative and req.num_pending_tokens:
+                continue
+            m = self._num_drafts(req, remaining(req), budget)
+            n = min(remaining(req), budget) + m
             while not self.cache.allocate(req, req.num_computed_tokens + n):
+                if self.running == [req]:
+                    raise RuntimeError(
+                        f"request {req.request_id} needs cache for {req.num_computed_tokens + n} tokens, more than "
+                        f"the whole pool holds; the pool must fit one max_model_len={self.max_model_len} request")
                 victim = max(self.running, key=lambda r: r.arrival_index)
                 if victim in plan:
                     budget += plan.pop(victim)
+                    drafts.pop(victim, None)
                 self._preempt(victim)
                 preempted.append(victim.request_id)
                 if victim is req:
                     break
             else:
                 plan[req] = n
+                drafts[req] = m
                 budget -= n
 
         # Waiting requests, first come first served (a preempted request keeps its place).
@@ -151,20 +188,22 @@ class Scheduler:
             plan[req] = n
             budget -= n
 
-        scheduled = [self._commit(req, n) for req, n in plan.items()]
+        scheduled = [self._commit(req, n, drafts.get(req, 0)) for req, n in plan.items()]
         self._step += 1
         return SchedulerOutput(step_id=self._step, scheduled=scheduled, preempted=preempted,
                                num_waiting=len(self.waiting), num_running=len(self.running))
 
-    def _commit(self, req: Request, n: int) -> ScheduledRequest:
+    def _commit(self, req: Request, n: int, num_drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
-        end = start + n
+        end = start + n - num_drafts
         known_end = min(end, req.num_tokens)
         sample = end == req.num_tokens_with_pending
         out = ScheduledRequest(
             request=req, context_len=start, token_ids=req.tokens(start, known_end),
-            num_placeholders=end - known_end, sample=sample, output_index=req.num_outputs_with_pending)
-        req.num_computed_tokens = end
+            num_placeholders=end - known_end, sample=sample, output_index=req.num_outputs_with_pending,
+            draft_token_ids=req.draft_token_ids[:num_drafts])
+        # the drafts' positions are written too; the engine rolls back those rejected
+        req.num_computed_tokens = end + num_drafts
         if sample:
             req.num_pending_tokens += 1
         return out

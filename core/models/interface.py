@@ -83,6 +83,7 @@ class ForwardBatch:
     block_tables: dict[str, torch.Tensor]  # group name -> [B, max_blocks] int64, -1 = unused
     logits_indices: torch.Tensor  # [L] int64 rows of T whose logits are returned
     return_streams: bool = False  # also return the final residual streams (for MTP drafting)
+    stream_indices: torch.Tensor | None = None  # [S] int64 rows whose streams are returned; None: logits_indices
     extra: dict = field(default_factory=dict)
 
     @property
@@ -93,7 +94,7 @@ class ForwardBatch:
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [L, V] fp32
-    streams: torch.Tensor | None = None  # [L, n, D] final residual streams at logits_indices
+    streams: torch.Tensor | None = None  # [S, n, D] final residual streams at stream_indices (or logits_indices)
 
 
 def allocate_cache_tensors(layout: CacheLayout, num_slots: int, num_blocks: dict[str, int], block_size: int,

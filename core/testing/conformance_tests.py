@@ -285,6 +285,35 @@ def test_token_bitmask_including_all_masked_row(acc, ref):
     torch.testing.assert_close(got[0, [5, 6, 99]], logits[0, [5, 6, 99]])
 
 
+@pytest.mark.level(2)
+@pytest.mark.capability("rejection_sampling")
+def test_rejection_sampling_exact_cases_support_and_seeds(acc):
+    dev = acc.device()
+    # a one-hot target accepts a draft exactly when it is the target's token, then stops or adds a bonus
+    target = torch.zeros(7, 8)
+    target[torch.arange(7), torch.tensor([3, 1, 4, 1, 5, 2, 6])] = 1.0
+    drafts = torch.tensor([3, 1, 5, 5, 2])  # request 0: 3 drafts, the third wrong; request 1: 2 right ones
+    got = acc.rejection_sample(target.to(dev), None, drafts.to(dev), [3, 2], [None, None]).cpu().tolist()
+    assert got == [[3, 1, 4, -1], [5, 2, 6, -1]], "one-hot target must act as exact match, with a bonus token"
+    # sampled drafts: every emitted token lies in the target's support; seeded requests repeat
+    g = _gen(13)
+    p = torch.rand(7, 50, generator=g) * (torch.rand(7, 50, generator=g) > 0.5)
+    p /= p.sum(-1, keepdim=True)
+    q = torch.softmax(torch.randn(5, 50, generator=g), -1)
+    d = torch.multinomial(q, 1, generator=g).squeeze(1)
+
+    def run(seeds):
+        gens = [torch.Generator(device=dev).manual_seed(s) for s in seeds]
+        return acc.rejection_sample(*_on(acc, p, q, d), [3, 2], gens).cpu()
+
+    a = run([1, 2])
+    rows = [p[0:4], p[4:7]]
+    for r, out in enumerate(a.tolist()):
+        emitted = [t for t in out if t >= 0]
+        assert emitted and all(rows[r][i, t] > 0 for i, t in enumerate(emitted)), f"request {r} left the support"
+    assert torch.equal(run([1, 2]), a) and torch.equal(run([1, 77])[0], a[0])
+
+
 # ------------------------------------------------------------------------------------ level 3
 
 

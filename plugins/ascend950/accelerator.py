@@ -1,20 +1,25 @@
-"""Huawei Ascend 950 back end: torch_npu kernels, HCCL collectives.
+"""Huawei Ascend 950 back end: torch_npu fused ops (kernels.py), HCCL collectives.
 
-Not run on hardware (none exists where this was written): see docs/backends.md. torch_npu is
-imported in `__init__` (never at module import) so listing and probing stay safe without CANN."""
+Not run on Ascend hardware where it was written (none was available): the op plumbing is tested
+against a CPU stand-in of torch_npu (tests/fake_torch_npu), which says nothing about Ascend
+numerics or speed; see docs/backends.md. torch_npu is imported in `__init__`, never at module
+import, so listing and probing stay safe on machines without CANN.
+"""
 from __future__ import annotations
 
 import importlib
+import os
 
 import torch
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
+from deepinfer_plugins.ascend950 import devices
 from deepinfer_plugins.ascend950 import probe as _probe
+from deepinfer_plugins.ascend950.kernels import FUSED_OPS, AscendKernels
 from deepinfer_plugins.cpu.accelerator import TorchDistributedCollectives
-from deepinfer_plugins.cpu.kernels import CpuKernels
 
 
-class AscendAccelerator(TorchDistributedCollectives, CpuKernels, Accelerator):
+class AscendAccelerator(TorchDistributedCollectives, AscendKernels, Accelerator):
     name = "ascend"
     package = "deepinfer"
     collective_backend = "hccl"
@@ -24,23 +29,58 @@ class AscendAccelerator(TorchDistributedCollectives, CpuKernels, Accelerator):
         return _probe.probe()
 
     def __init__(self) -> None:
-        self.torch_npu = importlib.import_module("torch_npu")
-        built_for = getattr(getattr(self.torch_npu, "npu", None), "get_soc_version", lambda: None)()
-        problem = _probe.check_soc(str(built_for) if built_for else None, _probe.query_soc())
+        self.npu = self._load_torch_npu()
+        self.fused = frozenset(op for op in FUSED_OPS if hasattr(self.npu, op))
+        self.visible = self._check_runtime()
+
+    # ----- start-up (overridable: the plumbing tests replace the runtime checks) -----
+    @staticmethod
+    def _load_torch_npu():
+        problem = devices.check_torch_npu_version(torch.__version__)
         if problem:
             raise RuntimeError(problem)
+        try:
+            return importlib.import_module("torch_npu")
+        except (ImportError, OSError, RuntimeError) as exc:
+            raise RuntimeError(f"torch_npu is installed but does not load ({type(exc).__name__}: {exc}); source "
+                               f"CANN 9.2's set_env.sh (libhccl.so and libascendcl.so come from CANN) and "
+                               f"run `deepinfer doctor`") from exc
+
+    def _check_runtime(self) -> list[devices.Chip]:
+        """The SoC torch_npu runs on must be an Ascend 950 that CANN's kernels were installed for."""
+        chips = devices.query_chips() or []
+        visible, problem = devices.visible_chips(chips, os.environ.get(devices.VISIBLE_DEVICES_VAR))
+        if problem and chips:
+            raise RuntimeError(problem)
+        running_on = str(self.npu.npu.get_device_name(0))
+        problem = devices.check_soc(devices.installed_families(devices.find_cann()), running_on)
+        if problem:
+            raise RuntimeError(problem)
+        return visible
 
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="npu", dtypes=("float32", "bfloat16"),
-                            token_bitmask=True, rejection_sampling=False, graph_capture=False,
-                            collectives="hccl")
+                            token_bitmask=True, rejection_sampling=True, graph_capture=False,
+                            collectives="hccl", fast_paths=tuple(sorted(self.fused)))
 
+    # ----- device and memory -----
     def device(self, index: int = 0) -> torch.device:
+        count = int(self.npu.npu.device_count())
+        if not 0 <= index < count:
+            mapping = f" (logical->chip {devices.describe_mapping(self.visible)})" if self.visible else ""
+            raise ValueError(f"NPU {index} does not exist: {count} visible{mapping}; check "
+                             f"{devices.VISIBLE_DEVICES_VAR}")
         return torch.device("npu", index)
 
     def memory_info(self) -> MemoryInfo:
-        free, total = self.torch_npu.npu.mem_get_info()
+        free, total = self.npu.npu.mem_get_info()
         return MemoryInfo(free_bytes=free, total_bytes=total)
 
     def synchronize(self) -> None:
-        self.torch_npu.npu.synchronize()
+        self.npu.npu.synchronize()
+
+    # ----- collectives -----
+    def init_process_group(self, rank: int, world_size: int, init_method: str) -> None:
+        # HCCL binds a rank to the current NPU: one NPU per local rank, round robin
+        self.npu.npu.set_device(rank % int(self.npu.npu.device_count()))
+        super().init_process_group(rank, world_size, init_method)

@@ -65,7 +65,7 @@ class CpuAccelerator(TorchDistributedCollectives, CpuKernels, Accelerator):
 
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"),
-                            token_bitmask=True, rejection_sampling=False, graph_capture=False,
+                            token_bitmask=True, rejection_sampling=True, graph_capture=False,
                             collectives="gloo")
 
     def device(self, index: int = 0) -> torch.device:

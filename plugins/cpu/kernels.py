@@ -193,3 +193,46 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             if g is not None:
                 out[i] = torch.multinomial(probs[i].float(), 1, generator=g).squeeze(-1)
         return out
+
+    def rejection_sample(self, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                         draft_token_ids: torch.Tensor, num_drafts: list[int],
+                         generators: list[torch.Generator | None]) -> torch.Tensor:
+        B = len(num_drafts)
+        if len(generators) != B:
+            raise ValueError(f"rejection_sample got {B} requests but {len(generators)} generators; give one per "
+                             f"request (None for requests without a seed)")
+        total = sum(num_drafts)
+        if target_probs.shape[0] != total + B or draft_token_ids.shape[0] != total or (
+                draft_probs is not None and draft_probs.shape[0] != total):
+            raise ValueError(f"rejection_sample: {B} requests with {total} drafts need {total + B} target rows, "
+                             f"{total} draft ids and {total} draft rows; got {target_probs.shape[0]}, "
+                             f"{draft_token_ids.shape[0]} and "
+                             f"{'none' if draft_probs is None else draft_probs.shape[0]}")
+        device = target_probs.device
+        out = torch.full((B, 1 + max(num_drafts, default=0)), -1, dtype=torch.long, device=device)
+        t0 = d0 = 0
+        for b, m in enumerate(num_drafts):
+            g = generators[b]
+            p = target_probs[t0:t0 + m + 1].float()
+            drafts = draft_token_ids[d0:d0 + m]
+            j = m  # index of the position that draws a token (first rejection, or the bonus)
+            if m:
+                u = torch.rand(m, generator=g, device=device)
+                rows = torch.arange(m, device=device)
+                p_d = p[rows, drafts]
+                q_d = draft_probs[d0:d0 + m].float()[rows, drafts] if draft_probs is not None else torch.ones_like(p_d)
+                passed = (u * q_d < p_d).tolist()  # u < p/q without dividing by q
+                j = passed.index(False) if False in passed else m
+                out[b, :j] = drafts[:j]
+            dist = p[j]
+            if j < m:  # the residual max(p - q, 0) of the rejected position
+                q = draft_probs[d0 + j].float() if draft_probs is not None else \
+                    F.one_hot(drafts[j], p.shape[1]).to(p.dtype)
+                residual = (dist - q).clamp(min=0.0)
+                if float(residual.sum()) > 0.0:  # zero only through rounding when p == q
+                    dist = residual
+            if float(dist.sum()) > 0.0:
+                out[b, j] = torch.multinomial(dist / dist.sum(), 1, generator=g).squeeze(0)
+            t0 += m + 1
+            d0 += m
+        return out

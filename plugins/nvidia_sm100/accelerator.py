@@ -1,18 +1,24 @@
 """NVIDIA back end: torch-CUDA kernels (SM80 and newer), NCCL collectives, and the vendor fast
 paths (FlashMLA, DeepGEMM, DeepEP) when they are installed and the GPU is SM100/SM103.
 
-The generic kernels are the reference PyTorch implementations run on CUDA tensors."""
+Not run on a GPU where it was written (a CPU-only machine): see docs/backends.md for what is
+verified and how. Importing and probing never initialise CUDA; `__init__` does.
+"""
 from __future__ import annotations
+
+from typing import Any, Callable, Iterable
 
 import torch
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
 from deepinfer_plugins.cpu.accelerator import TorchDistributedCollectives
-from deepinfer_plugins.cpu.kernels import CpuKernels
 from deepinfer_plugins.nvidia_sm100 import probe as _probe
+from deepinfer_plugins.nvidia_sm100.cuda_graph import CapturedGraph, capture_graph
+from deepinfer_plugins.nvidia_sm100.expert_exchange import AllToAllExchange
+from deepinfer_plugins.nvidia_sm100.kernels import CudaKernels, build_fast_paths
 
 
-class NvidiaAccelerator(TorchDistributedCollectives, CpuKernels, Accelerator):
+class NvidiaAccelerator(TorchDistributedCollectives, CudaKernels, Accelerator):
     name = "nvidia"
     package = "deepinfer"
     collective_backend = "nccl"
@@ -21,23 +27,62 @@ class NvidiaAccelerator(TorchDistributedCollectives, CpuKernels, Accelerator):
     def probe(cls) -> ProbeResult:
         return _probe.probe()
 
-    def __init__(self) -> None:
+    def __init__(self, expert_precision: str = "bf16", fast_paths: Iterable[str] | None = None) -> None:
+        """`expert_precision`: "bf16" or "fp8" (lossy, DeepGEMM only). `fast_paths`: None = every
+        installed library the GPU supports; an explicit tuple (e.g. `()`) overrides that choice."""
         if not torch.cuda.is_available():
-            raise RuntimeError("the NVIDIA back end needs a visible CUDA GPU; run `deepinfer doctor`")
+            raise RuntimeError("the NVIDIA back end needs a visible CUDA GPU (torch.cuda.is_available() is False); "
+                               "run `deepinfer doctor` to see why")
         self._capability = torch.cuda.get_device_capability(0)
-        self._fast_paths = _probe.active_fast_paths(self._capability)
+        names = _probe.active_fast_paths(self._capability) if fast_paths is None else tuple(fast_paths)
+        if expert_precision not in ("bf16", "fp8"):
+            raise ValueError(f"expert_precision={expert_precision!r}: use 'bf16' or 'fp8'")
+        if expert_precision == "fp8" and "deep_gemm" not in names:
+            raise ValueError("expert_precision='fp8' needs the DeepGEMM fast path (deep_gemm installed and an "
+                             f"SM100/SM103 GPU; this GPU is sm_{self._capability[0]}{self._capability[1]}, "
+                             f"fast paths {names or 'none'})")
+        self.fast = build_fast_paths(names, self, expert_precision)
+        self.expert_precision = expert_precision
 
     def capabilities(self) -> Capabilities:
+        # a decode step can be captured only if no kernel synchronises with the host; the generic
+        # moe_experts reads its per-expert counts on the host, the DeepGEMM path does not
         return Capabilities(name=self.name, device_type="cuda", dtypes=("float32", "bfloat16"),
-                            token_bitmask=True, rejection_sampling=False, graph_capture=False,
-                            fp8_weights=False, collectives="nccl", fast_paths=self._fast_paths)
+                            token_bitmask=True, rejection_sampling=True,
+                            graph_capture=self.fast.experts is not None,
+                            fp8_weights=False, collectives="nccl", fast_paths=self.fast.names)
 
+    # ----- device and memory -----
     def device(self, index: int = 0) -> torch.device:
+        count = torch.cuda.device_count()
+        if not 0 <= index < count:
+            raise ValueError(f"CUDA device {index} does not exist: {count} visible (check CUDA_VISIBLE_DEVICES)")
         return torch.device("cuda", index)
 
     def memory_info(self) -> MemoryInfo:
-        free, total = torch.cuda.mem_get_info()
+        free, total = torch.cuda.mem_get_info(torch.cuda.current_device())
         return MemoryInfo(free_bytes=free, total_bytes=total)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    # ----- collectives -----
+    def init_process_group(self, rank: int, world_size: int, init_method: str) -> None:
+        # NCCL binds a rank to the current device: one GPU per local rank, round robin
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        super().init_process_group(rank, world_size, init_method)
+
+    # ----- beyond the interface (the engine may adopt these) -----
+    def capture_graph(self, fn: Callable[..., Any], *example_inputs: torch.Tensor, warmup: int = 2,
+                      pool: Any = None) -> CapturedGraph:
+        """Record `fn` over static copies of `example_inputs` as a CUDA graph (see cuda_graph.py)."""
+        return capture_graph(fn, *example_inputs, warmup=warmup, pool=pool)
+
+    def expert_exchange(self, num_experts: int, hidden: int, top_k: int, max_tokens_per_rank: int,
+                        dtype: torch.dtype, group: Any = None):
+        """EP dispatch/combine for the current process group: DeepEP for bf16 when its fast path is
+        active, else torch.distributed all-to-all (see expert_exchange.py for the semantics)."""
+        if self.fast.deep_ep and dtype == torch.bfloat16:
+            from deepinfer_plugins.nvidia_sm100.deep_ep_exchange import DeepEPExchange  # noqa: PLC0415
+            return DeepEPExchange(num_experts, hidden, top_k, max_tokens_per_rank, group)
+        return AllToAllExchange(num_experts, group)

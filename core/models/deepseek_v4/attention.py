@@ -16,6 +16,7 @@ from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.models.deepseek_v4.weights import strip_prefix
 
 
 @dataclass
@@ -29,10 +30,6 @@ class AttentionState:
     indexer_keys: torch.Tensor | None = None  # [num_entries, index_head_dim]
 
 
-def _sub(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-
-
 class Attention:
     def __init__(self, config: DeepseekV4Config, layer_type: str, weights: dict[str, torch.Tensor],
                  accel: Accelerator):
@@ -44,11 +41,11 @@ class Attention:
         eps = config.rms_norm_eps
         self.compressor = None
         if layer_type in (CSA, HCA):
-            self.compressor = Compressor(accel, _sub(weights, "compressor."), self.rate, layer_type == CSA,
+            self.compressor = Compressor(accel, strip_prefix(weights, "compressor."), self.rate, layer_type == CSA,
                                          config.head_dim, eps)
         self.indexer_compressor = None
         if layer_type == CSA:
-            self.indexer_compressor = Compressor(accel, _sub(weights, "indexer.compressor."), self.rate, True,
+            self.indexer_compressor = Compressor(accel, strip_prefix(weights, "indexer.compressor."), self.rate, True,
                                                  config.index_head_dim, eps)
         self.state: AttentionState | None = None
 
@@ -105,6 +102,11 @@ class Attention:
         sel = self.accel.indexer_topk(index_q[g.rows], index_w[g.rows], st.indexer_keys[ev.flat], ev.visible,
                                       self.c.index_topk)  # [B, S, k], -1 = none
         B, S, E = ev.visible.shape
+        if E == 0:
+            return st.entries.new_zeros((B, 0, st.entries.shape[-1])), ev.visible
+        if S == 1:  # decode: the picks themselves are the key set
+            picks = sel[:, 0]
+            return st.entries[ev.flat.gather(1, picks.clamp(min=0))], (picks >= 0).unsqueeze(1)
         picked = torch.zeros((B, S, E + 1), dtype=torch.bool, device=sel.device)
         picked.scatter_(2, torch.where(sel >= 0, sel, E), True)
         picked = picked[..., :E] & g.q_valid.unsqueeze(-1)

@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
-from deepinfer.models.deepseek_v4.attention import Attention, _sub
+from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.models.deepseek_v4.weights import strip_prefix
 
 
 class DecoderBlock:
@@ -16,8 +17,8 @@ class DecoderBlock:
                  accel: Accelerator):
         """`weights`: the block's tensors under official names relative to `layers.{i}.`/`mtp.{j}.`."""
         self.c, self.accel, self.w = config, accel, weights
-        self.attn = Attention(config, layer_type, _sub(weights, "attn."), accel)
-        self.ffn = MoE(config, mlp_type == "hash_moe", _sub(weights, "ffn."), accel)
+        self.attn = Attention(config, layer_type, strip_prefix(weights, "attn."), accel)
+        self.ffn = MoE(config, mlp_type == "hash_moe", strip_prefix(weights, "ffn."), accel)
 
     def _hc(self, streams: torch.Tensor, unit: str):
         c, w = self.c, self.w

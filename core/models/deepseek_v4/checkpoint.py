@@ -149,7 +149,7 @@ def _scale_candidates(name: str) -> list[str]:
     return [name + "_scale_inv", name + "_scale"]  # transformers' fused experts
 
 
-def _plan_units(entries: dict[str, _Entry], problems: _Problems) -> list[_Unit]:
+def _plan_units(entries: dict[str, _Entry], problems: _Problems, expert_dtype: str | None) -> list[_Unit]:
     quantised = quant.FP8_DTYPES + quant.FP4_DTYPES
     units: list[_Unit] = []
     used_scales: set[str] = set()
@@ -163,6 +163,9 @@ def _plan_units(entries: dict[str, _Entry], problems: _Problems) -> list[_Unit]:
                                   f"(looked for {' or '.join(_scale_candidates(name))})")
             continue
         used_scales.add(scale)
+        if quant.quant_format(entry.dtype) == "fp4" and expert_dtype == "fp8":
+            problems.quant.append(f"{name} is packed FP4 ({entry.dtype}) but config.json says expert_dtype 'fp8'")
+            continue
         want = quant.expected_scale_shape(entry.shape, entry.dtype)
         if entries[scale].shape != want:
             problems.quant.append(f"{scale}: shape {entries[scale].shape} does not fit the "
@@ -226,7 +229,7 @@ def available_memory_bytes() -> int:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _check_memory(loaded_bytes: int, disk_bytes: int, dtype: torch.dtype, path: Path) -> None:
@@ -276,8 +279,8 @@ def _meta_unit(unit: _Unit, entries: dict[str, _Entry]) -> torch.Tensor:
     return torch.empty(quant.dequantized_shape(e.shape, e.dtype), dtype=torch.float32, device="meta")
 
 
-def _iter_loaded(units: list[_Unit], entries: dict[str, _Entry], dtype: torch.dtype,
-                 expert_dtype: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_loaded(units: list[_Unit], entries: dict[str, _Entry], dtype: torch.dtype
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(official name, tensor) for every unit, reading files through memory maps."""
     by_file: dict[Path, list[_Unit]] = {}
     for u in units:
@@ -293,8 +296,6 @@ def _iter_loaded(units: list[_Unit], entries: dict[str, _Entry], dtype: torch.dt
                     else:
                         with safe_open(str(scale_file), framework="pt") as g:
                             scale = g.get_tensor(u.scale_name)
-                    if quant.quant_format(tensor.dtype) == "fp4" and expert_dtype == "fp8":
-                        raise CheckpointError(f"{u.name} is packed FP4 but config.json says expert_dtype 'fp8'")
                     # dequantise in fp32 (exact), then round once to the target dtype below
                     tensor = quant.dequantize(tensor, scale, torch.float32)
                 for name, piece in canonicalize({u.name: tensor}).items():
@@ -320,7 +321,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     dtype = resolve_dtype(dtype, entries)
 
     problems = _Problems()
-    units = _plan_units(entries, problems)
+    units = _plan_units(entries, problems, config.expert_dtype)
     shapes: dict[str, tuple[int, ...]] = {}
     sizes: dict[str, int] = {}
     sources: dict[str, str] = {}
@@ -345,5 +346,5 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     _validate(shapes, config, problems, root)
     _check_memory(sum(sizes.values()), sum(f.stat().st_size for f in files), dtype, root)
 
-    tensors = dict(_iter_loaded(units, entries, dtype, config.expert_dtype))
+    tensors = dict(_iter_loaded(units, entries, dtype))
     return config, tensors

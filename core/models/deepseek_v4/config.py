@@ -121,7 +121,8 @@ class DeepseekV4Config(BaseModel):
     @property
     def compress_ratios(self) -> tuple[int, ...]:
         """Official-style per-layer ratios, one per main layer plus one (0) per MTP layer."""
-        return tuple(self.compress_ratio(i) for i in range(self.num_hidden_layers)) + (0,) * self.num_nextn_predict_layers
+        main = tuple(self.compress_ratio(i) for i in range(self.num_hidden_layers))
+        return main + (0,) * self.num_nextn_predict_layers
 
     # ----- parsing -----
     @classmethod
@@ -330,6 +331,7 @@ def _parse_yarn(rope_scaling: Any, rope_params: Any, d: dict[str, Any]) -> YarnS
                            beta_fast=float(src.get("beta_fast") or 32), beta_slow=float(src.get("beta_slow") or 1))
     # official inference/config.json style
     if int(d.get("original_seq_len", 0) or 0) > 0:
-        return YarnScaling(factor=float(d.get("rope_factor", 40)), original_max_position_embeddings=int(d["original_seq_len"]),
+        return YarnScaling(factor=float(d.get("rope_factor", 40)),
+                           original_max_position_embeddings=int(d["original_seq_len"]),
                            beta_fast=float(d.get("beta_fast", 32)), beta_slow=float(d.get("beta_slow", 1)))
     return None

@@ -14,15 +14,15 @@ from __future__ import annotations
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
-from deepinfer.models.deepseek_v4.attention import AttentionState, _sub
+from deepinfer.models.deepseek_v4.attention import AttentionState
 from deepinfer.models.deepseek_v4.block import DecoderBlock
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import (
     COMPRESSED_KV, CSA_ROWS, HCA_ROWS, INDEXER_KEYS, INDEXER_ROWS, WINDOW_KV, RingSizes, StepPlan,
-    build_cache_layout, group_name,
+    build_cache_layout, group_name, ring_sizes,
 )
-from deepinfer.models.deepseek_v4.weights import check_weights, weight_kind
+from deepinfer.models.deepseek_v4.weights import check_weights, strip_prefix, weight_kind
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
 
 
@@ -58,24 +58,35 @@ class DeepseekV4ForCausalLM:
         c = self.config
         with_mtp = c.num_nextn_predict_layers > 0 and any(k.startswith("mtp.0.") for k in canonical)
         state = {k: v for k, v in canonical.items() if with_mtp or not k.startswith("mtp.")}
-        if not with_mtp:
-            state = {k: v for k, v in state.items() if not k.startswith("mtp.")}
         check_weights(state, c, include_mtp=with_mtp)
-        # only MTP block 0 is used (V4 ships one); drop further MTP blocks
-        state = {k: self._convert(k, v) for k, v in state.items() if not (k.startswith("mtp.") and not k.startswith("mtp.0."))}
+        # V4 ships one MTP block; only mtp.0 is used
+        state = {k: self._convert(k, v) for k, v in state.items() if not k.startswith("mtp.") or k.startswith("mtp.0.")}
         self.top = {k: state[k] for k in ("embed.weight", "norm.weight", "head.weight",
                                           "hc_head_fn", "hc_head_base", "hc_head_scale")}
         self.blocks = [DecoderBlock(c, c.layer_types[i], c.mlp_layer_types[i],
-                                    self._fuse_experts(_sub(state, f"layers.{i}.")), self.accel)
+                                    self._fuse_experts(strip_prefix(state, f"layers.{i}.")), self.accel)
                        for i in range(c.num_hidden_layers)]
         self.mtp_block, self.mtp_top = None, {}
         if with_mtp:
-            mtp = _sub(state, "mtp.0.")
+            mtp = strip_prefix(state, "mtp.0.")
             self.mtp_top = {k: mtp.pop(k) for k in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight",
                                                     "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")}
             self.mtp_block = DecoderBlock(c, SLIDING, "moe", self._fuse_experts(mtp), self.accel)
         if self._cache is not None:
             self.bind_cache(self._cache)
+
+    def twin(self) -> DeepseekV4ForCausalLM:
+        """A second model over the same weight tensors (no copy) with no cache bound: bind a cache of
+        its own to run it beside this one (the target drafting for itself in speculative-decoding
+        tests)."""
+        c = self.config
+        other = DeepseekV4ForCausalLM(c, self.accel, self.dtype, self.device, self.query_block)
+        other.top, other.mtp_top = self.top, self.mtp_top
+        other.blocks = [DecoderBlock(c, c.layer_types[i], c.mlp_layer_types[i], blk.w, self.accel)
+                        for i, blk in enumerate(self.blocks)]
+        if self.mtp_block is not None:
+            other.mtp_block = DecoderBlock(c, SLIDING, "moe", self.mtp_block.w, self.accel)
+        return other
 
     def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
         kind = weight_kind(name)
@@ -117,9 +128,7 @@ class DeepseekV4ForCausalLM:
                                      f"the cache from model.cache_layout({max_rollback})")
         self._cache = cache
         self._num_slots = window.shape[1]
-        self._rings = RingSizes(window=window.shape[2],
-                                csa_rows=2 * c.csa_compress_rate + max_rollback,
-                                hca_rows=c.hca_compress_rate + max_rollback)
+        self._rings = ring_sizes(c, max_rollback)
         index = {t.name: t.layers for t in layout.slot_tensors}
         gindex = {(g.name, t.name): t.layers for g in layout.block_groups for t in g.tensors}
 
@@ -165,7 +174,7 @@ class DeepseekV4ForCausalLM:
         picked = streams[batch.logits_indices.to(self.device)]
         logits = self._logits(picked, self.top["hc_head_fn"], self.top["hc_head_base"], self.top["hc_head_scale"],
                               self.top["norm.weight"])
-        return ForwardOutput(logits=logits, streams=picked if batch.return_streams else None)
+        return ForwardOutput(logits=logits, streams=self._streams_out(batch, streams, picked))
 
     @torch.no_grad()
     def mtp_forward(self, streams: torch.Tensor, next_token_ids: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
@@ -187,7 +196,12 @@ class DeepseekV4ForCausalLM:
         x = self.mtp_block.forward(e.unsqueeze(1) + h, ids, plan, self.rope, cos_sin)
         picked = x[batch.logits_indices.to(self.device)]
         logits = self._logits(picked, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], w["norm.weight"])
-        return ForwardOutput(logits=logits, streams=picked if batch.return_streams else None)
+        return ForwardOutput(logits=logits, streams=self._streams_out(batch, x, picked))
+
+    def _streams_out(self, batch: ForwardBatch, streams: torch.Tensor, picked: torch.Tensor) -> torch.Tensor | None:
+        if not batch.return_streams:
+            return None
+        return picked if batch.stream_indices is None else streams[batch.stream_indices.to(self.device)]
 
     def _logits(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 norm: torch.Tensor) -> torch.Tensor:

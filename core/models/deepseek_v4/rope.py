@@ -23,7 +23,8 @@ def inverse_frequencies(rope_dim: int, base: float, yarn: YarnScaling | None) ->
         return inv
 
     def correction_dim(rotations: float) -> float:
-        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        orig = yarn.original_max_position_embeddings
+        return rope_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
     low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
     high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)

@@ -58,6 +58,18 @@ _LAYER_RENAMES: tuple[tuple[str, str], ...] = (
     ("mlp.shared_experts.down_proj.", "ffn.shared_experts.w2."),
     ("attn.norm.", "attn.kv_norm."),  # save_pretrained hybrid spelling of the main kv norm
 )
+# transformers' save_pretrained hybrid spellings of compressor/indexer tensors (measured with 5.24.0);
+# consulted by canonicalize only, after _LAYER_RENAMES (added by the checkpoint helper)
+_HYBRID_RENAMES: tuple[tuple[str, str], ...] = (
+    ("attn.compressor.indexer.scorer.weights_proj.", "attn.indexer.weights_proj."),
+    ("attn.compressor.indexer.q_b_proj.", "attn.indexer.wq_b."),
+    ("attn.compressor.indexer.position_bias", "attn.indexer.compressor.ape"),
+    ("attn.compressor.indexer.gate_proj.", "attn.indexer.compressor.wgate."),
+    ("attn.compressor.indexer.wkv.", "attn.indexer.compressor.wkv."),
+    ("attn.compressor.indexer.norm.", "attn.indexer.compressor.norm."),
+    ("attn.compressor.position_bias", "attn.compressor.ape"),
+    ("attn.compressor.gate_proj.", "attn.compressor.wgate."),
+)
 _TOP_RENAMES = {
     "embed_tokens.weight": "embed.weight",
     "lm_head.weight": "head.weight",
@@ -69,6 +81,11 @@ _BLOCK_RE = re.compile(r"^((?:layers|mtp)\.\d+)\.(.+)$")
 _FUSED_RE = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv|_scale)?$")
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
 _FP32_RE = re.compile(r"(attn_sink|\.ape|(^|\.)hc_[a-z_]+|gate\.bias|gate\.weight|norm\.weight)$")
+
+
+def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix`, named relative to it."""
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
 def weight_kind(name: str) -> str:
@@ -180,7 +197,7 @@ def canonicalize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 else:
                     put(f"{block}.ffn.experts.{e}.w2.{leaf}", tensor[e])
             continue
-        for hf, official in _LAYER_RENAMES:
+        for hf, official in _LAYER_RENAMES + _HYBRID_RENAMES:
             if rest.startswith(hf):
                 rest = official + rest[len(hf):]
                 break
@@ -252,7 +269,8 @@ def check_weights(canonical: dict[str, torch.Tensor], config: DeepseekV4Config, 
     if missing or unexpected or wrong:
         def show(xs: list[str]) -> str:
             return ", ".join(xs[:8]) + (f" ... ({len(xs)} in all)" if len(xs) > 8 else "")
-        parts = [f"missing: {show(missing)}" if missing else "", f"unexpected: {show(unexpected)}" if unexpected else "",
+        parts = [f"missing: {show(missing)}" if missing else "",
+                 f"unexpected: {show(unexpected)}" if unexpected else "",
                  f"wrong shape: {show(wrong)}" if wrong else ""]
         raise ValueError("checkpoint does not match the DeepSeek-V4 config (" + "; ".join(p for p in parts if p)
                          + "). Check that config.json belongs to this checkpoint.")

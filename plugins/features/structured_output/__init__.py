@@ -24,7 +24,8 @@ def _engine_vocabulary(engine: Any, config: StructuredOutputConfig):
     def build():
         from .vocabulary import vocabulary_from_tokenizer
 
-        return vocabulary_from_tokenizer(engine.tokenizer, engine.vocab_size, config.block_control_tokens)
+        return vocabulary_from_tokenizer(engine.tokenizer, engine.vocab_size, config.block_control_tokens,
+                                         stop_token_ids=getattr(engine, "eos_token_ids", None))
     return build
 
 

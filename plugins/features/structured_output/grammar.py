@@ -11,6 +11,7 @@ xgrammar is imported on the first `submit`, never before: importing it costs ~0.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -22,6 +23,8 @@ from deepinfer.logits_processor import RequestRejected
 
 from .config import StructuredOutputConfig
 from .vocabulary import Vocabulary
+
+logger = logging.getLogger("deepinfer.structured_output")
 
 SCHEMA_TYPES = ("regex", "json", "ebnf")
 
@@ -130,7 +133,11 @@ class GrammarCompiler:
             text = str(grammar)
             fixed = fix_bounded_json_strings(text)
             if fixed != text:
-                grammar = xgr.Grammar.from_ebnf(fixed)
+                try:
+                    grammar = xgr.Grammar.from_ebnf(fixed)
+                except Exception as e:  # keep xgrammar's own grammar rather than fail the request
+                    logger.warning("could not make length-bounded JSON strings strict (%s); raw control "
+                                   "characters may appear in them", xgrammar_message(e))
         return grammar
 
     def submit(self, constraint: Constraint) -> Future:
@@ -150,16 +157,13 @@ class GrammarCompiler:
                 self._cache[key] = future
                 while len(self._cache) > self.config.cache_size:
                     self._cache.popitem(last=False)
-            future.add_done_callback(lambda f: f.exception() is not None and self._forget(key, f))
+            future.add_done_callback(lambda f: (f.cancelled() or f.exception() is not None) and self._forget(key, f))
         return future
 
     def _forget(self, key: tuple[str, str, str], future: Future) -> None:
         with self._lock:
             if self._cache.get(key) is future:
                 del self._cache[key]
-
-    def cached(self, constraint: Constraint) -> bool:
-        return (constraint.schema_type, constraint.schema, self.vocabulary.fingerprint) in self._cache
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from deepinfer.logits_processor import LogitsProcessor, RequestRejected
@@ -39,7 +40,6 @@ class _Tracked:
     matcher: Any = None  # xgrammar GrammarMatcher, created at the first fill
     num_accepted: int = 0  # tokens accepted so far (bounds rollback)
     failure: str | None = None  # set once the request cannot continue
-    finished: bool = False  # EOS accepted
 
 
 class StructuredOutputProcessor(LogitsProcessor):
@@ -52,8 +52,8 @@ class StructuredOutputProcessor(LogitsProcessor):
         self._vocabulary_source = vocabulary
         self.config = config or StructuredOutputConfig()
         self._compiler: GrammarCompiler | None = None
-        self._keep_words: torch.Tensor | None = None  # bitmask words that hold blocked ids, ANDed in
-        self._blocked_columns: torch.Tensor | None = None
+        self._blocked_columns: np.ndarray | None = None  # bitmask words that hold blocked ids
+        self._keep_words: np.ndarray | None = None  # ANDed into those words
         self._requests: dict[str, _Tracked] = {}
         self._failures: dict[str, tuple[str, str]] = {}
 
@@ -98,20 +98,22 @@ class StructuredOutputProcessor(LogitsProcessor):
         if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or bitmask.shape[1] != width:
             raise ValueError(f"bitmask must be int32 [rows, {width}] for a {self._compiler.vocabulary.vocab_size}-token "
                              f"vocabulary; got {bitmask.dtype} {list(bitmask.shape)}")
+        drafts_of = draft_tokens if draft_tokens is not None else [[] for _ in request_ids]
+        needed = len(request_ids) + sum(len(d) for d in drafts_of)
+        if len(drafts_of) != len(request_ids) or bitmask.shape[0] != needed:
+            raise ValueError(f"bitmask has {bitmask.shape[0]} rows but {len(request_ids)} requests with "
+                             f"{len(drafts_of)} draft lists need {needed}")
         target = bitmask if bitmask.device.type == "cpu" and bitmask.is_contiguous() else None
         if target is None:  # xgrammar writes into host memory only
             target = bitmask.to("cpu").contiguous()
         filled: list[int] = []
         row = 0
-        for i, request_id in enumerate(request_ids):
-            drafts = draft_tokens[i] if draft_tokens is not None else []
+        for request_id, drafts in zip(request_ids, drafts_of):
             state = self._requests.get(request_id)
             matcher = self._matcher(request_id, state) if state is not None else None
             if matcher is not None:
                 filled += self._fill_rows(matcher, target, row, drafts)
             row += 1 + len(drafts)
-        if row != target.shape[0]:
-            raise ValueError(f"bitmask has {target.shape[0]} rows but request_ids/draft_tokens need {row}")
         if filled:
             self._block_and_check(target, filled, request_ids, draft_tokens)
         if target is not bitmask:
@@ -130,8 +132,7 @@ class StructuredOutputProcessor(LogitsProcessor):
                                        f"(was the bitmask applied before sampling?)")
                 return True
             state.num_accepted += 1
-            if matcher.is_terminated():
-                state.finished = True
+            if matcher.is_terminated():  # EOS accepted
                 return True
         return False
 
@@ -147,7 +148,6 @@ class StructuredOutputProcessor(LogitsProcessor):
             return
         matcher.rollback(num_tokens)
         state.num_accepted -= num_tokens
-        state.finished = matcher.is_terminated()
 
     # -- extras for speculative decoding and the engine -------------------------------------------
 
@@ -219,12 +219,15 @@ class StructuredOutputProcessor(LogitsProcessor):
 
     def _block_and_check(self, bitmask: torch.Tensor, rows: list[int], request_ids: list[str],
                          draft_tokens: list[list[int]] | None) -> None:
-        index = torch.tensor(rows, dtype=torch.long)
-        if self._blocked_columns.numel():
-            block = bitmask[index[:, None], self._blocked_columns[None, :]]
-            bitmask[index[:, None], self._blocked_columns[None, :]] = block & self._keep_words
-        dead = (bitmask.index_select(0, index) == 0).all(dim=1)
-        if not bool(dead.any()):
+        # numpy on purpose: it runs single-threaded, while torch would start OpenMP work that
+        # competes with the forward pass running on the worker thread (async pipeline).
+        words = bitmask.numpy()
+        index = np.asarray(rows)
+        if self._blocked_columns.size:
+            cell = np.ix_(index, self._blocked_columns)
+            words[cell] &= self._keep_words
+        dead = ~words[index].any(axis=1)
+        if not dead.any():
             return
         owner: list[str] = []  # request id of every row
         for i, request_id in enumerate(request_ids):
@@ -244,11 +247,10 @@ class StructuredOutputProcessor(LogitsProcessor):
         logger.info("structured output: request %s stopped (%s): %s", request_id, reason, message)
 
 
-def _keep_words(blocked_ids) -> tuple[torch.Tensor, torch.Tensor]:
+def _keep_words(blocked_ids) -> tuple[np.ndarray, np.ndarray]:
     """The bitmask columns holding blocked ids, and the int32 words to AND into them."""
     words: dict[int, int] = {}
     for t in blocked_ids:
         words[t // 32] = words.get(t // 32, 0xFFFFFFFF) & ~(1 << (t % 32))
     columns = sorted(words)
-    signed = [w - (1 << 32) if w >= 1 << 31 else w for w in (words[c] for c in columns)]
-    return torch.tensor(columns, dtype=torch.long), torch.tensor(signed, dtype=torch.int32)
+    return np.asarray(columns, dtype=np.int64), np.asarray([words[c] for c in columns], dtype=np.uint32).view(np.int32)

@@ -79,13 +79,16 @@ def vocabulary_from_backend(backend, vocab_size: int | None, stop_token_ids: Ite
                       blocked_token_ids=blocked, vocab_type=_vocab_type(backend))
 
 
-def vocabulary_from_tokenizer(tokenizer, vocab_size: int | None, block_added_tokens: bool = True) -> Vocabulary:
-    """A `Vocabulary` from the engine's `deepinfer.tokenizer.Tokenizer` (uses its EOS as stop token)."""
+def vocabulary_from_tokenizer(tokenizer, vocab_size: int | None, block_added_tokens: bool = True,
+                              stop_token_ids: Iterable[int] | None = None) -> Vocabulary:
+    """A `Vocabulary` from the engine's `deepinfer.tokenizer.Tokenizer`; the stop tokens are
+    `stop_token_ids` (the engine's EOS ids), else the tokenizer's EOS."""
     if not getattr(tokenizer, "has_text", False) or not hasattr(tokenizer, "backend"):
         reason = getattr(tokenizer, "reason", "the engine has no tokenizer")
         raise ValueError(f"structured outputs need the model's tokenizer, but {reason}; give the checkpoint "
                          f"a tokenizer.json (or pass `tokenizer=`)")
-    if tokenizer.eos_token_id is None:
+    stops = sorted(stop_token_ids) if stop_token_ids else [tokenizer.eos_token_id]
+    if None in stops:
         raise ValueError(f"the tokenizer {tokenizer.source} has no EOS token, which structured outputs "
                          f"need to end a constrained output")
-    return vocabulary_from_backend(tokenizer.backend, vocab_size, [tokenizer.eos_token_id], block_added_tokens)
+    return vocabulary_from_backend(tokenizer.backend, vocab_size, stops, block_added_tokens)

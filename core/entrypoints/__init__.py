@@ -1,0 +1,1 @@
+"""Command-line entry points run by `deepinfer <command>` (see deepinfer.cli)."""

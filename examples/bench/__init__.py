@@ -1,0 +1,12 @@
+"""Helpers of `examples/benchmark.py`, `examples/sweep/` and `examples/compare_transformers.py`.
+
+Importable as `bench` once `examples/` is on `sys.path` (the scripts put it there themselves):
+
+- `layout`: parallel scale (`WORLD_SIZE` x devices per node) and the `--cp` check;
+- `accounting`: the printed figures (prefill tokens/s/device, decode avg_SPS, full-acceptance and
+  accepted-token throughput);
+- `model_cost`: active-weight bytes per decode token and FLOPs per prefill token from a config;
+- `roofline`: measured memory bandwidth and bf16 matmul throughput, and the bounds they imply;
+- `workloads`: prompts and the timed prefill / decode phases run through the engine;
+- `results`: one JSON object per run (`--result_jsonl`).
+"""

@@ -1,0 +1,423 @@
+"""Benchmark your node: prefill and decode throughput of the engine (the seeds' examples/benchmark.py).
+
+    python examples/benchmark.py                                   # the seeds' defaults (accelerator sizes)
+    python examples/benchmark.py --preset cpu                      # about a minute on a 2-core CPU
+    python examples/benchmark.py --preset cpu --model_name /tmp/v4-bench --roofline --repeats 3
+    python examples/benchmark.py --decode_num_requests 1           # low-latency, batch 1
+    python examples/benchmark.py --cp 8 --prefill_batch_size 65536
+
+Rank 0 prints three numbers (plus the true accepted-token throughput beside the third):
+  prefill throughput   tokens/s/device
+  decode avg_SPS       decode steps/s as one sequence sees them, in the window where all decode
+  decode throughput    avg_SPS x decode_num_requests x (1 + nextn) / cp  ("full-acceptance
+                       accounting": counts 1 + nextn tokens per request per step whatever the
+                       drafts' true acceptance, so it overstates output speed when drafts are rejected)
+  accepted throughput  tokens actually emitted per second per device in the same window
+
+Method: `examples/bench/workloads.py`. Accounting: `examples/bench/accounting.py`. Roofline
+(`--roofline`): `examples/bench/roofline.py` and `model_cost.py`. Environment: WORLD_SIZE, RANK,
+CUDA_VISIBLE_DEVICES (parallel scale = WORLD_SIZE x devices per node, 1 on the CPU back end);
+DEEPINFER_USE_NEXTN_DECODE (speculative draft length nextn, default 5 when speculative decoding is
+installed; 0 disables it); PROFILE=1 writes a torch profiler trace of the timed phases (timings
+then include profiler overhead: use the trace to see which kernels run, not to measure speed).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` importable
+
+from bench import accounting, results  # noqa: E402
+from bench.layout import Layout, resolve_layout  # noqa: E402
+
+# The seeds' defaults (sized for a node of SM100 GPUs) and a CPU preset of the same shape that a
+# 2-core machine finishes in about a minute on the `bench` model (`deepinfer make-model DIR --size bench`).
+PRESETS: dict[str, dict[str, int]] = {
+    "seeds": dict(decode_num_requests=64, context_length=32768, non_cached_tokens=4096, prefill_batch_size=32768,
+                  decode_tokens=64, prefill_batches=2),
+    "cpu": dict(decode_num_requests=8, context_length=512, non_cached_tokens=512, prefill_batch_size=2048,
+                decode_tokens=24, prefill_batches=2),
+}
+PHASES = ("both", "prefill", "decode", "none")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model_name", default=None,
+                   help="checkpoint directory or Hugging Face id in the local cache (default: the embedded "
+                        "default model, or DEEPINFER_HF_MODEL_DIR)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="seeds",
+                   help="defaults of the size flags below: 'seeds' (the seeds' values) or 'cpu' (%s)"
+                   % ", ".join(f"{k}={v}" for k, v in PRESETS["cpu"].items()))
+    p.add_argument("--decode_num_requests", type=int, default=None,
+                   help="sequences decoded together per data-parallel group (seeds: 64)")
+    p.add_argument("--context_length", type=int, default=None, help="prompt tokens of each decode request (seeds: 32768)")
+    p.add_argument("--non_cached_tokens", type=int, default=None,
+                   help="fresh prompt tokens of each prefill request (seeds: 4096)")
+    p.add_argument("--prefill_batch_size", type=int, default=None,
+                   help="prompt tokens per engine step, i.e. max_num_batched_tokens (seeds: 32768)")
+    p.add_argument("--decode_tokens", type=int, default=None,
+                   help="decode steps timed with every sequence running (seeds preset: 64)")
+    p.add_argument("--prefill_batches", type=int, default=None, help="prefill batches timed per repeat (default 2)")
+    p.add_argument("--cp", type=int, default=1, help="context parallelism; must divide the parallel scale")
+    p.add_argument("--yoco_clip", action="store_true",
+                   help="enable SWA bounded replay (the swa_replay feature) for prefill")
+    p.add_argument("--prompt_mode", choices=("text", "image"), default="text", help="input type of the prompts")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="model dtype")
+    p.add_argument("--phase", choices=PHASES, default="both",
+                   help="which phases to time ('none' with --roofline: only the machine and model bounds)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run prefill and decode alternately this many times; figures are medians")
+    p.add_argument("--roofline", action="store_true",
+                   help="also measure memory bandwidth and bf16 matmul throughput (right before every timed "
+                        "phase) and print each figure as a fraction of its bound")
+    p.add_argument("--no_warmup", action="store_true", help="skip the untimed warm-up requests")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--result_jsonl", default=None, help="append one JSON object with the raw quantities here")
+    p.add_argument("--tag", default="", help="free text stored in the result record (e.g. a sweep tag)")
+    p.add_argument("--profile_dir", default="profiles", help="where PROFILE=1 writes its trace")
+    return p
+
+
+@dataclass(frozen=True)
+class Settings:
+    decode_num_requests: int
+    context_length: int
+    non_cached_tokens: int
+    prefill_batch_size: int
+    decode_tokens: int
+    prefill_batches: int
+
+
+def resolve_settings(args: argparse.Namespace) -> Settings:
+    """Size flags: explicit value > preset > error for values that cannot run."""
+    preset = PRESETS[args.preset]
+    values = {k: (getattr(args, k) if getattr(args, k) is not None else v) for k, v in preset.items()}
+    for name, value in values.items():
+        if value < 1:
+            raise ValueError(f"--{name} {value} must be >= 1")
+    if args.repeats < 1:
+        raise ValueError(f"--repeats {args.repeats} must be >= 1")
+    return Settings(**values)
+
+
+def check_prompt_mode(mode: str) -> None:
+    if mode == "image":
+        raise ValueError("--prompt_mode image is not supported by this model: DeepSeek-V4 (model_type deepseek_v4) "
+                         "takes text only and has no vision encoder. Use --prompt_mode text.")
+
+
+def engine_nextn(llm: Any) -> int:
+    """The engine's speculative draft length, nextn (0 when it runs without speculation)."""
+    stats = getattr(llm.engine, "spec_stats", None)
+    return int(stats.num_draft_tokens) if stats is not None else 0
+
+
+def planned_nextn() -> int:
+    """The nextn the engine will be built with: DEEPINFER_USE_NEXTN_DECODE, else the dspark
+    feature's default (the seeds' 5); 0 when speculative decoding is not installed."""
+    from deepinfer import envs
+    from deepinfer.plugins import feature_specs
+
+    specs, _ = feature_specs()
+    if "dspark" not in specs:
+        return 0
+    raw = envs.get("DEEPINFER_USE_NEXTN_DECODE")
+    if raw is not None:
+        try:
+            return max(0, int(raw))
+        except ValueError:
+            raise ValueError(f"DEEPINFER_USE_NEXTN_DECODE={raw!r} is not an integer; set the draft length "
+                             f"(0 disables speculation)") from None
+    return int(getattr(specs["dspark"][1].config_model(), "num_draft_tokens", 0))
+
+
+def _accelerator_name() -> str:
+    """The back end the engine will pick (its fallback warning is left to the engine to print)."""
+    import logging
+
+    from deepinfer.plugins import select_accelerator_class
+
+    log = logging.getLogger("deepinfer")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return select_accelerator_class().name
+    finally:
+        log.setLevel(level)
+
+
+def check_yoco_clip(enabled: bool) -> None:
+    from deepinfer.plugins import FEATURE_GROUP, discover
+
+    if enabled and "swa_replay" not in discover(FEATURE_GROUP):
+        raise ValueError("--yoco_clip needs SWA bounded replay (the swa_replay feature), which is not installed "
+                         "in this deepinfer; run without --yoco_clip")
+
+
+def _speculation_env_note() -> str | None:
+    """DEEPINFER_USE_NEXTN_DECODE=0 asks for no speculation; without the dspark feature that is
+    already the case, so drop the variable instead of letting the engine refuse it."""
+    from deepinfer import envs
+    from deepinfer.plugins import FEATURE_GROUP, discover
+
+    raw = envs.get("DEEPINFER_USE_NEXTN_DECODE")
+    if raw is None or raw.strip() != "0" or "dspark" in discover(FEATURE_GROUP):
+        return None
+    os.environ.pop("DEEPINFER_USE_NEXTN_DECODE", None)
+    return "DEEPINFER_USE_NEXTN_DECODE=0: speculative decoding is not installed, so there is nothing to disable"
+
+
+def _profiler(enabled: bool):
+    if not enabled:
+        return None
+    import torch
+    import torch.profiler as tp
+
+    # the async pipeline runs the forward on a worker thread: record every thread, not just this one
+    config = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    return tp.profile(activities=[tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if _cuda_available() else []),
+                      experimental_config=config)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _fmt(fig: dict[str, float] | None, unit: str, digits: int = 1) -> str:
+    if fig is None:
+        return "n/a"
+    text = f"{fig['median']:,.{digits}f}" + (f" {unit}" if unit else "")
+    if fig["n"] > 1:
+        text += f" (median of {fig['n']}; min {fig['min']:,.{digits}f}, max {fig['max']:,.{digits}f})"
+    return text
+
+
+def format_figures(record: dict[str, Any]) -> str:
+    f = results.figures(record)
+    cp, nextn, req = record["layout"]["cp"], record["nextn"], record["settings"]["decode_num_requests"]
+    lines = []
+    if record.get("prefill"):
+        p = record["prefill"][0]
+        lines.append(f"prefill throughput: {_fmt(f['prefill_tokens_per_s_per_device'], 'tokens/s/device')}"
+                     f"   [{p['requests']} prompts x {p['prompt_len']} tokens, "
+                     f"{record['settings']['prefill_batch_size']} tokens per step]")
+    if record.get("decode"):
+        d = record["decode"][0]
+        spec = (f"speculation off (nextn 0)" if not nextn else
+                f"speculation on, nextn {nextn}, draft acceptance {_fmt(f['decode_draft_accept_rate'], '', 2)}")
+        lines += [
+            f"decode avg_SPS: {_fmt(f['decode_avg_sps'], 'steps/s', 2)}"
+            f"   [{d['requests']} sequences at context {d['context_len']}, {d['steps']} engine steps timed; {spec}]",
+            f"decode throughput, full-acceptance accounting (avg_SPS x {req} x (1 + nextn={nextn}) / cp={cp}): "
+            f"{_fmt(f['decode_full_acceptance_tokens_per_s_per_device'], 'tokens/s/device')}",
+            f"decode throughput, accepted tokens (measured): "
+            f"{_fmt(f['decode_accepted_tokens_per_s_per_device'], 'tokens/s/device')}"
+            f"   [per user {_fmt(f['decode_per_user_tokens_per_s'], 'tokens/s')}; "
+            f"{f['decode_acceptance_length']['median']:.2f} tokens per sequence per step]",
+        ]
+    return "\n".join(lines)
+
+
+def _model_config(llm: Any, model_name: str | None):
+    if llm is not None:
+        return llm.engine.model.config, str(llm.build_info.dtype).replace("torch.", "")
+    from deepinfer.models.deepseek_v4.checkpoint import parse_config, read_config
+    from deepinfer.models.resolve import resolve_model
+
+    raw = read_config(resolve_model(model_name).path)
+    return parse_config(raw), raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+
+
+def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The whole benchmark; returns the result record (rank 0 prints it)."""
+    env = dict(os.environ) if env is None else env
+    settings = resolve_settings(args)
+    check_prompt_mode(args.prompt_mode)
+    check_yoco_clip(args.yoco_clip)
+    accelerator = _accelerator_name()
+    layout: Layout = resolve_layout(args.cp, accelerator, env)
+    say = print if layout.rank == 0 else (lambda *a, **k: None)
+    note = _speculation_env_note()
+    if note:
+        say(note)
+    profile = env.get("PROFILE", "").strip() not in ("", "0")
+    sequences = settings.decode_num_requests * layout.dp  # decode_num_requests is per data-parallel group
+
+    llm = None
+    prefill_runs: list[dict] = []
+    decode_runs: list[dict] = []
+    if args.phase != "none":
+        from deepinfer import LLM
+
+        llm = LLM(**_engine_kwargs(args, settings, layout, sequences, planned_nextn()))
+        prefill_runs, decode_runs = _timed_phases(llm, args, settings, sequences, profile, layout.rank, say)
+
+    config, dtype = _model_config(llm, args.model_name)
+    record: dict[str, Any] = {
+        "schema": results.SCHEMA,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "tag": args.tag,
+        "argv": list(getattr(args, "_argv", [])),
+        "settings": dict(vars(settings), preset=args.preset, cp=args.cp, yoco_clip=args.yoco_clip,
+                         prompt_mode=args.prompt_mode, phase=args.phase, repeats=args.repeats, seed=args.seed),
+        "layout": {"world_size": layout.world_size, "rank": layout.rank, "devices_per_node": layout.devices_per_node,
+                   "scale": layout.scale, "cp": layout.cp, "dp": layout.dp, "ep": layout.ep,
+                   "accelerator": accelerator},
+        "model": {"name": args.model_name, "path": llm.build_info.model_path if llm else None, "dtype": dtype,
+                  "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
+                  "n_routed_experts": config.n_routed_experts, "num_experts_per_tok": config.num_experts_per_tok,
+                  "vocab_size": config.vocab_size},
+        "engine": None if llm is None else {k: getattr(llm.config, k) for k in
+                                            ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                             "async_pipeline", "dtype")},
+        "nextn": engine_nextn(llm) if llm is not None else 0,
+        "profile": profile,
+        "threads": _threads(),
+        "prefill": prefill_runs,
+        "decode": decode_runs,
+        "roofline": None,
+    }
+    if llm is not None:
+        llm.shutdown()
+    if args.roofline:
+        record["roofline"], record["_roofline_text"] = _roofline(record, config, dtype, settings, sequences)
+    return record
+
+
+WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS = 64, 4
+
+
+def _engine_kwargs(args: argparse.Namespace, settings: Settings, layout: Layout, sequences: int,
+                   nextn: int) -> dict[str, Any]:
+    """LLM(...) arguments sized for the phases that will run. Speculative decoding is on whenever
+    it is installed, as in the seeds (DEEPINFER_USE_NEXTN_DECODE=0 turns it off)."""
+    from bench import workloads
+
+    prefill, decode = args.phase in ("both", "prefill"), args.phase in ("both", "decode")
+    prefill_seqs_per_step = -(-settings.prefill_batch_size // settings.non_cached_tokens)
+    decode_len = settings.context_length + workloads.decode_max_tokens(
+        sequences, settings.context_length, settings.decode_tokens, settings.prefill_batch_size, nextn)
+    kwargs: dict[str, Any] = dict(
+        model=args.model_name, dtype=args.dtype,
+        max_num_seqs=max(sequences if decode else 2, prefill_seqs_per_step if prefill else 2),
+        max_num_batched_tokens=settings.prefill_batch_size,
+        max_model_len=max(decode_len if decode else 0, settings.non_cached_tokens + 1 if prefill else 0,
+                          WARMUP_PROMPT_TOKENS + WARMUP_OUTPUT_TOKENS))
+    if layout.scale > 1:
+        kwargs.update(ep=layout.ep, dp=layout.dp, cp=layout.cp)
+    features: dict[str, dict] = {}
+    if nextn > 0:
+        features["dspark"] = {}  # the draft length comes from DEEPINFER_USE_NEXTN_DECODE / the config file
+    if args.yoco_clip:
+        features["swa_replay"] = {}
+    if features:
+        kwargs["features"] = features
+    return kwargs
+
+
+def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequences: int, profile: bool,
+                  rank: int, say) -> tuple[list[dict], list[dict]]:
+    """Warm-up, then prefill and decode alternately `--repeats` times; raw results per repeat."""
+    from bench import workloads
+
+    def machine() -> dict | None:  # measured right before each timed phase (--roofline)
+        if not args.roofline:
+            return None
+        from bench import roofline
+
+        return roofline.measure_machine(trials=3).to_json()
+
+    vocab = llm.engine.vocab_size
+    if not args.no_warmup:  # first-call costs (allocation, kernel selection) stay out of the timings
+        warm = workloads.random_prompts(2, min(settings.non_cached_tokens, WARMUP_PROMPT_TOKENS), vocab, seed=10**6)
+        workloads.run_requests(llm, warm, workloads.SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_TOKENS,
+                                                                   ignore_eos=True))
+    prefill_requests = -(-settings.prefill_batches * settings.prefill_batch_size // settings.non_cached_tokens)
+    prefill_runs: list[dict] = []
+    decode_runs: list[dict] = []
+    profiler = _profiler(profile)
+    if profiler is not None:
+        profiler.__enter__()
+    try:
+        for r in range(args.repeats):
+            if args.phase in ("both", "prefill"):
+                prompts = workloads.random_prompts(prefill_requests, settings.non_cached_tokens, vocab,
+                                                   seed=args.seed + 2 * r)
+                m = machine()
+                run = workloads.run_prefill(llm, prompts, settings.prefill_batch_size, profiler)
+                prefill_runs.append(dict(run.to_json(), machine=m))
+            if args.phase in ("both", "decode"):
+                prompts = workloads.random_prompts(sequences, settings.context_length, vocab, seed=args.seed + 2 * r + 1)
+                m = machine()
+                run = workloads.run_decode(llm, prompts, settings.decode_tokens, settings.prefill_batch_size,
+                                           engine_nextn(llm), profiler)
+                decode_runs.append(dict(run.to_json(), machine=m))
+    finally:
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+    if profiler is not None:
+        out = Path(args.profile_dir) / f"trace_rank{rank}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(out))
+        say(f"PROFILE=1: trace written to {out} (timings below include profiler overhead)")
+    return prefill_runs, decode_runs
+
+
+def _roofline(record: dict[str, Any], config, dtype: str, settings: Settings, sequences: int) -> tuple[dict, str]:
+    """Cost of the workload, the machine measured before each phase, and the report text."""
+    from bench import model_cost, roofline
+
+    float_bytes = model_cost.dtype_bytes(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
+    cost = roofline.workload_cost(config, prefill_len=settings.non_cached_tokens, decode_batch=sequences,
+                                  decode_context=settings.context_length, float_bytes=float_bytes)
+    runs = record["prefill"] + record["decode"]
+    machines = [roofline.Machine.from_json(r["machine"]) for r in runs] or [roofline.measure_machine(trials=3)]
+    devices = record["layout"]["scale"]
+    prefill = [(accounting.prefill_throughput(r["tokens"], r["seconds"], devices),
+                roofline.Machine.from_json(r["machine"])) for r in record["prefill"]]
+    decode = [(accounting.decode_avg_sps(r["steps"], r["seconds"]), roofline.Machine.from_json(r["machine"]))
+              for r in record["decode"]]
+    data = {"cost": cost.to_json(), "machines": [m.to_json() for m in machines] if not runs else None}
+    return data, roofline.report(cost, machines, prefill, decode)
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args._argv = argv
+    try:
+        record = run(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    roofline_text = record.pop("_roofline_text", None)
+    if record["layout"]["rank"] == 0:
+        text = format_figures(record)
+        if text:
+            print(text)
+        if roofline_text:
+            print(roofline_text)
+        if args.result_jsonl:
+            results.append_jsonl(args.result_jsonl, record)
+            print(f"result appended to {args.result_jsonl}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""deepinfer against transformers' `generate` on the same checkpoint and the same prompts.
+
+    python examples/compare_transformers.py --model_name /tmp/v4-bench            # 32 x 256 in, 128 out
+    python examples/compare_transformers.py --model_name /tmp/v4-bench --quick    # 4 x 64 in, 32 out
+
+Both run in this one process, alternately (deepinfer, transformers, deepinfer, transformers, ...),
+after one untimed warm-up each, so that drift and throttling hit both sides alike. Each side runs
+the whole batch greedily with every token forced to be generated (deepinfer `ignore_eos`,
+transformers `min_new_tokens = max_new_tokens`); a run's output tokens/s = generated tokens / wall
+time of the call (prefill included). Printed: both speeds per pair, and the ratio deepinfer /
+transformers with min / median / max over the pairs.
+
+All prompts have the same length: transformers' DeepSeek-V4 cannot left-pad its compressed layers
+correctly, so padded batches would not be a fair (or correct) baseline. Only eager attention works
+in transformers' V4.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` importable
+
+import torch  # noqa: E402
+
+from bench.workloads import random_prompts  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_name", default=None, help="checkpoint directory (default: the embedded default model)")
+    p.add_argument("--num_prompts", type=int, default=None, help="prompts per run (default 32; --quick 4)")
+    p.add_argument("--input_len", type=int, default=None, help="tokens per prompt (default 256; --quick 64)")
+    p.add_argument("--output_len", type=int, default=None, help="generated tokens per prompt (default 128; --quick 32)")
+    p.add_argument("--pairs", type=int, default=3, help="timed (deepinfer, transformers) pairs (default 3)")
+    p.add_argument("--quick", action="store_true", help="small sizes for a quick check")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def sizes(args: argparse.Namespace) -> tuple[int, int, int]:
+    defaults = (4, 64, 32) if args.quick else (32, 256, 128)
+    values = tuple(v if v is not None else d for v, d in
+                   zip((args.num_prompts, args.input_len, args.output_len), defaults))
+    for name, v in zip(("--num_prompts", "--input_len", "--output_len"), values):
+        if v < 1:
+            raise ValueError(f"{name} {v} must be >= 1")
+    if args.pairs < 1:
+        raise ValueError(f"--pairs {args.pairs} must be >= 1")
+    return values  # type: ignore[return-value]
+
+
+class DeepinferSide:
+    name = "deepinfer"
+
+    def __init__(self, path: str, dtype: str, num_prompts: int, max_len: int):
+        from deepinfer import LLM
+
+        self.llm = LLM(model=path, dtype=dtype, max_num_seqs=num_prompts, max_model_len=max_len,
+                       max_num_batched_tokens=max(2048, num_prompts))
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        from deepinfer import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+
+class TransformersSide:
+    name = "transformers"
+
+    def __init__(self, path: str, dtype: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+        self.model.eval()
+
+    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
+        ids = torch.tensor(prompts, dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=output_len, min_new_tokens=output_len,
+                                      pad_token_id=0, temperature=None, top_p=None, top_k=None)
+        return out[:, ids.shape[1]:].tolist()
+
+
+def timed(side, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+    """Output tokens/s of one whole-batch call, and its tokens."""
+    t = time.perf_counter()
+    tokens = side.generate(prompts, output_len)
+    seconds = time.perf_counter() - t
+    produced = sum(len(x) for x in tokens)
+    if produced != len(prompts) * output_len:
+        raise RuntimeError(f"{side.name} generated {produced} tokens, expected {len(prompts) * output_len}")
+    return produced / seconds, tokens
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[int, float]:
+    """(prompts whose outputs are identical, mean common-prefix length)."""
+    prefixes = []
+    for x, y in zip(a, b):
+        n = 0
+        while n < min(len(x), len(y)) and x[n] == y[n]:
+            n += 1
+        prefixes.append(n)
+    return sum(1 for x, y in zip(a, b) if x == y), statistics.mean(prefixes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        num, input_len, output_len = sizes(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from deepinfer.models.deepseek_v4.checkpoint import parse_config, read_config
+    from deepinfer.models.resolve import resolve_model
+
+    path = str(resolve_model(args.model_name).path)
+    vocab = parse_config(read_config(path)).vocab_size
+    prompts = random_prompts(num, input_len, vocab, seed=args.seed)
+    warm = random_prompts(min(num, 2), min(input_len, 16), vocab, seed=args.seed + 1)
+    print(f"model {path}, {args.dtype}, {num} prompts x {input_len} tokens -> {output_len} tokens, "
+          f"{args.pairs} pairs, {torch.get_num_threads()} threads")
+
+    ours = DeepinferSide(path, args.dtype, num, input_len + output_len)
+    theirs = TransformersSide(path, args.dtype)
+    for side in (ours, theirs):  # untimed warm-up: first-call allocation and kernel selection
+        side.generate(warm, 2)
+
+    ratios = []
+    last = {}
+    for i in range(args.pairs):
+        speed = {}
+        for side in (ours, theirs):
+            speed[side.name], last[side.name] = timed(side, prompts, output_len)
+        ratios.append(speed["deepinfer"] / speed["transformers"])
+        print(f"pair {i + 1}: deepinfer {speed['deepinfer']:,.1f} tok/s, transformers "
+              f"{speed['transformers']:,.1f} tok/s, ratio {ratios[-1]:.2f}x", flush=True)
+    print(f"output tokens/s ratio deepinfer / transformers over {len(ratios)} pairs: "
+          f"median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
+    same, prefix = agreement(last["deepinfer"], last["transformers"])
+    print(f"greedy agreement (last pair): {same}/{num} outputs identical, mean common prefix "
+          f"{prefix:.1f} of {output_len} tokens ({args.dtype}: rounding can flip near-ties)")
+    ours.llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

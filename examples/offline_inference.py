@@ -1,0 +1,204 @@
+"""Offline batch inference over the sample prompts (the seeds' examples/offline_inference.py).
+
+    python examples/offline_inference.py                       # embedded default model, CPU: seconds
+    python examples/offline_inference.py --model_name /path/to/checkpoint
+    python examples/offline_inference.py --check_structured_output
+    python examples/offline_inference.py --long_context        # 16,389 input + 4,096 output tokens each
+
+For each sample it prints one line:
+
+    DP <rank>; INPUT: ...; OUTPUT: ...; output_tokens=...; accept_rate=...; decode_ppl=...
+
+accept_rate is the share of speculative draft tokens accepted (n/a without speculative decoding);
+decode_ppl is the perplexity of the model over its generated tokens.
+
+Model: --model_name (a checkpoint directory, or a Hugging Face id already in the local cache);
+without it DEEPINFER_HF_MODEL_DIR, else the embedded default model (random weights, created on first
+use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py); this release runs on one
+device, so they must resolve to 1.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _launch import ParallelConfigError, ParallelSizes, launch_dp, resolve_parallel  # noqa: E402
+from _prompts import prepare_offline_prompts  # noqa: E402
+
+# Engine settings baked into the example (as in the seeds). max_model_len is left to the engine's
+# default, min(the model's limit, 32768): 32768 for DeepSeek-V4 checkpoints, less for tiny test models.
+MAX_MODEL_LEN = None
+MAX_NUM_BATCHED_TOKENS = 32768
+MAX_NUM_SEQS = 4
+GPU_MEMORY_UTILIZATION = 0.85
+INPUT_DISPLAY_CHARS = 200
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="DeepInfer offline batch inference over sample prompts.")
+    parser.add_argument("--model_name", default=None,
+                        help="checkpoint directory or Hugging Face id in the local cache (default: "
+                             "DEEPINFER_HF_MODEL_DIR, else the embedded default model)")
+    parser.add_argument("--ep", type=int, default=None,
+                        help="expert-parallel size (default: 8 on an accelerator node, 1 on the CPU back end)")
+    parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ep // cp, at least 1)")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument("--long_context", action="store_true",
+                        help="16,389 input tokens and 4,096 output tokens per sample")
+    parser.add_argument("--check_structured_output", action="store_true",
+                        help="also run regex / JSON-schema / EBNF samples and fail if an output violates its "
+                             "constraint or does not end on EOS")
+    parser.add_argument("--sampler_force_topk", type=int, default=4096,
+                        help="restrict sampling to the top-k logits first (default 4096)")
+    parser.add_argument("--disable_eplb", action="store_true",
+                        help="turn off expert-parallel load balancing (nothing to balance on one device)")
+    args = parser.parse_args(argv)
+    if args.sampler_force_topk < 1:
+        parser.error(f"--sampler_force_topk {args.sampler_force_topk} must be >= 1")
+    return args
+
+
+_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def one_line(text: str | None, limit: int | None = None) -> str:
+    """Keep each sample on one output line: escape newlines and other control or line-separator
+    characters (backslash-escaped), shorten very long inputs."""
+    text = "".join(_ESCAPES.get(ch) or (ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii"))
+                   for ch in (text or ""))
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + f"...[{len(text) - limit} more chars]"
+    return text
+
+
+def format_result(rank: int, prompt_text: str | None, output) -> str:
+    completion = output.outputs[0]
+    metrics = output.metrics
+    accept = "n/a" if metrics.accept_rate is None else f"{metrics.accept_rate:.3f}"
+    ppl = "n/a" if metrics.decode_ppl is None else f"{metrics.decode_ppl:.3f}"
+    shown_output = completion.text if output.error is None else f"[{completion.finish_reason}: {output.error}]"
+    return (f"DP {rank}; INPUT: {one_line(prompt_text, INPUT_DISPLAY_CHARS)}; OUTPUT: {one_line(shown_output)}; "
+            f"output_tokens={len(completion.token_ids)}; accept_rate={accept}; decode_ppl={ppl}")
+
+
+def accelerator_name() -> str:
+    from deepinfer.plugins import select_accelerator_class
+
+    return select_accelerator_class(None).name
+
+
+#: The seeds' environment defaults, applied (before the engine reads the environment) only when
+#: the feature they configure is installed and the user has not set the variable.
+SEED_ENV_DEFAULTS = [  # (variable, value, feature, accelerators it applies to or None for all)
+    ("DEEPINFER_USE_NEXTN_DECODE", "5", "dspark", None),
+    ("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "32", "eplb", None),
+    ("DEEPINFER_BATCH_INVARIANT", "1", "batch_invariant", ("nvidia",)),
+]
+
+
+def apply_seed_env_defaults(accelerator: str, disable_eplb: bool) -> dict[str, str]:
+    from deepinfer.plugins import FEATURE_GROUP, discover
+
+    installed = set(discover(FEATURE_GROUP))
+    applied = {}
+    for var, value, feature, accelerators in SEED_ENV_DEFAULTS:
+        if feature not in installed or var in os.environ or (accelerators and accelerator not in accelerators):
+            continue
+        if feature == "eplb" and disable_eplb:
+            continue
+        os.environ[var] = applied[var] = value
+    return applied
+
+
+def feature_tables(args: argparse.Namespace) -> dict[str, dict] | None:
+    from deepinfer.plugins import FEATURE_GROUP, discover
+
+    if args.disable_eplb and "eplb" in discover(FEATURE_GROUP):
+        return {"eplb": {"enabled": False}}
+    return None
+
+
+def create_llm(args: argparse.Namespace, sizes: ParallelSizes, accelerator: str):
+    from deepinfer import LLM  # imported here: environment set-up must happen before the engine loads
+
+    apply_seed_env_defaults(accelerator, args.disable_eplb)
+    return LLM(model=args.model_name, accelerator=accelerator, features=feature_tables(args), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+               max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+               sampler_force_topk=args.sampler_force_topk, ep=sizes.ep, dp=sizes.dp, cp=sizes.cp)
+
+
+def check_structured_output(llm, rank: int) -> list[str]:
+    from _structured_output import check_outputs, sample_requests
+
+    prompts, params = sample_requests()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        print(format_result(rank, prompt, out), flush=True)
+    tok = llm.tokenizer
+    eos = getattr(tok, "eos_token_id", None)
+    return check_outputs(params, outputs, eos, tok.decode([eos]) if eos is not None else "")
+
+
+def run_rank(rank: int, sizes: ParallelSizes, args: argparse.Namespace, accelerator: str) -> int:
+    start = time.perf_counter()
+    llm = create_llm(args, sizes, accelerator)
+    info = llm.build_info
+    if info.is_default_model:
+        print(f"Using the embedded default model (small, random weights: the text is gibberish) at "
+              f"{info.model_path}. Pass --model_name to use a real checkpoint.", flush=True)
+    else:
+        print(f"Model: {info.model_path}", flush=True)
+    prompts, params = prepare_offline_prompts(llm.tokenizer, args.long_context)
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    for prompt, out in zip(prompts, outputs):
+        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
+        print(format_result(rank, text, out), flush=True)
+    status = 0
+    if args.check_structured_output:
+        problems = check_structured_output(llm, rank)
+        if problems:
+            print("structured output check FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
+            status = 1
+        else:
+            print(f"DP {rank}; structured output check passed", flush=True)
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"DP {rank}; {len(outputs)} samples, {total} output tokens in {time.perf_counter() - start:.1f} s",
+          flush=True)
+    llm.shutdown()
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    accelerator = accelerator_name()
+    try:
+        sizes = resolve_parallel(args.ep, args.dp, args.cp, accelerator)
+    except ParallelConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    statuses: list[int] = []
+    try:
+        launch_dp(lambda rank, s: statuses.append(run_rank(rank, s, args, accelerator)), sizes)
+    except KeyboardInterrupt:
+        exit_now_on_interrupt()
+    return max(statuses, default=0)
+
+
+def exit_now_on_interrupt() -> None:
+    """Ctrl-C: leave at once. A forward already running on the worker thread cannot be stopped
+    mid-kernel, and waiting for it (a long prefill takes many seconds on a CPU) is not what Ctrl-C
+    asks for; the operating system reclaims everything."""
+    print("interrupted", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(130)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""torch-CUDA kernels of the NVIDIA back end, with the vendor fast paths chosen at construction.
+
+The generic kernels are the reference PyTorch implementations (`CpuKernels`): they are
+device-agnostic (every tensor they create follows its inputs' device, nothing goes through NumPy),
+so they run unchanged on CUDA tensors on SM80 and newer. Two of them have fast paths, each used
+only for inputs its library supports (otherwise the generic kernel runs):
+
+- `sink_attention` -> FlashMLA sparse MQA (`flash_mla_attention.py`): bf16, 64/128 heads, d = 512;
+- `moe_experts` -> DeepGEMM M-grouped GEMM (`deep_gemm_experts.py`): bf16, 128-aligned dims.
+
+`sample` and `rejection_sample` are the reference ones after checking that every per-row
+generator is on the probabilities' device. `moe_dispatch` counts rows per expert without a host
+synchronisation, so that with the DeepGEMM path a whole forward pass can be captured as a CUDA
+graph. DeepEP is not a kernel of the interface; it backs `NvidiaAccelerator.expert_exchange`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from deepinfer.accelerator.interface import MoEDispatch
+from deepinfer_plugins.cpu.kernels import CpuKernels
+from deepinfer_plugins.nvidia_sm100 import deep_gemm_experts, flash_mla_attention
+from deepinfer_plugins.nvidia_sm100.probe import FAST_PATH_MODULES
+
+
+@dataclass
+class FastPaths:
+    """The vendor implementations in use; None = the generic kernel."""
+
+    attention: Any = None  # FlashMlaAttention
+    experts: Any = None  # DeepGemmExperts
+    deep_ep: bool = False  # expert_exchange() may build a DeepEPExchange
+    names: tuple[str, ...] = field(default_factory=tuple)
+
+
+def build_fast_paths(names: tuple[str, ...], kernels: "CudaKernels", expert_precision: str = "bf16") -> FastPaths:
+    """Import and set up the named fast paths; an installed library that fails to import is an error."""
+    unknown = sorted(set(names) - set(FAST_PATH_MODULES))
+    if unknown:
+        raise ValueError(f"unknown NVIDIA fast path(s) {unknown}; known: {sorted(FAST_PATH_MODULES)}")
+    paths = FastPaths(names=tuple(names))
+    try:
+        if "flash_mla" in names:
+            paths.attention = flash_mla_attention.FlashMlaAttention()
+        if "deep_gemm" in names:
+            paths.experts = deep_gemm_experts.DeepGemmExperts(kernels.swiglu, precision=expert_precision)
+        if "deep_ep" in names:
+            import deep_ep  # noqa: F401, PLC0415 - fail at construction, not at the first MoE layer
+            paths.deep_ep = True
+    except ImportError as exc:
+        raise RuntimeError(f"an NVIDIA fast-path library is installed but does not import ({exc}); fix or "
+                           f"uninstall it, or construct NvidiaAccelerator(fast_paths=()) for the generic "
+                           f"kernels") from exc
+    return paths
+
+
+class CudaKernels(CpuKernels):
+    """The reference kernels plus the fast paths in `self.fast` (set by the accelerator)."""
+
+    fast: FastPaths = FastPaths()
+
+    def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
+                       sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.fast.attention is not None and flash_mla_attention.eligible(q, kv):
+            return self.fast.attention(q, kv, mask, sinks, scale)
+        return super().sink_attention(q, kv, mask, sinks, scale)
+
+    def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
+        # the reference's bincount reads its input's maximum on the host (a sync that breaks
+        # CUDA-graph capture); counting with scatter_add gives the same counts without one
+        T, k = ids.shape
+        flat = ids.reshape(-1).long()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        plan = MoEDispatch(tokens_per_expert=counts, source_token=order // k, source_slot=order % k, num_tokens=T)
+        return x[plan.source_token], plan
+
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
+                    swiglu_limit: float) -> torch.Tensor:
+        if self.fast.experts is not None and deep_gemm_experts.eligible(rows, w13, w2):
+            return self.fast.experts(rows, plan, w13, w2, swiglu_limit)
+        return super().moe_experts(rows, plan, w13, w2, swiglu_limit)
+
+    def sample(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        _check_generators(generators, probs.device, "sample")
+        return super().sample(probs, generators)
+
+    def rejection_sample(self, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                         draft_token_ids: torch.Tensor, num_drafts: list[int],
+                         generators: list[torch.Generator | None]) -> torch.Tensor:
+        _check_generators(generators, target_probs.device, "rejection_sample")
+        return super().rejection_sample(target_probs, draft_probs, draft_token_ids, num_drafts, generators)
+
+
+def _check_generators(generators: list[torch.Generator | None], device: torch.device, kernel: str) -> None:
+    """Per-row generators must live on the device they draw for (torch.Generator(device=...))."""
+    for row, g in enumerate(generators):
+        if g is not None and g.device.type != device.type:
+            raise ValueError(f"{kernel}: the generator of row {row} is on {g.device} but the probabilities are on "
+                             f"{device}; create it with torch.Generator(device='{device.type}')")

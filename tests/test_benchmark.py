@@ -1,0 +1,379 @@
+"""The benchmark tools (examples/benchmark.py, examples/bench/, examples/sweep/): formulas, argument
+checks, cost counting, plotting, and one tiny end-to-end run. Nothing here asserts a timing."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from bench import accounting, model_cost, results, roofline  # noqa: E402
+from bench.layout import devices_per_node, resolve_layout, validate_cp  # noqa: E402
+from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+benchmark = _load(EXAMPLES / "benchmark.py", "benchmark_script")
+plot_pareto = _load(EXAMPLES / "sweep" / "plot_pareto.py", "plot_pareto_script")
+
+
+# --- accounting ----------------------------------------------------------------------------------
+
+def test_full_acceptance_accounting_matches_the_seeds_formula():
+    # avg_SPS x decode_num_requests x (1 + nextn) / cp
+    assert accounting.full_acceptance_throughput(10.0, 64, 5, 8) == pytest.approx(10 * 64 * 6 / 8)
+    assert accounting.full_acceptance_throughput(2.5, 1, 0, 1) == pytest.approx(2.5)
+
+
+def test_accepted_throughput_equals_full_acceptance_without_speculation():
+    steps, seconds, requests, devices = 40, 4.0, 16, 1
+    sps = accounting.decode_avg_sps(steps, seconds)
+    accepted = steps * requests  # one token per sequence per step
+    assert accounting.accepted_throughput(accepted, seconds, devices) == pytest.approx(
+        accounting.full_acceptance_throughput(sps, requests, 0, 1))
+    assert accounting.acceptance_length(accepted, steps * requests) == 1.0
+    assert accounting.per_user_speed(accepted, seconds, requests) == pytest.approx(10.0)
+
+
+def test_full_acceptance_overstates_rejected_drafts():
+    # 10 steps, 4 sequences, nextn 3, but only 2 tokens per sequence per step accepted
+    sps = accounting.decode_avg_sps(10, 1.0)
+    assert accounting.full_acceptance_throughput(sps, 4, 3, 1) == 160
+    assert accounting.accepted_throughput(10 * 4 * 2, 1.0, 1) == 80
+
+
+def test_prefill_throughput_is_per_device():
+    assert accounting.prefill_throughput(8192, 2.0, 4) == 1024
+
+
+@pytest.mark.parametrize("call", [
+    lambda: accounting.prefill_throughput(10, 0.0, 1),
+    lambda: accounting.decode_avg_sps(10, -1.0),
+    lambda: accounting.full_acceptance_throughput(1.0, 1, -1, 1),
+    lambda: accounting.accepted_throughput(10, 1.0, 0),
+])
+def test_accounting_rejects_impossible_inputs(call):
+    with pytest.raises(ValueError):
+        call()
+
+
+# --- parallel layout and argument checks ---------------------------------------------------------
+
+def test_parallel_scale_is_world_size_times_visible_devices():
+    env = {"WORLD_SIZE": "2", "RANK": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    layout = resolve_layout(4, "nvidia", env)
+    assert (layout.scale, layout.cp, layout.dp, layout.ep, layout.rank) == (8, 4, 2, 8, 1)
+
+
+def test_cpu_counts_one_device_per_node():
+    assert devices_per_node("cpu", {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}) == 1
+    assert resolve_layout(1, "cpu", {}).scale == 1
+    assert resolve_layout(2, "cpu", {"WORLD_SIZE": "2"}).dp == 1
+
+
+def test_cp_must_divide_the_parallel_scale():
+    with pytest.raises(ValueError, match=r"--cp 3 must divide the parallel scale 8 .*choose --cp from \[1, 2, 4, 8\]"):
+        resolve_layout(3, "nvidia", {"WORLD_SIZE": "1", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"})
+    with pytest.raises(ValueError, match="must divide the parallel scale 1"):
+        validate_cp(2, 1)
+    with pytest.raises(ValueError, match=">= 1"):
+        validate_cp(0, 4)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+    ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+    ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2 must be smaller than WORLD_SIZE=2"),
+])
+def test_bad_launch_variables_are_named(env, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_layout(1, "cpu", env)
+
+
+def test_accelerator_without_visible_devices_is_an_error():
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES is unset"):
+        devices_per_node("nvidia", {})
+
+
+def test_benchmark_cli_rejects_cp_on_one_cpu(capsys, clean_env):
+    assert benchmark.main(["--cp", "2", "--phase", "none"]) == 2
+    assert "--cp 2 must divide the parallel scale 1" in capsys.readouterr().err
+
+
+def test_benchmark_cli_rejects_image_prompts(capsys, clean_env):
+    assert benchmark.main(["--prompt_mode", "image"]) == 2
+    assert "not supported by this model" in capsys.readouterr().err
+
+
+def test_preset_fills_only_flags_that_were_not_given():
+    args = benchmark.build_parser().parse_args(["--preset", "cpu", "--context_length", "128"])
+    s = benchmark.resolve_settings(args)
+    assert s.context_length == 128
+    assert s.decode_num_requests == benchmark.PRESETS["cpu"]["decode_num_requests"]
+    seeds = benchmark.resolve_settings(benchmark.build_parser().parse_args([]))
+    assert (seeds.decode_num_requests, seeds.context_length, seeds.non_cached_tokens, seeds.prefill_batch_size) \
+        == (64, 32768, 4096, 32768)
+    with pytest.raises(ValueError, match="--decode_num_requests 0 must be >= 1"):
+        benchmark.resolve_settings(benchmark.build_parser().parse_args(["--decode_num_requests", "0"]))
+
+
+# --- model cost: a small config counted by hand --------------------------------------------------
+
+def _small_config() -> DeepseekV4Config:
+    return DeepseekV4Config(
+        vocab_size=100, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, head_dim=8, qk_rope_head_dim=4,
+        q_lora_rank=6, o_groups=2, o_lora_rank=5, sliding_window=4, layer_types=(SLIDING, CSA, HCA),
+        csa_compress_rate=4, hca_compress_rate=8, index_n_heads=2, index_head_dim=4, index_topk=2,
+        mlp_layer_types=("hash_moe", "moe", "moe"), n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        moe_intermediate_size=3, hc_mult=2)
+
+
+def test_active_parameters_of_a_small_config_counted_by_hand():
+    # D=16, n=2 streams (nD=32, mix=(2+n)n=8), H=2, d=8, q_lora=6, g=2, o_lora=5, E=4, k=2, I=3
+    mhc = 2 * (8 * 32 + 8 + 3)  # hc_attn and hc_ffn: fn, base, scale
+    norms = 16 + 16  # attn_norm, ffn_norm
+    attention = 2 + 6 * 16 + 6 + 16 * 6 + 8 * 16 + 8 + 10 * 8 + 16 * 10  # sink, wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b
+    router = 4 * 16
+    shared = 3 * 3 * 16
+    routed = 2 * 3 * 3 * 16  # top-2 experts
+    common = mhc + norms + attention + router + shared + routed
+    csa = (4 * 16 + 2 * 16 * 16 + 8) + (8 * 6 + 2 * 16 + 4 * 8 + 2 * 8 * 16 + 4)  # compressor; indexer
+    hca = 8 * 8 + 2 * 8 * 16 + 8  # compressor (no overlap: width d)
+    bias = 4  # learned-routing layers only
+    head = 100 * 16 + 16 + 2 * 32 + 2 + 1  # head, final norm, hc_head fn/base/scale
+    total = 3 * common + csa + hca + 2 * bias + head + 16  # + one embedding row
+    assert total == 7905
+
+    cost = model_cost.token_cost(_small_config(), float_bytes=4)
+    assert cost.active_params == total
+    assert cost.active_bytes == 4 * total  # fp32 model: every tensor 4 bytes
+    assert cost.params_by_group["routed_experts"] == 3 * routed
+    assert cost.params_by_group["embedding_row"] == 16
+    # matrices multiplied per token (2 FLOPs each); position biases and vectors are not matrices
+    per_layer = 2 * 8 * 32 + (6 * 16 + 16 * 6 + 8 * 16 + 10 * 8 + 16 * 10) + 4 * 16 + 3 * 3 * 16 + routed
+    assert cost.matmul_params == 3 * per_layer + (2 * 16 * 16 + 8 * 6 + 2 * 16 + 2 * 8 * 16) + 2 * 8 * 16
+    assert cost.head_matmul_params == 100 * 16 + 2 * 32
+
+
+def test_bf16_bytes_keep_fp32_tensors_at_four_bytes():
+    cost = model_cost.token_cost(_small_config(), float_bytes=2)
+    assert cost.bytes_by_group["mhc"] == 4 * 3 * 2 * (8 * 32 + 8 + 3)
+    assert cost.bytes_by_group["routed_experts"] == 2 * 3 * 2 * 3 * 3 * 16
+
+
+def test_cache_bytes_and_attention_flops_counted_by_hand():
+    cfg = _small_config()
+    # context 16, window 4, d=8: sliding 4*8; CSA 4*8 + min(2, 4 entries)*8 + 4 indexer keys*4; HCA 4*8 + 2*8
+    assert model_cost.cache_bytes_per_token(cfg, 16, cache_bytes=2) == 2 * (32 + (32 + 16 + 16) + (32 + 16))
+    # query at position 15: 4*H*d = 64 FLOPs per key; indexer 2*Hi*(di+1) = 20 per scored entry
+    assert model_cost.attention_flops(cfg, 15) == 64 * 4 + (64 * 6 + 20 * 4) + 64 * 6
+    # one-token prompt: trunk matmuls + head + 3 layers x 1 key
+    cost = model_cost.token_cost(cfg)
+    assert model_cost.prefill_flops_per_token(cfg, 1) == 2 * cost.matmul_params + 2 * cost.head_matmul_params + 3 * 64
+
+
+def test_decode_step_bytes_share_weights_across_the_batch():
+    cfg = _small_config()
+    assert model_cost.expected_distinct_experts(4, 2, 1) == pytest.approx(2.0)
+    assert model_cost.expected_distinct_experts(4, 2, 2) == pytest.approx(3.0)
+    one = model_cost.decode_step_bytes(cfg, 1, 16, float_bytes=4, cache_bytes=2)
+    assert one == pytest.approx(7905 * 4 + 288)  # batch 1: active weights + its cache
+    two = model_cost.decode_step_bytes(cfg, 2, 16, float_bytes=4, cache_bytes=2)
+    expert = 3 * 3 * 16 * 4
+    assert two - one == pytest.approx(1 * expert * 3 + 16 * 4 + 288)  # one more expert per layer + one sequence
+
+
+def test_real_v4_flash_config_has_13b_active_parameters():
+    cost = model_cost.token_cost(DeepseekV4Config.from_dict({}))
+    assert 12.5e9 < cost.active_params < 14e9  # V4-Flash: 13 B active per token
+
+
+def test_roofline_bounds_from_a_given_machine():
+    machine = roofline.Machine(10.0, [10.0], 100.0, [100.0], 1, 1, (1, 1, 1))
+    cfg = _small_config()
+    cost = roofline.workload_cost(cfg, prefill_len=1, decode_batch=1, decode_context=16, float_bytes=4)
+    sps, bound_by = roofline.decode_bound(cost, machine)
+    assert bound_by == "memory"
+    assert sps == pytest.approx(10e9 / (7905 * 4 + 288))
+    tps = roofline.prefill_bound(cost, machine)
+    assert tps == pytest.approx(100e9 / model_cost.prefill_flops_per_token(cfg, 1))
+    text = roofline.report(cost, [machine], prefill=[(tps / 2, machine)], decode=[(sps / 4, machine)])
+    assert "50.0 % of the matmul bound" in text and "25.0 % of the memory bound" in text
+
+
+def test_measured_machine_figures_are_positive():
+    m = roofline.measure_machine(trials=1, copy_mib=8, shape=(16, 64, 64))
+    assert m.bandwidth_gbs > 0 and m.matmul_gflops > 0
+
+
+# --- results and plots ---------------------------------------------------------------------------
+
+def _record(mode: str, value: int, speed: float) -> dict:
+    rec = {"schema": results.SCHEMA, "tag": "t", "nextn": 0,
+           "settings": {"decode_num_requests": value, "prefill_batch_size": value, "context_length": 64,
+                        "non_cached_tokens": 64},
+           "layout": {"scale": 1, "cp": 1, "accelerator": "cpu"}, "model": {"name": "tiny", "dtype": "float32"},
+           "prefill": [], "decode": []}
+    if mode == "decode":
+        rec["decode"] = [{"requests": value, "steps": 10, "sequence_steps": 10 * value, "seconds": 10 / speed,
+                          "accepted_tokens": 10 * value, "speculation": None}]
+    else:
+        rec["prefill"] = [{"requests": 1, "prompt_len": 64, "tokens": value * 4, "seconds": value * 4 / speed,
+                           "batches": 4, "mean_ttft_s": 0.1}]
+    return rec
+
+
+def test_pareto_front():
+    pts = [(1, 10, "a"), (2, 9, "b"), (1.5, 5, "dominated"), (3, 3, "c")]
+    assert [p[2] for p in plot_pareto.pareto_front(pts, higher_x_better=True)] == ["a", "b", "c"]
+    # lower x (latency) is better: (1, 10) beats everything with x >= 1 and y <= 10
+    assert [p[2] for p in plot_pareto.pareto_front(pts, higher_x_better=False)] == ["a"]
+
+
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_sweep_plot_from_a_small_jsonl(tmp_path, mode):
+    path = tmp_path / "results.jsonl"
+    for value, speed in [(1, 20.0), (4, 15.0), (16, 8.0)]:
+        results.append_jsonl(path, _record(mode, value, speed))
+    out = tmp_path / f"{mode}_pareto.png"
+    assert plot_pareto.main([mode, str(path), str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_reports_bad_input(tmp_path, capsys):
+    path = tmp_path / "r.jsonl"
+    path.write_text("not json\n")
+    assert plot_pareto.main(["decode", str(path), str(tmp_path / "x.png")]) == 2
+    assert "r.jsonl:1 is not valid JSON" in capsys.readouterr().err
+    results.append_jsonl(tmp_path / "p.jsonl", _record("prefill", 4, 1.0))
+    assert plot_pareto.main(["decode", str(tmp_path / "p.jsonl"), str(tmp_path / "x.png")]) == 2
+    assert "no record measured the decode phase" in capsys.readouterr().err
+
+
+def test_run_sweep_checks_its_arguments():
+    script = EXAMPLES / "sweep" / "run_sweep.sh"
+    bad_mode = subprocess.run(["bash", str(script), "train", "t", "64"], capture_output=True, text=True)
+    assert bad_mode.returncode == 2 and "mode must be decode or prefill" in bad_mode.stderr
+    bad_ctx = subprocess.run(["bash", str(script), "decode", "t", "lots"], capture_output=True, text=True)
+    assert bad_ctx.returncode == 2 and "CONTEXT must be a token count" in bad_ctx.stderr
+
+
+# --- end to end on the tiny model ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    out = tmp_path_factory.mktemp("bench") / "tiny"
+    make_model(out, size="tiny")
+    return out
+
+
+TINY_ARGS = ["--decode_num_requests", "3", "--context_length", "20", "--non_cached_tokens", "24",
+             "--prefill_batch_size", "48", "--decode_tokens", "5", "--prefill_batches", "2"]
+
+
+def test_benchmark_end_to_end_writes_a_valid_record(tiny_model, tmp_path, capsys, clean_env):
+    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")  # no speculation, whether or not it is installed
+    out = tmp_path / "results.jsonl"
+    argv = ["--model_name", str(tiny_model), *TINY_ARGS, "--repeats", "2", "--result_jsonl", str(out), "--tag", "e2e"]
+    assert benchmark.main(argv) == 0
+    printed = capsys.readouterr().out
+    for label in ("prefill throughput:", "decode avg_SPS:", "full-acceptance accounting",
+                  "accepted tokens (measured)"):
+        assert label in printed
+    [record] = results.read_jsonl(out)
+    assert record["tag"] == "e2e" and record["nextn"] == 0 and record["layout"]["scale"] == 1
+    assert len(record["prefill"]) == 2 and len(record["decode"]) == 2
+    p = record["prefill"][0]
+    assert (p["requests"], p["prompt_len"], p["tokens"], p["batches"]) == (4, 24, 96, 2)
+    for d in record["decode"]:
+        assert d["requests"] == 3 and d["context_len"] == 20 and d["steps"] >= 5
+        # no speculation: every sequence emits one token in every step of the window
+        assert d["sequence_steps"] == d["steps"] * d["requests"] == d["accepted_tokens"]
+        assert d["speculation"] is None
+    f = results.figures(record)
+    assert f["decode_full_acceptance_tokens_per_s_per_device"]["median"] == pytest.approx(
+        f["decode_accepted_tokens_per_s_per_device"]["median"])
+    json.dumps(record)  # plain JSON all the way down
+
+
+def _dspark_installed() -> bool:
+    from deepinfer.plugins import FEATURE_GROUP, discover
+    return "dspark" in discover(FEATURE_GROUP)
+
+
+@pytest.mark.skipif(_dspark_installed(), reason="the dspark feature is installed (tests/test_dspark_engine.py)")
+def test_speculation_variable_without_the_feature_is_reported(tiny_model, capsys, clean_env):
+    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    assert benchmark.main(["--model_name", str(tiny_model), *TINY_ARGS, "--phase", "prefill"]) == 2
+    assert "DEEPINFER_USE_NEXTN_DECODE" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(_dspark_installed(), reason="the dspark feature is installed (tests/test_dspark_engine.py)")
+def test_speculation_variable_zero_without_the_feature_runs(tiny_model, capsys, clean_env):
+    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    assert benchmark.main(["--model_name", str(tiny_model), *TINY_ARGS, "--phase", "decode", "--no_warmup"]) == 0
+    assert "nothing to disable" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not _dspark_installed(), reason="speculative decoding (dspark) is not installed")
+def test_benchmark_with_speculation_reports_both_throughputs(tiny_model, tmp_path, capsys, clean_env):
+    # the self drafter (the target drafts for itself) accepts every greedy draft
+    config = tmp_path / "spec.toml"
+    config.write_text('[features.dspark]\ndrafter = "self"\nnum_draft_tokens = 2\n')
+    clean_env.setenv("DEEPINFER_CONFIG", str(config))
+    out = tmp_path / "spec.jsonl"
+    argv = ["--model_name", str(tiny_model), *TINY_ARGS, "--phase", "decode", "--no_warmup", "--result_jsonl", str(out)]
+    assert benchmark.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "speculation on, nextn 2" in printed
+    [record] = results.read_jsonl(out)
+    assert record["nextn"] == 2
+    [d] = record["decode"]
+    assert d["sequence_steps"] >= 5 * d["requests"]
+    assert d["sequence_steps"] < d["accepted_tokens"] <= 3 * d["sequence_steps"]  # 1 + accepted drafts each
+    assert d["speculation"]["num_drafts_verified"] > 0
+    f = results.figures(record)
+    assert f["decode_draft_accept_rate"]["median"] > 0.5
+    assert f["decode_accepted_tokens_per_s_per_device"]["median"] <= \
+        f["decode_full_acceptance_tokens_per_s_per_device"]["median"] * (1 + 1e-9)
+
+
+def test_yoco_clip_without_the_feature_is_a_clear_error(capsys, clean_env):
+    from deepinfer.plugins import FEATURE_GROUP, discover
+
+    if "swa_replay" in discover(FEATURE_GROUP):
+        pytest.skip("the swa_replay feature is installed")
+    assert benchmark.main(["--yoco_clip", "--phase", "none"]) == 2
+    assert "--yoco_clip needs SWA bounded replay" in capsys.readouterr().err
+
+
+def test_compare_transformers_runs_alternately_on_the_tiny_model(tiny_model, capsys, clean_env):
+    compare = _load(EXAMPLES / "compare_transformers.py", "compare_transformers_script")
+    argv = ["--model_name", str(tiny_model), "--dtype", "float32", "--pairs", "2", "--num_prompts", "2",
+            "--input_len", "8", "--output_len", "4"]
+    assert compare.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("pair ") == 2 and "ratio deepinfer / transformers over 2 pairs: median" in out
+    assert "greedy agreement" in out
+
+
+def test_compare_transformers_rejects_empty_sizes(capsys):
+    compare = _load(EXAMPLES / "compare_transformers.py", "compare_transformers_script")
+    assert compare.main(["--output_len", "0"]) == 2
+    assert "--output_len 0 must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,85 @@
+import pytest
+import torch
+
+from deepinfer.engine.cache_manager import GiB, CacheManager, bytes_for_request, size_pool
+from deepinfer.engine.request import Request
+from deepinfer.models.interface import BlockGroup, CacheLayout, StateTensor
+from deepinfer.sampling_params import SamplingParams
+
+# Two growing groups (m = 4 and m = 128) plus per-sequence slot state, fp32.
+LAYOUT = CacheLayout(
+    slot_tensors=(StateTensor("window", (16, 8), torch.float32, (0, 1, 2)),),  # 1536 B per slot
+    block_groups=(
+        BlockGroup("c4", 4, (StateTensor("kv", (8,), torch.float32, (1,)),
+                             StateTensor("idx", (4,), torch.float32, (1,)))),  # 48 B per entry
+        BlockGroup("c128", 128, (StateTensor("kv", (8,), torch.float32, (2,)),)),  # 32 B per entry
+    ),
+    max_rollback=0)
+
+
+def _req(i: int = 0) -> Request:
+    return Request(request_id=str(i), prompt=None, prompt_token_ids=[5], params=SamplingParams(), arrival_index=i)
+
+
+def test_bytes_for_request():
+    # 1000 tokens: 250 c4 entries -> 16 blocks of 16; 7 c128 entries -> 1 block
+    assert bytes_for_request(LAYOUT, 1000, 16) == 1536 + 16 * 16 * 48 + 1 * 16 * 32
+
+
+def test_pool_is_capped_at_what_max_num_seqs_times_max_model_len_needs():
+    pool = size_pool(LAYOUT, budget_bytes=20 * GiB, max_model_len=1000, max_num_seqs=3, block_size=16)
+    assert pool.num_slots == 3
+    assert pool.num_blocks == {"c4": 48, "c128": 3}
+    assert pool.total_bytes == 3 * bytes_for_request(LAYOUT, 1000, 16)
+
+
+def test_small_budget_is_split_by_tokens_and_still_fits_one_full_request():
+    one = bytes_for_request(LAYOUT, 1000, 16)
+    pool = size_pool(LAYOUT, budget_bytes=int(2.5 * one), max_model_len=1000, max_num_seqs=8, block_size=16)
+    assert pool.num_slots == 8  # slots are cheap here; the blocks are what runs short
+    assert 16 <= pool.num_blocks["c4"] < 8 * 16 and pool.num_blocks["c128"] >= 1
+    assert pool.total_bytes <= int(2.5 * one) * 1.05
+    tight = size_pool(LAYOUT, budget_bytes=one + 1000, max_model_len=1000, max_num_seqs=8, block_size=16)
+    assert tight.num_slots == 1 and tight.num_blocks["c4"] >= 16 and tight.num_blocks["c128"] == 1
+    assert tight.total_bytes <= one + 1000
+
+
+def test_budget_too_small_for_one_request_says_how_much_is_needed():
+    one = bytes_for_request(LAYOUT, 100_000, 16)
+    with pytest.raises(ValueError) as err:
+        size_pool(LAYOUT, budget_bytes=one - 1, max_model_len=100_000, max_num_seqs=4, block_size=16)
+    msg = str(err.value)
+    assert "max_model_len=100000" in msg and "cache_memory_gb" in msg and "gpu_memory_utilization" in msg
+    assert f"{one / GiB:.3f} GiB" in msg
+
+
+def test_allocate_grows_block_tables_and_free_returns_everything():
+    cache = CacheManager(LAYOUT, num_slots=2, num_blocks={"c4": 4, "c128": 1}, block_size=4)
+    a = _req(0)
+    assert cache.allocate(a, 3)  # 0 entries yet: slot only
+    assert a.slot is not None and a.block_ids == {"c4": [], "c128": []}
+    assert cache.allocate(a, 17)  # 4 c4 entries -> 1 block
+    assert len(a.block_ids["c4"]) == 1 and a.block_ids["c128"] == []
+    assert cache.allocate(a, 64)  # 16 entries -> 4 blocks
+    stats = cache.stats()
+    assert stats.slots_used == 1 and stats.blocks_used == {"c4": 4, "c128": 0} and stats.usage == 1.0
+    b = _req(1)
+    assert not cache.allocate(b, 4)  # no c4 block left: all-or-nothing, b gets no slot either
+    assert b.slot is None and cache.num_free_slots == 1
+    cache.free(a)
+    assert a.slot is None and a.block_ids == {}
+    stats = cache.stats()
+    assert stats.slots_used == 0 and stats.blocks_used == {"c4": 0, "c128": 0} and stats.peak_usage == 1.0
+    assert cache.allocate(b, 64)
+    assert sorted(b.block_ids["c4"]) == [0, 1, 2, 3]
+
+
+def test_blocks_are_never_shared():
+    cache = CacheManager(LAYOUT, num_slots=4, num_blocks={"c4": 12, "c128": 4}, block_size=2)
+    reqs = [_req(i) for i in range(4)]
+    for step in range(1, 5):
+        for r in reqs[:3]:
+            assert cache.allocate(r, 8 * step)
+    owned = [b for r in reqs for b in r.block_ids.get("c4", [])]
+    assert len(owned) == len(set(owned)) == 12
+    assert len({r.slot for r in reqs[:3]}) == 3

@@ -1,0 +1,174 @@
+"""examples/offline_inference.py (the seeds' user surface) and `deepinfer generate`."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+LINE = re.compile(r"^DP 0; INPUT: (.*); OUTPUT: (.*); output_tokens=(\d+); accept_rate=(n/a|\d+\.\d+); "
+                  r"decode_ppl=(n/a|\d+\.\d{3})$")
+
+
+def _load(name: str):
+    sys.path.insert(0, str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def example():
+    return _load("offline_inference")
+
+
+@pytest.fixture(scope="module")
+def launch():
+    return _load("_launch")
+
+
+@pytest.fixture(autouse=True)
+def isolated():
+    """One torch thread (two on two busy cores can be 10x slower; these tests measure nothing), and
+    the environment restored afterwards (the example sets the seeds' DEEPINFER_* defaults for
+    installed features)."""
+    import os
+
+    import torch
+
+    before, saved = torch.get_num_threads(), dict(os.environ)
+    for key in [k for k in os.environ if k.startswith("DEEPINFER_")]:
+        del os.environ[key]
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    return str(make_model(tmp_path_factory.mktemp("tiny") / "ckpt", size="tiny", seed=0))
+
+
+# -------------------------------------------------------------------- --ep / --dp / --cp rules
+
+
+def test_dp_defaults_to_ep_over_cp(launch):
+    with pytest.raises(launch.ParallelConfigError, match=r"ep=8, dp=8, cp=1 .*valid layout.*one device"):
+        launch.resolve_parallel(8, None, 1, "nvidia", env={})
+    with pytest.raises(launch.ParallelConfigError, match=r"ep=2, dp=1, cp=8 .*valid layout"):
+        launch.resolve_parallel(2, None, 8, "nvidia", env={})  # dp = max(2 // 8, 1) = 1, world 8
+
+
+def test_world_size_must_be_divisible_by_ep(launch):
+    with pytest.raises(launch.ParallelConfigError, match=r"dp x cp = 3 x 1 = 3 must be divisible by --ep 2"):
+        launch.resolve_parallel(2, 3, 1, "cpu", env={})
+    with pytest.raises(launch.ParallelConfigError, match=r"--cp 0 must be >= 1"):
+        launch.resolve_parallel(1, None, 0, "cpu", env={})
+
+
+def test_cpu_defaults_to_one_and_accelerators_to_eight(launch):
+    sizes = launch.resolve_parallel(None, None, 1, "cpu", env={})
+    assert (sizes.ep, sizes.dp, sizes.cp, sizes.world_size) == (1, 1, 1, 1)
+    with pytest.raises(launch.ParallelConfigError, match=r"ep=8, dp=8"):
+        launch.resolve_parallel(None, None, 1, "nvidia", env={})
+
+
+def test_nodes_split_the_dp_ranks(launch):
+    with pytest.raises(launch.ParallelConfigError, match=r"dp=3 must be divisible by the number of nodes WORLD_SIZE=2"):
+        launch.resolve_parallel(1, 3, 1, "cpu", env={"WORLD_SIZE": "2"})
+    with pytest.raises(launch.ParallelConfigError, match=r"RANK=2 must be smaller than WORLD_SIZE=2"):
+        launch.resolve_parallel(1, 2, 1, "cpu", env={"WORLD_SIZE": "2", "RANK": "2"})
+
+
+def test_invalid_sizes_exit_with_a_message(example, capsys):
+    assert example.main(["--ep", "2", "--dp", "3"]) == 2
+    assert "must be divisible by --ep 2" in capsys.readouterr().err
+
+
+def test_help_lists_the_seed_flags(example, capsys):
+    with pytest.raises(SystemExit) as done:
+        example.parse_args(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--model_name", "--ep", "--dp", "--cp", "--long_context", "--check_structured_output",
+                 "--sampler_force_topk", "--disable_eplb"):
+        assert flag in text
+
+
+# ------------------------------------------------------------------------------- output lines
+
+
+def test_output_line_format(example, tiny_model, capsys):
+    assert example.main(["--model_name", tiny_model]) == 0
+    out = capsys.readouterr().out.splitlines()
+    samples = [m for m in map(LINE.match, out) if m]
+    assert len(samples) == 4, out
+    prompts = [s[0] for s in _load("_prompts").SAMPLES]
+    for match, prompt in zip(samples, prompts):
+        assert match.group(1) == prompt  # accept_rate: n/a, or a rate when speculative decoding is on
+        assert 1 <= int(match.group(3)) <= 32
+    assert out[0].startswith("Model: ")
+
+
+def test_seed_env_defaults_only_for_installed_features(example, monkeypatch):
+    import deepinfer.plugins as plugins
+
+    monkeypatch.setattr(plugins, "discover", lambda group: {"dspark": [], "eplb": [], "batch_invariant": []})
+    applied = example.apply_seed_env_defaults("cpu", disable_eplb=True)
+    assert applied == {"DEEPINFER_USE_NEXTN_DECODE": "5"}  # batch_invariant: NVIDIA only; eplb disabled
+    monkeypatch.setenv("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "8")
+    assert example.apply_seed_env_defaults("nvidia", disable_eplb=False) == {"DEEPINFER_BATCH_INVARIANT": "1"}
+    monkeypatch.setattr(plugins, "discover", lambda group: {})
+    assert example.apply_seed_env_defaults("nvidia", disable_eplb=False) == {}
+
+
+def test_one_line_escapes_newlines(example):
+    assert example.one_line("a\nb\\c") == "a\\nb\\\\c"
+    assert example.one_line("x\x13y\u2028z\tw é中") == "x\\x13y\\u2028z\\tw é中"
+    assert example.one_line("x" * 10, limit=4) == "xxxx...[6 more chars]"
+
+
+def test_default_model_is_used_and_announced(example, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    assert example.main([]) == 0
+    out = capsys.readouterr().out
+    assert "embedded default model" in out and str(tmp_path) in out
+    assert len([line for line in out.splitlines() if LINE.match(line)]) == 4
+
+
+# ----------------------------------------------------------------------------- deepinfer generate
+
+
+def test_deepinfer_generate(tiny_model, capsys):
+    from deepinfer.cli import main
+
+    assert main(["generate", "--model", tiny_model, "--prompt", "Hello", "--max-tokens", "5", "--no-async"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(r"\[finish_reason=(stop|length); output_tokens=\d+; decode_ppl=\d+\.\d{3}\]", out[-1])
+
+
+def test_deepinfer_generate_reports_a_bad_prompt(tiny_model, capsys):
+    from deepinfer.cli import main
+
+    assert main(["generate", "--model", tiny_model, "--prompt", "", "--prompt", "ok", "--json",
+                 "--max-tokens", "3"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert '"finish_reason": "error"' in lines[0] and "empty" in lines[0]
+    assert '"error": null' in lines[1]
+
+
+def test_deepinfer_generate_rejects_bad_sampling_values(tiny_model, capsys):
+    from deepinfer.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", tiny_model, "--prompt", "x", "--top-p", "0"])
+    assert "SamplingParams.top_p" in capsys.readouterr().err
