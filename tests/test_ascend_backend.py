@@ -393,4 +393,5 @@ def test_conformance_kit_with_the_stand_in(tmp_path, fake_distribution):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     results = json.loads(report.read_text())
     assert results["summary"]["failed"] == 0 and results["summary"]["passed"] >= 15
-    assert {r["level"] for r in results["tests"].values()} == {0, 1, 2}
+    # level 5 runs the whole engine on a tiny checkpoint through the Ascend kernels
+    assert {r["level"] for r in results["tests"].values()} == {0, 1, 2, 5}

@@ -85,3 +85,14 @@ def test_third_party_passes_conformance(fresh_venv, tmp_path):
              env=venv_env(), check=False, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:]
     assert json.loads(report.read_text())["summary"]["failed"] == 0
+
+
+def test_demo_runs_from_the_wheel(fresh_venv, tmp_path):
+    """make-model and generate, installed from the wheel, on the acme third-party back end."""
+    model = tmp_path / "tiny"
+    sh(fresh_venv / "bin" / "deepinfer", "make-model", model, "--size", "tiny", env=venv_env())
+    out = sh(fresh_venv / "bin" / "deepinfer", "generate", "--model", model, "--prompt", "Hello world",
+             "--max-tokens", "6", "--ignore-eos", "--json", env=venv_env(DEEPINFER_ACCELERATOR="acme"), cwd=tmp_path)
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert rows, out.stdout + out.stderr
+    assert len(rows[0]["token_ids"]) == 6 and rows[0]["finish_reason"] == "length"

@@ -80,7 +80,7 @@ _TOP_RENAMES = {
 _BLOCK_RE = re.compile(r"^((?:layers|mtp)\.\d+)\.(.+)$")
 _FUSED_RE = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv|_scale)?$")
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
-_FP32_RE = re.compile(r"(attn_sink|\.ape|(^|\.)hc_[a-z_]+|gate\.bias|gate\.weight|norm\.weight)$")
+_FP32_RE = re.compile(r"(attn_sink|\.ape|(^|\.)hc_[a-z_]+|(^|\.)gate\.bias|(^|\.)gate\.weight|norm\.weight)$")
 
 
 def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
