@@ -317,20 +317,6 @@ def _dspark_installed() -> bool:
     return "dspark" in discover(FEATURE_GROUP)
 
 
-@pytest.mark.skipif(_dspark_installed(), reason="the dspark feature is installed (tests/test_dspark_engine.py)")
-def test_speculation_variable_without_the_feature_is_reported(tiny_model, capsys, clean_env):
-    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
-    assert benchmark.main(["--model_name", str(tiny_model), *TINY_ARGS, "--phase", "prefill"]) == 2
-    assert "DEEPINFER_USE_NEXTN_DECODE" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(_dspark_installed(), reason="the dspark feature is installed (tests/test_dspark_engine.py)")
-def test_speculation_variable_zero_without_the_feature_runs(tiny_model, capsys, clean_env):
-    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
-    assert benchmark.main(["--model_name", str(tiny_model), *TINY_ARGS, "--phase", "decode", "--no_warmup"]) == 0
-    assert "nothing to disable" in capsys.readouterr().out
-
-
 @pytest.mark.skipif(not _dspark_installed(), reason="speculative decoding (dspark) is not installed")
 def test_benchmark_with_speculation_reports_both_throughputs(tiny_model, tmp_path, capsys, clean_env):
     # the self drafter (the target drafts for itself) accepts every greedy draft

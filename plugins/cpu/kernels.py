@@ -50,15 +50,18 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             up = up.clamp(min=-limit, max=limit)
         return F.silu(gate) * up
 
-    def _hc_mix(self, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-        flat = streams.flatten(-2).float()
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-        return F.linear(flat, fn.float())
+    def _hc_mix(self, streams_f: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        """RMS-normalised flattened streams times fn; the per-row norm factor is applied to the
+        small product instead of to the wide input (one pass less over [T, n*D])."""
+        flat = streams_f.flatten(-2)
+        inv = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+        return F.linear(flat, fn.float()).mul_(inv)
 
     def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = streams.shape[-2]
-        mixes = self._hc_mix(streams, fn, norm_eps)
+        streams_f = streams.float()
+        mixes = self._hc_mix(streams_f, fn, norm_eps)
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = base.float().split([n, n, n * n])
         scale = scale.float()
@@ -69,37 +72,43 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         for _ in range(sinkhorn_iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        collapsed = (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
-        return collapsed, post, comb
+        # sum_j pre_j * X_j as one batched [1, n] x [n, D] product per token
+        collapsed = torch.bmm(pre.reshape(-1, 1, n), streams_f.reshape(-1, n, streams.shape[-1]))
+        return collapsed.view(streams.shape[:-2] + streams.shape[-1:]).to(streams.dtype), post, comb
 
     def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        # X'_k = post_k * y + sum_j comb[j, k] * X_j
-        mixed = torch.matmul(comb.transpose(-1, -2), streams.float())
-        return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(streams.dtype)
+        # X'_k = post_k * y + sum_j comb[j, k] * X_j, as one baddbmm over all tokens
+        n, D = streams.shape[-2], streams.shape[-1]
+        outer = (post.unsqueeze(-1) * y.float().unsqueeze(-2)).reshape(-1, n, D)
+        mixed = torch.baddbmm(outer, comb.transpose(-1, -2).reshape(-1, n, n), streams.float().reshape(-1, n, D))
+        return mixed.view(streams.shape).to(streams.dtype)
 
     def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 eps: float, norm_eps: float) -> torch.Tensor:
-        mixes = self._hc_mix(streams, fn, norm_eps)
+        streams_f = streams.float()
+        mixes = self._hc_mix(streams_f, fn, norm_eps)
         pre = torch.sigmoid(mixes * scale.float() + base.float()) + eps
-        return (pre.unsqueeze(-1) * streams.float()).sum(dim=-2).to(streams.dtype)
+        return (pre.unsqueeze(-1) * streams_f).sum(dim=-2).to(streams.dtype)
 
     # ----- attention -----
     def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
                        sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        # Fused attention (SDPA, fp32 accumulation) with the sink as one extra key: its value row is
+        # zero and its logit is the per-head sink, given through the additive fp32 bias (q.0 = 0).
         B, S, H, d = q.shape
         L = kv.shape[1]
+        keys = torch.cat((kv, kv.new_zeros((B, 1, d))), dim=1).unsqueeze(1)  # [B, 1, L+1, d]
+        sink = sinks.float().view(1, H, 1)
         out = torch.empty_like(q)
-        kvf = kv.float()
-        sink = sinks.float().view(1, 1, H, 1)
         step = _row_chunks(S, B * H * (L + 1))
         for s0 in range(0, S, step):
-            qf = q[:, s0:s0 + step].float()
-            scores = torch.einsum("bshd,bld->bshl", qf, kvf) * scale
-            scores = scores.masked_fill(~mask[:, s0:s0 + step].unsqueeze(2), float("-inf"))
-            top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
-            p = torch.exp(scores - top)
-            denom = p.sum(dim=-1, keepdim=True) + torch.exp(sink - top)
-            out[:, s0:s0 + step] = torch.einsum("bshl,bld->bshd", p / denom, kvf).to(q.dtype)
+            m = mask[:, s0:s0 + step]
+            bias = torch.empty((B, H, m.shape[1], L + 1), dtype=torch.float32, device=q.device)
+            bias[..., :L] = torch.zeros((), device=q.device).masked_fill(~m, float("-inf")).unsqueeze(1)
+            bias[..., L] = sink
+            o = F.scaled_dot_product_attention(q[:, s0:s0 + step].transpose(1, 2), keys, keys, attn_mask=bias,
+                                               scale=scale, enable_gqa=True)
+            out[:, s0:s0 + step] = o.transpose(1, 2)
         return out
 
     def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
@@ -169,10 +178,18 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         return out
 
     def moe_combine(self, out_rows: torch.Tensor, plan: MoEDispatch, weights: torch.Tensor) -> torch.Tensor:
-        w = weights.float()[plan.source_token, plan.source_slot].unsqueeze(-1)
-        y = torch.zeros((plan.num_tokens, out_rows.shape[-1]), dtype=torch.float32, device=out_rows.device)
-        y.index_add_(0, plan.source_token, out_rows.float() * w)
-        return y
+        # Every token owns exactly k rows: gather them back into [T, k, D] order (a parallel copy,
+        # unlike index_add_) and weight-sum them with one batched [1, k] x [k, D] product.
+        T, k = plan.num_tokens, weights.shape[-1]
+        if out_rows.shape[0] != T * k:  # a subset of the choices (e.g. local experts only): scatter-add
+            w = weights.float()[plan.source_token, plan.source_slot].unsqueeze(-1)
+            y = torch.zeros((T, out_rows.shape[-1]), dtype=torch.float32, device=out_rows.device)
+            return y.index_add_(0, plan.source_token, out_rows.float() * w)
+        order = plan.source_token * k + plan.source_slot
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0], device=order.device)
+        rows = out_rows[inverse].float().view(T, k, -1)
+        return torch.bmm(weights.float().unsqueeze(1), rows).squeeze(1)
 
     # ----- sampling -----
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
