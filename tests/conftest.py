@@ -48,3 +48,16 @@ def clean_env(monkeypatch):
         if key.startswith("DEEPINFER_"):
             monkeypatch.delenv(key)
     return monkeypatch
+
+
+@pytest.fixture(autouse=True)
+def _restore_deepinfer_env():
+    """Code under test (e.g. the example applying the seeds' defaults) may set DEEPINFER_*
+    variables; none of them leaks into the next test."""
+    import os
+    saved = {k: v for k, v in os.environ.items() if k.startswith("DEEPINFER_")}
+    yield
+    for key in [k for k in os.environ if k.startswith("DEEPINFER_")]:
+        if key not in saved:
+            del os.environ[key]
+    os.environ.update(saved)

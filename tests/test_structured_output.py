@@ -440,3 +440,16 @@ def test_offline_inference_check_exits_non_zero_on_a_violation(tiny_checkpoint):
     assert "structured output check FAILED" in result.stderr
     assert "(regex): " in result.stderr and "does not fully match the regex '[a-z]{2}-[0-9]{3}'" in result.stderr
     assert "(json)" not in result.stderr  # only the injected violation is reported
+
+
+def test_end_to_end_bench_prints_one_row_per_constraint_and_batch(tiny_checkpoint, capsys):
+    """examples/structured_output_bench.py --end_to_end: output format only (no timing checked)."""
+    import structured_output_bench
+
+    assert structured_output_bench.main(["--end_to_end", str(tiny_checkpoint), "--pairs", "1", "--batches", "2",
+                                         "--prompt_tokens", "4", "--max_tokens", "3"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[0].startswith("| constraint | batch | decode steps |")
+    assert [row.split(" | ")[:2] for row in rows[1:]] == [["| json free strings", "2"], ["| regex (seed)", "2"]]
+    for row in rows[1:]:
+        assert len(row.strip("|").split(" | ")) == 9

