@@ -3,7 +3,8 @@
 This one file is the contract for feature plugins (speculative decoding, structured outputs,
 expert load balancing, ...). Hooks are control-plane only: registration, configuration,
 lifecycle, per-step scheduler events, and *contributing objects* (a logits processor, a draft
-proposer, an expert-placement policy) that the core then calls directly. Nothing per layer or
+proposer) that the core then calls directly. (The expert-placement hook arrives with the EPLB
+feature, together with the engine code that calls it.) Nothing per layer or
 per token goes through pluggy (a pluggy call costs ~1.7 µs).
 
 Conventions, as in pytest:
@@ -91,8 +92,3 @@ def deepinfer_draft_proposer(engine: Any, feature_config: Any) -> Any:
     Called once at start-up. firstresult: only one feature may own the slot, which the
     FeatureSpec's `slots` declares and start-up validation enforces.
     """
-
-
-@hookspec(firstresult=True)
-def deepinfer_expert_placement(engine: Any, feature_config: Any) -> Any:
-    """Contribute the expert-placement policy (slot `expert_placement`). Called once at start-up."""

@@ -41,14 +41,15 @@ class ParallelSizes:
         return self.dp // self.nodes
 
 
-def _env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+def env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
+    """An integer launcher variable (WORLD_SIZE, RANK, ...): `default` when unset, checked against `minimum`."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
     try:
         value = int(raw)
     except ValueError:
-        raise ParallelConfigError(f"{name}={raw!r} is not an integer") from None
+        raise ParallelConfigError(f"{name}={raw!r} is not an integer; set a whole number or unset it") from None
     if value < minimum:
         raise ParallelConfigError(f"{name}={value} must be >= {minimum}")
     return value
@@ -70,8 +71,8 @@ def resolve_parallel(ep: int | None, dp: int | None, cp: int, accelerator: str,
         raise ParallelConfigError(
             f"world size dp x cp = {dp} x {cp} = {world} must be divisible by --ep {ep}; "
             f"choose --dp so that dp x cp is a multiple of ep (without --dp, dp = ep // cp = {max(ep // cp, 1)})")
-    nodes = _env_int(env, "WORLD_SIZE", 1, 1)
-    node_rank = _env_int(env, "RANK", 0, 0)
+    nodes = env_int(env, "WORLD_SIZE", 1, 1)
+    node_rank = env_int(env, "RANK", 0, 0)
     if node_rank >= nodes:
         raise ParallelConfigError(f"RANK={node_rank} must be smaller than WORLD_SIZE={nodes}")
     if dp % nodes:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
+from _launch import env_int  # examples/ is on sys.path for every example
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -31,20 +33,6 @@ class Layout:
     @property
     def ep(self) -> int:
         return self.scale
-
-
-def _positive_int(env: Mapping[str, str], name: str, default: int, minimum: int = 1) -> int:
-    raw = env.get(name, "")
-    if raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; set it to the number of nodes "
-                         f"(WORLD_SIZE) or this node's index (RANK), or unset it") from None
-    if value < minimum:
-        raise ValueError(f"{name}={value} must be >= {minimum}")
-    return value
 
 
 def devices_per_node(accelerator: str, env: Mapping[str, str]) -> int:
@@ -71,8 +59,8 @@ def validate_cp(cp: int, scale: int, how: str = "") -> None:
 
 def resolve_layout(cp: int, accelerator: str, env: Mapping[str, str]) -> Layout:
     """Read WORLD_SIZE, RANK and CUDA_VISIBLE_DEVICES from `env` and check `--cp` against them."""
-    world = _positive_int(env, "WORLD_SIZE", 1)
-    rank = _positive_int(env, "RANK", 0, minimum=0)
+    world = env_int(env, "WORLD_SIZE", 1, 1)
+    rank = env_int(env, "RANK", 0, 0)
     if rank >= world:
         raise ValueError(f"RANK={rank} must be smaller than WORLD_SIZE={world}")
     per_node = devices_per_node(accelerator, env)
