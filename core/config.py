@@ -34,7 +34,9 @@ class EngineConfig(BaseModel):
     ep: int = Field(1, ge=1)
     dp: int = Field(1, ge=1)
     cp: int = Field(1, ge=1)
-    async_pipeline: bool = Field(True, description="prepare step N+1 on the host while step N runs")
+    async_pipeline: bool | None = Field(
+        None, description="prepare step N+1 on the host while step N runs; None (auto): on where the back end "
+                          "declares host_overlap (GPU, NPU), off on the cpu back end")
     sampler_force_topk: int | None = Field(None, ge=1, description="restrict sampling to the top-k logits first")
     features: dict[str, dict[str, Any]] = Field(default_factory=dict, description="[features.<name>] tables")
 

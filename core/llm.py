@@ -62,6 +62,7 @@ class LLM:
         else:
             self.config = load_config(explicit, config_file=config)
         self.engine, self.build_info = build_engine(self.config)
+        self.config = self.engine.config  # auto settings resolved
         if self.build_info.is_default_model:
             logger.warning("no model given: using the embedded default model (random weights) at %s",
                            self.build_info.model_path)

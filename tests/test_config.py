@@ -11,7 +11,7 @@ from deepinfer.config import EngineConfig, load_config, resolve_feature_configs
 def test_defaults(clean_env):
     cfg = load_config()
     assert cfg == EngineConfig()
-    assert cfg.gpu_memory_utilization == 0.85 and cfg.async_pipeline
+    assert cfg.gpu_memory_utilization == 0.85 and cfg.async_pipeline is None  # auto: per back end
 
 
 def test_precedence_arguments_over_env_over_file(clean_env, tmp_path):

@@ -287,13 +287,25 @@ def test_tiny_batch_of_32_with_preemption_equals_each_batch_of_one(tiny_model, o
     probe = _llm(tiny_model, async_pipeline=False)
     per_request = probe.build_info.pool.bytes_per_max_request
     probe.shutdown()
-    llm = _llm(tiny_model, max_num_batched_tokens=13, cache_memory_gb=2.5 * per_request / 2**30)
+    llm = _llm(tiny_model, max_num_batched_tokens=13, cache_memory_gb=2.5 * per_request / 2**30,
+               async_pipeline=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == reference
     assert sum(o.metrics.num_preemptions for o in outs) == llm.engine.scheduler.num_preemptions
     assert llm.engine.stats().slots_used == 0
     llm.shutdown()
+
+
+def test_async_pipeline_auto_follows_the_back_end(tiny_model, one_thread):
+    # auto (None) resolves from Capabilities.host_overlap: the cpu back end shares its cores with
+    # the host thread, so it runs synchronously unless asked; an explicit value always wins
+    auto = _llm(tiny_model)
+    assert auto.config.async_pipeline is False and auto.engine.worker is None
+    auto.shutdown()
+    forced = _llm(tiny_model, async_pipeline=True)
+    assert forced.config.async_pipeline is True and forced.engine.worker is not None
+    forced.shutdown()
 
 
 def test_tiny_async_on_off_identical_and_seq_seed_batch_invariant(tiny_model, one_thread):
@@ -318,7 +330,7 @@ def test_tiny_cache_budget_too_small_is_a_startup_error(tiny_model):
 
 
 def test_interrupted_generate_aborts_and_the_engine_stays_usable(tiny_model, one_thread):
-    llm = _llm(tiny_model)
+    llm = _llm(tiny_model, async_pipeline=True)
     expected = llm.generate(["abc", "def"], GREEDY, use_tqdm=False)
     engine = llm.engine
     real_step, calls = engine.step, []

@@ -329,7 +329,8 @@ def tiny_checkpoint(tmp_path_factory):
 def llm(tiny_checkpoint):
     from deepinfer import LLM
 
-    engine = LLM(model=str(tiny_checkpoint), accelerator="cpu", dtype="float32", max_num_seqs=8, max_model_len=256)
+    engine = LLM(model=str(tiny_checkpoint), accelerator="cpu", dtype="float32", max_num_seqs=8, max_model_len=256,
+                 async_pipeline=True)  # the pipeline path with real grammars (the cpu default is sync)
     yield engine
     engine.shutdown()  # joins the async worker before the interpreter exits
 

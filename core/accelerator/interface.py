@@ -51,6 +51,10 @@ class Capabilities(BaseModel):
     rejection_sampling: bool = False  # rejection_sample is implemented (speculative decoding)
     graph_capture: bool = False  # decode steps can be captured as a device graph
     fp8_weights: bool = False  # FP8 block-scaled weights are used without dequantisation
+    # The forward runs on cores the host thread does not use, so preparing step N+1 while step N
+    # runs (the async pipeline) gains time. False on the cpu back end: there the two threads share
+    # the cores, and libgomp's second thread pool throttles every parallel region (docs/engine.md).
+    host_overlap: bool = True
     collectives: str = "none"  # torch.distributed backend: "gloo", "nccl", "hccl", "none"
     fast_paths: tuple[str, ...] = ()  # vendor libraries active on this machine (e.g. "flash_mla")
 

@@ -63,6 +63,8 @@ def cache_budget(config: EngineConfig, free_bytes: int, weight_bytes: int, reser
 
 
 def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
+    """Build the engine for `config`. Settings left on auto are resolved here; the returned engine's
+    `config` holds the resolved values."""
     from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint
     from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from deepinfer.models.interface import allocate_cache_tensors
@@ -75,6 +77,8 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
                          f"(ep = dp = cp = 1) until expert/data/context parallelism lands")
     accelerator = select_accelerator(config.accelerator)
     device = accelerator.device(0)
+    if config.async_pipeline is None:
+        config = config.model_copy(update={"async_pipeline": accelerator.capabilities().host_overlap})
     free_bytes = accelerator.memory_info().free_bytes  # before the weights are loaded
 
     t0 = time.perf_counter()

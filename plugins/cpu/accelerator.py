@@ -66,7 +66,7 @@ class CpuAccelerator(TorchDistributedCollectives, CpuKernels, Accelerator):
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"),
                             token_bitmask=True, rejection_sampling=True, graph_capture=False,
-                            collectives="gloo")
+                            host_overlap=False, collectives="gloo")
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
