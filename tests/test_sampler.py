@@ -35,8 +35,10 @@ def test_greedy_is_argmax(sampler):
     x = logits(4)
     out = sampler(x, meta(4, temperature=0.0))
     assert out.token_ids.tolist() == x.argmax(-1).tolist()
-    assert out.ranks.tolist() == [1, 1, 1, 1] and not out.dead.any()
+    assert out.ranks is None and not out.dead.any()  # ranks only when a row asks for logprobs
     torch.testing.assert_close(out.logprobs, torch.log_softmax(x, -1).max(-1).values)
+    ranked = sampler(x, meta(4, temperature=0.0, logprobs=0))
+    assert ranked.ranks.tolist() == [1, 1, 1, 1] and ranked.top_ids is None
 
 
 def test_top_k_1_is_greedy(sampler):

@@ -124,6 +124,12 @@ class SmallOps(_Interface):
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """`x @ weight.T`; x `[..., in]`, weight `[out, in]`; result in x's dtype."""
 
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """Per-group `x[:, g] @ weight[g].T`; x `[T, G, in]`, weight `[G, out, in]` -> `[T, G, out]`
+        (the attention output's grouped low-rank projection). Optional: this default runs one
+        `linear` per group; a back end overrides it with one batched product."""
+        return torch.stack([self.linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
+
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         """RMSNorm over the last dim, computed in fp32, cast back to x's dtype once.

@@ -55,7 +55,7 @@ class SamplingMetadata:
 class SamplerOutput:
     token_ids: torch.Tensor  # [L] int64; -1 for a dead row
     logprobs: torch.Tensor  # [L] fp32, raw log-probability of the sampled token (0 for dead rows)
-    ranks: torch.Tensor  # [L] int64, rank of the sampled token in the raw distribution (1 = top)
+    ranks: torch.Tensor | None  # [L] int64, rank of the sampled token in the raw distribution (1 = top); None when no row asks for logprobs
     dead: torch.Tensor  # [L] bool: every token was masked
     top_ids: torch.Tensor | None = None  # [L, K] the K most likely tokens (raw distribution)
     top_logprobs: torch.Tensor | None = None  # [L, K]
@@ -109,25 +109,33 @@ class Sampler:
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Raw-distribution statistics of chosen `tokens` `[L]` (-1 = none): (log-probability,
         rank (1 = most likely), and the top-k ids and log-probabilities when a row asks for them)."""
-        raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        token_logprobs = raw_logprobs.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
-        ranks = (raw_logprobs > token_logprobs.unsqueeze(1)).sum(dim=1) + 1
+        # Passes over [L, V] are what this costs at large batches (the vocabulary is 129k): the
+        # chosen token's log-probability needs only the log-normaliser; ranks and top-k are
+        # computed when some row asks for logprobs.
+        logits = logits.float()
+        token_logits = logits.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
+        log_norm = torch.logsumexp(logits, dim=-1)
+        token_logprobs = token_logits - log_norm
+        if all(n is None for n in meta.num_logprobs):
+            return token_logprobs, None, None, None
+        ranks = (logits > token_logits.unsqueeze(1)).sum(dim=1) + 1
         k = max((n for n in meta.num_logprobs if n), default=0)
         if not k:
             return token_logprobs, ranks, None, None
-        top_logprobs, top_ids = raw_logprobs.topk(min(k, logits.shape[1]), dim=-1)
-        return token_logprobs, ranks, top_ids, top_logprobs
+        top_logits, top_ids = logits.topk(min(k, logits.shape[1]), dim=-1)
+        return token_logprobs, ranks, top_ids, top_logits - log_norm.unsqueeze(1)
 
     def _prepare(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None):
         """Masked logits, dead rows, and the alive rows split by how they are drawn."""
         num_rows = logits.shape[0]
-        masked = logits.clone()
+        constrained = bitmask is not None or bool(meta.banned)
+        masked = logits.clone() if constrained else logits  # unconstrained rows are never all -inf
         for row, ids in meta.banned:
             masked[row, ids] = float("-inf")
         if bitmask is not None:
             self.accelerator.apply_token_bitmask(masked, bitmask)
-        dead = torch.isneginf(masked.max(dim=-1).values) if num_rows else \
-            torch.zeros(0, dtype=torch.bool, device=logits.device)
+        dead = torch.isneginf(masked.max(dim=-1).values) if constrained and num_rows else \
+            torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
         alive = [i for i, d in enumerate(dead.tolist()) if not d]
         greedy = [i for i in alive if meta.temperature[i] == 0 or meta.top_k[i] == 1]
         # Rows that need a sorted candidate list are drawn separately from those that do not, so a

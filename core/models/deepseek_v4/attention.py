@@ -16,7 +16,10 @@ from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
-from deepinfer.models.deepseek_v4.weights import strip_prefix
+from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, split_fused, strip_prefix
+
+_X_PROJECTIONS = FUSED_PROJECTIONS["attn.fused_x.weight"]
+_QR_PROJECTIONS = FUSED_PROJECTIONS["attn.fused_qr.weight"]
 
 
 @dataclass
@@ -33,7 +36,8 @@ class AttentionState:
 class Attention:
     def __init__(self, config: DeepseekV4Config, layer_type: str, weights: dict[str, torch.Tensor],
                  accel: Accelerator):
-        """`weights`: this block's tensors under official names relative to `attn.`."""
+        """`weights`: this block's tensors under official names relative to `attn.`, plus the fused
+        projections `fused_x.weight` and `fused_qr.weight` (weights.fuse_rows)."""
         self.c, self.accel, self.type = config, accel, layer_type
         self.w = weights
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
@@ -58,19 +62,24 @@ class Attention:
         T, H, d, eps = x.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
         cos, sin = cos_sin[self.rope_kind]
 
-        qr = a.rms_norm(a.linear(x, w["wq_a.weight"]), w["q_norm.weight"], eps)
-        q = a.rms_norm(a.linear(qr, w["wq_b.weight"]).view(T, H, d), None, eps)
+        # one GEMV over the fused projections of x (weights.FUSED_PROJECTIONS), then of qr
+        px = split_fused(a.linear(x, w["fused_x.weight"]), w, _X_PROJECTIONS, "attn.")
+        qr = a.rms_norm(px["wq_a.weight"], w["q_norm.weight"], eps)
+        pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), w, _QR_PROJECTIONS, "attn.")
+        q = a.rms_norm(pqr["wq_b.weight"].reshape(T, H, d), None, eps)
         q = a.rotary(q, cos, sin, False)
-        kv = a.rotary(a.rms_norm(a.linear(x, w["wkv.weight"]), w["kv_norm.weight"], eps), cos, sin, False)
+        kv = a.rotary(a.rms_norm(px["wkv.weight"], w["kv_norm.weight"], eps), cos, sin, False)
 
         if self.compressor is not None:
-            self.compressor.update(x, plan, rope, st.rows[0], st.rows[1], st.entries)
+            self.compressor.update(px["compressor.wkv.weight"], px["compressor.wgate.weight"], plan, rope,
+                                   st.rows[0], st.rows[1], st.entries)
         index_q = index_w = None
         if self.indexer_compressor is not None:
-            self.indexer_compressor.update(x, plan, rope, st.indexer_rows[0], st.indexer_rows[1], st.indexer_keys)
+            self.indexer_compressor.update(px["indexer.compressor.wkv.weight"], px["indexer.compressor.wgate.weight"],
+                                           plan, rope, st.indexer_rows[0], st.indexer_rows[1], st.indexer_keys)
             Hi, di = c.index_n_heads, c.index_head_dim
-            index_q = a.rotary(a.linear(qr, w["indexer.wq_b.weight"]).view(T, Hi, di), *cos_sin["compress"], False)
-            index_w = a.linear(x, w["indexer.weights_proj.weight"]).float() * (Hi ** -0.5 * di ** -0.5)
+            index_q = a.rotary(pqr["indexer.wq_b.weight"].reshape(T, Hi, di), *cos_sin["compress"], False)
+            index_w = px["indexer.weights_proj.weight"].float() * (Hi ** -0.5 * di ** -0.5)
 
         window_flat = st.window.view(-1, d)
         out = torch.zeros_like(q)
@@ -91,9 +100,8 @@ class Attention:
         window_flat[write.ring_row] = kv[write.rows]
 
         o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
-        wo_a = w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
-        grouped = torch.cat([a.linear(o[:, i], wo_a[i]) for i in range(c.o_groups)], dim=-1)
-        return a.linear(grouped, w["wo_b.weight"])
+        grouped = a.grouped_linear(o, w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1))
+        return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
 
     def _selected_entries(self, g, ev, index_q: torch.Tensor, index_w: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:

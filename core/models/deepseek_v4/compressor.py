@@ -19,16 +19,16 @@ class Compressor:
     def __init__(self, accel: Accelerator, weights: dict[str, torch.Tensor], rate: int, overlap: bool,
                  out_dim: int, eps: float):
         self.accel, self.rate, self.overlap, self.out_dim, self.eps = accel, rate, overlap, out_dim, eps
-        self.wkv, self.wgate = weights["wkv.weight"], weights["wgate.weight"]
         self.ape, self.norm = weights["ape"], weights["norm.weight"]
 
-    def update(self, x: torch.Tensor, plan: StepPlan, rope: RotaryTables, rows_kv: torch.Tensor,
-               rows_score: torch.Tensor, entries: torch.Tensor) -> None:
-        """x `[T, D]` attention input; rows_* `[num_slots, Rc, coff*d_c]` fp32 (this layer);
+    def update(self, kv: torch.Tensor, score: torch.Tensor, plan: StepPlan, rope: RotaryTables,
+               rows_kv: torch.Tensor, rows_score: torch.Tensor, entries: torch.Tensor) -> None:
+        """kv, score `[T, coff*d_c]`: the attention input times `wkv` and `wgate` (computed by the
+        caller in one fused projection); rows_* `[num_slots, Rc, coff*d_c]` fp32 (this layer);
         entries `[num_entries, d_c]` (this layer's block-group tensor)."""
         a = self.accel
-        kv = a.linear(x, self.wkv).float()
-        score = a.linear(x, self.wgate).float() + self.ape[plan.positions % self.rate]
+        kv = kv.float()
+        score = score.float() + self.ape[plan.positions % self.rate]
         ring = rows_kv.shape[1]
         flat_kv, flat_score = rows_kv.view(-1, rows_kv.shape[-1]), rows_score.view(-1, rows_score.shape[-1])
         cp = plan.compress_plan(self.rate, ring, self.overlap)

@@ -32,7 +32,8 @@ class MoE:
         self.w13, self.w2 = weights["experts.w13"], weights["experts.w2"]
         self.shared = None
         if config.n_shared_experts:
-            self.shared = tuple(weights[f"shared_experts.{n}.weight"] for n in ("w1", "w3", "w2"))
+            # w1 and w3 fused into one [2I, D] matrix at load (weights.FUSED_PROJECTIONS)
+            self.shared = (weights["fused_shared.weight"], weights["shared_experts.w2.weight"])
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         a, c = self.accel, self.c
@@ -42,7 +43,9 @@ class MoE:
         rows, dispatch = a.moe_dispatch(x, ids, c.n_routed_experts)
         y = a.moe_combine(a.moe_experts(rows, dispatch, self.w13, self.w2, c.swiglu_limit), dispatch, weights)
         if self.shared is not None:
-            w1, w3, w2 = self.shared
-            h = a.swiglu(a.linear(x, w1), a.linear(x, w3), c.swiglu_limit)
+            w13, w2 = self.shared
+            gate_up = a.linear(x, w13)
+            inter = w2.shape[1]
+            h = a.swiglu(gate_up[..., :inter], gate_up[..., inter:], c.swiglu_limit)
             y = y + a.linear(h, w2).float()
         return y.to(x.dtype)
