@@ -47,3 +47,37 @@ def test_grouped_linear_matches_one_linear_per_group(dtype, rows):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert got.shape == (rows, 4, 8) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+def _attention_definition(q, kv, mask, sinks, scale):
+    """Softmax over the visible keys plus one sink logit per head (which takes mass, adds no value)."""
+    B, S, H, d = q.shape
+    logits = torch.einsum("bshd,bld->bshl", q.double(), kv.double()) * scale
+    logits = logits.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    full = torch.cat((logits, sinks.double().view(1, 1, H, 1).expand(B, S, H, 1)), dim=-1)
+    return torch.einsum("bshl,bld->bshd", torch.softmax(full, dim=-1)[..., :-1], kv.double())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("queries", [1, 3, 40])  # decode-sized bmm path and the prefill paths
+@pytest.mark.parametrize("flash_lse", [True, False])  # prefill: sink from the log-sum-exp, or as a key
+def test_sink_attention_paths_match_the_definition(dtype, queries, flash_lse, monkeypatch):
+    from deepinfer_plugins.cpu import kernels
+
+    if not flash_lse:
+        monkeypatch.setattr(kernels, "_FLASH_WITH_LSE", None)
+    elif kernels._FLASH_WITH_LSE is None:
+        pytest.skip("this torch build has no flash attention op that returns the log-sum-exp")
+    k, g = CpuKernels(), torch.Generator().manual_seed(queries)
+    B, H, d, L = 3, 4, 16, 50
+    q = torch.randn(B, queries, H, d, generator=g).to(dtype)
+    kv = torch.randn(B, L, d, generator=g).to(dtype)
+    mask = torch.rand(B, queries, L, generator=g) > 0.3
+    mask[0, 0] = False  # a query that sees no key: all its mass goes to the sink, output 0
+    sinks = torch.randn(H, generator=g)
+    got = k.sink_attention(q, kv, mask, sinks, d ** -0.5)
+    want = _attention_definition(q, kv, mask, sinks, d ** -0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.shape == q.shape and got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    assert got[0, 0].abs().max() == 0

@@ -1,4 +1,5 @@
-"""The CPU reference back end: plain PyTorch kernels (kernels.py) plus device, memory and gloo.
+"""The CPU reference back end: plain PyTorch kernels (kernels.py), with the element-wise ones fused in
+C where a compiler is available (native_kernels.py), plus device, memory and gloo.
 
 It runs everywhere and is the numerical oracle for every other back end (the conformance kit
 compares against it)."""
@@ -10,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
-from deepinfer_plugins.cpu.kernels import CpuKernels
+from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
 
 def _meminfo() -> MemoryInfo:
@@ -52,7 +53,7 @@ class TorchDistributedCollectives:
         return out
 
 
-class CpuAccelerator(TorchDistributedCollectives, CpuKernels, Accelerator):
+class CpuAccelerator(TorchDistributedCollectives, NativeCpuKernels, Accelerator):
     name = "cpu"
     package = "deepinfer"
 
@@ -66,7 +67,8 @@ class CpuAccelerator(TorchDistributedCollectives, CpuKernels, Accelerator):
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"),
                             token_bitmask=True, rejection_sampling=True, graph_capture=False,
-                            host_overlap=False, collectives="gloo")
+                            host_overlap=False, collectives="gloo",
+                            fast_paths=("native_c",) if self.native_library is not None else ())
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

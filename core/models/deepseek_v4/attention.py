@@ -15,7 +15,7 @@ from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.rope import RotaryTables
-from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.models.deepseek_v4.state import StepPlan, take_rows
 from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, split_fused, strip_prefix
 
 _X_PROJECTIONS = FUSED_PROJECTIONS["attn.fused_x.weight"]
@@ -84,16 +84,17 @@ class Attention:
         window_flat = st.window.view(-1, d)
         out = torch.zeros_like(q)
         for gi, g in enumerate(plan.groups):
-            keys = torch.where(g.key_is_new.unsqueeze(-1), kv[g.key_new_row], window_flat[g.key_ring_row])
+            keys = torch.where(g.key_is_new.unsqueeze(-1), take_rows(kv, g.key_new_row),
+                               take_rows(window_flat, g.key_ring_row))
             mask = g.window_mask
             if self.rate:
                 ev = plan.entry_view(gi, self.rate)
                 if self.type == CSA:
                     ckeys, cmask = self._selected_entries(g, ev, index_q, index_w)
                 else:
-                    ckeys, cmask = st.entries[ev.flat], ev.visible
+                    ckeys, cmask = take_rows(st.entries, ev.flat), ev.visible
                 keys, mask = torch.cat((keys, ckeys), dim=1), torch.cat((mask, cmask), dim=2)
-            o = a.sink_attention(q[g.rows], keys, mask, w["attn_sink"], d ** -0.5)
+            o = a.sink_attention(take_rows(q, g.rows), keys, mask, w["attn_sink"], d ** -0.5)
             out[g.rows[g.q_valid]] = o[g.q_valid]
 
         write = plan.ring_write(st.window.shape[1])
@@ -107,14 +108,15 @@ class Attention:
                           ) -> tuple[torch.Tensor, torch.Tensor]:
         """Indexer top-k per query, then the union of the picks of each item as its key set."""
         st = self.state
-        sel = self.accel.indexer_topk(index_q[g.rows], index_w[g.rows], st.indexer_keys[ev.flat], ev.visible,
-                                      self.c.index_topk)  # [B, S, k], -1 = none
+        # [B, S, k], -1 = none
+        sel = self.accel.indexer_topk(take_rows(index_q, g.rows), take_rows(index_w, g.rows),
+                                      take_rows(st.indexer_keys, ev.flat), ev.visible, self.c.index_topk)
         B, S, E = ev.visible.shape
         if E == 0:
             return st.entries.new_zeros((B, 0, st.entries.shape[-1])), ev.visible
         if S == 1:  # decode: the picks themselves are the key set
             picks = sel[:, 0]
-            return st.entries[ev.flat.gather(1, picks.clamp(min=0))], (picks >= 0).unsqueeze(1)
+            return take_rows(st.entries, ev.flat.gather(1, picks.clamp(min=0))), (picks >= 0).unsqueeze(1)
         picked = torch.zeros((B, S, E + 1), dtype=torch.bool, device=sel.device)
         picked.scatter_(2, torch.where(sel >= 0, sel, E), True)
         picked = picked[..., :E] & g.q_valid.unsqueeze(-1)
@@ -123,6 +125,6 @@ class Attention:
         U = int(counts.max()) if B else 0
         order = torch.argsort((~used).to(torch.int8), dim=1, stable=True)[:, :U]  # used entries first
         u_valid = torch.arange(U, device=sel.device) < counts.unsqueeze(1)
-        keys = st.entries[ev.flat.gather(1, order)]
+        keys = take_rows(st.entries, ev.flat.gather(1, order))
         mask = picked.gather(2, order.unsqueeze(1).expand(B, S, U)) & u_valid.unsqueeze(1)
         return keys, mask

@@ -12,7 +12,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.deepseek_v4.rope import RotaryTables
-from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.models.deepseek_v4.state import StepPlan, take_rows
 
 
 class Compressor:
@@ -34,8 +34,8 @@ class Compressor:
         cp = plan.compress_plan(self.rate, ring, self.overlap)
         if cp.num_windows:
             new = cp.is_new.unsqueeze(-1)
-            src_kv = torch.where(new, kv[cp.new_row], flat_kv[cp.ring_row])
-            src_score = torch.where(new, score[cp.new_row], flat_score[cp.ring_row])
+            src_kv = torch.where(new, take_rows(kv, cp.new_row), take_rows(flat_kv, cp.ring_row))
+            src_score = torch.where(new, take_rows(score, cp.new_row), take_rows(flat_score, cp.ring_row))
             if self.overlap:  # previous window's Ca (first half of channels), own window's Cb
                 m, d = self.rate, self.out_dim
                 src_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)

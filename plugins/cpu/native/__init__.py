@@ -1,0 +1,208 @@
+"""Build, cache and call the fused C kernels of the cpu back end (kernels.c next to this file).
+
+`library()` compiles kernels.c once with the system C compiler (`$CC`, else `cc`) into
+`$DEEPINFER_CACHE_DIR/cpu_native/` (default ~/.cache/deepinfer/cpu_native/), under a name keyed by
+the source, the compiler's version and the flags, and loads it with ctypes. Without a working
+compiler it logs one warning and returns None: the pure-torch kernels are used instead.
+
+The wrappers below take torch tensors and return new ones, or None when the input is outside what
+the C code handles (device, dtype, layout), so the caller falls back to the reference kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+# torch first: its libgomp.so.1 is then already loaded, and the loader resolves the library's
+# libgomp.so.1 dependency to that copy (two OpenMP runtimes would oversubscribe the cores).
+import torch
+
+from deepinfer import envs
+
+logger = logging.getLogger("deepinfer")
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp")
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_PROTOTYPES = {
+    "rms_norm": (_p, _l, _p, _i, _p, _l, _l, _f, _i, _i),
+    "rotary": (_p, _l, _l, _p, _p, _p, _l, _l, _l, _l, _i, _i, _i),
+    "hc_pre": (_p, _p, _p, _p, _p, _p, _p, _l, _l, _l, _i, _f, _f, _i, _i),
+    "hc_post": (_p, _i, _p, _p, _p, _p, _l, _l, _l, _i, _i),
+}
+
+
+def enabled() -> bool:
+    """False when DEEPINFER_CPU_NATIVE=0 asks for the pure-torch kernels."""
+    raw = (envs.get("DEEPINFER_CPU_NATIVE", "1") or "1").strip().lower()
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"DEEPINFER_CPU_NATIVE={raw!r} is not a boolean; use 1 (native C kernels) or 0 (pure torch)")
+
+
+def cache_dir() -> Path:
+    configured = envs.get("DEEPINFER_CACHE_DIR")
+    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "deepinfer"
+    return root / "cpu_native"
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC") or "cc")
+
+
+def _compile(target: Path, compiler: list[str]) -> None:
+    """Compile to a temporary name in the cache folder, then rename: processes building at the
+    same time each produce a complete file and the last rename wins."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        out = subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                             timeout=120)
+        if out.returncode != 0:
+            raise RuntimeError((out.stderr or out.stdout).strip() or f"exit status {out.returncode}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build() -> Path:
+    compiler = _compiler()
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
+    if version.returncode != 0:
+        raise RuntimeError(f"`{' '.join(compiler)} --version` failed: {(version.stderr or version.stdout).strip()}")
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.stdout.encode(), " ".join(FLAGS).encode(),
+                                      " ".join(compiler).encode()])).hexdigest()[:16]
+    target = cache_dir() / f"kernels-{key}.so"
+    if not target.exists():
+        _compile(target, compiler)
+    return target
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, argtypes in _PROTOTYPES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (one warning) when they cannot be built or loaded."""
+    try:
+        return _load(_build())
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        logger.warning("deepinfer: the native C kernels of the cpu back end are unavailable, the slower pure-torch "
+                       "kernels are used instead. Building %s with `%s` failed: %s. Fix: install a C compiler "
+                       "with OpenMP support (e.g. `apt-get install gcc`) or point $CC at one; set "
+                       "DEEPINFER_CPU_NATIVE=0 to silence this warning.", SOURCE, " ".join(_compiler()), exc)
+        return None
+
+
+def active_library() -> ctypes.CDLL | None:
+    """The library when enabled (DEEPINFER_CPU_NATIVE) and buildable, else None."""
+    return library() if enabled() else None
+
+
+# ----- tensor wrappers: None means "not handled here, use the reference kernel" -----
+# Decode calls are a few microseconds, so the checks below use the cheapest tensor queries.
+
+def _code(t: torch.Tensor) -> int | None:
+    return _DTYPE_CODES.get(t.dtype) if t.is_cpu and not t.requires_grad else None
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.float32 and t.is_contiguous() else t.detach().float().contiguous()
+
+
+def _new(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    dtype = _code(x)
+    if dtype is None or x.dim() == 0 or x.numel() == 0:
+        return None
+    D = x.shape[-1]
+    if weight is not None and (weight.shape != (D,) or _code(weight) is None):
+        return None
+    flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, D)  # a 2-D row view keeps its stride
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = _new(x)
+    if weight is None:
+        lib.rms_norm(flat.data_ptr(), flat.stride(0), None, 0, out.data_ptr(), flat.shape[0], D, eps, dtype,
+                     torch.get_num_threads())
+    else:
+        w = weight.contiguous()
+        lib.rms_norm(flat.data_ptr(), flat.stride(0), w.data_ptr(), _DTYPE_CODES[w.dtype], out.data_ptr(),
+                     flat.shape[0], D, eps, dtype, torch.get_num_threads())
+    return out
+
+
+def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           inverse: bool) -> torch.Tensor | None:
+    dtype = _code(x)
+    if dtype is None or x.dim() < 2 or cos.dim() != 2 or cos.shape != sin.shape or not cos.is_cpu:
+        return None
+    T, half, d = x.shape[0], cos.shape[1], x.shape[-1]
+    if cos.shape[0] != T or half == 0 or 2 * half > d or x.numel() == 0:
+        return None  # broadcasting tables and odd shapes stay with the reference
+    view = x.unsqueeze(1) if x.dim() == 2 else x.flatten(1, -2)  # [T, M, d], a view where possible
+    if view.stride(-1) != 1:
+        view = view.contiguous()
+    c, s = _f32(cos), _f32(sin)
+    out = _new(x)
+    lib.rotary(view.data_ptr(), view.stride(0), view.stride(1), c.data_ptr(), s.data_ptr(), out.data_ptr(),
+               T, view.shape[1], d, half, int(inverse), dtype, torch.get_num_threads())
+    return out
+
+
+def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           sinkhorn_iters: int, eps: float, norm_eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    dtype = _code(streams)
+    if dtype is None or streams.dim() != 3 or streams.numel() == 0:
+        return None
+    T, n, D = streams.shape
+    mixes = n * (n + 2)
+    if fn.shape != (mixes, n * D) or base.numel() != mixes or scale.numel() < 3:
+        return None
+    if not (fn.is_cpu and base.is_cpu and scale.is_cpu):
+        return None
+    s = streams.contiguous()
+    f, b, sc = _f32(fn), _f32(base), _f32(scale)
+    collapsed = torch.empty((T, D), dtype=streams.dtype)
+    post = torch.empty((T, n), dtype=torch.float32)
+    comb = torch.empty((T, n, n), dtype=torch.float32)
+    lib.hc_pre(s.data_ptr(), f.data_ptr(), b.data_ptr(), sc.data_ptr(), collapsed.data_ptr(), post.data_ptr(),
+               comb.data_ptr(), T, n, D, sinkhorn_iters, eps, norm_eps, dtype, torch.get_num_threads())
+    return collapsed, post, comb
+
+
+def hc_post(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor | None:
+    dtype, y_dtype = _code(streams), _code(y)
+    if dtype is None or y_dtype is None or streams.dim() != 3 or streams.numel() == 0:
+        return None
+    T, n, D = streams.shape
+    if y.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n) or not (post.is_cpu and comb.is_cpu):
+        return None
+    s, yc, p, c = streams.contiguous(), y.contiguous(), _f32(post), _f32(comb)
+    out = _new(s)
+    lib.hc_post(yc.data_ptr(), y_dtype, s.data_ptr(), p.data_ptr(), c.data_ptr(), out.data_ptr(), T, n, D, dtype,
+                torch.get_num_threads())
+    return out

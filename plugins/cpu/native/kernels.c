@@ -1,0 +1,329 @@
+/* Fused element-wise kernels of the cpu back end (rms_norm, rotary, hc_pre, hc_post).
+ *
+ * Each function does in one pass over memory what CpuKernels (kernels.py, the reference) does in
+ * many torch ops: one call costs microseconds at decode sizes instead of tens of op dispatches.
+ * Plain C, no torch headers; called through ctypes (native.py builds and loads this file).
+ *
+ * Conventions: row-major inputs, the last dimension contiguous; `dtype` 0 = fp32, 1 = bf16 (bf16 is
+ * stored as uint16_t). All arithmetic is fp32. bf16 results are rounded to nearest-even exactly like
+ * torch. Rows are split over OpenMP threads (the same libgomp as torch) when there is enough work.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DT_F32 0
+#define DT_BF16 1
+
+/* Below this many elements of work a call stays on the calling thread (fork/join costs more). */
+#define PARALLEL_MIN_WORK 65536L
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet_nan = (u >> 16) | 0x40u; /* rounding could carry a NaN's payload into Inf */
+    return (uint16_t)(((u & 0x7FFFFFFFu) > 0x7F800000u) ? quiet_nan : rounded);
+}
+
+/* n values of `src` (fp32 or bf16) -> fp32 `dst` */
+static void load_row(const void *src, int dtype, float *restrict dst, long n) {
+    if (dtype == DT_BF16) {
+        const uint16_t *restrict s = (const uint16_t *)src;
+        for (long i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* n fp32 values -> `dst` in `dtype` */
+static void store_row(const float *restrict src, void *dst, int dtype, long n) {
+    if (dtype == DT_BF16) {
+        uint16_t *restrict d = (uint16_t *)dst;
+        for (long i = 0; i < n; i++) d[i] = float_to_bf16(src[i]);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+static inline size_t elem_size(int dtype) { return dtype == DT_BF16 ? 2 : 4; }
+
+static float sum_squares(const float *restrict x, long n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (long i = 0; i < n; i++) s += x[i] * x[i];
+    return s;
+}
+
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* ----- rms_norm: y = x * rsqrt(mean(x^2) + eps) [* w], in x's dtype ----- */
+
+void rms_norm(const void *x, long x_row_stride, const void *w, int w_dtype, void *out, long rows, long D,
+              float eps, int dtype, int num_threads) {
+    const size_t es = elem_size(dtype);
+#pragma omp parallel num_threads(num_threads) if (rows * D > PARALLEL_MIN_WORK && rows > 1)
+    {
+        float *row = malloc((size_t)D * sizeof(float));
+        float *wf = NULL;
+        if (w) {
+            wf = malloc((size_t)D * sizeof(float));
+            load_row(w, w_dtype, wf, D);
+        }
+#pragma omp for schedule(static)
+        for (long r = 0; r < rows; r++) {
+            load_row((const char *)x + (size_t)r * x_row_stride * es, dtype, row, D);
+            const float inv = 1.0f / sqrtf(sum_squares(row, D) / (float)D + eps);
+            if (wf) {
+                for (long i = 0; i < D; i++) row[i] = (row[i] * inv) * wf[i];
+            } else {
+                for (long i = 0; i < D; i++) row[i] = row[i] * inv;
+            }
+            store_row(row, (char *)out + (size_t)r * D * es, dtype, D);
+        }
+        free(wf);
+        free(row);
+    }
+}
+
+/* ----- rotary: the last 2*half features as interleaved (even, odd) pairs, rotated per token -----
+ * x [T, M, d] with strides (x_stride_t, x_stride_m, 1); out contiguous [T, M, d]; cos/sin fp32
+ * [T, half], the same for all M middle rows; `inverse` rotates by -angle. */
+
+void rotary(const void *x, long x_stride_t, long x_stride_m, const float *cos_t, const float *sin_t, void *out,
+            long T, long M, long d, long half, int inverse, int dtype, int num_threads) {
+    const size_t es = elem_size(dtype);
+    const long r = 2 * half, keep = d - r;
+    const float sign = inverse ? -1.0f : 1.0f;
+#pragma omp parallel num_threads(num_threads) if (T * M * d > PARALLEL_MIN_WORK && T > 1)
+    {
+        float *pairs = malloc((size_t)(r > 0 ? r : 1) * sizeof(float));
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            const float *restrict c = cos_t + t * half;
+            const float *restrict s = sin_t + t * half;
+            for (long m = 0; m < M; m++) {
+                const char *src = (const char *)x + (size_t)(t * x_stride_t + m * x_stride_m) * es;
+                char *dst = (char *)out + (size_t)((t * M + m) * d) * es;
+                memcpy(dst, src, (size_t)keep * es); /* the non-rotary features, unchanged */
+                load_row(src + (size_t)keep * es, dtype, pairs, r);
+                for (long i = 0; i < half; i++) {
+                    const float e = pairs[2 * i], o = pairs[2 * i + 1];
+                    const float ci = c[i], si = sign * s[i];
+                    pairs[2 * i] = e * ci - o * si;
+                    pairs[2 * i + 1] = o * ci + e * si;
+                }
+                store_row(pairs, dst + (size_t)keep * es, dtype, r);
+            }
+        }
+        free(pairs);
+    }
+}
+
+/* ----- hc_pre: mHC mixing weights and the collapsed input of one unit, per token -----
+ * streams [T, n, D]; fn [n*(n+2), n*D] fp32; base [n*(n+2)] fp32; scale [3] fp32.
+ * Outputs: collapsed [T, D] (streams' dtype), post [T, n] fp32, comb [T, n, n] fp32. */
+
+/* Token rows that share one pass over fn (fn is read once per block instead of once per row). */
+#define HC_ROW_BLOCK 4
+
+static void hc_mixing(const float *restrict mix, const float *restrict base, const float *restrict scale, long n,
+                      int sinkhorn_iters, float eps, float *restrict pre, float *restrict post,
+                      float *restrict comb) {
+    for (long j = 0; j < n; j++) {
+        pre[j] = sigmoid(mix[j] * scale[0] + base[j]) + eps;
+        post[j] = 2.0f * sigmoid(mix[n + j] * scale[1] + base[n + j]);
+    }
+    /* comb = softmax over each row of the n x n block, plus eps */
+    for (long i = 0; i < n; i++) {
+        float *row = comb + i * n;
+        float mx = -INFINITY;
+        for (long k = 0; k < n; k++) {
+            row[k] = mix[2 * n + i * n + k] * scale[2] + base[2 * n + i * n + k];
+            mx = row[k] > mx ? row[k] : mx;
+        }
+        float total = 0.0f;
+        for (long k = 0; k < n; k++) {
+            row[k] = expf(row[k] - mx);
+            total += row[k];
+        }
+        for (long k = 0; k < n; k++) row[k] = row[k] / total + eps;
+    }
+    /* column normalisation, then (sinkhorn_iters - 1) rounds of rows then columns */
+    for (int it = 0; it < (sinkhorn_iters > 1 ? sinkhorn_iters : 1); it++) {
+        if (it > 0) {
+            for (long i = 0; i < n; i++) {
+                float total = 0.0f;
+                for (long k = 0; k < n; k++) total += comb[i * n + k];
+                total += eps;
+                for (long k = 0; k < n; k++) comb[i * n + k] /= total;
+            }
+        }
+        for (long k = 0; k < n; k++) {
+            float total = 0.0f;
+            for (long i = 0; i < n; i++) total += comb[i * n + k];
+            total += eps;
+            for (long i = 0; i < n; i++) comb[i * n + k] /= total;
+        }
+    }
+}
+
+/* Features per pass of the dot products below: the 4 row pieces (8 KiB) stay in L1 while every fn row
+ * passes over them. */
+#define HC_CHUNK 512
+
+/* mix[r][m] = inv[r] * <row_r, fn_m> for the HC_ROW_BLOCK (4) token rows of a block, four fn rows
+ * at a time (each loaded value feeds several multiply-adds) and over L1-sized pieces of the rows. */
+static void mix_full_block(const float *restrict rows, const float *restrict fn, long width, long mixes,
+                           const float *restrict inv, float *restrict mix) {
+    for (long k = 0; k < HC_ROW_BLOCK * mixes; k++) mix[k] = 0.0f;
+    for (long i0 = 0; i0 < width; i0 += HC_CHUNK) {
+        const long len = width - i0 < HC_CHUNK ? width - i0 : HC_CHUNK;
+        const float *restrict x0 = rows + i0, *restrict x1 = rows + width + i0;
+        const float *restrict x2 = rows + 2 * width + i0, *restrict x3 = rows + 3 * width + i0;
+        long m = 0;
+        for (; m + 3 < mixes; m += 4) {
+            const float *restrict f = fn + m * width + i0, *restrict g = f + width;
+            const float *restrict h = g + width, *restrict e = h + width;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+            float c0 = 0.0f, c1 = 0.0f, c2 = 0.0f, c3 = 0.0f, d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+            for (long i = 0; i < len; i++) {
+                a0 += f[i] * x0[i];
+                a1 += f[i] * x1[i];
+                a2 += f[i] * x2[i];
+                a3 += f[i] * x3[i];
+                b0 += g[i] * x0[i];
+                b1 += g[i] * x1[i];
+                b2 += g[i] * x2[i];
+                b3 += g[i] * x3[i];
+                c0 += h[i] * x0[i];
+                c1 += h[i] * x1[i];
+                c2 += h[i] * x2[i];
+                c3 += h[i] * x3[i];
+                d0 += e[i] * x0[i];
+                d1 += e[i] * x1[i];
+                d2 += e[i] * x2[i];
+                d3 += e[i] * x3[i];
+            }
+            mix[m] += a0, mix[mixes + m] += a1, mix[2 * mixes + m] += a2, mix[3 * mixes + m] += a3;
+            mix[m + 1] += b0, mix[mixes + m + 1] += b1, mix[2 * mixes + m + 1] += b2, mix[3 * mixes + m + 1] += b3;
+            mix[m + 2] += c0, mix[mixes + m + 2] += c1, mix[2 * mixes + m + 2] += c2, mix[3 * mixes + m + 2] += c3;
+            mix[m + 3] += d0, mix[mixes + m + 3] += d1, mix[2 * mixes + m + 3] += d2, mix[3 * mixes + m + 3] += d3;
+        }
+        for (; m < mixes; m++) {
+            const float *restrict f = fn + m * width + i0;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (long i = 0; i < len; i++) {
+                a0 += f[i] * x0[i];
+                a1 += f[i] * x1[i];
+                a2 += f[i] * x2[i];
+                a3 += f[i] * x3[i];
+            }
+            mix[m] += a0, mix[mixes + m] += a1, mix[2 * mixes + m] += a2, mix[3 * mixes + m] += a3;
+        }
+    }
+    for (long r = 0; r < HC_ROW_BLOCK; r++)
+        for (long m = 0; m < mixes; m++) mix[r * mixes + m] *= inv[r];
+}
+
+void hc_pre(const void *streams, const float *fn, const float *base, const float *scale, void *collapsed,
+            float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
+            int dtype, int num_threads) {
+    const size_t es = elem_size(dtype);
+    const long width = n * D, mixes = n * (n + 2);
+    const long blocks = (T + HC_ROW_BLOCK - 1) / HC_ROW_BLOCK;
+#pragma omp parallel num_threads(num_threads) if (T * width > PARALLEL_MIN_WORK && blocks > 1)
+    {
+        float *rows = malloc((size_t)HC_ROW_BLOCK * width * sizeof(float));
+        float *mix = malloc((size_t)HC_ROW_BLOCK * mixes * sizeof(float));
+        float *acc = malloc((size_t)D * sizeof(float));
+        float *pre = malloc((size_t)n * sizeof(float));
+#pragma omp for schedule(static)
+        for (long b = 0; b < blocks; b++) {
+            const long t0 = b * HC_ROW_BLOCK;
+            const long nb = T - t0 < HC_ROW_BLOCK ? T - t0 : HC_ROW_BLOCK;
+            float inv[HC_ROW_BLOCK];
+            for (long r = 0; r < nb; r++) {
+                float *row = rows + r * width;
+                load_row((const char *)streams + (size_t)(t0 + r) * width * es, dtype, row, width);
+                inv[r] = 1.0f / sqrtf(sum_squares(row, width) / (float)width + norm_eps);
+            }
+            /* mix[r][m] = inv_r * <row_r, fn_m> */
+            if (nb == HC_ROW_BLOCK) {
+                mix_full_block(rows, fn, width, mixes, inv, mix);
+            } else {
+                for (long m = 0; m < mixes; m++) {
+                    const float *restrict f = fn + m * width;
+                    for (long r = 0; r < nb; r++) {
+                        const float *restrict x = rows + r * width;
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (long i = 0; i < width; i++) s += f[i] * x[i];
+                        mix[r * mixes + m] = s * inv[r];
+                    }
+                }
+            }
+            for (long r = 0; r < nb; r++) {
+                const long t = t0 + r;
+                hc_mixing(mix + r * mixes, base, scale, n, sinkhorn_iters, eps, pre, post + t * n, comb + t * n * n);
+                /* collapsed = sum_j pre_j * X_j */
+                const float *restrict row = rows + r * width;
+                for (long i = 0; i < D; i++) acc[i] = pre[0] * row[i];
+                for (long j = 1; j < n; j++) {
+                    const float pj = pre[j];
+                    const float *restrict xj = row + j * D;
+                    for (long i = 0; i < D; i++) acc[i] += pj * xj[i];
+                }
+                store_row(acc, (char *)collapsed + (size_t)t * D * es, dtype, D);
+            }
+        }
+        free(pre);
+        free(acc);
+        free(mix);
+        free(rows);
+    }
+}
+
+/* ----- hc_post: X'_k = post_k * y + sum_j comb[j, k] * X_j, per token -----
+ * y [T, D] (y_dtype); streams [T, n, D] and out [T, n, D] (dtype); post [T, n], comb [T, n, n] fp32. */
+
+void hc_post(const void *y, int y_dtype, const void *streams, const float *post, const float *comb, void *out,
+             long T, long n, long D, int dtype, int num_threads) {
+    const size_t es = elem_size(dtype), y_es = elem_size(y_dtype);
+#pragma omp parallel num_threads(num_threads) if (T * n * D > PARALLEL_MIN_WORK && T > 1)
+    {
+        float *src = malloc((size_t)(n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y */
+        float *acc = malloc((size_t)D * sizeof(float));
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            load_row((const char *)streams + (size_t)t * n * D * es, dtype, src, n * D);
+            load_row((const char *)y + (size_t)t * D * y_es, y_dtype, src + n * D, D);
+            const float *restrict yf = src + n * D;
+            const float *restrict c = comb + t * n * n;
+            for (long k = 0; k < n; k++) {
+                const float ck0 = c[k];
+                for (long i = 0; i < D; i++) acc[i] = ck0 * src[i];
+                for (long j = 1; j < n; j++) {
+                    const float cjk = c[j * n + k];
+                    const float *restrict xj = src + j * D;
+                    for (long i = 0; i < D; i++) acc[i] += cjk * xj[i];
+                }
+                const float pk = post[t * n + k];
+                for (long i = 0; i < D; i++) acc[i] += pk * yf[i];
+                store_row(acc, (char *)out + (size_t)(t * n + k) * D * es, dtype, D);
+            }
+        }
+        free(acc);
+        free(src);
+    }
+}

@@ -1,0 +1,154 @@
+"""The fused C kernels of the cpu back end (plugins/cpu/native) against the pure-torch reference
+(CpuKernels), plus how the library is selected, built and loaded."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from deepinfer_plugins.cpu import CpuAccelerator, native
+from deepinfer_plugins.cpu.kernels import CpuKernels
+from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
+
+REF = CpuKernels()
+SHAPES = [(1, 1024), (3, 64), (17, 256), (300, 512)]  # (T, D)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def nat() -> NativeCpuKernels:
+    kernels = NativeCpuKernels()
+    if kernels.native_library is None:
+        pytest.fail("the native library did not build; see the warning logged by deepinfer_plugins.cpu.native")
+    return kernels
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """fp32: max error <= 1e-5 of the tensor's scale. bf16: every element within one bf16 ulp of the
+    reference (plus a hair of fp32 noise for values near zero), and at most 2 % of them different:
+    one rounding flip is expected, a wrong formula, index or stride is not."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    g, w = got.float(), want.float()
+    assert torch.isfinite(g).all()
+    scale = max(w.abs().max().item(), 1e-30)
+    diff = (g - w).abs()
+    if got.dtype == torch.float32:
+        assert diff.max().item() <= 1e-5 * scale, f"max abs error {diff.max().item():.3g}, scale {scale:.3g}"
+        return
+    ulp = torch.pow(2.0, torch.floor(torch.log2(w.abs().clamp_min(1e-30))) - 7)
+    worst = (diff - ulp - 1e-5 * scale).max().item()
+    assert worst <= 0, f"an element is more than one bf16 ulp off (excess {worst:.3g})"
+    changed = (diff > 0).float().mean().item()
+    assert changed <= 0.02, f"{changed:.1%} of the elements differ from the reference"
+
+
+def make(shape, dtype, seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,D", SHAPES)
+def test_rms_norm(nat, T, D, dtype):
+    x = make((T, D), dtype)
+    for weight in (None, make((D,), torch.float32, 1), make((D,), torch.bfloat16, 2)):
+        assert_close(nat.rms_norm(x, weight, 1e-6), REF.rms_norm(x, weight, 1e-6))
+    # a column slice of a wider projection (how the model passes it) and a 3-D input
+    wide = make((T, D + 32), dtype, 3)[:, 16:16 + D]
+    assert_close(nat.rms_norm(wide, None, 1e-6), REF.rms_norm(wide, None, 1e-6))
+    x3 = make((T, 2, D), dtype, 4)
+    assert_close(nat.rms_norm(x3, None, 1e-6), REF.rms_norm(x3, None, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 17, 300])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rotary(nat, T, dtype, inverse):
+    d, half = 64, 8
+    angles = make((T, half), torch.float32, 5) * 3
+    cos, sin = angles.cos(), angles.sin()
+    cases = [make((T, d), dtype), make((T, 6, d), dtype, 1),
+             make((T, 3 * d + 8), dtype, 2)[:, 8:].reshape(T, 3, d)]  # strided view of a wider tensor
+    for x in cases:
+        assert_close(nat.rotary(x, cos, sin, inverse), REF.rotary(x, cos, sin, inverse))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,D", SHAPES)
+def test_hc_pre(nat, T, D, dtype):
+    n = 4
+    streams = make((T, n, D), dtype)
+    fn = make((n * (n + 2), n * D), torch.float32, 1) * 0.1
+    base, scale = make((n * (n + 2),), torch.float32, 2), make((3,), torch.float32, 3).abs() + 0.5
+    for iters in (20, 1):
+        got = nat.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+        want = REF.hc_pre(streams, fn, base, scale, iters, 1e-6, 1e-6)
+        for g, w in zip(got, want):
+            if g.dtype == torch.float32 and w.dtype == torch.float32 and dtype == torch.bfloat16:
+                assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()  # post, comb stay fp32
+            else:
+                assert_close(g, w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,D", SHAPES)
+def test_hc_post(nat, T, D, dtype):
+    n = 4
+    streams, y = make((T, n, D), dtype), make((T, D), dtype, 1)
+    post = torch.sigmoid(make((T, n), torch.float32, 2)) * 2
+    comb = torch.softmax(make((T, n, n), torch.float32, 3), dim=-1)
+    assert_close(nat.hc_post(y, streams, post, comb), REF.hc_post(y, streams, post, comb))
+    y32 = y.float()  # y in fp32 with bf16 streams: out follows the streams
+    assert_close(nat.hc_post(y32, streams, post, comb), REF.hc_post(y32, streams, post, comb))
+
+
+def test_unsupported_input_falls_back(nat):
+    x = make((4, 32), torch.float16)
+    assert native.rms_norm(nat.native_library, x, None, 1e-6) is None
+    assert torch.equal(nat.rms_norm(x, None, 1e-6), REF.rms_norm(x, None, 1e-6))
+    cos = sin = torch.ones(1, 8)  # a broadcast table: the reference handles it
+    assert torch.equal(nat.rotary(make((4, 64), torch.float32), cos, sin, False),
+                       REF.rotary(make((4, 64), torch.float32), cos, sin, False))
+
+
+def test_accelerator_uses_native_kernels(nat):
+    accel = CpuAccelerator()
+    assert accel.native_library is not None and accel.capabilities().fast_paths == ("native_c",)
+
+
+def test_disabled_by_environment_uses_pure_torch(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_CPU_NATIVE", "0")
+    accel = CpuAccelerator()
+    assert accel.native_library is None and accel.capabilities().fast_paths == ()
+    x = make((3, 64), torch.bfloat16)
+    assert torch.equal(accel.rms_norm(x, None, 1e-6), REF.rms_norm(x, None, 1e-6))
+    monkeypatch.setenv("DEEPINFER_CPU_NATIVE", "maybe")
+    with pytest.raises(ValueError, match="DEEPINFER_CPU_NATIVE"):
+        native.enabled()
+
+
+def test_one_openmp_runtime(nat):
+    """The library must share torch's libgomp: a second OpenMP runtime would oversubscribe the cores."""
+    with open("/proc/self/maps") as f:
+        gomps = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomps) == 1, f"more than one OpenMP runtime is loaded: {sorted(gomps)}"
+
+
+def test_broken_compiler_warns_and_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "/bin/false")
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    native.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="deepinfer"):
+            kernels = NativeCpuKernels()
+            x = make((3, 64), torch.float32)
+            assert torch.equal(kernels.rms_norm(x, None, 1e-6), REF.rms_norm(x, None, 1e-6))
+            assert kernels.native_library is None
+            kernels.rotary(make((3, 64), torch.float32), torch.ones(3, 8), torch.zeros(3, 8), False)
+        warnings = [r for r in caplog.records if "native C kernels" in r.getMessage()]
+        assert len(warnings) == 1 and "/bin/false" in warnings[0].getMessage()
+        assert "install a C compiler" in warnings[0].getMessage()
+        assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
+    finally:
+        native.library.cache_clear()  # later users rebuild (or find) the real library
