@@ -18,10 +18,11 @@ def _per_expert(k: CpuKernels, rows, counts, w13, w2, limit):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens, top_k", [(12, 4), (2, 1), (40, 2)])
+@pytest.mark.parametrize("tokens, top_k", [(12, 4), (2, 1), (40, 2), (100, 2), (9, 2)])
 def test_moe_experts_batched_and_looped_paths_match_the_definition(dtype, tokens, top_k):
     # (12, 4): every expert busy with few rows -> the batched path; (2, 1): few experts busy -> the
-    # per-expert loop; (40, 2): more rows per expert than the skinny cut -> the loop's GEMMs
+    # per-expert loop; (40, 2): skinny GEMMs in the loop; (100, 2): bucketed GEMMs that borrow
+    # neighbouring experts' rows (forwards, and backwards for the last experts)
     k, g = CpuKernels(), torch.Generator().manual_seed(tokens)
     E, inter, D = 8, 16, 32
     w13 = (torch.randn(E, 2 * inter, D, generator=g) * 0.3).to(dtype)
@@ -34,6 +35,18 @@ def test_moe_experts_batched_and_looped_paths_match_the_definition(dtype, tokens
     assert got.dtype == dtype and got.shape == want.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 17, 40, 64, 600])
+def test_linear_paths_match_the_definition(rows):
+    # 1: GEMV; 5: W @ x^T; 17, 40, 600: GEMM on a zero-padded bucket of rows; 64: a bucket exactly
+    k, g = CpuKernels(), torch.Generator().manual_seed(rows)
+    x = torch.randn(2, rows, 48, generator=g).to(torch.bfloat16)
+    w = torch.randn(24, 48, generator=g).to(torch.bfloat16)
+    got = k.linear(x, w)
+    want = x.float() @ w.float().t()
+    assert got.shape == (2, rows, 24) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

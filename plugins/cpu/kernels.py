@@ -30,6 +30,16 @@ _SKINNY_ROWS = 16
 _CACHE_ELEMENTS = 1 << 18
 
 
+def _gemm_rows(rows: int) -> int:
+    """The row count a CPU GEMM of `rows` rows is run at. oneDNN JIT-compiles a kernel for every new
+    GEMM shape (~3 ms each, measured), and prefill chunks and per-expert row counts make new shapes
+    all the time; rounding up to a bucket (at most ~1/16 more rows above 512) makes them repeat."""
+    if rows <= _SKINNY_ROWS:
+        return rows
+    step = 32 if rows <= 512 else 1 << max(5, rows.bit_length() - 5)
+    return -(-rows // step) * step
+
+
 def _cache_rows(per_row: int) -> int:
     return max(1, _CACHE_ELEMENTS // max(per_row, 1))
 
@@ -67,14 +77,24 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             flat = x.reshape(rows, x.shape[-1])
             y = torch.mv(weight, flat[0]).unsqueeze(0) if rows == 1 else (weight @ flat.t()).t().contiguous()
             return y.view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight)
+        bucket = _gemm_rows(rows) if x.device.type == "cpu" else rows
+        if bucket == rows:
+            return F.linear(x, weight)
+        padded = x.new_empty((bucket, x.shape[-1]))
+        padded[:rows] = x.reshape(rows, x.shape[-1])
+        padded[rows:].zero_()
+        return F.linear(padded, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
-        if x.shape[0] <= _SKINNY_ROWS:  # weight as the left operand: streamed like the GEMV path
+        rows = x.shape[0]
+        if rows <= _SKINNY_ROWS:  # weight as the left operand: streamed like the GEMV path
             return torch.bmm(weight, x.permute(1, 2, 0)).permute(2, 0, 1)
-        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
+        bucket = _gemm_rows(rows) if x.device.type == "cpu" else rows
+        if bucket != rows:  # a repeated GEMM shape (see _gemm_rows)
+            x = torch.cat((x, x.new_zeros((bucket - rows,) + x.shape[1:])))
+        return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)[:rows]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         D = x.shape[-1]
@@ -274,10 +294,15 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         for e, count in enumerate(counts):
             if count == 0:
                 continue
-            chunk = rows[start:start + count]
-            gate_up = self.linear(chunk, w13[e])
+            # GEMM over a bucketed row count (see _gemm_rows) taken in place: the neighbouring
+            # experts' rows fill the bucket and their results are dropped, so nothing is copied
+            width = _gemm_rows(count) if count > _SKINNY_ROWS else count
+            first = start if start + width <= rows.shape[0] else max(0, start + count - width)
+            chunk = rows[first:first + width]
+            gate_up = F.linear(chunk, w13[e]) if count > _SKINNY_ROWS else self.linear(chunk, w13[e])
             h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
-            out[start:start + count] = self.linear(h, w2[e])
+            y = F.linear(h, w2[e]) if count > _SKINNY_ROWS else self.linear(h, w2[e])
+            out[start:start + count] = y[start - first:start - first + count]
             start += count
         return out
 
