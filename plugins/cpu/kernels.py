@@ -294,17 +294,28 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         for e, count in enumerate(counts):
             if count == 0:
                 continue
-            # GEMM over a bucketed row count (see _gemm_rows) taken in place: the neighbouring
-            # experts' rows fill the bucket and their results are dropped, so nothing is copied
-            width = _gemm_rows(count) if count > _SKINNY_ROWS else count
-            first = start if start + width <= rows.shape[0] else max(0, start + count - width)
-            chunk = rows[first:first + width]
-            gate_up = F.linear(chunk, w13[e]) if count > _SKINNY_ROWS else self.linear(chunk, w13[e])
-            h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
-            y = F.linear(h, w2[e]) if count > _SKINNY_ROWS else self.linear(h, w2[e])
-            out[start:start + count] = y[start - first:start - first + count]
+            if count <= _SKINNY_ROWS:
+                h = self._expert_hidden(rows[start:start + count], w13[e], inter, swiglu_limit)
+                out[start:start + count] = self.linear(h, w2[e])
+            else:
+                # GEMMs over a bucketed row count (see _gemm_rows) taken in place: the following
+                # experts' rows fill the bucket and the product goes straight into `out`, where
+                # those experts overwrite it later; at the end the bucket reaches backwards instead
+                # and goes through a copy. No input is copied.
+                width = _gemm_rows(count)
+                if start + width <= rows.shape[0]:
+                    h = self._expert_hidden(rows[start:start + width], w13[e], inter, swiglu_limit)
+                    torch.mm(h, w2[e].t(), out=out[start:start + width])
+                else:
+                    first = max(0, start + count - width)
+                    h = self._expert_hidden(rows[first:start + count], w13[e], inter, swiglu_limit)
+                    out[start:start + count] = F.linear(h, w2[e])[start - first:]
             start += count
         return out
+
+    def _expert_hidden(self, rows: torch.Tensor, w13: torch.Tensor, inter: int, swiglu_limit: float) -> torch.Tensor:
+        gate_up = self.linear(rows, w13) if rows.shape[0] <= _SKINNY_ROWS else F.linear(rows, w13)
+        return self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
 
     def _experts_batched(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor, width: int, w13: torch.Tensor,
                          w2: torch.Tensor, swiglu_limit: float) -> torch.Tensor:
