@@ -74,8 +74,9 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             # Decode-sized inputs are weight-streaming bound, and F.linear's GEMM path streams the
             # weight 1.3-1.7x slower than the matrix-vector kernel (one row) or than W @ x^T
             # (a few rows; the small [N, rows] result is then transposed back).
-            flat = x.reshape(rows, x.shape[-1])
-            y = torch.mv(weight, flat[0]).unsqueeze(0) if rows == 1 else (weight @ flat.t()).t().contiguous()
+            if rows == 1:
+                return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+            y = (weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous()
             return y.view(*x.shape[:-1], weight.shape[0])
         bucket = _gemm_rows(rows) if x.device.type == "cpu" else rows
         if bucket == rows:
@@ -294,7 +295,10 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         for e, count in enumerate(counts):
             if count == 0:
                 continue
-            if count <= _SKINNY_ROWS:
+            if count == 1:  # decode: two matrix-vector products, the second straight into `out`
+                gate_up = torch.mv(w13[e], rows[start])
+                torch.mv(w2[e], self.swiglu(gate_up[:inter], gate_up[inter:], swiglu_limit), out=out[start])
+            elif count <= _SKINNY_ROWS:
                 h = self._expert_hidden(rows[start:start + count], w13[e], inter, swiglu_limit)
                 out[start:start + count] = self.linear(h, w2[e])
             else:
