@@ -338,10 +338,21 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         return roofline.measure_machine(trials=3).to_json()
 
     vocab = llm.engine.vocab_size
-    if not args.no_warmup:  # first-call costs (allocation, kernel selection) stay out of the timings
-        warm = workloads.random_prompts(2, min(settings.non_cached_tokens, WARMUP_PROMPT_TOKENS), vocab, seed=10**6)
-        workloads.run_requests(llm, warm, workloads.SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_TOKENS,
-                                                                   ignore_eos=True))
+    if not args.no_warmup:
+        # First-call costs stay out of the timings: allocation, kernel selection, and on the cpu
+        # back end oneDNN's JIT compilation of every new GEMM shape (~3 ms each), so the warm-up
+        # runs one full prefill step and decode at the timed batch size.
+        short = min(settings.non_cached_tokens, WARMUP_PROMPT_TOKENS)
+        greedy = dict(temperature=0.0, ignore_eos=True)
+        warm = workloads.random_prompts(2, short, vocab, seed=10**6)
+        workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy))
+        if args.phase in ("both", "prefill"):
+            step = -(-settings.prefill_batch_size // settings.non_cached_tokens)
+            warm = workloads.random_prompts(step, settings.non_cached_tokens, vocab, seed=10**6 + 1)
+            workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=1, **greedy))
+        if args.phase in ("both", "decode"):
+            warm = workloads.random_prompts(sequences, short, vocab, seed=10**6 + 2)
+            workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy))
     prefill_requests = -(-settings.prefill_batches * settings.prefill_batch_size // settings.non_cached_tokens)
     prefill_runs: list[dict] = []
     decode_runs: list[dict] = []

@@ -152,3 +152,26 @@ def test_broken_compiler_warns_and_falls_back(monkeypatch, tmp_path, caplog):
         assert not list(tmp_path.rglob("*.so")) and not list(tmp_path.rglob("*.tmp"))
     finally:
         native.library.cache_clear()  # later users rebuild (or find) the real library
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,D", SHAPES)
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_swiglu(nat, T, D, dtype, limit):
+    # the halves of a fused gate/up product (strided rows), as the model and the experts pass them;
+    # the reference in fp32 rounded once (torch rounds silu's bf16 result before the product)
+    gate_up = make((T, 2 * D), dtype) * 6
+    gate, up = gate_up[:, :D], gate_up[:, D:]
+    want = REF.swiglu(gate.float(), up.float(), limit).to(dtype)
+    assert_close(nat.swiglu(gate, up, limit), want)
+    separate = make((T, D), dtype, 1)  # gate and up not halves of one tensor: the reference path
+    assert torch.equal(nat.swiglu(gate, separate, limit), REF.swiglu(gate, separate, limit))
+
+
+def test_swiglu_exp_over_the_whole_range(nat):
+    # the vectorised exp inside: silu(x) = x * sigmoid(x) from -120 to 120 (saturated tails included)
+    x = torch.linspace(-120, 120, 200_001).view(-1, 1)
+    both = torch.cat((x, torch.ones_like(x)), dim=1)
+    got = nat.swiglu(both[:, :1], both[:, 1:], 0.0).double()
+    want = x.double() * torch.sigmoid(x.double())
+    assert ((got - want).abs() <= 1e-6 * want.abs() + 1e-30).all()

@@ -1,4 +1,4 @@
-"""CpuKernels with the memory-bound element-wise kernels (rms_norm, rotary, hc_pre, hc_post) done
+"""CpuKernels with the memory-bound element-wise kernels (rms_norm, rotary, hc_pre, hc_post, swiglu) done
 by fused C functions (native/kernels.c): one call and one pass over memory instead of tens of torch
 ops. Each method falls back to the pure-torch reference when the library is unavailable (no
 compiler, DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles."""
@@ -43,3 +43,8 @@ class NativeCpuKernels(CpuKernels):
         lib = self.native_library
         out = None if lib is None else native.hc_post(lib, y, streams, post, comb)
         return super().hc_post(y, streams, post, comb) if out is None else out
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        lib = self.native_library
+        out = None if lib is None else native.swiglu(lib, gate, up, limit)
+        return super().swiglu(gate, up, limit) if out is None else out

@@ -38,6 +38,7 @@ _PROTOTYPES = {
     "rotary": (_p, _l, _l, _p, _p, _p, _l, _l, _l, _l, _i, _i, _i),
     "hc_pre": (_p, _p, _p, _p, _p, _p, _p, _l, _l, _l, _i, _f, _f, _i, _i),
     "hc_post": (_p, _i, _p, _p, _p, _p, _l, _l, _l, _i, _i),
+    "swiglu": (_p, _p, _l, _p, _l, _l, _f, _i, _i),
 }
 
 
@@ -205,4 +206,15 @@ def hc_post(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torc
     out = _new(s)
     lib.hc_post(yc.data_ptr(), y_dtype, s.data_ptr(), p.data_ptr(), c.data_ptr(), out.data_ptr(), T, n, D, dtype,
                 torch.get_num_threads())
+    return out
+
+
+def swiglu(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor | None:
+    dtype = _code(gate)
+    if (dtype is None or gate.dtype != up.dtype or gate.shape != up.shape or gate.dim() != 2 or gate.numel() == 0
+            or gate.stride(-1) != 1 or up.stride(-1) != 1 or gate.stride(0) != up.stride(0) or not up.is_cpu):
+        return None  # e.g. separate gate and up tensors: the reference handles any layout
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    lib.swiglu(gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), gate.shape[0], gate.shape[1], limit,
+               dtype, torch.get_num_threads())
     return out
