@@ -72,8 +72,11 @@ class Sampler:
         num_rows, vocab = logits.shape
         masked, dead, greedy, plain, needs_sort = self._prepare(logits, meta, bitmask)
         device = logits.device
-        tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-        if greedy:
+        if len(greedy) == num_rows:  # all greedy (the common case): no gathered copy of the logits
+            tokens = masked.argmax(dim=-1)
+        else:
+            tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
+        if greedy and len(greedy) < num_rows:
             tokens[greedy] = masked[greedy].argmax(dim=-1)
         if plain:
             probs = torch.softmax(masked[plain] / self._col(meta.temperature, plain, device), dim=-1)
