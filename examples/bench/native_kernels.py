@@ -32,6 +32,7 @@ def cases(T: int, D: int = 1024, n: int = 4, heads: int = 16, head_dim: int = 12
     angles = rand(T, rope_half, dt=torch.float32)
     cos, sin = angles.cos(), angles.sin()
     comb = torch.softmax(rand(T, n, n, dt=torch.float32), dim=-1)
+    gate_up = rand(T, D)  # a fused expert gate/up product (moe_intermediate_size 512)
     return {
         "rms_norm [T, D] w": ("rms_norm", (rand(T, D), rand(D, dt=torch.float32), 1e-6)),
         "rotary [T, H, d] q": ("rotary", (rand(T, heads, head_dim), cos, sin, False)),
@@ -39,6 +40,7 @@ def cases(T: int, D: int = 1024, n: int = 4, heads: int = 16, head_dim: int = 12
                                         rand(n * (n + 2), dt=torch.float32), rand(3, dt=torch.float32), 20,
                                         1e-6, 1e-6)),
         "hc_post [T, n, D]": ("hc_post", (rand(T, D), streams, torch.rand(T, n, generator=g) * 2, comb)),
+        "swiglu [T, 512]": ("swiglu", (gate_up[:, :D // 2], gate_up[:, D // 2:], 10.0)),
     }
 
 

@@ -46,5 +46,6 @@ class NativeCpuKernels(CpuKernels):
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         lib = self.native_library
-        out = None if lib is None else native.swiglu(lib, gate, up, limit)
+        # a few rows: torch's four ops cost less than the call (5.9 vs 6.6 us for one 512-wide row)
+        out = None if lib is None or gate.numel() < 4096 else native.swiglu(lib, gate, up, limit)
         return super().swiglu(gate, up, limit) if out is None else out
