@@ -180,3 +180,16 @@ def test_swiglu_exp_over_the_whole_range(nat):
     got = native.swiglu(nat.native_library, both[:, :1], both[:, 1:], 0.0).double()
     want = x.double() * torch.sigmoid(x.double())
     assert ((got - want).abs() <= 1e-6 * want.abs() + 1e-30).all()
+
+
+@pytest.mark.parametrize("N,K", [(1, 32), (7, 70), (100, 384), (1344, 1024)])  # tails of rows and of K
+def test_gemv_bf16(nat, N, K):
+    # the decode GEMV: fp32 sums of exact bf16 products, rounded once, like torch.mv
+    W, x = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
+    got = native.gemv_bf16(nat.native_library, W, x)
+    want = (W.double() @ x.double()).to(torch.bfloat16)
+    assert_close(got, want)
+    assert_close(nat.linear(x.view(1, 1, K), W).view(N), want)  # the linear's one-row path uses it
+    assert native.gemv_bf16(nat.native_library, W.float(), x.float()) is None  # fp32: torch.mv
+    if N > 1:  # rows further apart than K: the reference
+        assert native.gemv_bf16(nat.native_library, make((N, K + 8), torch.bfloat16)[:, :K], x) is None

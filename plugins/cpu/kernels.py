@@ -75,7 +75,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             # weight 1.3-1.7x slower than the matrix-vector kernel (one row) or than W @ x^T
             # (a few rows; the small [N, rows] result is then transposed back).
             if rows == 1:
-                return torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+                return self._matvec(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
             y = (weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous()
             return y.view(*x.shape[:-1], weight.shape[0])
         bucket = _gemm_rows(rows) if x.device.type == "cpu" else rows
@@ -85,6 +85,10 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         padded[:rows] = x.reshape(rows, x.shape[-1])
         padded[rows:].zero_()
         return F.linear(padded, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
+
+    def _matvec(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`weight @ x` for one token (`[N, K]` x `[K]`), the decode GEMV every linear reduces to."""
+        return torch.mv(weight, x)
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != x.dtype:
@@ -295,9 +299,9 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         for e, count in enumerate(counts):
             if count == 0:
                 continue
-            if count == 1:  # decode: two matrix-vector products, the second straight into `out`
-                gate_up = torch.mv(w13[e], rows[start])
-                torch.mv(w2[e], self.swiglu(gate_up[:inter], gate_up[inter:], swiglu_limit), out=out[start])
+            if count == 1:  # decode: two matrix-vector products
+                gate_up = self._matvec(w13[e], rows[start])
+                out[start] = self._matvec(w2[e], self.swiglu(gate_up[:inter], gate_up[inter:], swiglu_limit))
             elif count <= _SKINNY_ROWS:
                 h = self._expert_hidden(rows[start:start + count], w13[e], inter, swiglu_limit)
                 out[start:start + count] = self.linear(h, w2[e])

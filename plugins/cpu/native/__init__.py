@@ -39,6 +39,7 @@ _PROTOTYPES = {
     "hc_pre": (_p, _p, _p, _p, _p, _p, _p, _l, _l, _l, _i, _f, _f, _i, _i),
     "hc_post": (_p, _i, _p, _p, _p, _p, _l, _l, _l, _i, _i),
     "swiglu": (_p, _p, _l, _p, _l, _l, _f, _i, _i),
+    "gemv_bf16": (_p, _p, _p, _l, _l, _i),
 }
 
 
@@ -217,4 +218,19 @@ def swiglu(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, limit: float)
     out = torch.empty(gate.shape, dtype=gate.dtype)
     lib.swiglu(gate.data_ptr(), up.data_ptr(), gate.stride(0), out.data_ptr(), gate.shape[0], gate.shape[1], limit,
                dtype, torch.get_num_threads())
+    return out
+
+
+def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """`weight @ x` for one bf16 token (x `[K]` or `[1, K]`), or None for anything else."""
+    if (weight.dtype is not torch.bfloat16 or x.dtype is not torch.bfloat16 or weight.dim() != 2
+            or x.numel() != weight.shape[1] or not (weight.is_cpu and x.is_cpu) or not weight.is_contiguous()
+            or weight.requires_grad or x.requires_grad):
+        return None
+    xc = x.reshape(-1)
+    if xc.stride(0) != 1:
+        xc = xc.contiguous()
+    out = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+    lib.gemv_bf16(weight.data_ptr(), xc.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
+                  torch.get_num_threads())
     return out
