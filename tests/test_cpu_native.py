@@ -193,3 +193,14 @@ def test_gemv_bf16(nat, N, K):
     assert native.gemv_bf16(nat.native_library, W.float(), x.float()) is None  # fp32: torch.mv
     if N > 1:  # rows further apart than K: the reference
         assert native.gemv_bf16(nat.native_library, make((N, K + 8), torch.bfloat16)[:, :K], x) is None
+
+
+def test_gemv_bf16_portable_path(tmp_path):
+    # the C fallback for CPUs without AVX512-BF16 (fp32 dot products), built here with that ISA
+    # extension switched off and checked like the intrinsic path
+    lib_path = tmp_path / "kernels-portable.so"
+    native._compile(lib_path, [*native._compiler(), "-mno-avx512bf16"])
+    lib = native._load(lib_path)
+    for N, K in [(7, 70), (100, 384)]:
+        W, x = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
+        assert_close(native.gemv_bf16(lib, W, x), (W.double() @ x.double()).to(torch.bfloat16))
