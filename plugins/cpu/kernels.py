@@ -201,7 +201,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             sink = sinks.float().view(1, 1, H, 1).expand(B, S, H, 1)
             probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :L]
             return torch.bmm(probs.reshape(B, S * H, L), kv_f).view(B, S, H, d).to(q.dtype)
-        if _FLASH_WITH_LSE is not None:
+        if _FLASH_WITH_LSE is not None and q.device.type == "cpu":  # a CPU-only aten op
             return self._sink_attention_lse(q, kv, mask, sinks, scale)
         keys = torch.cat((kv, kv.new_zeros((B, 1, d))), dim=1).unsqueeze(1)  # [B, 1, L+1, d]
         sink = sinks.float().view(1, H, 1)
