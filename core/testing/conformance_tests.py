@@ -332,15 +332,18 @@ def test_memory_info_is_consistent(acc):
     info = acc.memory_info()
     assert 0 < info.free_bytes <= info.total_bytes
     drops = []
-    for _ in range(3):  # other processes move the figure on a shared host: the best of 3 must show it
+    # Other processes move the figure on a shared host, and a virtual machine's RAM accounting can
+    # lag or return pages (seen: 1 GiB touched lowered MemAvailable by only 290-550 MiB): the best
+    # of 3 tries must show at least an eighth of the block.
+    for _ in range(3):
         before = acc.memory_info().free_bytes
-        block = torch.ones(512 * 2**20 // 4, device=acc.device())  # 512 MiB, touched
+        block = torch.rand(2**30 // 4, device=acc.device())  # 1 GiB, touched, not deduplicable
         acc.synchronize()
         drops.append(before - acc.memory_info().free_bytes)
         del block
-        if drops[-1] > 256 * 2**20:
+        if drops[-1] > 128 * 2**20:
             break
-    assert max(drops) > 256 * 2**20, f"allocating 512 MiB lowered free memory by at most {max(drops) / 2**20:.0f} MiB"
+    assert max(drops) > 128 * 2**20, f"allocating 1 GiB lowered free memory by at most {max(drops) / 2**20:.0f} MiB"
 
 
 # ------------------------------------------------------------------------------------ level 4

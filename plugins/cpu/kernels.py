@@ -290,6 +290,8 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
     def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                     swiglu_limit: float) -> torch.Tensor:
         counts = plan.tokens_per_expert.tolist()
+        if w13.dtype != rows.dtype:
+            w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)
         if counts and max(counts) <= _SKINNY_ROWS and 4 * sum(c > 0 for c in counts) >= 3 * len(counts):
             return self._experts_batched(rows, plan.tokens_per_expert, max(counts), w13, w2, swiglu_limit)
         out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
@@ -332,8 +334,6 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         expert's weights once this way streams ~1.3x faster than one small GEMM per expert and
         replaces ~20 ops per expert with ~10 per layer."""
         E, D = w13.shape[0], rows.shape[1]
-        if w13.dtype != rows.dtype:
-            w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)
         expert = torch.repeat_interleave(torch.arange(E, device=rows.device), tokens_per_expert)
         starts = tokens_per_expert.cumsum(0) - tokens_per_expert
         slot = expert * width + torch.arange(rows.shape[0], device=rows.device) - starts[expert]
