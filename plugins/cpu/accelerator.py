@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
+from deepinfer_plugins.cpu.host_memory import retain_freed_memory
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
 
@@ -56,6 +57,9 @@ class TorchDistributedCollectives:
 class CpuAccelerator(TorchDistributedCollectives, NativeCpuKernels, Accelerator):
     name = "cpu"
     package = "deepinfer"
+
+    def __init__(self) -> None:
+        retain_freed_memory()  # activations reuse freed memory instead of faulting in new pages
 
     @classmethod
     def probe(cls) -> ProbeResult:
