@@ -3,8 +3,11 @@
     python examples/compare_transformers.py --model_name /tmp/v4-bench            # 32 x 256 in, 128 out
     python examples/compare_transformers.py --model_name /tmp/v4-bench --quick    # 4 x 64 in, 32 out
 
-Both run in this one process, alternately (deepinfer, transformers, deepinfer, transformers, ...),
-after one untimed warm-up each, so that drift and throttling hit both sides alike. Each side runs
+Both run alternately (deepinfer, transformers, deepinfer, transformers, ...), never at the same
+time, after one untimed warm-up each, so that drift and throttling hit both sides alike.
+transformers runs in a child process: deepinfer's cpu back end changes process-wide settings (glibc
+malloc keeps freed memory, see plugins/cpu/host_memory.py) that a user running transformers on its
+own would not have. Each side runs
 the whole batch greedily with every token forced to be generated (deepinfer `ignore_eos`,
 transformers `min_new_tokens = max_new_tokens`); a run's output tokens/s = generated tokens / wall
 time of the call (prefill included). Printed: both speeds per pair, and the ratio deepinfer /
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` import
 
 import torch  # noqa: E402
 
+from bench.transformers_baseline import ChildProcessSide, TransformersSide  # noqa: E402
 from bench.workloads import random_prompts  # noqa: E402
 
 
@@ -60,8 +64,7 @@ class DeepinferSide:
     def __init__(self, path: str, dtype: str, num_prompts: int, max_len: int):
         from deepinfer import LLM
 
-        self.llm = LLM(model=path, dtype=dtype, max_num_seqs=num_prompts, max_model_len=max_len,
-                       max_num_batched_tokens=max(2048, num_prompts))
+        self.llm = LLM(model=path, dtype=dtype, max_num_seqs=num_prompts, max_model_len=max_len)
 
     def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
         from deepinfer import SamplingParams
@@ -69,24 +72,6 @@ class DeepinferSide:
         params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
-
-
-class TransformersSide:
-    name = "transformers"
-
-    def __init__(self, path: str, dtype: str):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-        self.model.eval()
-
-    def generate(self, prompts: list[list[int]], output_len: int) -> list[list[int]]:
-        ids = torch.tensor(prompts, dtype=torch.long)
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                      max_new_tokens=output_len, min_new_tokens=output_len,
-                                      pad_token_id=0, temperature=None, top_p=None, top_k=None)
-        return out[:, ids.shape[1]:].tolist()
 
 
 def timed(side, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
@@ -131,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.pairs} pairs, {torch.get_num_threads()} threads")
 
     ours = DeepinferSide(path, args.dtype, num, input_len + output_len)
-    theirs = TransformersSide(path, args.dtype)
+    theirs = ChildProcessSide(TransformersSide, path, args.dtype)
     for side in (ours, theirs):  # untimed
         side.generate(warm, 2)
 
@@ -150,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"greedy agreement (last pair): {same}/{num} outputs identical, mean common prefix "
           f"{prefix:.1f} of {output_len} tokens ({args.dtype}: rounding can flip near-ties)")
     ours.llm.shutdown()
+    theirs.close()
     return 0
 
 

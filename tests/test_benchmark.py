@@ -363,3 +363,10 @@ def test_compare_transformers_rejects_empty_sizes(capsys):
     compare = _load(EXAMPLES / "compare_transformers.py", "compare_transformers_script")
     assert compare.main(["--output_len", "0"]) == 2
     assert "--output_len 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_transformers_baseline_child_reports_failures_instead_of_hanging(tmp_path):
+    from bench.transformers_baseline import ChildProcessSide, TransformersSide
+
+    with pytest.raises(RuntimeError, match="the child process failed"):
+        ChildProcessSide(TransformersSide, str(tmp_path / "no-such-checkpoint"), "float32")
