@@ -32,8 +32,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "(default ~/.cache/deepinfer)."),
     EnvVar("DEEPINFER_CPU_NATIVE",
            "cpu back end: 1 (default) compiles and uses the fused C kernels (rms_norm, rotary, "
-           "hc_pre, hc_post; needs a C compiler, else a warning and the torch kernels); 0 uses the "
-           "pure-torch kernels."),
+           "hc_pre, hc_post, swiglu, the bf16 decode GEMV; needs a C compiler, else a warning and "
+           "the torch kernels); 0 uses the pure-torch kernels."),
     EnvVar("DEEPINFER_LOG_LEVEL", "Logging level of the `deepinfer` logger (default WARNING)."),
     EnvVar("DEEPINFER_USE_NEXTN_DECODE",
            "Maximum speculative draft length (default 5); 0 disables speculation.",

@@ -344,8 +344,6 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         # runs one full prefill step and decode at the timed batch size.
         short = min(settings.non_cached_tokens, WARMUP_PROMPT_TOKENS)
         greedy = dict(temperature=0.0, ignore_eos=True)
-        warm = workloads.random_prompts(2, short, vocab, seed=10**6)
-        workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy))
         if args.phase in ("both", "prefill"):
             step = -(-settings.prefill_batch_size // settings.non_cached_tokens)
             warm = workloads.random_prompts(step, settings.non_cached_tokens, vocab, seed=10**6 + 1)

@@ -55,7 +55,9 @@ class SamplingMetadata:
 class SamplerOutput:
     token_ids: torch.Tensor  # [L] int64; -1 for a dead row
     logprobs: torch.Tensor  # [L] fp32, raw log-probability of the sampled token (0 for dead rows)
-    ranks: torch.Tensor | None  # [L] int64, rank of the sampled token in the raw distribution (1 = top); None when no row asks for logprobs
+    # [L] int64, rank of the sampled token in the raw distribution (1 = top); None when no row asks
+    # for logprobs
+    ranks: torch.Tensor | None
     dead: torch.Tensor  # [L] bool: every token was masked
     top_ids: torch.Tensor | None = None  # [L, K] the K most likely tokens (raw distribution)
     top_logprobs: torch.Tensor | None = None  # [L, K]
@@ -78,8 +80,8 @@ class Sampler:
             tokens = masked.max(dim=-1).indices
         else:
             tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
-        if greedy and len(greedy) < num_rows:
-            tokens[greedy] = masked[greedy].max(dim=-1).indices
+            if greedy:
+                tokens[greedy] = masked[greedy].max(dim=-1).indices
         if plain:
             probs = torch.softmax(masked[plain] / self._col(meta.temperature, plain, device), dim=-1)
             tokens[plain] = self.accelerator.sample(probs, self._generators(meta, plain, device))

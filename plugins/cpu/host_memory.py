@@ -30,9 +30,11 @@ def retain_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(None)
-        mallopt, gnu_get_libc_version = libc.mallopt, libc.gnu_get_libc_version
-    except (OSError, AttributeError):  # not glibc (e.g. musl): its allocator has no such knobs
+    except OSError:
         return False
+    if not hasattr(libc, "gnu_get_libc_version"):  # not glibc (e.g. musl): no such allocator knobs
+        return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
     if not ok:

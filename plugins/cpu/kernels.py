@@ -40,6 +40,13 @@ def _gemm_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def _pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x` with zero rows appended along dim 0 up to its GEMM bucket (`_gemm_rows`; CPU only)."""
+    rows = x.shape[0]
+    bucket = _gemm_rows(rows) if x.device.type == "cpu" else rows
+    return x if bucket == rows else torch.cat((x, x.new_zeros((bucket - rows,) + x.shape[1:])))
+
+
 def _cache_rows(per_row: int) -> int:
     return max(1, _CACHE_ELEMENTS // max(per_row, 1))
 
@@ -78,13 +85,8 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
                 return self._matvec(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
             y = (weight @ x.reshape(rows, x.shape[-1]).t()).t().contiguous()
             return y.view(*x.shape[:-1], weight.shape[0])
-        bucket = _gemm_rows(rows) if x.device.type == "cpu" else rows
-        if bucket == rows:
-            return F.linear(x, weight)
-        padded = x.new_empty((bucket, x.shape[-1]))
-        padded[:rows] = x.reshape(rows, x.shape[-1])
-        padded[rows:].zero_()
-        return F.linear(padded, weight)[:rows].view(*x.shape[:-1], weight.shape[0])
+        y = F.linear(_pad_rows(x.reshape(rows, x.shape[-1])), weight)  # a repeated GEMM shape
+        return y[:rows].view(*x.shape[:-1], weight.shape[0])
 
     def _matvec(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """`weight @ x` for one token (`[N, K]` x `[K]`), the decode GEMV every linear reduces to."""
@@ -96,9 +98,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         rows = x.shape[0]
         if rows <= _SKINNY_ROWS:  # weight as the left operand: streamed like the GEMV path
             return torch.bmm(weight, x.permute(1, 2, 0)).permute(2, 0, 1)
-        bucket = _gemm_rows(rows) if x.device.type == "cpu" else rows
-        if bucket != rows:  # a repeated GEMM shape (see _gemm_rows)
-            x = torch.cat((x, x.new_zeros((bucket - rows,) + x.shape[1:])))
+        x = _pad_rows(x)  # a repeated GEMM shape
         return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)[:rows]
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

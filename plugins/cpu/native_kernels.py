@@ -1,17 +1,17 @@
-"""CpuKernels with the memory-bound element-wise kernels (rms_norm, rotary, hc_pre, hc_post, swiglu) done
-by fused C functions (native/kernels.c): one call and one pass over memory instead of tens of torch
-ops; and the bf16 decode GEMV of weights up to 8 M elements (it streams them faster than torch.mv). Each method falls back to the pure-torch reference when the library is unavailable (no
+"""CpuKernels with the memory-bound element-wise kernels (rms_norm, rotary, hc_pre, hc_post, swiglu)
+done by fused C functions (native/kernels.c): one call and one pass over memory instead of tens of
+torch ops; and the bf16 decode GEMV of weights up to 8 M elements (it streams them faster than
+torch.mv). Each method falls back to the pure-torch reference when the library is unavailable (no
 compiler, DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles."""
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from deepinfer_plugins.cpu import native
 from deepinfer_plugins.cpu.kernels import CpuKernels
-
-_UNSET = object()
 
 # Above this many weight elements torch.mv streams as fast or faster (the 129,280 x 1024 LM head:
 # 29 vs 25 GB/s); below it the C GEMV is 10-30 % faster (measured with cold weights, 2 threads).
@@ -19,13 +19,10 @@ _NATIVE_GEMV_MAX_ELEMENTS = 8 << 20
 
 
 class NativeCpuKernels(CpuKernels):
-    @property
+    @functools.cached_property
     def native_library(self) -> ctypes.CDLL | None:
         """Decided once per instance (the first kernel call): the loaded library or None."""
-        lib = self.__dict__.get("_native_library", _UNSET)
-        if lib is _UNSET:
-            lib = self.__dict__["_native_library"] = native.active_library()
-        return lib
+        return native.active_library()
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         lib = self.native_library

@@ -16,10 +16,7 @@ from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan, take_rows
-from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, split_fused, strip_prefix
-
-_X_PROJECTIONS = FUSED_PROJECTIONS["attn.fused_x.weight"]
-_QR_PROJECTIONS = FUSED_PROJECTIONS["attn.fused_qr.weight"]
+from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, fused_parts, split_fused, strip_prefix
 
 
 @dataclass
@@ -40,6 +37,8 @@ class Attention:
         projections `fused_x.weight` and `fused_qr.weight` (weights.fuse_rows)."""
         self.c, self.accel, self.type = config, accel, layer_type
         self.w = weights
+        self.x_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_x.weight"], "attn.")
+        self.qr_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_qr.weight"], "attn.")
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
         self.rate = config.compress_ratio_for(layer_type)
         eps = config.rms_norm_eps
@@ -63,9 +62,9 @@ class Attention:
         cos, sin = cos_sin[self.rope_kind]
 
         # one GEMV over the fused projections of x (weights.FUSED_PROJECTIONS), then of qr
-        px = split_fused(a.linear(x, w["fused_x.weight"]), w, _X_PROJECTIONS, "attn.")
+        px = split_fused(a.linear(x, w["fused_x.weight"]), self.x_parts)
         qr = a.rms_norm(px["wq_a.weight"], w["q_norm.weight"], eps)
-        pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), w, _QR_PROJECTIONS, "attn.")
+        pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), self.qr_parts)
         q = a.rms_norm(pqr["wq_b.weight"].reshape(T, H, d), None, eps)
         q = a.rotary(q, cos, sin, False)
         kv = a.rotary(a.rms_norm(px["wkv.weight"], w["kv_norm.weight"], eps), cos, sin, False)

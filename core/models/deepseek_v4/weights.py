@@ -112,12 +112,17 @@ def fuse_rows(w: dict[str, torch.Tensor], key: str, names: tuple[str, ...]) -> N
     w[key] = fused
 
 
-def split_fused(out: torch.Tensor, w: dict[str, torch.Tensor], names: tuple[str, ...], prefix: str
-                ) -> dict[str, torch.Tensor]:
-    """Split the output of a fused projection back into its parts, by name (relative to `prefix`)."""
-    present = [n for n in names if n[len(prefix):] in w]
-    parts = out.split([w[n[len(prefix):]].shape[0] for n in present], dim=-1)
-    return {n[len(prefix):]: p for n, p in zip(present, parts)}
+def fused_parts(w: dict[str, torch.Tensor], names: tuple[str, ...], prefix: str) -> tuple[list[str], list[int]]:
+    """The parts of a fused projection that `w` has (names relative to `prefix`) and their output
+    widths, in row order: what `split_fused` needs, computed once at load."""
+    present = [n[len(prefix):] for n in names if n[len(prefix):] in w]
+    return present, [w[n].shape[0] for n in present]
+
+
+def split_fused(out: torch.Tensor, parts: tuple[list[str], list[int]]) -> dict[str, torch.Tensor]:
+    """Split the output of a fused projection back into its parts, by name (see `fused_parts`)."""
+    names, widths = parts
+    return dict(zip(names, out.split(widths, dim=-1)))
 
 
 def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-/* Fused element-wise kernels of the cpu back end (rms_norm, rotary, hc_pre, hc_post).
+/* Fused kernels of the cpu back end: rms_norm, rotary, hc_pre, hc_post, swiglu, and the bf16
+ * decode GEMV.
  *
  * Each function does in one pass over memory what CpuKernels (kernels.py, the reference) does in
  * many torch ops: one call costs microseconds at decode sizes instead of tens of op dispatches.
