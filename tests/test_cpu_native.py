@@ -204,3 +204,55 @@ def test_gemv_bf16_portable_path(tmp_path):
     for N, K in [(7, 70), (100, 384)]:
         W, x = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
         assert_close(native.gemv_bf16(lib, W, x), (W.double() @ x.double()).to(torch.bfloat16))
+    counts = [0, 3, 0, 1]  # the experts kernel shares the GEMV rows
+    rows, w13, w2 = make((4, 70), torch.bfloat16), make((4, 96, 70), torch.bfloat16, 1), \
+        make((4, 70, 48), torch.bfloat16, 2)
+    assert_close(native.experts_bf16(lib, rows, torch.tensor(counts), w13, w2, 10.0),
+                 experts_reference(rows, counts, w13, w2, 10.0))
+
+
+def experts_reference(rows, counts, w13, w2, limit):
+    """Exact products of the bf16 inputs, rounded where the kernels round: gate/up, hidden, output."""
+    out, start, inter = [], 0, w2.shape[2]
+    hi = limit if limit > 0 else float("inf")
+    for e, c in enumerate(counts):
+        for t in range(start, start + c):
+            gu = (w13[e].double() @ rows[t].double()).to(torch.bfloat16).double()
+            g, u = gu[:inter].clamp(max=hi), gu[inter:].clamp(min=-hi, max=hi)
+            h = (g * torch.sigmoid(g) * u).to(torch.bfloat16)
+            out.append((w2[e].double() @ h.double()).to(torch.bfloat16))
+        start += c
+    return torch.stack(out)
+
+
+EXPERT_CASES = [([1, 0, 2, 1], 64, 32), ([0, 3, 0, 0, 1, 5, 0, 1], 70, 48), ([1] * 4 + [0] * 28, 1024, 512)]
+
+
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+@pytest.mark.parametrize("counts,D,inter", EXPERT_CASES)  # empty experts, a K tail (70), model size
+def test_experts_bf16(nat, counts, D, inter, limit):
+    E, n = len(counts), sum(counts)
+    rows, w13, w2 = make((n, D), torch.bfloat16), make((E, 2 * inter, D), torch.bfloat16, 1), \
+        make((E, D, inter), torch.bfloat16, 2)
+    want = experts_reference(rows, counts, w13, w2, limit)
+    got = native.experts_bf16(nat.native_library, rows, torch.tensor(counts), w13, w2, limit)
+    assert_close(got, want)
+    # through the accelerator method, with the plan the dispatch makes (rows grouped by expert)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).view(n, 1)
+    grouped, plan = nat.moe_dispatch(rows, ids, E)
+    assert_close(nat.moe_experts(grouped, plan, w13, w2, limit), want)
+
+
+def test_experts_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
+    lib, counts = nat.native_library, torch.tensor([2, 1])
+    rows, w13, w2 = make((3, 64), torch.bfloat16), make((2, 64, 64), torch.bfloat16), make((2, 64, 32), torch.bfloat16)
+    assert native.experts_bf16(lib, rows.float(), counts, w13.float(), w2.float(), 0.0) is None  # fp32
+    assert native.experts_bf16(lib, rows, torch.tensor([2, 2]), w13, w2, 0.0) is None  # counts != rows
+    assert native.experts_bf16(lib, rows, counts, w13, w2[:, :32], 0.0) is None  # w2 of the wrong shape
+    # above the row limit the batched/AMX torch paths run instead
+    calls = []
+    monkeypatch.setattr(native, "experts_bf16", lambda *a: calls.append(a) or None)
+    many = make((64, 64), torch.bfloat16)
+    grouped, plan = nat.moe_dispatch(many, torch.arange(64).remainder(2).view(64, 1), 2)
+    out = nat.moe_experts(grouped, plan, w13, w2, 0.0)
+    assert out.shape == (64, 64) and not calls

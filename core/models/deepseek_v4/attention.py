@@ -114,7 +114,7 @@ class Attention:
         if E == 0:
             return st.entries.new_zeros((B, 0, st.entries.shape[-1])), ev.visible
         if S == 1:  # decode: the picks themselves are the key set
-            picks = sel[:, 0]
+            picks = sel[:, 0, :E]  # beyond E all are -1 (k > E early on): no masked keys to attend over
             return take_rows(st.entries, ev.flat.gather(1, picks.clamp(min=0))), (picks >= 0).unsqueeze(1)
         picked = torch.zeros((B, S, E + 1), dtype=torch.bool, device=sel.device)
         picked.scatter_(2, torch.where(sel >= 0, sel, E), True)

@@ -40,17 +40,13 @@ _PROTOTYPES = {
     "hc_post": (_p, _i, _p, _p, _p, _p, _l, _l, _l, _i, _i),
     "swiglu": (_p, _p, _l, _p, _l, _l, _f, _i, _i),
     "gemv_bf16": (_p, _p, _p, _l, _l, _i),
+    "experts_bf16": (_p, _l, _l, _p, _l, _p, _p, _l, _f, _p, _p, _p, _i),
 }
 
 
 def enabled() -> bool:
     """False when DEEPINFER_CPU_NATIVE=0 asks for the pure-torch kernels."""
-    raw = (envs.get("DEEPINFER_CPU_NATIVE", "1") or "1").strip().lower()
-    if raw in ("0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"DEEPINFER_CPU_NATIVE={raw!r} is not a boolean; use 1 (native C kernels) or 0 (pure torch)")
+    return envs.get_bool("DEEPINFER_CPU_NATIVE", True)
 
 
 def cache_dir() -> Path:
@@ -233,4 +229,28 @@ def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.
     out = torch.empty(weight.shape[0], dtype=torch.bfloat16)
     lib.gemv_bf16(weight.data_ptr(), xc.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1],
                   torch.get_num_threads())
+    return out
+
+
+def experts_bf16(lib: ctypes.CDLL, rows: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor,
+                 w2: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """The routed experts of rows grouped by expert (`rows [n, D]`, `w13 [E, 2I, D]`, `w2 [E, D, I]`,
+    bf16), or None for anything else."""
+    E = w13.shape[0] if w13.dim() == 3 else -1
+    if (any(t.dtype is not torch.bfloat16 or not t.is_cpu or t.requires_grad or not t.is_contiguous()
+            for t in (rows, w13, w2)) or rows.dim() != 2 or w2.dim() != 3 or E < 1
+            or w13.shape[2] != rows.shape[1] or w13.shape[1] % 2 or w2.shape != (E, rows.shape[1], w13.shape[1] // 2)
+            or tokens_per_expert.shape != (E,)):
+        return None
+    n, D = rows.shape
+    inter = w2.shape[2]
+    offsets = torch.zeros(E + 1, dtype=torch.long)
+    torch.cumsum(tokens_per_expert.to(torch.long), 0, out=offsets[1:])
+    if int(offsets[-1]) != n:
+        return None
+    gate_up = torch.empty((n, 2 * inter), dtype=torch.bfloat16)
+    hidden = torch.empty((n, inter), dtype=torch.bfloat16)
+    out = torch.empty((n, D), dtype=torch.bfloat16)
+    lib.experts_bf16(rows.data_ptr(), n, D, offsets.data_ptr(), E, w13.data_ptr(), w2.data_ptr(), inter, limit,
+                     gate_up.data_ptr(), hidden.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
