@@ -256,3 +256,25 @@ def test_experts_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
     grouped, plan = nat.moe_dispatch(many, torch.arange(64).remainder(2).view(64, 1), 2)
     out = nat.moe_experts(grouped, plan, w13, w2, 0.0)
     assert out.shape == (64, 64) and not calls
+
+
+def test_argmax_logsumexp(nat):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g) * 4
+    logits[0, 3] = logits[0, 900] = 50.0  # a tie: the first index, as argmax
+    logits[1] = float("-inf")  # a dead row
+    logits[1, 10] = 0.0
+    logits[2, :500] = float("-inf")
+    logits[3] = float("-inf")  # every token masked: torch's answer (-inf)
+    logits[4, 7] = float("inf")
+    logits[5, 2] = float("nan")
+    index, log_norm = nat.argmax_logsumexp(logits)
+    want_index, want_norm = REF.argmax_logsumexp(logits)  # the interface's default: max + logsumexp
+    assert torch.equal(index, want_index)
+    assert torch.allclose(log_norm, want_norm, rtol=2e-6, atol=0, equal_nan=True)
+    # rows further apart than V (a slice of a wider buffer)
+    wide = torch.randn(4, 1100, generator=g)
+    got = nat.argmax_logsumexp(wide[:, :1000])
+    assert torch.equal(got[0], wide[:, :1000].argmax(-1))
+    assert torch.allclose(got[1], torch.logsumexp(wide[:, :1000], -1), rtol=2e-6)
+    assert native.argmax_logsumexp(nat.native_library, logits.double()) is None  # fp32 only

@@ -238,6 +238,13 @@ class SamplingOps(_Interface):
         """Draw one token per row of `probs` `[B, V]` fp32 (rows sum to 1). A row's generator, when
         given, makes its draw independent of the other rows. Returns `[B]` int64."""
 
+    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row of fp32 logits `[L, V]`: the first maximal index (`[L]` int64, as `argmax`) and
+        the log-sum-exp (`[L]` fp32): greedy tokens and the normaliser of their log-probabilities.
+        Optional: this default runs `max` and `logsumexp` (two passes over the logits); a back end
+        fuses them."""
+        return logits.max(dim=-1).indices, torch.logsumexp(logits, dim=-1)
+
     def rejection_sample(self, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
                          draft_token_ids: torch.Tensor, num_drafts: list[int],
                          generators: list[torch.Generator | None]) -> torch.Tensor:

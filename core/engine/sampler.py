@@ -76,7 +76,12 @@ class Sampler:
         device = logits.device
         # greedy: the first maximal index, as argmax; max(dim) returns the same index 2.6x faster
         # on the CPU (0.98 vs 2.6 ms for 32 x 129,280 logits)
-        if len(greedy) == num_rows:  # all greedy (the common case): no gathered copy of the logits
+        log_norm = None
+        if len(greedy) == num_rows and masked is logits:
+            # all greedy and unconstrained (the common case): the tokens and the log-normaliser of
+            # their log-probabilities in one kernel
+            tokens, log_norm = self.accelerator.argmax_logsumexp(logits)
+        elif len(greedy) == num_rows:  # no gathered copy of the logits
             tokens = masked.max(dim=-1).indices
         else:
             tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
@@ -89,7 +94,7 @@ class Sampler:
             probs, indices = self._sorted_probs(masked[needs_sort], meta, needs_sort, vocab)
             choice = self.accelerator.sample(probs, self._generators(meta, needs_sort, device))
             tokens[needs_sort] = indices.gather(1, choice.unsqueeze(1)).squeeze(1)
-        logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta)
+        logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta, log_norm)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs.masked_fill(dead, 0.0), ranks=ranks, dead=dead,
                              top_ids=top_ids, top_logprobs=top_logprobs)
 
@@ -112,16 +117,19 @@ class Sampler:
             out[needs_sort] = torch.zeros((len(needs_sort), vocab), device=device).scatter_(1, indices, probs)
         return out
 
-    def score(self, logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata
+    def score(self, logits: torch.Tensor, tokens: torch.Tensor, meta: SamplingMetadata,
+              log_norm: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Raw-distribution statistics of chosen `tokens` `[L]` (-1 = none): (log-probability,
-        rank (1 = most likely), and the top-k ids and log-probabilities when a row asks for them)."""
+        rank (1 = most likely), and the top-k ids and log-probabilities when a row asks for them).
+        `log_norm`: the rows' log-sum-exp when already known."""
         # Passes over [L, V] are what this costs at large batches (the vocabulary is 129k): the
         # chosen token's log-probability needs only the log-normaliser; ranks and top-k are
         # computed when some row asks for logprobs.
         logits = logits.float()
         token_logits = logits.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
-        log_norm = torch.logsumexp(logits, dim=-1)
+        if log_norm is None:
+            log_norm = torch.logsumexp(logits, dim=-1)
         token_logprobs = token_logits - log_norm
         if all(n is None for n in meta.num_logprobs):
             return token_logprobs, None, None, None

@@ -258,6 +258,16 @@ def test_samples_stay_in_support(acc):
     assert all(t in s for t, s in zip(got.tolist(), support.tolist()))
 
 
+@pytest.mark.level(1)
+def test_argmax_logsumexp(acc):
+    logits = torch.randn(5, 3000, generator=_gen(14)) * 5
+    logits[0, 7] = logits[0, 2000] = 80.0  # a tie: the first index, as argmax
+    logits[1, :2990] = float("-inf")  # mostly masked
+    index, log_norm = acc.argmax_logsumexp(*_on(acc, logits))
+    assert index.cpu().tolist() == logits.argmax(-1).tolist(), "argmax_logsumexp: not the first maximal index"
+    _close(log_norm, torch.logsumexp(logits, -1), torch.float32, "argmax_logsumexp")
+
+
 @pytest.mark.level(2)
 def test_seeded_sampling_is_deterministic_per_row(acc):
     probs = torch.softmax(torch.randn(3, 1000, generator=_gen(11)), -1)

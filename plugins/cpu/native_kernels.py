@@ -1,7 +1,8 @@
 """CpuKernels with the memory-bound element-wise kernels (rms_norm, rotary, hc_pre, hc_post, swiglu)
 done by fused C functions (native/kernels.c): one call and one pass over memory instead of tens of
 torch ops; the bf16 decode GEMV of weights up to 8 M elements (it streams them faster than
-torch.mv), and the routed experts of decode-sized batches (each expert weight streamed once). Each method falls back to the pure-torch reference when the library is unavailable (no
+torch.mv), the routed experts of decode-sized batches (each expert weight streamed once), and
+greedy sampling's argmax with the log-sum-exp in one pass over the logits. Each method falls back to the pure-torch reference when the library is unavailable (no
 compiler, DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
 
 Multi-row bf16 linears run on oneDNN-packed copies of the weights (packed_weights.py) unless
@@ -82,6 +83,11 @@ class NativeCpuKernels(CpuKernels):
         if lib is not None and rows.shape[0] <= _NATIVE_EXPERT_MAX_ROWS:
             out = native.experts_bf16(lib, rows, plan.tokens_per_expert, w13, w2, swiglu_limit)
         return super().moe_experts(rows, plan, w13, w2, swiglu_limit) if out is None else out
+
+    def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lib = self.native_library
+        out = None if lib is None else native.argmax_logsumexp(lib, logits)
+        return super().argmax_logsumexp(logits) if out is None else out
 
     def _matvec(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         lib = self.native_library

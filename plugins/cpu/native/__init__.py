@@ -41,6 +41,7 @@ _PROTOTYPES = {
     "swiglu": (_p, _p, _l, _p, _l, _l, _f, _i, _i),
     "gemv_bf16": (_p, _p, _p, _l, _l, _i),
     "experts_bf16": (_p, _l, _l, _p, _l, _p, _p, _l, _f, _p, _p, _p, _i),
+    "argmax_logsumexp": (_p, _l, _l, _l, _p, _p, _i),
 }
 
 
@@ -254,3 +255,21 @@ def experts_bf16(lib: ctypes.CDLL, rows: torch.Tensor, tokens_per_expert: torch.
     lib.experts_bf16(rows.data_ptr(), n, D, offsets.data_ptr(), E, w13.data_ptr(), w2.data_ptr(), inter, limit,
                      gate_up.data_ptr(), hidden.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def argmax_logsumexp(lib: ctypes.CDLL, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per row of fp32 logits `[L, V]`: first maximal index and log-sum-exp, or None for other input."""
+    if (logits.dtype is not torch.float32 or logits.dim() != 2 or not logits.is_cpu or logits.requires_grad
+            or logits.shape[1] == 0 or logits.stride(1) != 1):
+        return None
+    L, V = logits.shape
+    index = torch.empty(L, dtype=torch.long)
+    log_norm = torch.empty(L, dtype=torch.float32)
+    lib.argmax_logsumexp(logits.data_ptr(), L, V, logits.stride(0), index.data_ptr(), log_norm.data_ptr(),
+                         torch.get_num_threads())
+    odd = ~torch.isfinite(log_norm)
+    if odd.any():  # an infinite or NaN maximum (or an overflowing sum): torch's semantics for those rows
+        rows = odd.nonzero().squeeze(1)
+        index[rows] = logits[rows].max(dim=-1).indices
+        log_norm[rows] = torch.logsumexp(logits[rows], dim=-1)
+    return index, log_norm
