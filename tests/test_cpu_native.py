@@ -278,3 +278,47 @@ def test_argmax_logsumexp(nat):
     assert torch.equal(got[0], wide[:, :1000].argmax(-1))
     assert torch.allclose(got[1], torch.logsumexp(wide[:, :1000], -1), rtol=2e-6)
     assert native.argmax_logsumexp(nat.native_library, logits.double()) is None  # fp32 only
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5, 300])
+def test_moe_dispatch_and_combine(nat, T, dtype):
+    g = torch.Generator().manual_seed(T)
+    E, k = 8, 3
+    x = make((T, 64), dtype)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    rows, plan = nat.moe_dispatch(x, ids, E)
+    want_rows, want_plan = REF.moe_dispatch(x, ids, E)  # the stable argsort grouping
+    assert torch.equal(rows, want_rows) and plan.num_tokens == want_plan.num_tokens == T
+    for field in ("tokens_per_expert", "source_token", "source_slot"):
+        assert torch.equal(getattr(plan, field), getattr(want_plan, field)), field
+    out_rows = make(rows.shape, dtype, 1)
+    got = nat.moe_combine(out_rows, plan, weights)
+    exact = torch.zeros(T, 64, dtype=torch.float64).index_add_(
+        0, plan.source_token, out_rows.double() * weights.double()[plan.source_token, plan.source_slot].unsqueeze(1))
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(got, REF.moe_combine(out_rows, plan, weights), rtol=1e-5, atol=1e-5)
+
+
+def test_moe_dispatch_and_combine_decline(nat):
+    lib = nat.native_library
+    x = make((4, 16), torch.bfloat16)
+    assert native.moe_dispatch_rows(lib, x, torch.tensor([[0, 9]] * 4), 8) is None  # an id outside [0, E)
+    assert native.moe_dispatch_rows(lib, x, torch.tensor([[0, -1]] * 4), 8) is None
+    rows, plan = nat.moe_dispatch(x, torch.tensor([[0, 1]] * 4), 8)
+    twice = plan.source_slot.clone()
+    twice[:] = 0  # two rows claim the same (token, choice): not a full grouping
+    assert native.moe_combine_rows(lib, rows, plan.source_token, twice, torch.rand(4, 2)) is None
+    # a subset of the choices (e.g. local experts only) goes to the reference's scatter-add
+    subset = type(plan)(plan.tokens_per_expert, plan.source_token[:5], plan.source_slot[:5], 4)
+    w = torch.rand(4, 2)
+    assert torch.allclose(nat.moe_combine(rows[:5], subset, w), REF.moe_combine(rows[:5], subset, w))
+
+
+@pytest.mark.parametrize("G,N,K", [(4, 256, 512), (3, 20, 70)])  # model size; tails of rows and of K
+def test_grouped_gemv_bf16(nat, G, N, K):
+    x, w = make((1, G, K), torch.bfloat16), make((G, N, K), torch.bfloat16, 1)
+    want = torch.stack([(w[i].double() @ x[0, i].double()) for i in range(G)]).to(torch.bfloat16).unsqueeze(0)
+    assert_close(nat.grouped_linear(x, w), want)
+    assert native.grouped_gemv_bf16(nat.native_library, make((2, G, K), torch.bfloat16), w) is None  # 2 tokens

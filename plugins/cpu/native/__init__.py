@@ -42,6 +42,9 @@ _PROTOTYPES = {
     "gemv_bf16": (_p, _p, _p, _l, _l, _i),
     "experts_bf16": (_p, _l, _l, _p, _l, _p, _p, _l, _f, _p, _p, _p, _i),
     "argmax_logsumexp": (_p, _l, _l, _l, _p, _p, _i),
+    "grouped_gemv_bf16": (_p, _p, _p, _l, _l, _l, _i),
+    "moe_dispatch_rows": (_p, _l, _l, _l, _p, _l, _p, _p, _p, _p, _p, _i),
+    "moe_combine_rows": (_p, _i, _l, _p, _p, _l, _l, _p, _p, _p, _i),
 }
 
 
@@ -273,3 +276,54 @@ def argmax_logsumexp(lib: ctypes.CDLL, logits: torch.Tensor) -> tuple[torch.Tens
         index[rows] = logits[rows].max(dim=-1).indices
         log_norm[rows] = torch.logsumexp(logits[rows], dim=-1)
     return index, log_norm
+
+
+def grouped_gemv_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """One bf16 token's grouped projection: x `[1, G, K]`, weight `[G, N, K]` -> `[1, G, N]`; else None."""
+    if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 3 or weight.dim() != 3
+            or x.shape[0] != 1 or x.shape[1:] != (weight.shape[0], weight.shape[2]) or not (x.is_cpu and weight.is_cpu)
+            or not weight.is_contiguous() or x.requires_grad or weight.requires_grad):
+        return None
+    G, N, K = weight.shape
+    xc = x.contiguous()
+    out = torch.empty((1, G, N), dtype=torch.bfloat16)
+    lib.grouped_gemv_bf16(weight.data_ptr(), xc.data_ptr(), out.data_ptr(), G, N, K, torch.get_num_threads())
+    return out
+
+
+def moe_dispatch_rows(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, num_experts: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, tokens_per_expert, source_token, source_slot) of the stable grouping by expert, or None
+    (unsupported input, or an id outside [0, num_experts): the reference reports it)."""
+    if (_code(x) is None or x.dim() != 2 or not x.is_contiguous() or ids.dim() != 2 or ids.shape[0] != x.shape[0]
+            or not ids.is_cpu or ids.dtype not in (torch.int64, torch.int32)):
+        return None
+    T, k = ids.shape
+    flat = ids.to(torch.int64).contiguous()
+    counts = torch.empty(num_experts, dtype=torch.int64)
+    source_token, source_slot = torch.empty(T * k, dtype=torch.int64), torch.empty(T * k, dtype=torch.int64)
+    rows = torch.empty((T * k, x.shape[1]), dtype=x.dtype)
+    status = torch.zeros(1, dtype=torch.int32)
+    lib.moe_dispatch_rows(flat.data_ptr(), T, k, num_experts, x.data_ptr(), x.shape[1] * x.element_size(),
+                          counts.data_ptr(), source_token.data_ptr(), source_slot.data_ptr(), rows.data_ptr(),
+                          status.data_ptr(), torch.get_num_threads())
+    return None if status.item() else (rows, counts, source_token, source_slot)
+
+
+def moe_combine_rows(lib: ctypes.CDLL, rows: torch.Tensor, source_token: torch.Tensor, source_slot: torch.Tensor,
+                     weights: torch.Tensor) -> torch.Tensor | None:
+    """`[T, D]` fp32: each token's k expert rows weighted by `weights [T, k]`, or None when the rows are
+    not exactly one per (token, choice) or the input is unsupported."""
+    dtype = _code(rows)
+    if (dtype is None or rows.dim() != 2 or not rows.is_contiguous() or weights.dim() != 2
+            or rows.shape[0] != weights.numel() or source_token.shape != (rows.shape[0],)
+            or source_slot.shape != (rows.shape[0],) or not (source_token.is_cpu and source_slot.is_cpu)):
+        return None
+    T, k = weights.shape
+    w = _f32(weights)
+    st, ss = source_token.to(torch.int64).contiguous(), source_slot.to(torch.int64).contiguous()
+    out = torch.empty((T, rows.shape[1]), dtype=torch.float32)
+    status = torch.zeros(1, dtype=torch.int32)
+    lib.moe_combine_rows(rows.data_ptr(), dtype, rows.shape[1], st.data_ptr(), ss.data_ptr(), T, k, w.data_ptr(),
+                         out.data_ptr(), status.data_ptr(), torch.get_num_threads())
+    return None if status.item() else out
