@@ -81,10 +81,15 @@ class Attention:
             index_w = px["indexer.weights_proj.weight"].float() * (Hi ** -0.5 * di ** -0.5)
 
         window_flat = st.window.view(-1, d)
-        out = torch.zeros_like(q)
+        decode_only = len(plan.groups) == 1 and plan.groups[0].in_row_order  # keys written as they are read
+        out = None if decode_only else torch.zeros_like(q)
         for gi, g in enumerate(plan.groups):
-            keys = torch.where(g.key_is_new.unsqueeze(-1), take_rows(kv, g.key_new_row),
-                               take_rows(window_flat, g.key_ring_row))
+            if g.key_ring_row_all is not None:  # decode: own key into the ring first, then one gather
+                window_flat.index_copy_(0, g.new_key_ring_row, take_rows(kv, g.rows[:, 0]))
+                keys = take_rows(window_flat, g.key_ring_row_all)
+            else:
+                keys = torch.where(g.key_is_new.unsqueeze(-1), take_rows(kv, g.key_new_row),
+                                   take_rows(window_flat, g.key_ring_row))
             mask = g.window_mask
             if self.rate:
                 ev = plan.entry_view(gi, self.rate)
@@ -93,11 +98,15 @@ class Attention:
                 else:
                     ckeys, cmask = take_rows(st.entries, ev.flat), ev.visible
                 keys, mask = torch.cat((keys, ckeys), dim=1), torch.cat((mask, cmask), dim=2)
+            if out is None:  # the step's tokens in row order: no gather, no scatter
+                out = a.sink_attention(q.unsqueeze(1), keys, mask, w["attn_sink"], d ** -0.5).squeeze(1)
+                continue
             o = a.sink_attention(take_rows(q, g.rows), keys, mask, w["attn_sink"], d ** -0.5)
             out[g.rows[g.q_valid]] = o[g.q_valid]
 
-        write = plan.ring_write(st.window.shape[1])
-        window_flat[write.ring_row] = kv[write.rows]
+        if not decode_only:
+            write = plan.ring_write(st.window.shape[1])
+            window_flat[write.ring_row] = kv[write.rows]
 
         o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
         grouped = a.grouped_linear(o, w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1))

@@ -98,6 +98,11 @@ class AttnGroup:
     key_ring_row: torch.Tensor  # [B, Lw] flat index into [num_slots * Rw]
     window_mask: torch.Tensor  # [B, S, Lw]
     end_pos: torch.Tensor  # [B] one past the item's last position
+    # Decode groups (each item a sequence's only new token) store that key in the ring first: it
+    # replaces position pos - Rw, outside the window (Rw >= W), so every key is one ring gather.
+    new_key_ring_row: torch.Tensor | None = None  # [B] where the query's own key goes
+    key_ring_row_all: torch.Tensor | None = None  # [B, Lw] every key's ring row (0 where invalid)
+    in_row_order: bool = False  # rows are exactly 0..T-1 (a step of decode tokens only): no gather
 
 
 @dataclass
@@ -171,14 +176,15 @@ class StepPlan:
         """Decode tokens (query_len 1) of all sequences in one group; every other sequence in
         blocks of `query_block` queries (bounded key ranges, O(S * (W + block)) work)."""
         decode = [(i, 0, 1) for i in range(len(self.q_lens)) if self.q_lens[i] == 1]
-        out = [self._group(decode)] if decode else []
+        out = [self._group(decode, decode=True)] if decode else []
         for i, n in enumerate(self.q_lens):
             if n > 1:
                 for a in range(0, n, self.query_block):
                     out.append(self._group([(i, a, min(n, a + self.query_block))]))
         return out
 
-    def _group(self, items: list[tuple[int, int, int]]) -> AttnGroup:
+    def _group(self, items: list[tuple[int, int, int]], decode: bool = False) -> AttnGroup:
+        """`decode`: every item is a sequence's only new token (its one new key is its own)."""
         dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
         seq = torch.tensor([i for i, _, _ in items], device=dev)
         a = torch.tensor([x for _, x, _ in items], device=dev)
@@ -201,7 +207,12 @@ class StepPlan:
         key_ring_row = torch.where(k_valid & ~key_is_new, slot.unsqueeze(1) * Rw + key_pos % Rw, 0)
         kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
         window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
-        return AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end)
+        group = AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end)
+        if decode and Rw >= W:
+            group.new_key_ring_row = slot * Rw + q_pos[:, 0] % Rw
+            group.key_ring_row_all = torch.where(k_valid, slot.unsqueeze(1) * Rw + key_pos % Rw, 0)
+            group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
+        return group
 
     def _entry_rows(self, rate: int, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """Block-group rows of entry ids `entries` `[B, E]` of sequences `seq` `[B]`."""
