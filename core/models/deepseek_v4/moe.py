@@ -47,5 +47,5 @@ class MoE:
             gate_up = a.linear(x, w13)
             inter = w2.shape[1]
             h = a.swiglu(gate_up[..., :inter], gate_up[..., inter:], c.swiglu_limit)
-            y = y + a.linear(h, w2).float()
+            y = y.add_(a.linear(h, w2))  # into the combine's fresh fp32 result
         return y.to(x.dtype)

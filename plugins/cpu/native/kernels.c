@@ -424,38 +424,6 @@ static void gemv_rows(const uint16_t *restrict W, const uint16_t *restrict x, co
     for (; n < n1; n++) y[n] = float_to_bf16(dot_bf16(W + n * K, x, K));
 }
 
-/* gemv_rows for m tokens (X [m, K], Y rows ldy apart): four weight rows times four tokens per step
- * (16 accumulators), so each weight vector is loaded once for up to four tokens. */
-static void gemv_rows_tokens(const uint16_t *restrict W, const uint16_t *restrict X, const float *restrict Xf,
-                             uint16_t *restrict Y, long ldy, long m, long n0, long n1, long K) {
-    long t = 0;
-    if (K % 32 == 0) {
-        for (; t + 4 <= m; t += 4) {
-            const uint16_t *x0 = X + t * K, *x1 = x0 + K, *x2 = x1 + K, *x3 = x2 + K;
-            long n = n0;
-            for (; n + 4 <= n1; n += 4) {
-                __m512 acc[4][4];
-                for (int r = 0; r < 4; r++)
-                    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-                for (long k = 0; k < K; k += 32) {
-                    __m512bh xv[4] = {(__m512bh)_mm512_loadu_si512((const void *)(x0 + k)),
-                                      (__m512bh)_mm512_loadu_si512((const void *)(x1 + k)),
-                                      (__m512bh)_mm512_loadu_si512((const void *)(x2 + k)),
-                                      (__m512bh)_mm512_loadu_si512((const void *)(x3 + k))};
-                    for (int r = 0; r < 4; r++) {
-                        const __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(W + (n + r) * K + k));
-                        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], wv, xv[c]);
-                    }
-                }
-                for (int r = 0; r < 4; r++)
-                    for (int c = 0; c < 4; c++) Y[(t + c) * ldy + n + r] = float_to_bf16(_mm512_reduce_add_ps(acc[r][c]));
-            }
-            for (; n < n1; n++)
-                for (int c = 0; c < 4; c++) Y[(t + c) * ldy + n] = float_to_bf16(dot_bf16(W + n * K, X + (t + c) * K, K));
-        }
-    }
-    for (; t < m; t++) gemv_rows(W, X + t * K, Xf + t * K, Y + t * ldy, n0, n1, K);
-}
 #else
 static void gemv_rows(const uint16_t *restrict W, const uint16_t *restrict x, const float *restrict xf,
                       uint16_t *restrict y, long n0, long n1, long K) {
@@ -469,11 +437,14 @@ static void gemv_rows(const uint16_t *restrict W, const uint16_t *restrict x, co
     }
 }
 
+#endif
+
+/* gemv_rows for m tokens (X [m, K], Y rows ldy apart), one token after another: the weight rows stay
+ * in L1/L2 between tokens. */
 static void gemv_rows_tokens(const uint16_t *restrict W, const uint16_t *restrict X, const float *restrict Xf,
                              uint16_t *restrict Y, long ldy, long m, long n0, long n1, long K) {
     for (long t = 0; t < m; t++) gemv_rows(W, X + t * K, Xf + t * K, Y + t * ldy, n0, n1, K);
 }
-#endif
 
 void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K, int num_threads) {
     float *xf = malloc((size_t)K * sizeof(float));
