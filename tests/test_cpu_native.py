@@ -199,16 +199,31 @@ def test_gemv_bf16_portable_path(tmp_path):
     # the C fallback for CPUs without AVX512-BF16 (fp32 dot products), built here with that ISA
     # extension switched off and checked like the intrinsic path
     lib_path = tmp_path / "kernels-portable.so"
-    native._compile(lib_path, [*native._compiler(), "-mno-avx512bf16"])
+    native._compile(lib_path, [*native._compiler(), "-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"])
     lib = native._load(lib_path)
     for N, K in [(7, 70), (100, 384)]:
         W, x = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
         assert_close(native.gemv_bf16(lib, W, x), (W.double() @ x.double()).to(torch.bfloat16))
-    counts = [0, 3, 0, 1]  # the experts kernel shares the GEMV rows
-    rows, w13, w2 = make((4, 70), torch.bfloat16), make((4, 96, 70), torch.bfloat16, 1), \
-        make((4, 70, 48), torch.bfloat16, 2)
-    assert_close(native.experts_bf16(lib, rows, torch.tensor(counts), w13, w2, 10.0),
-                 experts_reference(rows, counts, w13, w2, 10.0))
+    assert not native.amx_usable(lib)
+    check_experts_without_amx(lib)
+
+
+def check_experts_without_amx(lib):
+    for counts, D, inter in EXPERT_CASES:  # the dot-product expert path, also at AMX-friendly sizes
+        E, n = len(counts), sum(counts)
+        rows, w13, w2 = make((n, D), torch.bfloat16), make((E, 2 * inter, D), torch.bfloat16, 1), \
+            make((E, D, inter), torch.bfloat16, 2)
+        assert_close(native.experts_bf16(lib, rows, torch.tensor(counts), w13, w2, 10.0),
+                     experts_reference(rows, counts, w13, w2, 10.0))
+
+
+def test_experts_bf16_without_amx(tmp_path):
+    # where the CPU has AVX512-BF16 but no AMX: built here with AMX switched off
+    lib_path = tmp_path / "kernels-no-amx.so"
+    native._compile(lib_path, [*native._compiler(), "-mno-amx-tile", "-mno-amx-bf16"])
+    lib = native._load(lib_path)
+    assert not native.amx_usable(lib)
+    check_experts_without_amx(lib)
 
 
 def experts_reference(rows, counts, w13, w2, limit):
@@ -225,7 +240,10 @@ def experts_reference(rows, counts, w13, w2, limit):
     return torch.stack(out)
 
 
-EXPERT_CASES = [([1, 0, 2, 1], 64, 32), ([0, 3, 0, 0, 1, 5, 0, 1], 70, 48), ([1] * 4 + [0] * 28, 1024, 512)]
+# D % 64 == 0 runs on AMX tiles where the CPU has them (16 tokens per tile: 20 and 35 rows span
+# several), D = 70 on the dot products
+EXPERT_CASES = [([1, 0, 2, 1], 64, 32), ([0, 3, 0, 0, 1, 5, 0, 1], 70, 48), ([1] * 4 + [0] * 28, 1024, 512),
+                ([20, 0, 35, 16], 128, 64)]
 
 
 @pytest.mark.parametrize("limit", [10.0, 0.0])
@@ -249,13 +267,14 @@ def test_experts_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
     assert native.experts_bf16(lib, rows.float(), counts, w13.float(), w2.float(), 0.0) is None  # fp32
     assert native.experts_bf16(lib, rows, torch.tensor([2, 2]), w13, w2, 0.0) is None  # counts != rows
     assert native.experts_bf16(lib, rows, counts, w13, w2[:, :32], 0.0) is None  # w2 of the wrong shape
-    # above the row limit the batched/AMX torch paths run instead
+    # above the row limit (prefill-sized) oneDNN's per-expert GEMMs run instead
     calls = []
     monkeypatch.setattr(native, "experts_bf16", lambda *a: calls.append(a) or None)
-    many = make((64, 64), torch.bfloat16)
-    grouped, plan = nat.moe_dispatch(many, torch.arange(64).remainder(2).view(64, 1), 2)
+    n = nat._native_expert_rows(2) + 1
+    many = make((n, 64), torch.bfloat16)
+    grouped, plan = nat.moe_dispatch(many, torch.arange(n).remainder(2).view(n, 1), 2)
     out = nat.moe_experts(grouped, plan, w13, w2, 0.0)
-    assert out.shape == (64, 64) and not calls
+    assert out.shape == (n, 64) and not calls
 
 
 def test_argmax_logsumexp(nat):

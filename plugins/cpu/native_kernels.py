@@ -1,7 +1,8 @@
 """CpuKernels with the memory-bound element-wise kernels (rms_norm, rotary, hc_pre, hc_post, swiglu)
 done by fused C functions (native/kernels.c): one call and one pass over memory instead of tens of
 torch ops; the bf16 decode GEMV of weights up to 8 M elements (it streams them faster than
-torch.mv), the routed experts of decode-sized batches (each expert weight streamed once), and
+torch.mv), the routed experts of decode-sized batches (each expert weight streamed once; on AMX
+tiles where the CPU has them), and
 greedy sampling's argmax with the log-sum-exp in one pass over the logits; the MoE dispatch and
 combine (a counting sort and a weighted row sum instead of ~10 torch ops each), and the grouped
 output projection of one token. Each method falls back to the pure-torch reference when the library is unavailable (no
@@ -25,10 +26,13 @@ from deepinfer_plugins.cpu.packed_weights import PackedWeights
 # 29 vs 25 GB/s); below it the C GEMV is 10-30 % faster (measured with cold weights, 2 threads).
 _NATIVE_GEMV_MAX_ELEMENTS = 8 << 20
 
-# Up to this many routed rows the C expert kernel streams the expert weights 1.25-1.45x faster than
-# the torch paths (4 to 48 rows, 32 experts of 1024 x 512, 12 layers, cold weights); from ~64 rows
-# it is compute-bound on the vector units and the batched/AMX GEMMs win (1.06x at 64, 0.87x at 96).
-_NATIVE_EXPERT_MAX_ROWS = 48
+# When the C expert kernel beats the torch paths (32 experts of 1024 x 512, cold weights, 2 threads).
+# With AMX tiles: 1.4-1.7x at 4-32 rows, 1.05-1.1x at 64-128 (all experts touched, both stream the
+# weights at ~23 GB/s), 1.7x at 1,024 rows and 1.4x at 2,048, 0.76x at 8,192 (oneDNN's blocked
+# GEMMs win once each expert has a few hundred rows): up to 96 rows per expert on average.
+# With AVX512-BF16 dot products only: 1.25-1.45x at 4-48 rows, compute-bound from ~64 (0.87x at 96).
+_EXPERT_ROWS_PER_EXPERT_AMX = 96
+_EXPERT_MAX_ROWS_DOT = 48
 
 
 class NativeCpuKernels(CpuKernels):
@@ -103,9 +107,19 @@ class NativeCpuKernels(CpuKernels):
                     swiglu_limit: float) -> torch.Tensor:
         lib = self.native_library
         out = None
-        if lib is not None and rows.shape[0] <= _NATIVE_EXPERT_MAX_ROWS:
+        if lib is not None and rows.shape[0] <= self._native_expert_rows(w13.shape[0]):
             out = native.experts_bf16(lib, rows, plan.tokens_per_expert, w13, w2, swiglu_limit)
         return super().moe_experts(rows, plan, w13, w2, swiglu_limit) if out is None else out
+
+    def _native_expert_rows(self, num_experts: int) -> int:
+        if self.native_amx:
+            return _EXPERT_ROWS_PER_EXPERT_AMX * num_experts
+        return _EXPERT_MAX_ROWS_DOT
+
+    @functools.cached_property
+    def native_amx(self) -> bool:
+        """The C expert kernel runs on AMX tiles (built for an AMX CPU, and Linux granted the state)."""
+        return self.native_library is not None and native.amx_usable(self.native_library)
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lib = self.native_library

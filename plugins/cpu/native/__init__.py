@@ -43,6 +43,7 @@ _PROTOTYPES = {
     "experts_bf16": (_p, _l, _l, _p, _l, _p, _p, _l, _f, _p, _p, _p, _i),
     "argmax_logsumexp": (_p, _l, _l, _l, _p, _p, _i),
     "grouped_gemv_bf16": (_p, _p, _p, _l, _l, _l, _i),
+    "amx_usable": (),
     "moe_dispatch_rows": (_p, _l, _l, _l, _p, _l, _p, _p, _p, _p, _p, _i),
     "moe_combine_rows": (_p, _i, _l, _p, _p, _l, _l, _p, _p, _p, _i),
 }
@@ -98,7 +99,13 @@ def _load(path: Path) -> ctypes.CDLL:
     for name, argtypes in _PROTOTYPES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.amx_usable.restype = ctypes.c_int
     return lib
+
+
+def amx_usable(lib: ctypes.CDLL) -> bool:
+    """The library was built for a CPU with AMX and Linux granted this process the AMX state."""
+    return bool(lib.amx_usable())
 
 
 @functools.cache

@@ -458,6 +458,108 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K
     free(xf);
 }
 
+/* ----- AMX (Intel Advanced Matrix Extensions) for the expert products, where the CPU has it -----
+ * A tile multiply-add takes 16 weight rows x 32 k-values against 32 k-values x 16 tokens, so the
+ * vector units no longer bound decode batches of several tokens per expert; the weights are read
+ * straight from their [N, K] layout, the tokens are repacked into AMX's pair-interleaved layout.
+ * Linux hands out the AMX register state on request (arch_prctl); without it, or without AMX,
+ * amx_usable() is 0 and the dot-product path runs. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_REQUEST_PERMISSION 0x1023 /* ARCH_REQ_XCOMP_PERM */
+#define AMX_TILE_DATA 18              /* XFEATURE_XTILEDATA */
+
+int amx_usable(void) {
+    static int state = -1; /* asked once per process, from the calling (main) thread */
+    if (state < 0) state = syscall(SYS_arch_prctl, AMX_REQUEST_PERMISSION, AMX_TILE_DATA) == 0;
+    return state;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} amx_tile_config;
+
+/* tiles 0-1: fp32 results (16 weight rows x 16 tokens); 4, 6: tokens; 5, 7: weights */
+static void amx_configure(void) {
+    amx_tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette_id = 1;
+    for (int t = 0; t < 8; t++) { config.rows[t] = 16; config.bytes_per_row[t] = 64; }
+    _tile_loadconfig(&config);
+}
+
+/* X [m <= 16, K] -> [K/2][16][2]: each 32-bit word a (k, k+1) pair of one token, zero past m */
+static void amx_pack_tokens(const uint16_t *X, long m, long K, uint16_t *packed) {
+    const uint32_t *x = (const uint32_t *)X;
+    uint32_t *p = (uint32_t *)packed;
+    for (long kk = 0; kk < K / 2; kk++)
+        for (long t = 0; t < 16; t++) p[kk * 16 + t] = t < m ? x[t * (K / 2) + kk] : 0;
+}
+
+/* Y[t, n0 .. n0+63] = W[n0 .. n0+63, :] . X[t, :] for the m tokens packed in `packed`: 16 weight
+ * rows at a time (16 sequential streams for the prefetchers), even and odd k-steps in two result
+ * tiles so consecutive tile products do not wait on each other */
+static void amx_rows64(const uint16_t *W, long K, const uint16_t *packed, uint16_t *Y, long ldy, long m, long n0) {
+    float C[2][16][16];
+    for (long r0 = n0; r0 < n0 + 64; r0 += 16) {
+        const uint16_t *w = W + r0 * K;
+        _tile_zero(0);
+        _tile_zero(1);
+        long k = 0;
+        for (; k + 64 <= K; k += 64) {
+            _tile_loadd(4, packed + k * 16, 64);
+            _tile_loadd(5, w + k, K * 2);
+            _tile_loadd(6, packed + (k + 32) * 16, 64);
+            _tile_loadd(7, w + k + 32, K * 2);
+            _tile_dpbf16ps(0, 5, 4);
+            _tile_dpbf16ps(1, 7, 6);
+        }
+        if (k < K) {
+            _tile_loadd(4, packed + k * 16, 64);
+            _tile_loadd(5, w + k, K * 2);
+            _tile_dpbf16ps(0, 5, 4);
+        }
+        _tile_stored(0, C[0], 64);
+        _tile_stored(1, C[1], 64);
+        for (long t = 0; t < m; t++)
+            for (int i = 0; i < 16; i++) Y[t * ldy + r0 + i] = float_to_bf16(C[0][i][t] + C[1][i][t]);
+    }
+}
+
+/* expert_products on AMX: chunk c of 16 tokens of expert e is packed at packed + c * K * 16, the
+ * expert's first chunk being first_chunk[e]; a work item is one expert's 64-row weight block,
+ * applied to all its chunks while it sits in L2. Needs N % 64 == 0 and K % 32 == 0. */
+static void expert_products_amx(const uint16_t *W, long N, long K, const long *active, long num_active,
+                                const long *offsets, const long *first_chunk, long num_chunks, const uint16_t *X,
+                                uint16_t *packed, uint16_t *Y, long ldy) {
+#pragma omp for schedule(static)
+    for (long c = 0; c < num_chunks; c++) {
+        long e = 0;  /* the expert of chunk c (few experts: a linear search) */
+        while (first_chunk[e + 1] <= c) e++;
+        const long t0 = offsets[e] + (c - first_chunk[e]) * 16, m = offsets[e + 1] - t0 < 16 ? offsets[e + 1] - t0 : 16;
+        amx_pack_tokens(X + t0 * K, m, K, packed + c * K * 16);
+    }
+    const long blocks = N / 64;
+#pragma omp for schedule(static)
+    for (long it = 0; it < num_active * blocks; it++) {
+        const long e = active[it / blocks], n0 = (it % blocks) * 64;
+        const uint16_t *We = W + (size_t)e * N * K;
+        for (long c = first_chunk[e]; c < first_chunk[e + 1]; c++) {
+            const long t0 = offsets[e] + (c - first_chunk[e]) * 16;
+            const long m = offsets[e + 1] - t0 < 16 ? offsets[e + 1] - t0 : 16;
+            amx_rows64(We, K, packed + c * K * 16, Y + t0 * ldy, ldy, m, n0);
+        }
+    }
+}
+#else
+int amx_usable(void) { return 0; }
+#endif
+
 /* ----- experts_bf16: the routed experts of a decode-sized batch, streaming each weight once -----
  * rows [n, D] grouped by expert (expert e owns rows offsets[e] .. offsets[e+1]), w13 [E, 2I, D]
  * (gate rows then up rows), w2 [E, D, I]; out [n, D]. Each block of 16 weight rows is read from
@@ -485,31 +587,59 @@ void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, lon
     long num_active = 0;
     for (long e = 0; e < E; e++)
         if (offsets[e + 1] > offsets[e]) active[num_active++] = e;
-    /* fp32 copies of the inputs for the portable dot product (unused with AVX512-BF16) */
-    float *rows_f = malloc((size_t)n * D * sizeof(float));
-    float *hidden_f = malloc((size_t)n * I * sizeof(float));
     const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
+    const int amx = amx_usable() && D % 64 == 0 && I % 32 == 0;
+    /* AMX: chunks of 16 tokens per expert and their packed copies; else fp32 copies of the inputs
+     * for the portable dot product (unused with AVX512-BF16) */
+    long *first_chunk = malloc((size_t)(E + 1) * sizeof(long));
+    first_chunk[0] = 0;
+    for (long e = 0; e < E; e++) first_chunk[e + 1] = first_chunk[e] + (offsets[e + 1] - offsets[e] + 15) / 16;
+    const long num_chunks = first_chunk[E];
+    const long K_max = D > I ? D : I;
+    uint16_t *packed = amx ? aligned_alloc(64, (size_t)num_chunks * K_max * 16 * sizeof(uint16_t) + 64) : NULL;
+    float *rows_f = amx ? NULL : malloc((size_t)n * D * sizeof(float));
+    float *hidden_f = amx ? NULL : malloc((size_t)n * I * sizeof(float));
 #pragma omp parallel num_threads(num_threads) if (n * D * I > PARALLEL_MIN_WORK)
     {
         float *g = malloc((size_t)I * sizeof(float));
         float *u = malloc((size_t)I * sizeof(float));
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) amx_configure();
+#endif
+        if (amx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            expert_products_amx(w13, 2 * I, D, active, num_active, offsets, first_chunk, num_chunks, rows, packed,
+                                gate_up, 2 * I);
+#endif
+        } else {
 #pragma omp for schedule(static)
-        for (long t = 0; t < n; t++) load_row(rows + (size_t)t * D, DT_BF16, rows_f + (size_t)t * D, D);
-        expert_products(w13, 2 * I, D, active, num_active, offsets, rows, rows_f, gate_up, 2 * I);
+            for (long t = 0; t < n; t++) load_row(rows + (size_t)t * D, DT_BF16, rows_f + (size_t)t * D, D);
+            expert_products(w13, 2 * I, D, active, num_active, offsets, rows, rows_f, gate_up, 2 * I);
+        }
 #pragma omp for schedule(static)
         for (long t = 0; t < n; t++) {
             load_row(gate_up + (size_t)t * 2 * I, DT_BF16, g, I);
             load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
             swiglu_row(g, u, I, hi, lo);
             store_row(g, hidden + (size_t)t * I, DT_BF16, I);
-            load_row(hidden + (size_t)t * I, DT_BF16, hidden_f + (size_t)t * I, I);
+            if (!amx) load_row(hidden + (size_t)t * I, DT_BF16, hidden_f + (size_t)t * I, I);
         }
-        expert_products(w2, D, I, active, num_active, offsets, hidden, hidden_f, out, D);
+        if (amx) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+            expert_products_amx(w2, D, I, active, num_active, offsets, first_chunk, num_chunks, hidden, packed,
+                                out, D);
+            _tile_release();
+#endif
+        } else {
+            expert_products(w2, D, I, active, num_active, offsets, hidden, hidden_f, out, D);
+        }
         free(u);
         free(g);
     }
+    free(packed);
     free(hidden_f);
     free(rows_f);
+    free(first_chunk);
     free(active);
 }
 
