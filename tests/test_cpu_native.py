@@ -341,3 +341,26 @@ def test_grouped_gemv_bf16(nat, G, N, K):
     want = torch.stack([(w[i].double() @ x[0, i].double()) for i in range(G)]).to(torch.bfloat16).unsqueeze(0)
     assert_close(nat.grouped_linear(x, w), want)
     assert native.grouped_gemv_bf16(nat.native_library, make((2, G, K), torch.bfloat16), w) is None  # 2 tokens
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,S,H,d,L", [(32, 1, 16, 128, 200), (3, 2, 4, 32, 21), (2, 3, 20, 64, 7)])
+def test_sink_attention_decode(nat, B, S, H, d, L, dtype):
+    # model size; the tiny model's 4 heads (a partly filled lane set); 20 heads (a full set and a part)
+    g = torch.Generator().manual_seed(B * 100 + L)
+    q, kv = make((B, S, H, d), dtype, 1), make((B, L, d), dtype, 2)
+    mask = torch.rand(B, S, L, generator=g) > 0.4
+    mask[-1, 0] = False  # a query that sees no key: output 0
+    sinks = torch.randn(H, generator=g)
+    # exact reference: fp64 softmax over the visible keys and the sink
+    logits = torch.einsum("bshd,bld->bshl", q.double(), kv.double()) * d ** -0.5
+    logits = logits.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    full = torch.cat((logits, sinks.double().view(1, 1, H, 1).expand(B, S, H, 1)), dim=-1)
+    want = torch.einsum("bshl,bld->bshd", torch.softmax(full, -1)[..., :L], kv.double()).to(dtype)
+    got = nat.sink_attention(q, kv, mask, sinks, d ** -0.5)
+    assert_close(got, want)
+    assert (got[-1, 0] == 0).all()
+    if dtype == torch.float32:  # and the pure-torch kernel (bf16 rounds its fp32 result the same way)
+        assert_close(got, REF.sink_attention(q, kv, mask, sinks, d ** -0.5))
+    assert native.sink_attention_decode(nat.native_library, q, kv.float() if dtype != torch.float32 else kv.double(),
+                                        mask, sinks, 1.0) is None  # kv of another dtype

@@ -1,12 +1,14 @@
-"""CpuKernels with the memory-bound element-wise kernels (rms_norm, rotary, hc_pre, hc_post, swiglu)
-done by fused C functions (native/kernels.c): one call and one pass over memory instead of tens of
-torch ops; the bf16 decode GEMV of weights up to 8 M elements (it streams them faster than
-torch.mv), the routed experts of decode-sized batches (each expert weight streamed once; on AMX
-tiles where the CPU has them), and
-greedy sampling's argmax with the log-sum-exp in one pass over the logits; the MoE dispatch and
-combine (a counting sort and a weighted row sum instead of ~10 torch ops each), and the grouped
-output projection of one token. Each method falls back to the pure-torch reference when the library is unavailable (no
-compiler, DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
+"""CpuKernels with its fast paths: fused C functions (native/kernels.c), one call and one pass over
+memory instead of tens of torch ops, for
+- the element-wise kernels: rms_norm, rotary, hc_pre, hc_post, swiglu;
+- decode-sized products: the bf16 GEMV of weights up to 8 M elements (it streams them faster than
+  torch.mv), the grouped output projection of one token, and the routed experts of decode-sized
+  batches (each expert weight streamed once; on AMX tiles where the CPU has them);
+- the MoE dispatch and combine (a counting sort and a weighted row sum, ~10 torch ops each);
+- decode attention (16 heads per vector lane set, no horizontal sums);
+- greedy sampling's argmax with the log-sum-exp, in one pass over the logits.
+Each method falls back to the pure-torch reference when the library is unavailable (no compiler,
+DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
 
 Multi-row bf16 linears run on oneDNN-packed copies of the weights (packed_weights.py) unless
 DEEPINFER_CPU_PACKED_WEIGHTS=0."""
@@ -32,6 +34,10 @@ _NATIVE_GEMV_MAX_ELEMENTS = 8 << 20
 # GEMMs win once each expert has a few hundred rows): up to 96 rows per expert on average.
 # With AVX512-BF16 dot products only: 1.25-1.45x at 4-48 rows, compute-bound from ~64 (0.87x at 96).
 _EXPERT_ROWS_PER_EXPERT_AMX = 96
+
+# Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
+# 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
+_DECODE_QUERIES = 16
 _EXPERT_MAX_ROWS_DOT = 48
 
 
@@ -81,6 +87,14 @@ class NativeCpuKernels(CpuKernels):
         # a few rows: torch's four ops cost less than the call (5.9 vs 6.6 us for one 512-wide row)
         out = None if lib is None or gate.numel() < 4096 else native.swiglu(lib, gate, up, limit)
         return super().swiglu(gate, up, limit) if out is None else out
+
+    def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
+                       sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        lib = self.native_library
+        out = None
+        if lib is not None and q.shape[1] <= _DECODE_QUERIES:  # prefill blocks: flash attention
+            out = native.sink_attention_decode(lib, q, kv, mask, sinks, scale)
+        return super().sink_attention(q, kv, mask, sinks, scale) if out is None else out
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         lib = self.native_library

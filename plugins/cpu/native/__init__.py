@@ -44,6 +44,7 @@ _PROTOTYPES = {
     "argmax_logsumexp": (_p, _l, _l, _l, _p, _p, _i),
     "grouped_gemv_bf16": (_p, _p, _p, _l, _l, _l, _i),
     "amx_usable": (),
+    "sink_attention_decode": (_p, _p, _p, _p, _f, _p, _l, _l, _l, _l, _l, _i, _i),
     "moe_dispatch_rows": (_p, _l, _l, _l, _p, _l, _p, _p, _p, _p, _p, _i),
     "moe_combine_rows": (_p, _i, _l, _p, _p, _l, _l, _p, _p, _p, _i),
 }
@@ -334,3 +335,20 @@ def moe_combine_rows(lib: ctypes.CDLL, rows: torch.Tensor, source_token: torch.T
     lib.moe_combine_rows(rows.data_ptr(), dtype, rows.shape[1], st.data_ptr(), ss.data_ptr(), T, k, w.data_ptr(),
                          out.data_ptr(), status.data_ptr(), torch.get_num_threads())
     return None if status.item() else out
+
+
+def sink_attention_decode(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
+                          sinks: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """Sink attention of `q [B, S, H, d]` over `kv [B, L, d]` (see the interface), or None for input
+    the C code does not handle."""
+    dtype = _code(q)
+    if (dtype is None or q.dim() != 4 or kv.dim() != 3 or kv.dtype != q.dtype or not kv.is_cpu
+            or kv.shape[0] != q.shape[0] or kv.shape[2] != q.shape[3] or mask.shape != (q.shape[0], q.shape[1], kv.shape[1])
+            or mask.dtype != torch.bool or sinks.shape != (q.shape[2],)):
+        return None
+    B, S, H, d = q.shape
+    qc, kvc, m = q.contiguous(), kv.contiguous(), mask.contiguous()
+    out = torch.empty((B, S, H, d), dtype=q.dtype)
+    lib.sink_attention_decode(qc.data_ptr(), kvc.data_ptr(), m.data_ptr(), _f32(sinks).data_ptr(), scale,
+                              out.data_ptr(), B, S, H, kv.shape[1], d, dtype, torch.get_num_threads())
+    return out
