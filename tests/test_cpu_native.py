@@ -209,6 +209,8 @@ def test_gemv_bf16_portable_path(tmp_path):
 
 
 def check_experts_without_amx(lib):
+    assert not native.amx_usable(lib)
+    assert native.grouped_amx_bf16(lib, make((2, 4, 512), torch.bfloat16), make((4, 128, 512), torch.bfloat16)) is None
     for counts, D, inter in EXPERT_CASES:  # the dot-product expert path, also at AMX-friendly sizes
         E, n = len(counts), sum(counts)
         rows, w13, w2 = make((n, D), torch.bfloat16), make((E, 2 * inter, D), torch.bfloat16, 1), \
@@ -333,6 +335,17 @@ def test_moe_dispatch_and_combine_decline(nat):
     subset = type(plan)(plan.tokens_per_expert, plan.source_token[:5], plan.source_slot[:5], 4)
     w = torch.rand(4, 2)
     assert torch.allclose(nat.moe_combine(rows[:5], subset, w), REF.moe_combine(rows[:5], subset, w))
+
+
+@pytest.mark.parametrize("T", [2, 20, 33])  # one partial tile of tokens, more than one
+def test_grouped_amx_bf16(nat, T):
+    x, w = make((T, 4, 512), torch.bfloat16), make((4, 128, 512), torch.bfloat16, 1)
+    want = torch.einsum("tgk,gnk->tgn", x.double(), w.double()).to(torch.bfloat16)
+    assert_close(nat.grouped_linear(x, w), want)  # AMX tiles where available, else oneDNN
+    if nat.native_amx:
+        assert_close(native.grouped_amx_bf16(nat.native_library, x, w), want)
+    assert native.grouped_amx_bf16(nat.native_library, x[:, :, :70], make((4, 128, 70), torch.bfloat16)) is None
+    assert native.grouped_amx_bf16(nat.native_library, x, w[:, :96]) is None  # rows not a multiple of 64
 
 
 @pytest.mark.parametrize("G,N,K", [(4, 256, 512), (3, 20, 70)])  # model size; tails of rows and of K

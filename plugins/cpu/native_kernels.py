@@ -2,7 +2,7 @@
 memory instead of tens of torch ops, for
 - the element-wise kernels: rms_norm, rotary, hc_pre, hc_post, swiglu;
 - decode-sized products: the bf16 GEMV of weights up to 8 M elements (it streams them faster than
-  torch.mv), the grouped output projection of one token, and the routed experts of decode-sized
+  torch.mv), the grouped output projection of a few tokens, and the routed experts of decode-sized
   batches (each expert weight streamed once; on AMX tiles where the CPU has them);
 - the MoE dispatch and combine (a counting sort and a weighted row sum, ~10 torch ops each);
 - decode attention (16 heads per vector lane set, no horizontal sums);
@@ -34,6 +34,10 @@ _NATIVE_GEMV_MAX_ELEMENTS = 8 << 20
 # GEMMs win once each expert has a few hundred rows): up to 96 rows per expert on average.
 # With AVX512-BF16 dot products only: 1.25-1.45x at 4-48 rows, compute-bound from ~64 (0.87x at 96).
 _EXPERT_ROWS_PER_EXPERT_AMX = 96
+
+# Tokens up to which the grouped output projection runs on AMX tiles (4 groups of 256 x 512 at 32
+# tokens: ~230 -> ~60 us; oneDNN's batched product takes over for prefill chunks).
+_GROUPED_AMX_MAX_TOKENS = 64
 
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
@@ -97,8 +101,11 @@ class NativeCpuKernels(CpuKernels):
         return super().sink_attention(q, kv, mask, sinks, scale) if out is None else out
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        lib = self.native_library
-        out = native.grouped_gemv_bf16(lib, x, weight) if lib is not None and x.shape[0] == 1 else None
+        lib, out = self.native_library, None
+        if lib is not None and x.shape[0] == 1:
+            out = native.grouped_gemv_bf16(lib, x, weight)
+        elif lib is not None and x.shape[0] <= _GROUPED_AMX_MAX_TOKENS and self.native_amx:
+            out = native.grouped_amx_bf16(lib, x, weight)
         return super().grouped_linear(x, weight) if out is None else out
 
     def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:

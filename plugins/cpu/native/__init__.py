@@ -44,6 +44,7 @@ _PROTOTYPES = {
     "argmax_logsumexp": (_p, _l, _l, _l, _p, _p, _i),
     "grouped_gemv_bf16": (_p, _p, _p, _l, _l, _l, _i),
     "amx_usable": (),
+    "grouped_amx_bf16": (_p, _l, _l, _l, _p, _l, _p, _i),
     "sink_attention_decode": (_p, _p, _p, _p, _f, _p, _l, _l, _l, _l, _l, _i, _i),
     "moe_dispatch_rows": (_p, _l, _l, _l, _p, _l, _p, _p, _p, _p, _p, _i),
     "moe_combine_rows": (_p, _i, _l, _p, _p, _l, _l, _p, _p, _p, _i),
@@ -352,3 +353,19 @@ def sink_attention_decode(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, m
     lib.sink_attention_decode(qc.data_ptr(), kvc.data_ptr(), m.data_ptr(), _f32(sinks).data_ptr(), scale,
                               out.data_ptr(), B, S, H, kv.shape[1], d, dtype, torch.get_num_threads())
     return out
+
+
+def grouped_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """A few tokens' grouped projection on AMX tiles: x `[T, G, K]`, weight `[G, N, K]` -> `[T, G, N]`;
+    None without AMX or for shapes the tiles do not cover."""
+    if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 3 or weight.dim() != 3
+            or x.shape[1:] != (weight.shape[0], weight.shape[2]) or not (x.is_cpu and weight.is_cpu)
+            or not weight.is_contiguous() or x.requires_grad or weight.requires_grad
+            or weight.shape[1] % 64 or weight.shape[2] % 32 or not amx_usable(lib)):
+        return None
+    T, G, K = x.shape
+    N = weight.shape[1]
+    xg = x.transpose(0, 1).contiguous()  # [G, T, K]: each group's tokens together
+    out = torch.empty((G, T, N), dtype=torch.bfloat16)
+    lib.grouped_amx_bf16(weight.data_ptr(), G, N, K, xg.data_ptr(), T, out.data_ptr(), torch.get_num_threads())
+    return out.transpose(0, 1)

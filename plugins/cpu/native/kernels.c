@@ -556,8 +556,36 @@ static void expert_products_amx(const uint16_t *W, long N, long K, const long *a
         }
     }
 }
+
+/* grouped_amx_bf16: Y[g] = X[g] W[g]^T for G groups of T tokens (X [G, T, K], W [G, N, K],
+ * Y [G, T, N]; N % 64 == 0, K % 32 == 0): the attention output's grouped projection of a decode
+ * batch, each group as an "expert" of the kernel above. */
+void grouped_amx_bf16(const uint16_t *W, long G, long N, long K, const uint16_t *X, long T, uint16_t *Y,
+                      int num_threads) {
+    long *offsets = malloc((size_t)(G + 1) * sizeof(long)), *first_chunk = malloc((size_t)(G + 1) * sizeof(long));
+    long *groups = malloc((size_t)G * sizeof(long));
+    const long chunks = (T + 15) / 16;
+    for (long g = 0; g <= G; g++) { offsets[g] = g * T; first_chunk[g] = g * chunks; }
+    for (long g = 0; g < G; g++) groups[g] = g;
+    uint16_t *packed = aligned_alloc(64, (size_t)G * chunks * K * 16 * sizeof(uint16_t) + 64);
+#pragma omp parallel num_threads(num_threads)
+    {
+        amx_configure();
+        expert_products_amx(W, N, K, groups, G, offsets, first_chunk, G * chunks, X, packed, Y, N);
+        _tile_release();
+    }
+    free(packed);
+    free(groups);
+    free(first_chunk);
+    free(offsets);
+}
 #else
 int amx_usable(void) { return 0; }
+void grouped_amx_bf16(const uint16_t *W, long G, long N, long K, const uint16_t *X, long T, uint16_t *Y,
+                      int num_threads) {
+    (void)W, (void)G, (void)N, (void)K, (void)X, (void)T, (void)Y, (void)num_threads;
+    abort(); /* the Python side checks amx_usable() first */
+}
 #endif
 
 /* ----- experts_bf16: the routed experts of a decode-sized batch, streaming each weight once -----
