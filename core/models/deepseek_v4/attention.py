@@ -82,7 +82,7 @@ class Attention:
 
         window_flat = st.window.view(-1, d)
         decode_only = len(plan.groups) == 1 and plan.groups[0].in_row_order  # keys written as they are read
-        out = None if decode_only else torch.zeros_like(q)
+        out = None if decode_only else torch.empty_like(q)  # every query row belongs to one group
         for gi, g in enumerate(plan.groups):
             if g.key_ring_row_all is not None:  # decode: own key into the ring first, then one gather
                 window_flat.index_copy_(0, g.new_key_ring_row, take_rows(kv, g.rows[:, 0]))
@@ -101,8 +101,7 @@ class Attention:
             if out is None:  # the step's tokens in row order: no gather, no scatter
                 out = a.sink_attention(q.unsqueeze(1), keys, mask, w["attn_sink"], d ** -0.5).squeeze(1)
                 continue
-            o = a.sink_attention(take_rows(q, g.rows), keys, mask, w["attn_sink"], d ** -0.5)
-            out[g.rows[g.q_valid]] = o[g.q_valid]
+            g.scatter(out, a.sink_attention(g.gather(q), keys, mask, w["attn_sink"], d ** -0.5))
 
         if not decode_only:
             write = plan.ring_write(st.window.shape[1])
@@ -117,7 +116,7 @@ class Attention:
         """Indexer top-k per query, then the union of the picks of each item as its key set."""
         st = self.state
         # [B, S, k], -1 = none
-        sel = self.accel.indexer_topk(take_rows(index_q, g.rows), take_rows(index_w, g.rows),
+        sel = self.accel.indexer_topk(g.gather(index_q), g.gather(index_w),
                                       take_rows(st.indexer_keys, ev.flat), ev.visible, self.c.index_topk)
         B, S, E = ev.visible.shape
         if E == 0:

@@ -103,6 +103,20 @@ class AttnGroup:
     new_key_ring_row: torch.Tensor | None = None  # [B] where the query's own key goes
     key_ring_row_all: torch.Tensor | None = None  # [B, Lw] every key's ring row (0 where invalid)
     in_row_order: bool = False  # rows are exactly 0..T-1 (a step of decode tokens only): no gather
+    first_row: int | None = None  # a single prefill block: its rows are first_row .. first_row + S - 1
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`'s rows of this group's queries, `[B, S, ...]` (a view for a single prefill block)."""
+        if self.first_row is not None:
+            return t[self.first_row:self.first_row + self.rows.shape[1]].unsqueeze(0)
+        return take_rows(t, self.rows)
+
+    def scatter(self, out: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the group's valid query rows of `values` `[B, S, ...]` into `out` `[T, ...]`."""
+        if self.first_row is not None:
+            out[self.first_row:self.first_row + values.shape[1]] = values[0]
+        else:
+            out[self.rows[self.q_valid]] = values[self.q_valid]
 
 
 @dataclass
@@ -212,6 +226,8 @@ class StepPlan:
             group.new_key_ring_row = slot * Rw + q_pos[:, 0] % Rw
             group.key_ring_row_all = torch.where(k_valid, slot.unsqueeze(1) * Rw + key_pos % Rw, 0)
             group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
+        elif len(items) == 1:
+            group.first_row = self.row_start[items[0][0]] + items[0][1]
         return group
 
     def _entry_rows(self, rate: int, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
