@@ -211,6 +211,7 @@ def test_gemv_bf16_portable_path(tmp_path):
 def check_experts_without_amx(lib):
     assert not native.amx_usable(lib)
     assert native.grouped_amx_bf16(lib, make((2, 4, 512), torch.bfloat16), make((4, 128, 512), torch.bfloat16)) is None
+    assert native.linear_amx_bf16(lib, make((4, 64), torch.bfloat16), make((128, 64), torch.bfloat16)) is None
     for counts, D, inter in EXPERT_CASES:  # the dot-product expert path, also at AMX-friendly sizes
         E, n = len(counts), sum(counts)
         rows, w13, w2 = make((n, D), torch.bfloat16), make((E, 2 * inter, D), torch.bfloat16, 1), \
@@ -346,6 +347,17 @@ def test_grouped_amx_bf16(nat, T):
         assert_close(native.grouped_amx_bf16(nat.native_library, x, w), want)
     assert native.grouped_amx_bf16(nat.native_library, x[:, :, :70], make((4, 128, 70), torch.bfloat16)) is None
     assert native.grouped_amx_bf16(nat.native_library, x, w[:, :96]) is None  # rows not a multiple of 64
+
+
+@pytest.mark.parametrize("rows", [2, 17, 64])
+def test_linear_amx_bf16(nat, rows):
+    x, w = make((rows, 96), torch.bfloat16), make((192, 96), torch.bfloat16, 1)
+    want = (x.double() @ w.double().t()).to(torch.bfloat16)
+    assert_close(nat.linear(x.view(1, rows, 96), w).view(rows, 192), want)  # AMX tiles where available
+    if nat.native_amx:
+        assert_close(native.linear_amx_bf16(nat.native_library, x, w), want)
+    assert native.linear_amx_bf16(nat.native_library, x, w[:100]) is None  # rows not a multiple of 64
+    assert native.linear_amx_bf16(nat.native_library, x[:, :70], make((192, 70), torch.bfloat16)) is None
 
 
 @pytest.mark.parametrize("G,N,K", [(4, 256, 512), (3, 20, 70)])  # model size; tails of rows and of K

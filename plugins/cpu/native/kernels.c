@@ -579,8 +579,26 @@ void grouped_amx_bf16(const uint16_t *W, long G, long N, long K, const uint16_t 
     free(first_chunk);
     free(offsets);
 }
+
+/* linear_amx_bf16: Y [m, N] = X [m, K] W^T on AMX tiles (N % 64 == 0, K % 32 == 0), for the few
+ * rows of a decode batch */
+void linear_amx_bf16(const uint16_t *W, long N, long K, const uint16_t *X, long m, uint16_t *Y, int num_threads) {
+    const long only = 0, offsets[2] = {0, m}, first_chunk[2] = {0, (m + 15) / 16};
+    uint16_t *packed = aligned_alloc(64, (size_t)first_chunk[1] * K * 16 * sizeof(uint16_t) + 64);
+#pragma omp parallel num_threads(num_threads)
+    {
+        amx_configure();
+        expert_products_amx(W, N, K, &only, 1, offsets, first_chunk, first_chunk[1], X, packed, Y, N);
+        _tile_release();
+    }
+    free(packed);
+}
 #else
 int amx_usable(void) { return 0; }
+void linear_amx_bf16(const uint16_t *W, long N, long K, const uint16_t *X, long m, uint16_t *Y, int num_threads) {
+    (void)W, (void)N, (void)K, (void)X, (void)m, (void)Y, (void)num_threads;
+    abort(); /* the Python side checks amx_usable() first */
+}
 void grouped_amx_bf16(const uint16_t *W, long G, long N, long K, const uint16_t *X, long T, uint16_t *Y,
                       int num_threads) {
     (void)W, (void)G, (void)N, (void)K, (void)X, (void)T, (void)Y, (void)num_threads;
