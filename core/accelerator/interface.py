@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict
 
 #: Version of this contract. A plugin built against another *major* version is refused at
 #: selection with both versions in the message; a newer minor on the core side is accepted.
-INTERFACE_VERSION = "1.0"
+#: 1.1 added the optional kernel `argmax_logsumexp` (with a default).
+INTERFACE_VERSION = "1.1"
 
 
 class ProbeResult(BaseModel):
