@@ -29,12 +29,12 @@ from deepinfer_plugins.cpu.packed_weights import PackedWeights
 # 29 vs 25 GB/s); below it the C GEMV is 10-30 % faster (measured with cold weights, 2 threads).
 _NATIVE_GEMV_MAX_ELEMENTS = 8 << 20
 
-# When the C expert kernel beats the torch paths (32 experts of 1024 x 512, cold weights, 2 threads).
-# With AMX tiles: 1.4-1.7x at 4-32 rows, 1.05-1.1x at 64-128 (all experts touched, both stream the
-# weights at ~23 GB/s), 1.7x at 1,024 rows and 1.4x at 2,048, 0.76x at 8,192 (oneDNN's blocked
-# GEMMs win once each expert has a few hundred rows): up to 96 rows per expert on average.
+# When the C expert kernel beats the torch paths (32 experts of 1024 x 512, top-4, 2 threads).
+# With AMX tiles: 1.4-1.7x at 4-32 rows (cold weights), 1.05-1.1x at 64-128 (all experts touched,
+# both stream the weights at ~23 GB/s), 1.96x at 1,024 rows, 1.65x at 2,048, 1.35x at 4,096, equal
+# at 8,192 (256 rows per expert): up to 192 rows per expert on average.
 # With AVX512-BF16 dot products only: 1.25-1.45x at 4-48 rows, compute-bound from ~64 (0.87x at 96).
-_EXPERT_ROWS_PER_EXPERT_AMX = 96
+_EXPERT_ROWS_PER_EXPERT_AMX = 192
 
 # Tokens up to which the grouped output projection runs on AMX tiles (4 groups of 256 x 512 at 32
 # tokens: ~230 -> ~60 us; oneDNN's batched product takes over for prefill chunks).

@@ -464,7 +464,7 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K
  * straight from their [N, K] layout, the tokens are repacked into AMX's pair-interleaved layout.
  * Linux hands out the AMX register state on request (arch_prctl); without it, or without AMX,
  * amx_usable() is 0 and the dot-product path runs. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -495,10 +495,14 @@ static void amx_configure(void) {
 
 /* X [m <= 16, K] -> [K/2][16][2]: each 32-bit word a (k, k+1) pair of one token, zero past m */
 static void amx_pack_tokens(const uint16_t *X, long m, long K, uint16_t *packed) {
-    const uint32_t *x = (const uint32_t *)X;
-    uint32_t *p = (uint32_t *)packed;
+    const int *x = (const int *)X;
+    int *p = (int *)packed;
+    /* word kk of the 16 tokens in one gather (stride K/2 words), lanes t >= m zero */
+    const __m512i token = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32((int)(K / 2)));
+    const __mmask16 present = (__mmask16)((1u << m) - 1u);
     for (long kk = 0; kk < K / 2; kk++)
-        for (long t = 0; t < 16; t++) p[kk * 16 + t] = t < m ? x[t * (K / 2) + kk] : 0;
+        _mm512_storeu_si512(p + kk * 16, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present, token, x + kk, 4));
 }
 
 /* Y[t, n0 .. n0+63] = W[n0 .. n0+63, :] . X[t, :] for the m tokens packed in `packed`: 16 weight
@@ -526,8 +530,15 @@ static void amx_rows64(const uint16_t *W, long K, const uint16_t *packed, uint16
         }
         _tile_stored(0, C[0], 64);
         _tile_stored(1, C[1], 64);
-        for (long t = 0; t < m; t++)
-            for (int i = 0; i < 16; i++) Y[t * ldy + r0 + i] = float_to_bf16(C[0][i][t] + C[1][i][t]);
+        /* C[.][i][t] (weight row i, token t) -> Y[t][r0 + i]: a token's 16 values are a column of the
+         * tiles, gathered (stride 16 floats), summed and rounded to bf16 sixteen at a time */
+        const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                  _mm512_set1_epi32(16));
+        for (long t = 0; t < m; t++) {
+            const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, &C[0][0][t], 4),
+                                           _mm512_i32gather_ps(column, &C[1][0][t], 4));
+            _mm256_storeu_si256((__m256i *)(Y + t * ldy + r0), (__m256i)_mm512_cvtneps_pbh(v));
+        }
     }
 }
 
@@ -649,11 +660,11 @@ void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, lon
     {
         float *g = malloc((size_t)I * sizeof(float));
         float *u = malloc((size_t)I * sizeof(float));
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
         if (amx) amx_configure();
 #endif
         if (amx) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
             expert_products_amx(w13, 2 * I, D, active, num_active, offsets, first_chunk, num_chunks, rows, packed,
                                 gate_up, 2 * I);
 #endif
@@ -671,7 +682,7 @@ void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, lon
             if (!amx) load_row(hidden + (size_t)t * I, DT_BF16, hidden_f + (size_t)t * I, I);
         }
         if (amx) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
             expert_products_amx(w2, D, I, active, num_active, offsets, first_chunk, num_chunks, hidden, packed,
                                 out, D);
             _tile_release();
