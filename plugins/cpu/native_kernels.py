@@ -40,10 +40,11 @@ _EXPERT_ROWS_PER_EXPERT_AMX = 192
 # tokens: ~230 -> ~60 us; oneDNN's batched product takes over for prefill chunks).
 _GROUPED_AMX_MAX_TOKENS = 64
 
-# Decode-batch linears (2-64 rows) of weights up to 8 M elements run on AMX tiles where available:
-# at 8 sequences `linear` 20.6 -> 17.9 ms per step, at 32 24.0 -> 22.1 ms. The LM head stays on the
-# packed oneDNN path (AMX tiles stream it slower at 32 rows: 18.9 vs 21.1 GB/s).
-_LINEAR_AMX_MAX_ROWS = 64
+# Decode-batch linears (2-32 rows) of weights up to 8 M elements run on AMX tiles where available:
+# at 8 sequences `linear` 20.6 -> 17.9 ms per step, at 32 24.0 -> 22.1 ms. From 64 rows the packed
+# oneDNN path is faster (0.90x at 64, 0.60x at 256), and the LM head stays there too (AMX tiles
+# stream it slower at 32 rows: 18.9 vs 21.1 GB/s).
+_LINEAR_AMX_MAX_ROWS = 32
 _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
