@@ -154,6 +154,15 @@ def test_broken_compiler_warns_and_falls_back(monkeypatch, tmp_path, caplog):
         native.library.cache_clear()  # later users rebuild (or find) the real library
 
 
+def test_cache_key_follows_the_cpu(monkeypatch, tmp_path):
+    # the library is built for this CPU (-march=native): another CPU's features name another file
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
+    here = native._build()
+    assert here.exists() and native._cpu_features()
+    monkeypatch.setattr(native, "_cpu_features", lambda: "sse2")
+    assert native._build() != here
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,D", SHAPES)
 @pytest.mark.parametrize("limit", [10.0, 0.0])

@@ -84,13 +84,27 @@ def _compile(target: Path, compiler: list[str]) -> None:
             os.unlink(tmp)
 
 
+def _cpu_features() -> str:
+    """What `-march=native` compiles for: the CPU's feature flags (Linux), else torch's ISA level. Part
+    of the cache key, so a cache directory shared between different CPUs never hands one of them a
+    library with instructions it lacks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
 def _build() -> Path:
     compiler = _compiler()
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
     if version.returncode != 0:
         raise RuntimeError(f"`{' '.join(compiler)} --version` failed: {(version.stderr or version.stdout).strip()}")
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.stdout.encode(), " ".join(FLAGS).encode(),
-                                      " ".join(compiler).encode()])).hexdigest()[:16]
+                                      " ".join(compiler).encode(), _cpu_features().encode()])).hexdigest()[:16]
     target = cache_dir() / f"kernels-{key}.so"
     if not target.exists():
         _compile(target, compiler)
