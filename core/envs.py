@@ -31,9 +31,10 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "Where deepinfer keeps generated files such as the embedded default model "
            "(default ~/.cache/deepinfer)."),
     EnvVar("DEEPINFER_CPU_NATIVE",
-           "cpu back end: 1 (default) compiles and uses the fused C kernels (rms_norm, rotary, "
-           "hc_pre, hc_post, swiglu, the bf16 decode GEMV; needs a C compiler, else a warning and "
-           "the torch kernels); 0 uses the pure-torch kernels.", kind=bool),
+           "cpu back end: 1 (default) compiles and uses the C kernels (element-wise, decode-sized "
+           "products incl. AMX tiles where the CPU has them, decode attention, MoE dispatch/combine, "
+           "greedy sampling; needs a C compiler, else a warning and the torch kernels); 0 uses the "
+           "pure-torch kernels.", kind=bool),
     EnvVar("DEEPINFER_CPU_PACKED_WEIGHTS",
            "cpu back end: 1 (default) keeps a oneDNN-blocked copy of each bf16 weight that a "
            "multi-row linear reads (made at its second such use; 1.3x faster from 2 rows up, "

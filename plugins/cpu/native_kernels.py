@@ -20,8 +20,8 @@ import functools
 
 import torch
 
-from deepinfer_plugins.cpu import native, packed_weights
 from deepinfer.accelerator.interface import MoEDispatch
+from deepinfer_plugins.cpu import native, packed_weights
 from deepinfer_plugins.cpu.kernels import CpuKernels, _pad_rows
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
@@ -35,6 +35,7 @@ _NATIVE_GEMV_MAX_ELEMENTS = 8 << 20
 # at 8,192 (256 rows per expert): up to 192 rows per expert on average.
 # With AVX512-BF16 dot products only: 1.25-1.45x at 4-48 rows, compute-bound from ~64 (0.87x at 96).
 _EXPERT_ROWS_PER_EXPERT_AMX = 192
+_EXPERT_MAX_ROWS_DOT = 48
 
 # Tokens up to which the grouped output projection runs on AMX tiles (4 groups of 256 x 512 at 32
 # tokens: ~230 -> ~60 us; oneDNN's batched product takes over for prefill chunks).
@@ -50,7 +51,6 @@ _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
 _DECODE_QUERIES = 16
-_EXPERT_MAX_ROWS_DOT = 48
 
 
 class NativeCpuKernels(CpuKernels):

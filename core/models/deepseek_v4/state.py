@@ -222,7 +222,7 @@ class StepPlan:
         kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
         window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
         group = AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end)
-        if decode and Rw >= W:
+        if decode:  # Rw = W + max_rollback >= W (ring_sizes)
             group.new_key_ring_row = slot * Rw + q_pos[:, 0] % Rw
             group.key_ring_row_all = torch.where(k_valid, slot.unsqueeze(1) * Rw + key_pos % Rw, 0)
             group.in_row_order = len(items) == self.T  # every token of the step is one of its queries

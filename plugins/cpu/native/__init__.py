@@ -45,7 +45,6 @@ _PROTOTYPES = {
     "grouped_gemv_bf16": (_p, _p, _p, _l, _l, _l, _i),
     "amx_usable": (),
     "grouped_amx_bf16": (_p, _l, _l, _l, _p, _l, _p, _i),
-    "linear_amx_bf16": (_p, _l, _l, _p, _l, _p, _i),
     "sink_attention_decode": (_p, _p, _p, _p, _f, _p, _l, _l, _l, _l, _l, _i, _i),
     "moe_dispatch_rows": (_p, _l, _l, _l, _p, _l, _p, _p, _p, _p, _p, _i),
     "moe_combine_rows": (_p, _i, _l, _p, _p, _l, _l, _p, _p, _p, _i),
@@ -387,7 +386,8 @@ def grouped_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) ->
 
 
 def linear_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """`x [m, K] @ weight [N, K]^T` on AMX tiles, or None without AMX or for shapes they do not cover."""
+    """`x [m, K] @ weight [N, K]^T` on AMX tiles (`grouped_amx_bf16` with one group), or None without
+    AMX or for shapes they do not cover."""
     if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 2 or weight.dim() != 2
             or x.shape[1] != weight.shape[1] or not (x.is_cpu and weight.is_cpu) or not weight.is_contiguous()
             or x.requires_grad or weight.requires_grad or weight.shape[0] % 64 or weight.shape[1] % 32
@@ -395,6 +395,6 @@ def linear_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> 
         return None
     xc = x.contiguous()
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
-    lib.linear_amx_bf16(weight.data_ptr(), weight.shape[0], weight.shape[1], xc.data_ptr(), x.shape[0],
-                        out.data_ptr(), torch.get_num_threads())
+    lib.grouped_amx_bf16(weight.data_ptr(), 1, weight.shape[0], weight.shape[1], xc.data_ptr(), x.shape[0],
+                         out.data_ptr(), torch.get_num_threads())
     return out

@@ -493,6 +493,8 @@ static void amx_configure(void) {
     _tile_loadconfig(&config);
 }
 
+static void amx_release(void) { _tile_release(); }
+
 /* X [m <= 16, K] -> [K/2][16][2]: each 32-bit word a (k, k+1) pair of one token, zero past m */
 static void amx_pack_tokens(const uint16_t *X, long m, long K, uint16_t *packed) {
     const int *x = (const int *)X;
@@ -568,9 +570,23 @@ static void expert_products_amx(const uint16_t *W, long N, long K, const long *a
     }
 }
 
+#else
+/* Without AMX at build time: amx_usable() is 0, and every caller checks it before using these. */
+int amx_usable(void) { return 0; }
+static void amx_configure(void) {}
+static void amx_release(void) {}
+static void expert_products_amx(const uint16_t *W, long N, long K, const long *active, long num_active,
+                                const long *offsets, const long *first_chunk, long num_chunks, const uint16_t *X,
+                                uint16_t *packed, uint16_t *Y, long ldy) {
+    (void)W, (void)N, (void)K, (void)active, (void)num_active, (void)offsets, (void)first_chunk, (void)num_chunks;
+    (void)X, (void)packed, (void)Y, (void)ldy;
+    abort();
+}
+#endif
+
 /* grouped_amx_bf16: Y[g] = X[g] W[g]^T for G groups of T tokens (X [G, T, K], W [G, N, K],
- * Y [G, T, N]; N % 64 == 0, K % 32 == 0): the attention output's grouped projection of a decode
- * batch, each group as an "expert" of the kernel above. */
+ * Y [G, T, N]; N % 64 == 0, K % 32 == 0), each group an "expert" of the AMX products above: the
+ * attention output's grouped projection of a decode batch, and (G = 1) a decode batch's linear. */
 void grouped_amx_bf16(const uint16_t *W, long G, long N, long K, const uint16_t *X, long T, uint16_t *Y,
                       int num_threads) {
     long *offsets = malloc((size_t)(G + 1) * sizeof(long)), *first_chunk = malloc((size_t)(G + 1) * sizeof(long));
@@ -583,39 +599,13 @@ void grouped_amx_bf16(const uint16_t *W, long G, long N, long K, const uint16_t 
     {
         amx_configure();
         expert_products_amx(W, N, K, groups, G, offsets, first_chunk, G * chunks, X, packed, Y, N);
-        _tile_release();
+        amx_release();
     }
     free(packed);
     free(groups);
     free(first_chunk);
     free(offsets);
 }
-
-/* linear_amx_bf16: Y [m, N] = X [m, K] W^T on AMX tiles (N % 64 == 0, K % 32 == 0), for the few
- * rows of a decode batch */
-void linear_amx_bf16(const uint16_t *W, long N, long K, const uint16_t *X, long m, uint16_t *Y, int num_threads) {
-    const long only = 0, offsets[2] = {0, m}, first_chunk[2] = {0, (m + 15) / 16};
-    uint16_t *packed = aligned_alloc(64, (size_t)first_chunk[1] * K * 16 * sizeof(uint16_t) + 64);
-#pragma omp parallel num_threads(num_threads)
-    {
-        amx_configure();
-        expert_products_amx(W, N, K, &only, 1, offsets, first_chunk, first_chunk[1], X, packed, Y, N);
-        _tile_release();
-    }
-    free(packed);
-}
-#else
-int amx_usable(void) { return 0; }
-void linear_amx_bf16(const uint16_t *W, long N, long K, const uint16_t *X, long m, uint16_t *Y, int num_threads) {
-    (void)W, (void)N, (void)K, (void)X, (void)m, (void)Y, (void)num_threads;
-    abort(); /* the Python side checks amx_usable() first */
-}
-void grouped_amx_bf16(const uint16_t *W, long G, long N, long K, const uint16_t *X, long T, uint16_t *Y,
-                      int num_threads) {
-    (void)W, (void)G, (void)N, (void)K, (void)X, (void)T, (void)Y, (void)num_threads;
-    abort(); /* the Python side checks amx_usable() first */
-}
-#endif
 
 /* ----- experts_bf16: the routed experts of a decode-sized batch, streaming each weight once -----
  * rows [n, D] grouped by expert (expert e owns rows offsets[e] .. offsets[e+1]), w13 [E, 2I, D]
@@ -660,14 +650,10 @@ void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, lon
     {
         float *g = malloc((size_t)I * sizeof(float));
         float *u = malloc((size_t)I * sizeof(float));
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-        if (amx) amx_configure();
-#endif
         if (amx) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+            amx_configure();
             expert_products_amx(w13, 2 * I, D, active, num_active, offsets, first_chunk, num_chunks, rows, packed,
                                 gate_up, 2 * I);
-#endif
         } else {
 #pragma omp for schedule(static)
             for (long t = 0; t < n; t++) load_row(rows + (size_t)t * D, DT_BF16, rows_f + (size_t)t * D, D);
@@ -682,11 +668,9 @@ void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, lon
             if (!amx) load_row(hidden + (size_t)t * I, DT_BF16, hidden_f + (size_t)t * I, I);
         }
         if (amx) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
             expert_products_amx(w2, D, I, active, num_active, offsets, first_chunk, num_chunks, hidden, packed,
                                 out, D);
-            _tile_release();
-#endif
+            amx_release();
         } else {
             expert_products(w2, D, I, active, num_active, offsets, hidden, hidden_f, out, D);
         }
