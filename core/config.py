@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from deepinfer import envs
 
@@ -27,9 +27,10 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(8192, ge=1, description="tokens in one step (prefill chunks + decode)")
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0,
                                           description="fraction of device memory (RAM on CPU) for weights plus cache")
-    cache_memory_gb: float | None = Field(None, gt=0.0, description="explicit cache size; overrides gpu_memory_utilization")
+    cache_memory_gb: float | None = Field(None, gt=0.0, allow_inf_nan=False,
+                                          description="explicit cache size; overrides gpu_memory_utilization")
     block_size: int = Field(64, ge=1, description="compressed entries per cache block")
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**64, description="seed of the engine's shared sampling generator")
     accelerator: str | None = Field(None, description="back-end plugin name; None: auto (see DEEPINFER_ACCELERATOR)")
     ep: int = Field(1, ge=1)
     dp: int = Field(1, ge=1)
@@ -39,6 +40,14 @@ class EngineConfig(BaseModel):
                           "declares host_overlap (GPU, NPU), off on the cpu back end")
     sampler_force_topk: int | None = Field(None, ge=1, description="restrict sampling to the top-k logits first")
     features: dict[str, dict[str, Any]] = Field(default_factory=dict, description="[features.<name>] tables")
+
+    @field_validator("model")
+    @classmethod
+    def _model_not_blank(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("model is an empty string; give a checkpoint directory or a Hugging Face id, or leave "
+                             "it unset (None) for the default model")
+        return value
 
     @model_validator(mode="after")
     def _parallel_sizes(self) -> EngineConfig:
@@ -55,8 +64,9 @@ def _format_error(err: ValidationError, source: str) -> str:
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = f"unknown key; valid keys: {', '.join(sorted(EngineConfig.model_fields))}"
-        elif e["type"] == "literal_error":
-            msg = f"{msg} (got {e.get('input')!r})"
+        elif "input" in e and not isinstance(e["input"], dict):
+            shown = repr(e["input"])
+            msg = f"{msg} (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
         lines.append(f"  {where}: {msg}")
     return "\n".join(lines)
 

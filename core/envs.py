@@ -6,6 +6,8 @@ feature is not installed is an error (`feature_overrides`), never silently ignor
 """
 from __future__ import annotations
 
+import difflib
+import logging
 import os
 from dataclasses import dataclass
 
@@ -35,6 +37,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "products incl. AMX tiles where the CPU has them, decode attention, MoE dispatch/combine, "
            "greedy sampling; needs a C compiler, else a warning and the torch kernels); 0 uses the "
            "pure-torch kernels.", kind=bool),
+    EnvVar("DEEPINFER_CPU_NATIVE_ISA",
+           "cpu back end: which instruction sets the C kernels are built for. native (default): all "
+           "that -march=native offers; no-amx: no AMX tiles; no-avx512bf16: no AVX512-BF16 and no "
+           "AMX (the portable dot products); no-avx512: no AVX-512 at all (AVX2/FMA or older). For "
+           "testing the lower tiers on a bigger CPU, or avoiding a broken path."),
     EnvVar("DEEPINFER_CPU_PACKED_WEIGHTS",
            "cpu back end: 1 (default) keeps a oneDNN-blocked copy of each bf16 weight that a "
            "multi-row linear reads (made at its second such use; 1.3x faster from 2 rows up, "
@@ -115,6 +122,25 @@ def feature_overrides(installed_features: set[str]) -> dict[str, dict]:
                 f"Unset {var.name}.")
         out.setdefault(var.feature, {})[var.field] = _convert(var, raw)
     return out
+
+
+_warned: set[str] = set()
+
+
+def warn_unknown() -> list[str]:
+    """Warn (once per name and process) about set `DEEPINFER_*` variables that deepinfer does not
+    read, with the closest documented name: a misspelt variable would otherwise be silently
+    ignored. Returns the unknown names."""
+    unknown = sorted(k for k in os.environ if k.startswith("DEEPINFER_") and k not in VARIABLES)
+    for name in unknown:
+        if name in _warned:
+            continue
+        _warned.add(name)
+        close = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "see `deepinfer doctor` for the documented variables"
+        logging.getLogger("deepinfer").warning("the environment variable %s is not one deepinfer reads, so it has "
+                                               "no effect; %s", name, hint)
+    return unknown
 
 
 def describe() -> str:

@@ -14,11 +14,13 @@ list of the wrong length) raise ValueError/TypeError before anything runs.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from deepinfer.config import EngineConfig, load_config
+from deepinfer.engine.engine_core import _is_array
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 
@@ -61,6 +63,8 @@ class LLM:
                 raise ValueError(f"invalid engine configuration: {e}") from None
         else:
             self.config = load_config(explicit, config_file=config)
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id of the generate() call that holds the lock
         self.engine, self.build_info = build_engine(self.config)
         self.config = self.engine.config  # auto settings resolved
         if self.build_info.is_default_model:
@@ -97,18 +101,35 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] is a {type(p).__name__}, not a SamplingParams")
 
+        if self._owner == threading.get_ident():  # waiting for ourselves would never end
+            raise RuntimeError("LLM.generate() was called again from inside a running generate() on the same "
+                               "thread (e.g. from a callback); call it after the first one returns")
+        with self._lock:  # one call at a time: concurrent callers wait their turn
+            self._owner = threading.get_ident()
+            try:
+                return self._run(prompt_list, params, use_tqdm)
+            finally:
+                self._owner = None
+
+    def _run(self, prompt_list: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
-        requests = [engine.add_request(prompt, p) for prompt, p in zip(prompt_list, params)]
-        bar = _progress(len(requests), use_tqdm)
-        done = sum(r.is_finished for r in requests)
-        if bar is not None:
-            bar.update(done)
+        requests = []
+        bar = None
         try:
+            # all or nothing: if admitting a later prompt raises (or Ctrl-C), the ones queued before
+            # it are aborted below, so nothing of this call is left behind for the next one
+            for prompt, p in zip(prompt_list, params):
+                requests.append(engine.add_request(prompt, p))
+            bar = _progress(len(requests), use_tqdm)
+            done = sum(r.is_finished for r in requests)
+            if bar is not None:
+                bar.update(done)
+            mine = {r.request_id for r in requests}
             while done < len(requests):
-                finished = engine.step()
-                done += len(finished)
+                finished = sum(r.request_id in mine for r in engine.step())
+                done += finished
                 if bar is not None and finished:
-                    bar.update(len(finished))
+                    bar.update(finished)
         except BaseException:
             engine.abort_all()
             raise
@@ -155,6 +176,8 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
             return [list(prompts)]  # one prompt given as token ids
         return list(prompts)
+    if _is_array(prompts):  # numpy array or torch tensor: 1-D is one prompt, 2-D one per row
+        return [prompts] if prompts.ndim == 1 else list(prompts)
     raise TypeError(f"prompts must be a string, a list of token ids, a dict, or a list of these; got "
                     f"{type(prompts).__name__}")
 

@@ -5,18 +5,23 @@ the value and the valid range, before any request runs.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 _SCHEMA_TYPES = ("regex", "json", "ebnf")
+# Temperatures below this sample greedily: dividing fp32 logits by a smaller one overflows (1e-39
+# is 0 in fp32) and would turn the row's probabilities into NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops.
 
-    temperature: 0 means greedy (argmax); > 0 scales the logits before sampling.
+    temperature: 0 means greedy (argmax); > 0 scales the logits before sampling (below 1e-5 it
+        is greedy too: such a division overflows).
     top_p: nucleus sampling, 0 < top_p <= 1 (1 = off).
     top_k: keep the k most likely tokens; 0 or -1 = off.
     min_p: drop tokens whose probability is below min_p × the top token's; 0 = off.
@@ -113,6 +118,11 @@ class SamplingParams:
             json_dict = so["schema_type"] == "json" and isinstance(so["schema"], dict) and so["schema"]
             if not json_dict and (not isinstance(so["schema"], str) or not so["schema"]):
                 raise bad("so_args", "schema must be a non-empty string (for json: json.dumps(schema), or a dict)")
+            if json_dict:
+                try:
+                    json.dumps(so["schema"])
+                except (TypeError, ValueError) as e:
+                    raise bad("so_args", f"the JSON schema dict cannot be serialised to JSON ({e})") from None
 
     # -- derived values used by the engine ------------------------------------------------------
 
@@ -122,7 +132,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def effective_top_k(self) -> int:

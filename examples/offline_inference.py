@@ -165,10 +165,11 @@ def run_rank(rank: int, sizes: ParallelSizes, args: argparse.Namespace, accelera
             print("structured output check FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
             status = 1
         else:
-            print(f"DP {rank}; structured output check passed", flush=True)
+            print(f"[rank {rank}] structured output check passed", file=sys.stderr, flush=True)
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
-    print(f"DP {rank}; {len(outputs)} samples, {total} output tokens in {time.perf_counter() - start:.1f} s",
-          flush=True)
+    # a summary, not a sample: only sample lines start with "DP <rank>;" (scripts parse them)
+    print(f"[rank {rank}] {len(outputs)} samples, {total} output tokens in {time.perf_counter() - start:.1f} s",
+          file=sys.stderr, flush=True)
     llm.shutdown()
     return status
 

@@ -117,6 +117,8 @@ def test_output_line_format(example, tiny_model, capsys):
         assert match.group(1) == prompt  # accept_rate: n/a, or a rate when speculative decoding is on
         assert 1 <= int(match.group(3)) <= 32
     assert out[0].startswith("Model: ")
+    # every line that starts like a sample line is one (the summary goes to stderr)
+    assert [line for line in out if line.startswith("DP ")] == [m.group(0) for m in samples]
 
 
 def test_seed_env_defaults_only_for_installed_features(example, monkeypatch):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer import envs
 from deepinfer.config import EngineConfig
 from deepinfer.engine.cache_manager import GiB, CacheManager, PoolSize, size_pool
 from deepinfer.engine.engine_core import EngineCore
@@ -51,7 +52,13 @@ def activation_reserve_bytes(model_config, max_num_batched_tokens: int, max_num_
 
 def cache_budget(config: EngineConfig, free_bytes: int, weight_bytes: int, reserve_bytes: int) -> int:
     if config.cache_memory_gb is not None:
-        return int(config.cache_memory_gb * GiB)
+        budget = int(config.cache_memory_gb * GiB)
+        if budget > free_bytes - weight_bytes:
+            raise ValueError(
+                f"cache_memory_gb={config.cache_memory_gb} is more than this machine can hold: the back end reports "
+                f"{free_bytes / GiB:.2f} GiB free and the weights take {weight_bytes / GiB:.2f} GiB. Lower "
+                f"cache_memory_gb, or leave it unset so that gpu_memory_utilization sizes the cache.")
+        return budget
     budget = int(config.gpu_memory_utilization * free_bytes) - weight_bytes - reserve_bytes
     if budget <= 0:
         raise ValueError(
@@ -72,6 +79,7 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     from deepinfer.plugins import load_features, select_accelerator
     from deepinfer.tokenizer import load_tokenizer
 
+    envs.warn_unknown()
     if config.ep * config.dp * config.cp != 1:
         raise ValueError(f"ep={config.ep}, dp={config.dp}, cp={config.cp}: this engine runs on one device "
                          f"(ep = dp = cp = 1) until expert/data/context parallelism lands")

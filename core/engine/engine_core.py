@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -126,7 +127,8 @@ class EngineCore:
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None, str | None]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), prompt["prompt_token_ids"], None
+                ids, problem = as_token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+                return prompt.get("prompt"), ids, problem
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
@@ -134,13 +136,17 @@ class EngineCore:
         if isinstance(prompt, str):
             if not prompt:
                 return prompt, [], "the prompt is empty; give at least one token"
+            problem = _unicode_problem(prompt)
+            if problem is not None:
+                return prompt, None, problem
             try:
                 add_bos = getattr(self.tokenizer, "bos_token_id", None) is not None
                 return prompt, self.tokenizer.encode(prompt, add_bos=add_bos), None
             except (ValueError, TypeError) as e:
                 return prompt, None, str(e)
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt), None
+        if isinstance(prompt, (list, tuple)) or _is_array(prompt):
+            ids, problem = as_token_ids(prompt, "the prompt")
+            return None, ids, problem
         return None, None, (f"a prompt must be a string, a list of token ids or a dict with "
                             f'"prompt_token_ids"; got {type(prompt).__name__}')
 
@@ -148,7 +154,7 @@ class EngineCore:
         ids = req.prompt_token_ids
         if not ids:
             return "the prompt is empty; give at least one token"
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             return (f"prompt token ids {bad[:5]}{'...' if len(bad) > 5 else ''} are outside the vocabulary "
                     f"[0, {self.vocab_size})")
@@ -159,6 +165,17 @@ class EngineCore:
             req.params._validate()  # the object may have been changed after it was built
         except ValueError as e:
             return str(e)
+        return self._check_against_vocabulary(req.params)
+
+    def _check_against_vocabulary(self, p: SamplingParams) -> str | None:
+        """Values that SamplingParams cannot check alone: they depend on the model's vocabulary."""
+        bad = [t for t in p.stop_token_ids or () if t >= self.vocab_size]
+        if bad:
+            return (f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); "
+                    f"give ids of this model's tokens")
+        if p.logprobs is not None and p.logprobs > self.vocab_size:
+            return (f"SamplingParams.logprobs={p.logprobs} asks for more tokens than the vocabulary has "
+                    f"({self.vocab_size}); give at most {self.vocab_size}")
         return None
 
     def _attach_processors(self, req: Request) -> str | None:
@@ -166,11 +183,15 @@ class EngineCore:
             try:
                 if processor.add_request(req.request_id, req.params):
                     req.processors.append(index)
-            except RequestRejected as e:
+            except Exception as e:  # a request the feature cannot take fails alone
                 for i in req.processors:
                     self.processors[i].remove_request(req.request_id)
                 req.processors.clear()
-                return str(e)
+                if isinstance(e, RequestRejected):
+                    return str(e)
+                logger.debug("logits processor %s failed to admit request %s", type(processor).__name__,
+                             req.request_id, exc_info=True)
+                return f"the {type(processor).__name__} could not take this request: {type(e).__name__}: {e}"
         if req.params.so_args and not req.processors:
             return ("so_args needs the structured_output feature, which is not enabled on this engine "
                     "(it needs a back end with token-bitmask support)")
@@ -454,6 +475,49 @@ class EngineCore:
             self.shutdown(wait=False)
         except Exception:
             pass
+
+
+def _is_array(value: Any) -> bool:
+    """A numpy array or a torch tensor (numpy is not imported for the check)."""
+    return isinstance(value, torch.Tensor) or type(value).__module__ == "numpy"
+
+
+def as_token_ids(value: Any, what: str) -> tuple[list[int] | None, str | None]:
+    """`value` as a list of Python ints: a list/tuple of ints (numpy integer scalars included) or a
+    1-D integer numpy array / torch tensor; else (None, the problem)."""
+    if _is_array(value):
+        kind = str(value.dtype)
+        if getattr(value, "ndim", None) != 1:
+            return None, f"{what} must be one-dimensional; got an array of shape {tuple(value.shape)}"
+        if "int" not in kind:
+            return None, f"{what} must hold integer token ids; got an array of dtype {kind}"
+        return [int(t) for t in value.tolist()], None
+    if not isinstance(value, (list, tuple)):
+        return None, f"{what} must be a list of integer token ids; got {type(value).__name__}"
+    ids = []
+    for position, token in enumerate(value):
+        if isinstance(token, bool):
+            index = None
+        else:
+            try:
+                index = operator.index(token)
+            except TypeError:
+                index = None
+        if index is None:
+            return None, (f"{what} must hold integer token ids; the one at position {position} is "
+                          f"{token!r} ({type(token).__name__})")
+        ids.append(index)
+    return ids, None
+
+
+def _unicode_problem(text: str) -> str | None:
+    """A string the tokenizer cannot take: one with lone surrogates (not encodable as UTF-8)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return (f"the prompt is not valid Unicode text: it contains a lone surrogate ({text[e.start]!r}) at "
+                f"character {e.start}; decode the input with errors='replace', or pass token ids")
+    return None
 
 
 __all__ = ["EngineCore", "RequestStatus", "SchedulerOutput", "DEAD_END"]

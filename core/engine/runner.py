@@ -149,7 +149,7 @@ class ModelRunner:
         for i, (s, offset) in enumerate(rows):
             p = s.request.params
             output_index = s.output_index + offset
-            meta.temperature.append(float(p.temperature))
+            meta.temperature.append(0.0 if p.greedy else float(p.temperature))
             meta.top_k.append(p.effective_top_k)
             meta.top_p.append(float(p.top_p))
             meta.min_p.append(float(p.min_p))

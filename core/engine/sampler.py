@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.sampling_params import GREEDY_TEMPERATURE
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -152,18 +154,19 @@ class Sampler:
         dead = torch.isneginf(masked.max(dim=-1).values) if constrained and num_rows else \
             torch.zeros(num_rows, dtype=torch.bool, device=logits.device)
         alive = [i for i, d in enumerate(dead.tolist()) if not d]
-        greedy = [i for i in alive if meta.temperature[i] == 0 or meta.top_k[i] == 1]
+        greedy = [i for i in alive if meta.temperature[i] < GREEDY_TEMPERATURE or meta.top_k[i] == 1]
         # Rows that need a sorted candidate list are drawn separately from those that do not, so a
         # row's path never depends on its neighbours.
         random_rows = [i for i in alive if i not in set(greedy)]
-        needs_sort = [i for i in random_rows if self._needs_sort(meta, i)]
+        needs_sort = [i for i in random_rows if self._needs_sort(meta, i, logits.shape[1])]
         plain = [i for i in random_rows if i not in set(needs_sort)]
         return masked, dead, greedy, plain, needs_sort
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _needs_sort(self, meta: SamplingMetadata, i: int) -> bool:
-        return bool(self.force_topk or meta.top_k[i] > 0 or meta.top_p[i] < 1.0 or meta.min_p[i] > 0.0)
+    def _needs_sort(self, meta: SamplingMetadata, i: int, vocab: int) -> bool:
+        # a top_k of the vocabulary's size or more keeps every token: the same as no top-k
+        return bool(self.force_topk or 0 < meta.top_k[i] < vocab or meta.top_p[i] < 1.0 or meta.min_p[i] > 0.0)
 
     @staticmethod
     def _col(values: list[float], rows: list[int], device: torch.device) -> torch.Tensor:
@@ -190,7 +193,7 @@ class Sampler:
         width = min(self.force_topk, vocab) if self.force_topk else vocab
         values, indices = scaled.topk(width, dim=-1)  # sorted, descending
         ranks = torch.arange(width, device=device).unsqueeze(0)
-        top_k = torch.tensor([meta.top_k[i] or width for i in rows], device=device).unsqueeze(1)
+        top_k = torch.tensor([min(meta.top_k[i], width) or width for i in rows], device=device).unsqueeze(1)
         values = values.masked_fill(ranks >= top_k, float("-inf"))
         probs = torch.softmax(values, dim=-1)
         top_p = self._col(meta.top_p, rows, device)

@@ -31,10 +31,6 @@ from .stats import SpecDecodeStats
 from .verify_scheduler import ConfidenceCalibrator, VerifyCostModel, plan_verification
 
 
-def _is_greedy(params) -> bool:
-    return params.temperature == 0 or params.effective_top_k == 1
-
-
 class Speculator:
     def __init__(self, drafter: DraftProposer, config: DSparkConfig, accelerator: Any, max_model_len: int,
                  cost_model: VerifyCostModel | None = None):
@@ -87,7 +83,7 @@ class Speculator:
             m = len(s.draft_token_ids)
             probs = None if state is None or state.probs is None else state.probs[:m]
             seed = None if params.seq_seed is None else position_seed(params.seq_seed ^ VERIFY_SEED_SALT, s.output_index)
-            groups.append(VerifyGroup(start, list(s.draft_token_ids), probs, _is_greedy(params), seed))
+            groups.append(VerifyGroup(start, list(s.draft_token_ids), probs, params.greedy, seed))
         out = verify(logits, step.sampling, bitmask, groups, sampler, self.accelerator)
         tokens = out.token_ids.tolist()
         for g, s in zip(groups, step.sample_rows):
@@ -129,7 +125,7 @@ class Speculator:
                 request=req, slot=rows.slot, num_known_tokens=rows.num_known_tokens, emitted=emitted,
                 first_position=rows.first_position, next_token_ids=following[:committed],
                 feature_rows=torch.arange(rows.stream_start, rows.stream_start + committed),
-                num_drafts=wanted, greedy=_is_greedy(p), temperature=float(p.temperature),
+                num_drafts=wanted, greedy=p.greedy, temperature=float(p.temperature),
                 draft_seeds=[None if p.seq_seed is None else
                              position_seed(p.seq_seed ^ DRAFT_SEED_SALT, num_outputs + i) for i in range(wanted)]))
         if not requests:
