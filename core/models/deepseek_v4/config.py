@@ -9,18 +9,167 @@
 - transformers' own keys (`layer_types`, `mlp_layer_types`, `compress_rates`, `rope_parameters`,
   `partial_rotary_factor`).
 `to_hf_dict()` writes transformers' keys, loadable by `transformers.DeepseekV4Config(**d)`.
+
+Every value is type- and range-checked when the config is parsed or built (`FIELD_RANGES`,
+`YARN_RANGES`, `PARSE_RANGES`, then the cross-field rules of `_cross_field_problems`): integers must
+be ints (not bool, float or str), floats finite numbers. `from_dict` reports every problem in one
+`CheckpointError` naming the key as spelt in the file, the bad value and the valid range; building
+`DeepseekV4Config(...)` directly raises pydantic's ValidationError with the same sentences.
 """
 from __future__ import annotations
 
+import math
+import numbers
+from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be loaded: a config.json value of the wrong type or out of range, a
+    corrupt or truncated safetensors file, a shard index that points outside the folder, or tensors
+    that do not fit the config. Always raised while the model is loaded, never during generation."""
+
+
+# --- value ranges ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Range:
+    """The type and bounds of one numeric setting. Bounds are inclusive except a `low` with
+    `open_low`; float settings must also be finite. bool is never a number here."""
+
+    kind: type  # int or float
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+
+    def describe(self) -> str:
+        what = "an integer" if self.kind is int else "a finite number"
+        lo, hi = _plain(self.low), _plain(self.high)
+        if self.low is not None and self.high is not None:
+            return f"{what} in {'(' if self.open_low else '['}{lo}, {hi}]"
+        if self.low is not None:
+            return f"{what} {'>' if self.open_low else '>='} {lo}"
+        return what if self.high is None else f"{what} <= {hi}"
+
+    def problem(self, key: str, value: Any) -> str | None:
+        """None when `value` is valid, else a sentence naming the key, the value and the range."""
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if not number or (self.kind is int and not isinstance(value, numbers.Integral)):
+            return f"{key} = {_show(value)} has the wrong type ({_type_name(value)}): must be {self.describe()}"
+        below = self.low is not None and (value < self.low or (self.open_low and value == self.low))
+        above = self.high is not None and value > self.high
+        if below or above or (self.kind is float and not math.isfinite(value)):
+            return f"{key} = {_show(value)} is out of range: must be {self.describe()}"
+        return None
+
+
+def _plain(x: float | None) -> str:
+    return "" if x is None else str(int(x)) if float(x).is_integer() else repr(x)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    for kind, name in ((bool, "a bool"), (str, "a string"), (dict, "an object"), ((list, tuple), "a list"),
+                       (numbers.Integral, "an integer"), (numbers.Real, "a float")):
+        if isinstance(value, kind):
+            return name
+    return f"a {type(value).__name__}"
+
+
+# Every numeric DeepseekV4Config field, with what the model code needs of it. Cross-field rules
+# (divisibility, top-k <= experts, rotary dims, token ids < vocab_size) are in `_cross_field_problems`.
+FIELD_RANGES: dict[str, Range] = {
+    "vocab_size": Range(int, 1),
+    "hidden_size": Range(int, 1),
+    "num_hidden_layers": Range(int, 1),
+    "num_attention_heads": Range(int, 1),
+    "head_dim": Range(int, 2),
+    "qk_rope_head_dim": Range(int, 2),
+    "q_lora_rank": Range(int, 1),
+    "o_groups": Range(int, 1),
+    "o_lora_rank": Range(int, 1),
+    "sliding_window": Range(int, 1),  # the window ring holds sliding_window keys per sequence
+    "csa_compress_rate": Range(int, 1),
+    "hca_compress_rate": Range(int, 1),
+    "index_n_heads": Range(int, 1),
+    "index_head_dim": Range(int, 2),
+    "index_topk": Range(int, 1),
+    "n_routed_experts": Range(int, 1),
+    "num_experts_per_tok": Range(int, 1),
+    "n_shared_experts": Range(int, 0, 1),  # the shared expert is one fused matrix, or none
+    "moe_intermediate_size": Range(int, 1),
+    "routed_scaling_factor": Range(float, 0, open_low=True),
+    "swiglu_limit": Range(float, 0),  # 0 = no clamp
+    "rope_theta": Range(float, 1, open_low=True),  # log(base) divides in the YaRN ramp
+    "compress_rope_theta": Range(float, 1, open_low=True),
+    "max_position_embeddings": Range(int, 1),
+    "hc_mult": Range(int, 1),
+    "hc_sinkhorn_iters": Range(int, 1),  # the first normalisation always runs
+    "hc_eps": Range(float, 0),
+    "rms_norm_eps": Range(float, 0),
+    "num_nextn_predict_layers": Range(int, 0),
+}
+YARN_RANGES: dict[str, Range] = {
+    "factor": Range(float, 1),
+    "original_max_position_embeddings": Range(int, 1),
+    "beta_fast": Range(float, 0, open_low=True),
+    "beta_slow": Range(float, 0, open_low=True),
+}
+# keys that only steer parsing (official / transformers spellings)
+PARSE_RANGES: dict[str, Range] = {
+    "num_hash_layers": Range(int, 0),
+    "partial_rotary_factor": Range(float, 0, 1, open_low=True),
+    "compress_ratios": Range(int, 0),  # per entry
+    "compress_rates": Range(int, 1),  # per entry
+    "original_seq_len": Range(int, 0),  # 0 = no YaRN
+    "rope_factor": Range(float, 1),
+    "beta_fast": YARN_RANGES["beta_fast"],
+    "beta_slow": YARN_RANGES["beta_slow"],
+}
+
+
+def _range_problems(data: dict[str, Any], ranges: dict[str, Range]) -> list[str]:
+    return [p for k, r in ranges.items() if k in data and (p := r.problem(k, data[k])) is not None]
+
+
+def _token_id_problem(key: str, value: Any, many: bool) -> str | None:
+    ids = list(value) if many and isinstance(value, (list, tuple)) else [value]
+    if value is None or all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
+        return None
+    return (f"{key} = {_show(value)} has the wrong type ({_type_name(value)}): must be an integer token id"
+            f"{', a list of them' if many else ''} or null")
+
+
+def _report(source: str, problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    return f"{source} has {len(problems)} invalid settings:\n" + "\n".join(f"  {p}" for p in problems)
+
+
+def _validation_problems(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, ValueError):
+            out += str(cause).splitlines()
+        else:
+            where = ".".join(str(p) for p in e["loc"]) or "config"
+            out.append(f"{where} = {_show(e.get('input'))}: {e['msg']}")
+    return out
 
 
 class YarnScaling(BaseModel):
@@ -32,6 +181,13 @@ class YarnScaling(BaseModel):
     original_max_position_embeddings: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_values(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (problems := _range_problems(data, YARN_RANGES)):
+            raise ValueError("\n".join(problems))
+        return data
 
 
 class DeepseekV4Config(BaseModel):
@@ -80,35 +236,60 @@ class DeepseekV4Config(BaseModel):
     quantization_config: dict[str, Any] | None = None
     expert_dtype: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_values(cls, data: Any) -> Any:
+        """Types and ranges of the given values (FIELD_RANGES), before pydantic would coerce them."""
+        if isinstance(data, dict):
+            problems = _range_problems(data, FIELD_RANGES)
+            for key, many in (("bos_token_id", False), ("eos_token_id", True)):
+                if key in data and (p := _token_id_problem(key, data[key], many)) is not None:
+                    problems.append(p)
+            if problems:
+                raise ValueError("\n".join(problems))
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> "DeepseekV4Config":
+        problems = self._cross_field_problems()
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _cross_field_problems(self) -> list[str]:
+        problems = []
         n = self.num_hidden_layers
         for name, types, allowed in (("layer_types", self.layer_types, LAYER_TYPES),
                                      ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
             if len(types) != n:
-                raise ValueError(f"{name} has {len(types)} entries but num_hidden_layers is {n}; give one per layer")
+                problems.append(f"{name} has {len(types)} entries but num_hidden_layers is {n}; give one per layer")
             bad = sorted({t for t in types if t not in allowed})
             if bad:
-                raise ValueError(f"{name} entries {bad} are not valid; choose from {list(allowed)}")
+                problems.append(f"{name} entries {bad} are not valid; choose from {list(allowed)}")
         if self.scoring_func not in SCORING_FUNCS:
-            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported; choose from {list(SCORING_FUNCS)}")
-        if self.head_dim % 2 or self.qk_rope_head_dim % 2 or not 0 < self.qk_rope_head_dim <= self.head_dim:
-            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must be even and within head_dim "
-                             f"({self.head_dim})")
-        if self.qk_rope_head_dim > self.index_head_dim:
-            raise ValueError(f"qk_rope_head_dim ({self.qk_rope_head_dim}) must not exceed index_head_dim "
-                             f"({self.index_head_dim})")
-        if (self.num_attention_heads * self.head_dim) % self.o_groups:
-            raise ValueError(f"num_attention_heads * head_dim must be divisible by o_groups ({self.o_groups})")
+            problems.append(f"scoring_func = {self.scoring_func!r} is not supported; choose from {list(SCORING_FUNCS)}")
+        d, r, di = self.head_dim, self.qk_rope_head_dim, self.index_head_dim
+        if d % 2:
+            problems.append(f"head_dim = {d} is not valid: must be even")
+        if r % 2 or r > d:
+            problems.append(f"qk_rope_head_dim = {r} is out of range: must be even and <= head_dim = {d}")
+        if r > di:
+            problems.append(f"qk_rope_head_dim = {r} is out of range: must be <= index_head_dim = {di} (the "
+                            f"indexer rotates its queries and keys too)")
+        hd = self.num_attention_heads * d
+        if hd % self.o_groups:
+            problems.append(f"o_groups = {self.o_groups} is not valid: must divide num_attention_heads * head_dim "
+                            f"= {hd}")
         if self.num_experts_per_tok > self.n_routed_experts:
-            raise ValueError("num_experts_per_tok must not exceed n_routed_experts")
-        if self.n_shared_experts not in (0, 1):
-            raise ValueError(f"n_shared_experts must be 0 or 1, got {self.n_shared_experts}")
-        if self.csa_compress_rate < 1 or self.hca_compress_rate < 1:
-            raise ValueError("compress rates must be positive")
-        if self.num_nextn_predict_layers < 0:
-            raise ValueError("num_nextn_predict_layers must be >= 0")
-        return self
+            problems.append(f"num_experts_per_tok = {self.num_experts_per_tok} is out of range: must be <= "
+                            f"n_routed_experts = {self.n_routed_experts}")
+        V = self.vocab_size
+        for key, value in (("bos_token_id", self.bos_token_id), ("eos_token_id", self.eos_token_id)):
+            ids = value if isinstance(value, tuple) else () if value is None else (value,)
+            if any(not 0 <= i < V for i in ids):
+                problems.append(f"{key} = {_show(value)} is out of range: token ids must be in [0, {V}) "
+                                f"(vocab_size = {V})")
+        return problems
 
     # ----- derived -----
     def compress_ratio_for(self, layer_type: str) -> int:
@@ -126,93 +307,116 @@ class DeepseekV4Config(BaseModel):
 
     # ----- parsing -----
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DeepseekV4Config":
+    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> "DeepseekV4Config":
+        """Parse a config dict in any of the three spellings. Every value is type- and range-checked
+        (FIELD_RANGES, PARSE_RANGES, YARN_RANGES and the cross-field rules); all problems are
+        reported together in one CheckpointError, prefixed with `source`."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source} must hold a JSON object with the model's settings (got {_type_name(d)})")
         d = dict(d)
         model_type = d.pop("model_type", "deepseek_v4")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {model_type!r} is not supported by this model; supported: "
-                             f"{list(SUPPORTED_MODEL_TYPES)}")
+            raise CheckpointError(f"{source}: model_type {model_type!r} is not supported by this model; supported: "
+                                  f"{list(SUPPORTED_MODEL_TYPES)}")
         get = _KeyReader(d)
-        n_layers = get.int("num_hidden_layers", "n_layers", default=43)
+        n_layers = get.number("num_hidden_layers", "n_layers", default=43)
         out: dict[str, Any] = {
-            "vocab_size": get.int("vocab_size", default=129280),
-            "hidden_size": get.int("hidden_size", "dim", default=4096),
+            "vocab_size": get.number("vocab_size", default=129280),
+            "hidden_size": get.number("hidden_size", "dim", default=4096),
             "num_hidden_layers": n_layers,
-            "num_attention_heads": get.int("num_attention_heads", "n_heads", default=64),
-            "head_dim": get.int("head_dim", default=512),
-            "q_lora_rank": get.int("q_lora_rank", default=1024),
-            "o_groups": get.int("o_groups", default=8),
-            "o_lora_rank": get.int("o_lora_rank", default=1024),
-            "sliding_window": get.int("sliding_window", "window_size", default=128),
-            "index_n_heads": get.int("index_n_heads", default=64),
-            "index_head_dim": get.int("index_head_dim", default=128),
-            "index_topk": get.int("index_topk", default=512),
-            "n_routed_experts": get.int("n_routed_experts", "num_local_experts", default=256),
-            "num_experts_per_tok": get.int("num_experts_per_tok", "n_activated_experts", default=6),
-            "n_shared_experts": get.int("n_shared_experts", default=1),
-            "moe_intermediate_size": get.int("moe_intermediate_size", "moe_inter_dim", "intermediate_size",
-                                             default=2048),
-            "scoring_func": get.any("scoring_func", "score_func", default="sqrtsoftplus"),
-            "routed_scaling_factor": get.float("routed_scaling_factor", "route_scale", default=1.5),
-            "swiglu_limit": get.float("swiglu_limit", default=10.0),
-            "rope_theta": get.float("rope_theta", default=10000.0),
-            "compress_rope_theta": get.float("compress_rope_theta", default=160000.0),
-            "max_position_embeddings": get.int("max_position_embeddings", "max_seq_len", default=1048576),
-            "hc_mult": get.int("hc_mult", default=4),
-            "hc_sinkhorn_iters": get.int("hc_sinkhorn_iters", default=20),
-            "hc_eps": get.float("hc_eps", default=1e-6),
-            "rms_norm_eps": get.float("rms_norm_eps", "norm_eps", default=1e-6),
-            "num_nextn_predict_layers": get.int("num_nextn_predict_layers", "n_mtp_layers", default=1),
-            "bos_token_id": get.any("bos_token_id", default=0),
-            "eos_token_id": get.any("eos_token_id", default=1),
-            "quantization_config": get.any("quantization_config", default=None),
-            "expert_dtype": get.any("expert_dtype", default=None),
+            "num_attention_heads": get.number("num_attention_heads", "n_heads", default=64),
+            "head_dim": get.number("head_dim", default=512),
+            "q_lora_rank": get.number("q_lora_rank", default=1024),
+            "o_groups": get.number("o_groups", default=8),
+            "o_lora_rank": get.number("o_lora_rank", default=1024),
+            "sliding_window": get.number("sliding_window", "window_size", default=128),
+            "index_n_heads": get.number("index_n_heads", default=64),
+            "index_head_dim": get.number("index_head_dim", default=128),
+            "index_topk": get.number("index_topk", default=512),
+            "n_routed_experts": get.number("n_routed_experts", "num_local_experts", default=256),
+            "num_experts_per_tok": get.number("num_experts_per_tok", "n_activated_experts", default=6),
+            "n_shared_experts": get.number("n_shared_experts", default=1),
+            "moe_intermediate_size": get.number("moe_intermediate_size", "moe_inter_dim", "intermediate_size",
+                                                default=2048),
+            "scoring_func": get.typed("scoring_func", "score_func", default="sqrtsoftplus", kinds=str,
+                                      want=f"one of {list(SCORING_FUNCS)}"),
+            "routed_scaling_factor": get.number("routed_scaling_factor", "route_scale", default=1.5),
+            "swiglu_limit": get.number("swiglu_limit", default=10.0),
+            "rope_theta": get.number("rope_theta", default=10000.0),
+            "compress_rope_theta": get.number("compress_rope_theta", default=160000.0),
+            "max_position_embeddings": get.number("max_position_embeddings", "max_seq_len", default=1048576),
+            "hc_mult": get.number("hc_mult", default=4),
+            "hc_sinkhorn_iters": get.number("hc_sinkhorn_iters", default=20),
+            "hc_eps": get.number("hc_eps", default=1e-6),
+            "rms_norm_eps": get.number("rms_norm_eps", "norm_eps", default=1e-6),
+            "num_nextn_predict_layers": get.number("num_nextn_predict_layers", "n_mtp_layers", default=1),
+            "bos_token_id": get.token_ids("bos_token_id", default=0, many=False),
+            "eos_token_id": get.token_ids("eos_token_id", default=1, many=True),
+            "quantization_config": get.typed("quantization_config", default=None, kinds=dict, want="an object or null"),
+            "expert_dtype": get.typed("expert_dtype", default=None, kinds=str, want="a string or null"),
         }
         if isinstance(out["eos_token_id"], list):
             out["eos_token_id"] = tuple(out["eos_token_id"])
         if out["expert_dtype"] is None and isinstance(out["quantization_config"], dict):
-            out["expert_dtype"] = out["quantization_config"].get("expert_dtype")
-        norm_topk = get.any("norm_topk_prob", default=True)
+            out["expert_dtype"] = get.check("quantization_config.expert_dtype",
+                                            out["quantization_config"].get("expert_dtype"), None, kinds=str,
+                                            want="a string or null")
+        norm_topk = get.lookup("norm_topk_prob", default=True)[1]
         if norm_topk is not True:
-            raise ValueError("norm_topk_prob must be true for DeepSeek-V4 (routing weights are always normalised)")
+            get.problems.append(f"norm_topk_prob = {_show(norm_topk)} is not supported: must be true for DeepSeek-V4 "
+                                f"(routing weights are always normalised)")
 
         # rotary dims: explicit > partial_rotary_factor * head_dim > default 64
-        rope_dim = get.any("qk_rope_head_dim", "rope_head_dim", default=None)
-        prf = get.any("partial_rotary_factor", default=None)
-        rope_params = get.any("rope_parameters", default=None)
-        if rope_dim is None and prf is None and isinstance(rope_params, dict):
-            prf = (rope_params.get("compress") or rope_params.get("main") or rope_params).get("partial_rotary_factor")
+        rope_dim = get.number("qk_rope_head_dim", "rope_head_dim", default=None)
+        prf = get.number("partial_rotary_factor", default=None)
+        rope_params = get.typed("rope_parameters", default=None, kinds=dict, want="an object or null")
+        if rope_dim is None and prf is None and rope_params is not None:
+            inner = rope_params.get("compress") or rope_params.get("main") or rope_params
+            if isinstance(inner, dict) and inner.get("partial_rotary_factor") is not None:
+                prf = get.check("rope_parameters.partial_rotary_factor", inner["partial_rotary_factor"], None,
+                                rng=PARSE_RANGES["partial_rotary_factor"])
         if rope_dim is None:
             rope_dim = int(out["head_dim"] * prf) if prf is not None else 64
-        out["qk_rope_head_dim"] = int(rope_dim)
+        out["qk_rope_head_dim"] = rope_dim
 
         # compression schedule
-        rates = get.any("compress_rates", default=None) or {}
-        csa_rate = int(rates.get(CSA, get.any("compress_rate_csa", default=4)))
-        hca_rate = int(rates.get(HCA, get.any("compress_rate_hca", default=128)))
-        layer_types = get.any("layer_types", default=None)
-        ratios = get.any("compress_ratios", default=None)
+        rates = get.typed("compress_rates", default=None, kinds=dict, want="an object or null") or {}
+        csa_rate = get.check(f"compress_rates.{CSA}", rates.get(CSA), None, rng=PARSE_RANGES["compress_rates"])
+        hca_rate = get.check(f"compress_rates.{HCA}", rates.get(HCA), None, rng=PARSE_RANGES["compress_rates"])
+        csa_rate = csa_rate if csa_rate is not None else get.number("compress_rate_csa", default=4,
+                                                                     rng=PARSE_RANGES["compress_rates"])
+        hca_rate = hca_rate if hca_rate is not None else get.number("compress_rate_hca", default=128,
+                                                                     rng=PARSE_RANGES["compress_rates"])
+        layer_types = get.str_list("layer_types")
+        ratios = get.int_list("compress_ratios", PARSE_RANGES["compress_ratios"])
         if layer_types is None and ratios is not None:
-            ratios = [int(r) for r in ratios]
-            layer_types, csa_rate, hca_rate = _types_from_ratios(ratios[:n_layers], csa_rate, hca_rate)
+            try:
+                layer_types, csa_rate, hca_rate = _types_from_ratios(ratios[:n_layers], csa_rate, hca_rate)
+            except CheckpointError as e:
+                get.problems.append(str(e))
+                layer_types = None
             if len(ratios) > n_layers and any(r != 0 for r in ratios[n_layers:]):
-                raise ValueError(f"compress_ratios entries for the MTP layers must be 0 (sliding-only), got "
-                                 f"{ratios[n_layers:]}")
+                get.problems.append(f"compress_ratios = {_show(ratios)} is not valid: the entries for the MTP layers "
+                                    f"(after the first {n_layers}) must be 0 (sliding-only), got {ratios[n_layers:]}")
         if layer_types is None:  # transformers' default: 2 HCA then CSA/HCA interleaved
             layer_types = [HCA] * min(n_layers, 2) + [CSA if i % 2 else HCA for i in range(max(n_layers - 2, 0))]
         out["layer_types"] = tuple(layer_types[:n_layers])
         out["csa_compress_rate"], out["hca_compress_rate"] = csa_rate, hca_rate
 
-        mlp_types = get.any("mlp_layer_types", default=None)
+        mlp_types = get.str_list("mlp_layer_types")
         if mlp_types is None:
-            n_hash = get.int("num_hash_layers", "n_hash_layers", default=3)
+            n_hash = get.number("num_hash_layers", "n_hash_layers", default=3, rng=PARSE_RANGES["num_hash_layers"])
             mlp_types = ["hash_moe"] * min(n_layers, n_hash) + ["moe"] * max(0, n_layers - n_hash)
         out["mlp_layer_types"] = tuple(mlp_types[:n_layers])
 
-        out["rope_scaling"] = _parse_yarn(get.any("rope_scaling", default=None), rope_params, d)
-        for k in ("original_seq_len", "rope_factor", "beta_fast", "beta_slow"):
-            d.pop(k, None)
-        return cls(**out)
+        rope_scaling = get.typed("rope_scaling", default=None, kinds=dict, want="an object or null")
+        out["rope_scaling"] = _parse_yarn(get, rope_scaling, rope_params)
+        if get.problems:
+            raise CheckpointError(_report(source, get.problems))
+        try:
+            return cls(**out)
+        except ValidationError as e:
+            raise CheckpointError(_report(source, _validation_problems(e))) from None
 
     def to_hf_dict(self) -> dict[str, Any]:
         """transformers' DeepseekV4Config keys (model_type "deepseek_v4")."""
@@ -272,35 +476,91 @@ class DeepseekV4Config(BaseModel):
 
 
 class _KeyReader:
-    """Reads a key under any of its aliases; two aliases with different values is an error."""
+    """Reads a key under any of its aliases and checks its type and range; two aliases with
+    different values is an error. Problems are collected in `problems` (named by the key as it is
+    spelt in the file), and the default is used in their place so that parsing goes on and every
+    problem is reported at once."""
 
     def __init__(self, d: dict[str, Any]):
         self.d = d
+        self.problems: list[str] = []
 
-    def any(self, *names: str, default: Any) -> Any:
+    def lookup(self, *names: str, default: Any) -> tuple[str | None, Any]:
+        """(the key found, its value), or (None, default). None values count as absent."""
         found = [(n, self.d[n]) for n in names if n in self.d and self.d[n] is not None]
         if len({repr(v) for _, v in found}) > 1:
-            raise ValueError(f"config keys {[n for n, _ in found]} are aliases but disagree: {dict(found)}")
-        return found[0][1] if found else default
+            self.problems.append(f"config keys {[n for n, _ in found]} are aliases but disagree: {dict(found)}")
+        return found[0] if found else (None, default)
 
-    def int(self, *names: str, default: int) -> int:
-        return int(self.any(*names, default=default))
+    def check(self, key: str, value: Any, default: Any, rng: Range | None = None, kinds: type | tuple = (),
+              want: str = "") -> Any:
+        """`value` if it is valid (a number in `rng`, or an instance of `kinds`), else `default`
+        and a problem. None is absent: `default`."""
+        if value is None:
+            return default
+        if rng is not None:
+            problem = rng.problem(key, value)
+        elif isinstance(value, kinds) and not isinstance(value, bool):
+            problem = None
+        else:
+            problem = f"{key} = {_show(value)} has the wrong type ({_type_name(value)}): must be {want}"
+        if problem is not None:
+            self.problems.append(problem)
+            return default
+        return value
 
-    def float(self, *names: str, default: float) -> float:
-        return float(self.any(*names, default=default))
+    def number(self, *names: str, default: Any, rng: Range | None = None) -> Any:
+        """A numeric setting; the range is FIELD_RANGES / PARSE_RANGES of the first name unless given."""
+        rng = rng or FIELD_RANGES.get(names[0]) or PARSE_RANGES[names[0]]
+        key, value = self.lookup(*names, default=None)
+        value = self.check(key or names[0], value, default, rng=rng)
+        return None if value is None else rng.kind(value)
+
+    def typed(self, *names: str, default: Any, kinds: type | tuple, want: str) -> Any:
+        key, value = self.lookup(*names, default=None)
+        return self.check(key or names[0], value, default, kinds=kinds, want=want)
+
+    def token_ids(self, name: str, default: Any, many: bool) -> Any:
+        _, value = self.lookup(name, default=default)
+        problem = _token_id_problem(name, value, many)
+        if problem is not None:
+            self.problems.append(problem)
+            return default
+        return value
+
+    def str_list(self, name: str) -> list[str] | None:
+        _, value = self.lookup(name, default=None)
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            self.problems.append(f"{name} = {_show(value)} has the wrong type ({_type_name(value)}): must be a list "
+                                 f"of strings, one per layer")
+            return None
+        return list(value)
+
+    def int_list(self, name: str, rng: Range) -> list[int] | None:
+        _, value = self.lookup(name, default=None)
+        if value is None:
+            return None
+        if not isinstance(value, (list, tuple)):
+            self.problems.append(f"{name} = {_show(value)} has the wrong type ({_type_name(value)}): must be a list "
+                                 f"of {rng.describe().replace('an integer', 'integers')}")
+            return None
+        problems = [p for i, v in enumerate(value) if (p := rng.problem(f"{name}[{i}]", v)) is not None]
+        if problems:
+            self.problems += [f"{p} (in {name} = {_show(value)})" for p in problems]
+            return None
+        return [int(v) for v in value]
 
 
 def _types_from_ratios(ratios: list[int], csa_rate: int, hca_rate: int) -> tuple[list[str], int, int]:
-    """Official `compress_ratios`: 0 = sliding; the overlapping CSA rate is 4 (as in the official
-    reference, overlap iff ratio == 4); any other positive ratio is HCA."""
-    types = []
+    """Official `compress_ratios` (entries already checked >= 0): 0 = sliding; the overlapping CSA
+    rate is 4 (as in the official reference, overlap iff ratio == 4); any other positive ratio is HCA."""
     hca_rates = {r for r in ratios if r not in (0, 4)}
     if len(hca_rates) > 1:
-        raise ValueError(f"compress_ratios holds several HCA rates {sorted(hca_rates)}; all HCA layers must share one")
-    for r in ratios:
-        if r < 0:
-            raise ValueError(f"compress_ratios entries must be >= 0, got {r}")
-        types.append(SLIDING if r == 0 else CSA if r == 4 else HCA)
+        raise CheckpointError(f"compress_ratios = {_show(ratios)} is not valid: it holds several HCA rates "
+                              f"{sorted(hca_rates)}; all HCA layers must share one")
+    types = [SLIDING if r == 0 else CSA if r == 4 else HCA for r in ratios]
     if 4 in ratios:
         csa_rate = 4
     if hca_rates:
@@ -308,30 +568,41 @@ def _types_from_ratios(ratios: list[int], csa_rate: int, hca_rate: int) -> tuple
     return types, csa_rate, hca_rate
 
 
-def _parse_yarn(rope_scaling: Any, rope_params: Any, d: dict[str, Any]) -> YarnScaling | None:
-    src = None
-    if isinstance(rope_params, dict) and isinstance(rope_params.get("compress"), dict):
-        src = rope_params["compress"]
-    elif isinstance(rope_scaling, dict):
-        src = rope_scaling
-    elif isinstance(rope_params, dict) and rope_params:
-        src = rope_params
+def _parse_yarn(get: _KeyReader, rope_scaling: dict | None, rope_params: dict | None) -> YarnScaling | None:
+    src, where = None, ""
+    if rope_params is not None and isinstance(rope_params.get("compress"), dict):
+        src, where = rope_params["compress"], "rope_parameters.compress"
+    elif rope_scaling is not None:
+        src, where = rope_scaling, "rope_scaling"
+    elif rope_params:
+        src, where = rope_params, "rope_parameters"
     if src is not None:
         kind = src.get("rope_type", src.get("type", "default"))
         if kind in ("default", None):
             return None
         if kind != "yarn":
-            raise ValueError(f"rope scaling type {kind!r} is not supported for DeepSeek-V4; choose 'yarn' or none")
+            key = "rope_type" if "rope_type" in src else "type"
+            get.problems.append(f"{where}.{key} = {_show(kind)} is not supported for DeepSeek-V4; choose 'yarn' "
+                                f"or none")
+            return None
         if src.get("mscale") or src.get("mscale_all_dim"):
-            raise ValueError("YaRN mscale is not used by DeepSeek-V4; remove mscale/mscale_all_dim")
+            get.problems.append(f"{where}: YaRN mscale is not used by DeepSeek-V4; remove mscale/mscale_all_dim")
         if src.get("attention_factor") not in (None, 1.0, 1):
-            raise ValueError("DeepSeek-V4 uses YaRN with attention_factor 1.0")
-        return YarnScaling(factor=float(src["factor"]),
-                           original_max_position_embeddings=int(src["original_max_position_embeddings"]),
-                           beta_fast=float(src.get("beta_fast") or 32), beta_slow=float(src.get("beta_slow") or 1))
+            get.problems.append(f"{where}.attention_factor = {_show(src.get('attention_factor'))} is not supported: "
+                                f"DeepSeek-V4 uses YaRN with attention_factor 1.0")
+        values = {}
+        for field, rng in YARN_RANGES.items():
+            if src.get(field) is None and field in ("factor", "original_max_position_embeddings"):
+                get.problems.append(f"{where}.{field} is missing: YaRN needs it ({rng.describe()})")
+                continue
+            values[field] = get.check(f"{where}.{field}", src.get(field), None, rng=rng)
+        if len(get.problems) or any(values.get(f) is None for f in ("factor", "original_max_position_embeddings")):
+            return None
+        return YarnScaling(**{k: v for k, v in values.items() if v is not None})
     # official inference/config.json style
-    if int(d.get("original_seq_len", 0) or 0) > 0:
-        return YarnScaling(factor=float(d.get("rope_factor", 40)),
-                           original_max_position_embeddings=int(d["original_seq_len"]),
-                           beta_fast=float(d.get("beta_fast", 32)), beta_slow=float(d.get("beta_slow", 1)))
+    original = get.number("original_seq_len", default=0)
+    if original:
+        values = {"factor": get.number("rope_factor", default=40.0), "original_max_position_embeddings": original,
+                  "beta_fast": get.number("beta_fast", default=32.0), "beta_slow": get.number("beta_slow", default=1.0)}
+        return None if get.problems else YarnScaling(**values)
     return None

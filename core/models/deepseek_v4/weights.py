@@ -13,7 +13,8 @@ The canonical naming is the OFFICIAL one, without prefix: `embed.weight`,
   prefix stripped, so that a loader can report them.
 - `to_hf_names(canonical)`: the inverse, transformers-internal names with fused experts; MTP
   tensors stay under their official `mtp.*` names (transformers ignores them).
-- `check_weights(canonical, config)`: missing / unexpected / wrong-shape report, raises.
+- `check_weights(canonical, config)`: missing / unexpected / wrong-shape report, raises; then
+  `check_hash_tables`: every hash-routing table (`tid2eid`) holds expert ids in [0, n_routed_experts).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import re
 
 import torch
 
-from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, CheckpointError, DeepseekV4Config
 
 # in-layer suffixes: transformers-internal prefix -> official prefix (longest first where it matters)
 _LAYER_RENAMES: tuple[tuple[str, str], ...] = (
@@ -316,3 +317,26 @@ def check_weights(canonical: dict[str, torch.Tensor], config: DeepseekV4Config, 
                  f"wrong shape: {show(wrong)}" if wrong else ""]
         raise ValueError("checkpoint does not match the DeepSeek-V4 config (" + "; ".join(p for p in parts if p)
                          + "). Check that config.json belongs to this checkpoint.")
+    check_hash_tables(canonical, config)
+
+
+def check_hash_tables(canonical: dict[str, torch.Tensor], config: DeepseekV4Config) -> None:
+    """Raise CheckpointError unless every hash-routing table (`*.ffn.gate.tid2eid`, token -> expert
+    ids) is integer-typed with every value in [0, n_routed_experts): an id outside would only fail
+    later, as an IndexError inside generate."""
+    E = config.n_routed_experts
+    problems = []
+    for name in sorted(k for k in canonical if k.endswith("tid2eid")):
+        table = canonical[name]
+        if table.is_floating_point() or table.is_complex() or table.dtype == torch.bool:
+            problems.append(f"{name}: dtype {table.dtype}, expected an integer dtype (expert ids)")
+            continue
+        bad = (table < 0) | (table >= E)
+        if bool(bad.any()):
+            first = tuple(bad.nonzero()[0].tolist())  # (token, slot) of the first bad entry
+            problems.append(f"{name} holds {int(bad.sum())} expert ids outside [0, {E}) (n_routed_experts = {E}), "
+                            f"e.g. token {first[0]} -> expert {int(table[first])}; values range "
+                            f"{int(table.min())}..{int(table.max())}")
+    if problems:
+        raise CheckpointError("hash-routing tables do not fit the config:\n" + "\n".join(f"  {p}" for p in problems)
+                              + "\nCheck that config.json (n_routed_experts) belongs to these weights.")
