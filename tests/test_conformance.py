@@ -1,4 +1,5 @@
-"""The conformance kit passes for the CPU reference and catches a broken back end."""
+"""The conformance kit passes for the cpu back end, compared with the kit's own float64 reference
+kernels (not with itself), and catches broken back ends, the cpu one included."""
 from __future__ import annotations
 
 import json
@@ -43,3 +44,52 @@ def test_kit_fails_a_numerically_wrong_back_end(tmp_path, fake_distribution):
     report = json.loads((tmp_path / "w.json").read_text())
     assert report["tests"]["test_rms_norm"]["outcome"] == "failed"
     assert report["tests"]["test_linear"]["outcome"] == "passed"
+
+
+# Breaks the cpu back end itself (its pure-torch compress_pool, which no C kernel replaces): a kit
+# that compared the cpu back end with the cpu back end would pass it.
+BROKEN_CPU = '''
+import torch
+from deepinfer_plugins.cpu import CpuAccelerator
+from deepinfer_plugins.cpu.kernels import CpuKernels
+
+def compress_pool(self, kv, score):  # forgets the gate: a plain mean over the slots
+    return kv.float().mean(dim=-2)
+
+CpuKernels.compress_pool = compress_pool
+
+class SelfBroken(CpuAccelerator):
+    name = "selfbroken"
+'''
+
+
+def test_kit_checks_the_cpu_back_end_against_an_independent_reference(tmp_path, fake_distribution):
+    root = fake_distribution("self-broken", "0.1",
+                             {"deepinfer.accelerators": {"selfbroken": "self_broken_mod:SelfBroken"}},
+                             {"self_broken_mod": BROKEN_CPU})
+    out = run_kit("selfbroken", tmp_path / "s.json", extra_path=str(root))
+    assert out.returncode != 0
+    report = json.loads((tmp_path / "s.json").read_text())
+    assert report["tests"]["test_compress_pool"]["outcome"] == "failed"
+    assert report["tests"]["test_rms_norm"]["outcome"] == "passed"
+
+
+INDEPENDENT = r"""
+import sys, torch
+from deepinfer.testing.conformance import ReferenceAccelerator
+ref = ReferenceAccelerator()
+g = torch.Generator().manual_seed(0)
+x, w = torch.randn(3, 8, generator=g), torch.randn(5, 8, generator=g)
+assert torch.allclose(ref.linear(x, w), x @ w.T, atol=1e-6)
+assert torch.allclose(ref.rms_norm(x, None, 0.0).square().mean(-1), torch.ones(3), atol=1e-6)
+rows, plan = ref.moe_dispatch(x, torch.tensor([[2, 0], [0, 1], [2, 1]]), 3)
+assert plan.tokens_per_expert.tolist() == [2, 2, 2] and plan.source_token.tolist() == [0, 1, 1, 2, 0, 2]
+assert plan.source_slot.tolist() == [1, 0, 1, 1, 0, 0] and torch.equal(rows, x[plan.source_token])
+print(sorted(m for m in sys.modules if m.startswith("deepinfer_plugins")))
+"""
+
+
+def test_reference_is_plain_torch_and_imports_no_back_end():
+    out = subprocess.run([sys.executable, "-c", INDEPENDENT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"

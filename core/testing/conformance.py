@@ -5,20 +5,272 @@ A pytest plugin, shipped in the wheel and not auto-registered. Run it as
     deepinfer conformance NAME [--conformance-report PATH] [pytest args...]
     pytest -p deepinfer.testing.conformance --accelerator=NAME [--conformance-report PATH]
 
-The CPU back end is the oracle. Levels (the `level` marker of each test):
-0 contract, 1 op numerics, 2 sampler, 3 memory, 4 collectives, 5 end to end.
+The oracle is `ReferenceAccelerator` below: every kernel of the accelerator interface written
+from its documented math (core/accelerator/interface.py, deepseek-v4.md) in plain torch, computed
+in float64 and rounded once to the output dtype. It shares no code with any back end (the cpu
+plugin included), so the cpu back end is checked like every other one. Levels (the `level`
+marker of each test): 0 contract, 1 op numerics, 2 sampler, 3 memory, 4 collectives, 5 end to end
+(the engine on the back end against the engine on the reference kernels).
 Tests of capabilities the back end does not declare are skipped and listed in the report.
 The tests themselves live in `deepinfer.testing.conformance_tests`.
 """
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+import torch
+
+from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, MoEDispatch, ProbeResult
 
 TESTS_FILE = Path(__file__).with_name("conformance_tests.py")
+#: The entry-point name the reference is registered under while a level-5 run needs it.
+REFERENCE_NAME = "conformance_reference"
+
+
+# ------------------------------------------------------------------------ the reference kernels
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", torch.float64)
+
+
+def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """(mean(x^2) + eps)^(-1/2) over the last dim, float64, keepdim."""
+    return (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+
+
+class ReferenceAccelerator(Accelerator):
+    """The conformance oracle: the interface's math, literally, in float64 on the CPU.
+
+    Inputs are read as the values they hold (bf16 or fp32), every intermediate is float64, and each
+    result is rounded once to the dtype the interface names. Slow on purpose: loops and exact
+    formulas instead of fused or blocked kernels. Results are CPU tensors; the tests move the back
+    end's results to the CPU before comparing."""
+
+    name = REFERENCE_NAME
+    package = "deepinfer"
+
+    @classmethod
+    def probe(cls) -> ProbeResult:
+        return ProbeResult(usable=True, reason="plain-torch float64 reference kernels (conformance oracle)")
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"), token_bitmask=True,
+                            rejection_sampling=False, host_overlap=False, collectives="none")
+
+    # ----- device and memory
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def memory_info(self) -> MemoryInfo:
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        free = os.sysconf("SC_AVPHYS_PAGES") * page
+        try:  # MemAvailable counts reclaimable page cache, which SC_AVPHYS_PAGES does not
+            with open("/proc/meminfo") as f:
+                free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        except (OSError, StopIteration, ValueError):
+            pass
+        return MemoryInfo(free_bytes=free, total_bytes=total)
+
+    def synchronize(self) -> None:
+        return None
+
+    # ----- small ops
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return (_f64(x) @ _f64(weight).T).to(x.dtype)
+
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("tgk,gnk->tgn", _f64(x), _f64(weight)).to(x.dtype)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        xf = _f64(x)
+        y = xf * _rms(xf, eps)
+        return (y if weight is None else y * _f64(weight)).to(x.dtype)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+        half = cos.shape[-1]
+        xf = _f64(x)
+        out = xf.clone()
+        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)  # one angle per token and pair
+        c, s = _f64(cos).reshape(shape), _f64(sin).reshape(shape)
+        if inverse:
+            s = -s
+        d = x.shape[-1]
+        even, odd = xf[..., d - 2 * half::2], xf[..., d - 2 * half + 1::2]  # pairs (2i, 2i+1)
+        out[..., d - 2 * half::2] = even * c - odd * s
+        out[..., d - 2 * half + 1::2] = odd * c + even * s
+        out = out.to(x.dtype)
+        out[..., :d - 2 * half] = x[..., :d - 2 * half].cpu()  # the other dims are copied, not rounded
+        return out
+
+    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+        g, u = _f64(gate), _f64(up)
+        if limit > 0:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        return (g * torch.sigmoid(g) * u).to(gate.dtype)
+
+    def _hc_projection(self, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        """z = rho * (fn . x) per token, x the flattened streams (deepseek-v4.md §4 steps 1-3)."""
+        x = _f64(streams).flatten(1)
+        return _rms(x, norm_eps) * (x @ _f64(fn).T)
+
+    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T, n, _ = streams.shape
+        z, b, sc = self._hc_projection(streams, fn, norm_eps), _f64(base), _f64(scale)
+        pre = torch.sigmoid(sc[0] * z[:, :n] + b[:n]) + eps
+        post = 2 * torch.sigmoid(sc[1] * z[:, n:2 * n] + b[n:2 * n])
+        comb = torch.softmax(sc[2] * z[:, 2 * n:].view(T, n, n) + b[2 * n:].view(n, n), dim=-1) + eps  # [t, j, k]
+        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)  # columns once
+        for _ in range(sinkhorn_iters - 1):  # then rows, columns
+            comb = comb / (comb.sum(dim=2, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+        collapsed = torch.einsum("tj,tjd->td", pre, _f64(streams))
+        return collapsed.to(streams.dtype), post.float(), comb.float()
+
+    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        # X'_k = post_k * y + sum_j comb[j, k] * X_j
+        out = _f64(post).unsqueeze(-1) * _f64(y).unsqueeze(1) + torch.einsum("tjk,tjd->tkd", _f64(comb), _f64(streams))
+        return out.to(streams.dtype)
+
+    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                eps: float, norm_eps: float) -> torch.Tensor:
+        z = self._hc_projection(streams, fn, norm_eps)
+        pre = torch.sigmoid(_f64(scale) * z + _f64(base)) + eps
+        return torch.einsum("tj,tjd->td", pre, _f64(streams)).to(streams.dtype)
+
+    # ----- attention
+    def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
+                       sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        B, S, H, _ = q.shape
+        scores = torch.einsum("bshd,bld->bshl", _f64(q), _f64(kv)) * scale
+        scores = scores.masked_fill(~mask.cpu().bool().unsqueeze(2), float("-inf"))
+        # the sink enters only the denominator: p_j = exp(s_j) / (sum_j exp(s_j) + exp(sink))
+        sink = _f64(sinks).view(1, 1, H).expand(B, S, H)
+        top = torch.maximum(scores.amax(-1), sink) if kv.shape[1] else sink  # finite: the sink is
+        e = torch.exp(scores - top.unsqueeze(-1))
+        denom = e.sum(-1) + torch.exp(sink - top)
+        out = torch.einsum("bshl,bld->bshd", e / denom.unsqueeze(-1), _f64(kv))
+        return out.to(q.dtype)
+
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(_f64(score), dim=-2)  # per channel over the slots; -inf slots get 0
+        return (w * _f64(kv)).sum(dim=-2).float()
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, k: int) -> torch.Tensor:
+        B, S, _, _ = q.shape
+        E = keys.shape[1]
+        picks = torch.full((B, S, k), -1, dtype=torch.long)
+        if E == 0:
+            return picks
+        # I[s, e] = sum_h w[h] * relu(q_h . k_e)
+        score = torch.einsum("bsh,bshe->bse", _f64(weights), torch.einsum("bshd,bed->bshe", _f64(q), _f64(keys)).relu())
+        visible = mask.cpu().bool()
+        for b in range(B):
+            for s in range(S):
+                seen = visible[b, s].nonzero().flatten()
+                best = seen[score[b, s, seen].argsort(descending=True, stable=True)][:k]
+                picks[b, s, :best.numel()] = best
+        return picks
+
+    # ----- MoE
+    def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int,
+                  routed_scaling_factor: float, hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        s = scores.detach().cpu().float()
+        if hash_ids is not None:
+            ids = hash_ids.cpu().long()
+        else:  # the selection compares the fp32 sums the interface defines; the bias only selects
+            biased = s if bias is None else s + bias.detach().cpu().float()
+            ids = biased.topk(top_k, dim=-1).indices
+        w = _f64(s).gather(1, ids)
+        return (w / w.sum(-1, keepdim=True) * routed_scaling_factor).float(), ids
+
+    def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
+        T, k = ids.shape
+        flat = ids.cpu().long().reshape(-1)
+        # expert by expert, each expert's (token, choice) pairs in token order
+        pairs = torch.cat([(flat == e).nonzero().flatten() for e in range(num_experts)])
+        plan = MoEDispatch(tokens_per_expert=torch.tensor([int((flat == e).sum()) for e in range(num_experts)]),
+                           source_token=pairs // k, source_slot=pairs % k, num_tokens=T)
+        return x.cpu()[plan.source_token], plan
+
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
+                    swiglu_limit: float) -> torch.Tensor:
+        inter = w2.shape[2]
+        out = torch.empty((rows.shape[0], w2.shape[1]), dtype=torch.float64)
+        start = 0
+        for e, count in enumerate(plan.tokens_per_expert.tolist()):
+            x = _f64(rows[start:start + count])
+            gate_up = x @ _f64(w13[e]).T
+            g, u = gate_up[:, :inter], gate_up[:, inter:]
+            if swiglu_limit > 0:
+                g, u = g.clamp(max=swiglu_limit), u.clamp(min=-swiglu_limit, max=swiglu_limit)
+            out[start:start + count] = (g * torch.sigmoid(g) * u) @ _f64(w2[e]).T
+            start += count
+        return out.to(rows.dtype)
+
+    def moe_combine(self, out_rows: torch.Tensor, plan: MoEDispatch, weights: torch.Tensor) -> torch.Tensor:
+        token, slot = plan.source_token.cpu(), plan.source_slot.cpu()
+        w = _f64(weights)[token, slot].unsqueeze(-1)
+        y = torch.zeros((plan.num_tokens, out_rows.shape[-1]), dtype=torch.float64)
+        return y.index_add_(0, token, _f64(out_rows) * w).float()
+
+    # ----- sampling
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        V = logits.shape[-1]
+        words = bitmask.cpu().to(torch.int64) & 0xFFFFFFFF
+        bits = (words.unsqueeze(-1) >> torch.arange(32)) & 1  # bit v % 32 of word v // 32
+        allowed = bits.flatten(-2)[..., :V].bool().to(logits.device)
+        logits.masked_fill_(~allowed, float("-inf"))
+
+    def sample(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        return torch.stack([torch.multinomial(probs[i].float(), 1, generator=g).squeeze(0)
+                            for i, g in enumerate(generators)])
+
+    # ----- collectives: the reference runs in one process
+    def init_process_group(self, rank: int, world_size: int, init_method: str) -> None:
+        raise NotImplementedError("the conformance reference has no collectives (Capabilities.collectives='none')")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the conformance reference has no collectives")
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("the conformance reference has no collectives")
+
+    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int]) -> torch.Tensor:
+        raise NotImplementedError("the conformance reference has no collectives")
+
+
+@contextlib.contextmanager
+def reference_registered():
+    """Make `ReferenceAccelerator` an installed accelerator plugin named REFERENCE_NAME for the
+    duration (an entry point in a temporary dist-info on sys.path, exactly what pip would leave), so
+    that the engine can be built on it by name."""
+    with tempfile.TemporaryDirectory(prefix="deepinfer-conformance-") as root:
+        info = Path(root) / "deepinfer_conformance_reference-0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deepinfer-conformance-reference\nVersion: 0\n")
+        (info / "entry_points.txt").write_text(f"[deepinfer.accelerators]\n{REFERENCE_NAME} = "
+                                               f"{__name__}:ReferenceAccelerator\n")
+        sys.path.insert(0, root)
+        importlib.invalidate_caches()
+        try:
+            yield REFERENCE_NAME
+        finally:
+            sys.path.remove(root)
+            importlib.invalidate_caches()
+
+
+# ------------------------------------------------------------------------ the pytest plugin
 
 
 def pytest_addoption(parser) -> None:
@@ -64,8 +316,8 @@ def acc(accelerator_class):
 
 @pytest.fixture(scope="session")
 def ref():
-    from deepinfer.plugins import load_accelerator_class
-    return load_accelerator_class("cpu")()
+    """The oracle the back end is compared with: the float64 reference kernels (never a back end)."""
+    return ReferenceAccelerator()
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,7 @@
 """The conformance tests (run through `deepinfer.testing.conformance`; see that module).
 
-Fixtures: `acc` (the back end under test, instantiated), `ref` (the CPU reference back end),
+Fixtures: `acc` (the back end under test, instantiated), `ref` (the float64 reference kernels,
+`deepinfer.testing.conformance.ReferenceAccelerator`, independent of every back end),
 `accelerator_class`, `accelerator_name`.
 """
 from __future__ import annotations
@@ -427,13 +428,16 @@ def _greedy(model_dir, accelerator_name, prompts):
 
 
 @pytest.mark.level(5)
-def test_tiny_checkpoint_greedy_matches_cpu_reference(acc, accelerator_name, tiny_checkpoint):
-    """The whole engine on this back end continues a tiny random checkpoint exactly like the CPU
-    reference (fp32, greedy; prompts cross the tiny model's window and compression boundaries)."""
+def test_tiny_checkpoint_greedy_matches_the_reference(acc, accelerator_name, tiny_checkpoint):
+    """The whole engine on this back end continues a tiny random checkpoint exactly like the same
+    engine on the float64 reference kernels (fp32, greedy; prompts cross the tiny model's window and
+    compression boundaries)."""
+    from deepinfer.testing.conformance import reference_registered
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 40)]
     got = _greedy(tiny_checkpoint, accelerator_name, prompts)
-    want = _greedy(tiny_checkpoint, "cpu", prompts)
+    with reference_registered() as reference:
+        want = _greedy(tiny_checkpoint, reference, prompts)
     for i, (a, b) in enumerate(zip(got, want)):
-        assert a == b, f"prompt {i}: greedy tokens differ from the CPU reference at step " \
+        assert a == b, f"prompt {i}: greedy tokens differ from the reference kernels' at step " \
                        f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"

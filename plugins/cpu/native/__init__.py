@@ -2,8 +2,19 @@
 
 `library()` compiles kernels.c once with the system C compiler (`$CC`, else `cc`) into
 `$DEEPINFER_CACHE_DIR/cpu_native/` (default ~/.cache/deepinfer/cpu_native/), under a name keyed by
-the source, the compiler's version and the flags, and loads it with ctypes. Without a working
-compiler it logs one warning and returns None: the pure-torch kernels are used instead.
+the source, the compiler's version, the flags and the CPU, and loads it with ctypes. Without a
+working compiler, or with a cache directory that cannot be used safely, it logs one warning and
+returns None: the pure-torch kernels are used instead.
+
+The cache holds code this process will run, so it is guarded (see `_cache_directory`, `_compile`
+and `_open_verified`): the directory must belong to this user and be writable by nobody else (it is
+created 0700), a library is written under a temporary name and renamed, its sha256 is recorded
+next to it (`kernels-<key>.so.sha256`, also written atomically), and a library is loaded only
+from the file descriptor whose contents matched that record. A missing or wrong record means
+rebuild, never load.
+
+`DEEPINFER_CPU_NATIVE_ISA` picks a build switch (`BUILD_VARIANTS`): all the CPU offers, or a build
+without AMX, without AVX512-BF16, or without any AVX-512.
 
 The wrappers below take torch tensors and return new ones, or None when the input is outside what
 the C code handles (device, dtype, layout), so the caller falls back to the reference kernel.
@@ -13,9 +24,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import hmac
 import logging
 import os
 import shlex
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -30,6 +43,19 @@ logger = logging.getLogger("deepinfer")
 
 SOURCE = Path(__file__).with_name("kernels.c")
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp")
+# Build switches (DEEPINFER_CPU_NATIVE_ISA): extra flags after FLAGS. kernels.c picks its AMX,
+# AVX512-BF16 and portable paths at compile time, so each switch compiles the next path down; on a
+# CPU without the feature a switch changes nothing (and the build is still checked).
+BUILD_VARIANTS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "no-amx": ("-mno-amx-tile", "-mno-amx-bf16"),
+    "no-avx512bf16": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"),
+    # -mno-avx512f switches off every AVX-512 extension (BW, VL, BF16, FP16, ...); AMX goes too (its
+    # path needs AVX512-BF16). The define makes kernels.c refuse to compile if AVX-512 is still on.
+    "no-avx512": ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-DDEEPINFER_NO_AVX512"),
+}
+# build_isa()'s bits (kernels.c)
+ISA_BITS = {"avx2": 1, "fma": 2, "avx512f": 4, "avx512bf16": 8, "amx": 16}
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 _p, _i, _l, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
@@ -44,11 +70,24 @@ _PROTOTYPES = {
     "argmax_logsumexp": (_p, _l, _l, _l, _p, _p, _i),
     "grouped_gemv_bf16": (_p, _p, _p, _l, _l, _l, _i),
     "amx_usable": (),
+    "build_isa": (),
     "grouped_amx_bf16": (_p, _l, _l, _l, _p, _l, _p, _i),
     "sink_attention_decode": (_p, _p, _p, _p, _f, _p, _l, _l, _l, _l, _l, _i, _i),
     "moe_dispatch_rows": (_p, _l, _l, _l, _p, _l, _p, _p, _p, _p, _p, _i),
     "moe_combine_rows": (_p, _i, _l, _p, _p, _l, _l, _p, _p, _p, _i),
 }
+
+# A recorded digest is one line of 64 hex digits; anything longer is not ours.
+_DIGEST_FILE_MAX = 256
+
+
+class CompilerError(RuntimeError):
+    """The C compiler is missing or failed."""
+
+
+class CacheError(RuntimeError):
+    """The kernel cache directory or a file in it cannot be used (safely); the message names the
+    path, what is wrong and the fix."""
 
 
 def enabled() -> bool:
@@ -56,31 +95,172 @@ def enabled() -> bool:
     return envs.get_bool("DEEPINFER_CPU_NATIVE", True)
 
 
-def cache_dir() -> Path:
+def build_variant() -> str:
+    """The build switch DEEPINFER_CPU_NATIVE_ISA selects (default "native")."""
+    name = (envs.get("DEEPINFER_CPU_NATIVE_ISA") or "native").strip().lower()
+    if name not in BUILD_VARIANTS:
+        raise ValueError(f"DEEPINFER_CPU_NATIVE_ISA={name!r} is not a build switch; use one of "
+                         f"{', '.join(BUILD_VARIANTS)}")
+    return name
+
+
+def build_flags(variant: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of a build switch (default: the one DEEPINFER_CPU_NATIVE_ISA selects)."""
+    return FLAGS + BUILD_VARIANTS[build_variant() if variant is None else variant]
+
+
+def cache_root() -> Path:
     configured = envs.get("DEEPINFER_CACHE_DIR")
-    root = Path(configured).expanduser() if configured else Path.home() / ".cache" / "deepinfer"
-    return root / "cpu_native"
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "deepinfer"
+
+
+def cache_dir() -> Path:
+    return cache_root() / "cpu_native"
 
 
 def _compiler() -> list[str]:
     return shlex.split(os.environ.get("CC") or "cc")
 
 
-def _compile(target: Path, compiler: list[str]) -> None:
-    """Compile to a temporary name in the cache folder, then rename: processes building at the
-    same time each produce a complete file and the last rename wins."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem + ".", suffix=".tmp", dir=target.parent)
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _unwritable(path: Path, exc: OSError) -> CacheError:
+    return CacheError(f"cannot create or write the kernel cache directory {path}: {exc}. Fix: make it writable "
+                      f"by you (e.g. `mkdir -p {path} && chmod 700 {path}`) or point DEEPINFER_CACHE_DIR at a "
+                      f"directory you own")
+
+
+def _unsafe(path: Path, st: os.stat_result, problem: str, fix: str) -> CacheError:
+    return CacheError(f"refusing the kernel cache directory {path}: it {problem} (mode {stat.filemode(st.st_mode)} "
+                      f"{stat.S_IMODE(st.st_mode):04o}, owner {_owner(st.st_uid)}; this process runs as "
+                      f"{_owner(os.getuid())}), so someone else could plant a library there that this process "
+                      f"would run. Fix: {fix}, or point DEEPINFER_CACHE_DIR at a directory only you can write")
+
+
+def _check_directory(path: Path) -> None:
+    """The library directory itself: a real directory (not a symlink), owned by this user, not
+    writable by its group or by others."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise _unsafe(path, st, "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory",
+                      f"replace it with a directory of yours (`rm {path} && mkdir -m 700 {path}`)")
+    if st.st_uid != os.getuid():
+        raise _unsafe(path, st, "is not owned by you", f"remove it (`rm -r {path}`; it is rebuilt 0700) or "
+                                                       f"`chown` it to yourself and `chmod 700 {path}`")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _unsafe(path, st, "is writable by " + ("others" if st.st_mode & stat.S_IWOTH else "its group"),
+                      f"`chmod 700 {path}` (and delete the libraries in it if you did not build them)")
+
+
+def _check_root(path: Path) -> None:
+    """The folder above it (DEEPINFER_CACHE_DIR): whoever may rename its entries could swap the
+    library directory, so it must belong to this user or root and not be writable by everyone
+    unless sticky (as /tmp)."""
+    st = os.stat(path)
+    if st.st_uid not in (os.getuid(), 0):
+        raise _unsafe(path, st, "is owned by another user", "use a directory of your own")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise _unsafe(path, st, "is writable by everyone (and not sticky)", f"`chmod o-w {path}` (or `chmod +t`)")
+
+
+def _cache_directory() -> Path:
+    """The library directory, created 0700 when missing, else checked (CacheError)."""
+    root, path = cache_root(), cache_dir()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_root(root)
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # exactly 0700, whatever the umask
+        except FileExistsError:
+            pass
+        _check_directory(path)
+    except CacheError:
+        raise
+    except OSError as exc:
+        raise _unwritable(path, exc) from exc
+    return path
+
+
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _write_atomically(target: Path, write) -> None:
+    """`write(tmp_path)` fills a temporary file in target's directory, which then replaces target in
+    one rename: readers see the old file or the complete new one."""
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        out = subprocess.run([*compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
-                             timeout=120)
-        if out.returncode != 0:
-            raise RuntimeError((out.stderr or out.stdout).strip() or f"exit status {out.returncode}")
+        write(tmp)
+        os.chmod(tmp, 0o700 if target.suffix == ".so" else 0o600)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _compile(target: Path, compiler: list[str], flags: tuple[str, ...] = FLAGS) -> str:
+    """Compile to a temporary name next to `target`, record its sha256 in `<target>.sha256`, rename
+    both into place; returns the digest. Processes building at the same time each produce complete
+    files and the last rename wins."""
+    digest = ""
+
+    def build(tmp: str) -> None:
+        nonlocal digest
+        try:
+            out = subprocess.run([*compiler, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True,
+                                 timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise CompilerError(f"running `{' '.join(compiler)}` failed: {exc}") from exc
+        if out.returncode != 0:
+            raise CompilerError((out.stderr or out.stdout).strip() or f"exit status {out.returncode}")
+        with open(tmp, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+
+    try:
+        _write_atomically(target, build)
+        _write_atomically(_digest_path(target), lambda tmp: Path(tmp).write_text(digest + "\n"))
+    except OSError as exc:
+        raise _unwritable(target.parent, exc) from exc
+    return digest
+
+
+def _read_digest(target: Path) -> str | None:
+    """The sha256 recorded for `target`, or None when there is no (well-formed) record."""
+    try:
+        fd = os.open(_digest_path(target), os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(_DIGEST_FILE_MAX).decode("ascii", "replace").strip()
+    return text.lower() if len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text) else None
+
+
+def _open_verified(target: Path) -> tuple[int, bool]:
+    """Open `target` (not through a symlink) and check it: a regular file of this user that its
+    group and others cannot write, whose sha256 is the recorded one. Returns (fd, matches); the
+    caller closes the fd. OSError when it cannot be opened."""
+    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+            return fd, False
+        h = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+        recorded = _read_digest(target)
+        return fd, recorded is not None and hmac.compare_digest(h.hexdigest(), recorded)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _cpu_features() -> str:
@@ -98,24 +278,69 @@ def _cpu_features() -> str:
 
 
 def _build() -> Path:
-    compiler = _compiler()
-    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
+    """The path of a library in the cache for this source, compiler, switch and CPU whose contents
+    match their recorded sha256, compiled (again) when there is none."""
+    directory = _cache_directory()
+    compiler, flags = _compiler(), build_flags()
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CompilerError(f"running `{' '.join(compiler)} --version` failed: {exc}") from exc
     if version.returncode != 0:
-        raise RuntimeError(f"`{' '.join(compiler)} --version` failed: {(version.stderr or version.stdout).strip()}")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.stdout.encode(), " ".join(FLAGS).encode(),
+        raise CompilerError(f"`{' '.join(compiler)} --version` failed: {(version.stderr or version.stdout).strip()}")
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.stdout.encode(), " ".join(flags).encode(),
                                       " ".join(compiler).encode(), _cpu_features().encode()])).hexdigest()[:16]
-    target = cache_dir() / f"kernels-{key}.so"
-    if not target.exists():
-        _compile(target, compiler)
+    target = directory / f"kernels-{key}.so"
+    try:
+        fd, matches = _open_verified(target)
+        os.close(fd)
+    except FileNotFoundError:
+        matches = None
+    except OSError as exc:  # e.g. a symlink planted under the name (O_NOFOLLOW)
+        logger.warning("deepinfer: cannot open the cached kernel library %s (%s); rebuilding it", target, exc)
+        matches = False
+    if matches is False:
+        if _read_digest(target) is None:
+            logger.info("deepinfer: the cached kernel library %s has no recorded sha256; rebuilding it", target)
+        else:
+            logger.warning("deepinfer: the cached kernel library %s does not match its recorded sha256 (or is not a "
+                           "private file of yours); not loading it, rebuilding it", target)
+    if not matches:
+        _compile(target, compiler, flags)
     return target
 
 
+# Descriptors of the loaded libraries, kept open for the life of the process: the loader knows each
+# library by its /proc/self/fd/N name, which must not come back for another file.
+_LOADED_FDS: list[int] = []
+
+
 def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
+    """Load the library at `path` after checking it against its recorded sha256 (CacheError when it
+    does not match). On Linux the verified descriptor itself is loaded, so the file cannot be
+    swapped between the check and the load."""
+    fd, matches = _open_verified(path)
+    if not matches:
+        os.close(fd)
+        raise CacheError(f"refusing to load {path}: its contents do not match the sha256 recorded in "
+                         f"{_digest_path(path)} (or it is not a private file of yours). Fix: delete both files so "
+                         f"that the library is rebuilt, and check who can write {path.parent}")
+    by_fd = f"/proc/self/fd/{fd}"
+    if os.path.exists(by_fd):
+        try:
+            lib = ctypes.CDLL(by_fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        _LOADED_FDS.append(fd)
+    else:
+        os.close(fd)
+        lib = ctypes.CDLL(str(path))
     for name, argtypes in _PROTOTYPES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.amx_usable.restype = ctypes.c_int
+    lib.build_isa.restype = ctypes.c_int
     return lib
 
 
@@ -124,17 +349,30 @@ def amx_usable(lib: ctypes.CDLL) -> bool:
     return bool(lib.amx_usable())
 
 
+def build_isa(lib: ctypes.CDLL) -> frozenset[str]:
+    """The instruction sets the library was compiled for (keys of ISA_BITS)."""
+    bits = lib.build_isa()
+    return frozenset(name for name, bit in ISA_BITS.items() if bits & bit)
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None (one warning) when they cannot be built or loaded."""
+    head = ("deepinfer: the native C kernels of the cpu back end are unavailable, the slower pure-torch kernels are "
+            "used instead.")
+    silence = "set DEEPINFER_CPU_NATIVE=0 to silence this warning."
     try:
         return _load(_build())
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        logger.warning("deepinfer: the native C kernels of the cpu back end are unavailable, the slower pure-torch "
-                       "kernels are used instead. Building %s with `%s` failed: %s. Fix: install a C compiler "
-                       "with OpenMP support (e.g. `apt-get install gcc`) or point $CC at one; set "
-                       "DEEPINFER_CPU_NATIVE=0 to silence this warning.", SOURCE, " ".join(_compiler()), exc)
-        return None
+    except CompilerError as exc:
+        logger.warning("%s Building %s with `%s` failed: %s. Fix: install a C compiler with OpenMP support (e.g. "
+                       "`apt-get install gcc`) or point $CC at one; %s", head, SOURCE, " ".join(_compiler()), exc,
+                       silence)
+    except CacheError as exc:
+        logger.warning("%s %s; %s", head, exc, silence)
+    except OSError as exc:
+        logger.warning("%s Loading the library built from %s failed: %s. Fix: delete %s so that it is rebuilt; %s",
+                       head, SOURCE, exc, cache_dir(), silence)
+    return None
 
 
 def active_library() -> ctypes.CDLL | None:

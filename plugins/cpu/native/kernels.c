@@ -17,6 +17,36 @@
 #define DT_F32 0
 #define DT_BF16 1
 
+/* DEEPINFER_CPU_NATIVE_ISA=no-avx512 builds with -mno-avx512f -DDEEPINFER_NO_AVX512: if the compiler
+ * still targets AVX-512 (a flag that re-enables it, e.g. a newer AVX10 option), fail the build
+ * instead of producing a library that is not what was asked for. */
+#if defined(DEEPINFER_NO_AVX512) && (defined(__AVX512F__) || defined(__AVX512BF16__) || defined(__AMX_TILE__))
+#error "DEEPINFER_CPU_NATIVE_ISA=no-avx512, but the compiler still targets AVX-512 or AMX"
+#endif
+
+/* What this build was compiled for (bits: 1 AVX2, 2 FMA, 4 AVX-512F, 8 AVX512-BF16 dot products,
+ * 16 the AMX tile path): native.build_isa() reports it, the tests check it against the CPU and
+ * against the build switch. */
+int build_isa(void) {
+    int bits = 0;
+#if defined(__AVX2__)
+    bits |= 1;
+#endif
+#if defined(__FMA__)
+    bits |= 2;
+#endif
+#if defined(__AVX512F__)
+    bits |= 4;
+#endif
+#if defined(__AVX512BF16__)
+    bits |= 8;
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    bits |= 16;
+#endif
+    return bits;
+}
+
 /* Below this many elements of work a call stays on the calling thread (fork/join costs more). */
 #define PARALLEL_MIN_WORK 65536L
 
