@@ -83,3 +83,78 @@ def test_blocks_are_never_shared():
     owned = [b for r in reqs for b in r.block_ids.get("c4", [])]
     assert len(owned) == len(set(owned)) == 12
     assert len({r.slot for r in reqs[:3]}) == 3
+
+
+# --- owners and readers ------------------------------------------------------------------------------
+# Layers 0 and 2 keep their own per-token KV; layer 1 and layer 3 read layer 0's (no memory of their own).
+SHARED = CacheLayout(
+    slot_tensors=(StateTensor("window", (16, 8), torch.float32, (0, 1, 2, 3)),),  # 2048 B per slot
+    block_groups=(BlockGroup("kv", 1, (StateTensor("k", (8,), torch.float32, (0, 2), {1: 0, 3: 0}),
+                                       StateTensor("v", (8,), torch.float32, (0, 2), {3: 0, 1: 0}))),),  # 128 B
+    max_rollback=0)
+# the same state if every layer kept its own copy
+OWNED = CacheLayout(
+    slot_tensors=SHARED.slot_tensors,
+    block_groups=(BlockGroup("kv", 1, (StateTensor("k", (8,), torch.float32, (0, 1, 2, 3)),
+                                       StateTensor("v", (8,), torch.float32, (0, 1, 2, 3)))),),  # 256 B
+    max_rollback=0)
+
+
+def test_a_reader_allocates_nothing_and_reads_its_owners_copy():
+    from deepinfer.models.interface import allocate_cache_tensors
+
+    k = SHARED.group("kv").tensor("k")
+    assert k.owners == (0, 2) and k.reader_map == {1: 0, 3: 0} and k.layers == (0, 2, 1, 3)
+    assert k == StateTensor("k", (8,), torch.float32, (0, 2), ((3, 0), (1, 0)))  # pairs or a mapping, same tensor
+    tensors = allocate_cache_tensors(SHARED, num_slots=2, num_blocks={"kv": 3}, block_size=4, device="cpu")
+    assert tensors.blocks["kv"]["k"].shape == (2, 12, 8)  # one copy per owner, none for the readers
+    assert tensors.slot["window"].shape == (4, 2, 16, 8)
+    owner, reader, other = (tensors.block_view("kv", "k", i) for i in (0, 1, 2))
+    assert reader.data_ptr() == owner.data_ptr() and other.data_ptr() != owner.data_ptr()
+    owner[5] = torch.arange(8.0)  # the owner writes an entry ...
+    assert torch.equal(tensors.block_view("kv", "k", 3)[5], torch.arange(8.0))  # ... every reader sees it
+    assert not other[5].any()  # the other owner's copy does not
+    with pytest.raises(ValueError, match=r"layer 4 neither owns nor reads state tensor 'k'"):
+        tensors.block_view("kv", "k", 4)
+
+
+def test_memory_accounting_counts_owners_only():
+    assert SHARED.group("kv").bytes_per_entry() == 128 and OWNED.group("kv").bytes_per_entry() == 256
+    assert bytes_for_request(SHARED, 100, 16) == 2048 + 7 * 16 * 128
+    assert bytes_for_request(OWNED, 100, 16) == 2048 + 7 * 16 * 256
+    budget = 20 * bytes_for_request(OWNED, 100, 16)
+    shared = size_pool(SHARED, budget_bytes=budget, max_model_len=1000, max_num_seqs=8, block_size=16)
+    owned = size_pool(OWNED, budget_bytes=budget, max_model_len=1000, max_num_seqs=8, block_size=16)
+    assert shared.num_slots == owned.num_slots == 8
+    # the block pool holds twice the tokens when half the layers read instead of owning
+    assert shared.num_blocks["kv"] == pytest.approx(2 * owned.num_blocks["kv"], abs=1)
+    assert shared.total_bytes <= budget and owned.total_bytes <= budget
+
+
+def test_owner_reader_mistakes_are_refused():
+    with pytest.raises(ValueError, match=r"reader layer 1 reads layer 5, which owns no copy"):
+        StateTensor("k", (8,), torch.float32, (0,), {1: 5})
+    with pytest.raises(ValueError, match=r"layer 0 is both an owner and a reader"):
+        StateTensor("k", (8,), torch.float32, (0, 1), {0: 1})
+    with pytest.raises(ValueError, match=r"no owner layer"):
+        StateTensor("k", (8,), torch.float32, ())
+    with pytest.raises(ValueError, match=r"slot tensor names must be unique; repeated: \['w'\]"):
+        CacheLayout(slot_tensors=(StateTensor("w", (1,), torch.float32, (0,)),) * 2, block_groups=(), max_rollback=0)
+
+
+def test_v4_layout_memory_is_every_layer_owning_its_state():
+    """DeepSeek-V4 shares nothing between layers: every tensor has owners only, and the per-slot and
+    per-entry bytes are the documented per-layer figures (docs/model.md, State design)."""
+    from deepinfer.models.deepseek_v4.make_model import model_config
+    from deepinfer.models.deepseek_v4.state import build_cache_layout
+
+    config, _ = model_config("tiny")  # [S, CSA, HCA, CSA, HCA, S] + 1 MTP, d 32, window 8, rates 4/16, di 16
+    R = 3
+    layout = build_cache_layout(config, torch.float32, max_rollback=R)
+    assert all(not t.readers for t in layout.slot_tensors)
+    assert all(not t.readers for g in layout.block_groups for t in g.tensors)
+    window = (8 + R) * 32 * 4 * 7  # every layer and the MTP block
+    csa = 2 * (2 * 4 + R) * (2 * 32) * 4 * 2 + 2 * (2 * 4 + R) * (2 * 16) * 4 * 2  # main + indexer rows, 2 layers
+    hca = 2 * (16 + R) * 32 * 4 * 2
+    assert layout.bytes_per_slot() == window + csa + hca
+    assert {g.name: g.bytes_per_entry() for g in layout.block_groups} == {"c4": (32 + 16) * 4 * 2, "c16": 32 * 4 * 2}

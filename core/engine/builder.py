@@ -1,5 +1,9 @@
 """Build an `EngineCore` from an `EngineConfig`: back end, checkpoint, model, tokenizer, cache pool, features.
 
+The model family comes from the checkpoint's config.json `model_type` through the model registry
+(`deepinfer.models.registry`): its parser, checkpoint loader, model class and op defaults. Nothing
+here knows a particular model; the engine talks to it through the `Model` protocol.
+
 Memory budget (`gpu_memory_utilization`, default 0.85): the fraction of the memory the back end
 reports free at start-up (`accelerator.memory_info()`: device memory on a GPU, available RAM on the
 CPU) that weights, activations and the cache may take together; the cache gets what is left after
@@ -36,18 +40,11 @@ class BuildInfo:
     pool: PoolSize
     load_seconds: float
     cache_seconds: float
+    model_type: str = ""  # config.json's model_type: the registry family that serves it
 
 
 def _dtype(config: EngineConfig) -> str | None:
     return None if config.dtype == "auto" else config.dtype
-
-
-def activation_reserve_bytes(model_config, max_num_batched_tokens: int, max_num_seqs: int) -> int:
-    """A rough upper estimate of the forward's transient memory: the residual streams and their
-    temporaries for the step's tokens, plus the sampler's fp32 copies of the logits."""
-    hidden = getattr(model_config, "hidden_size", 4096) * getattr(model_config, "hc_mult", 1)
-    vocab = getattr(model_config, "vocab_size", 0)
-    return max_num_batched_tokens * hidden * 4 * 16 + max_num_seqs * vocab * 4 * 4
 
 
 def cache_budget(config: EngineConfig, free_bytes: int, weight_bytes: int, reserve_bytes: int) -> int:
@@ -72,9 +69,8 @@ def cache_budget(config: EngineConfig, free_bytes: int, weight_bytes: int, reser
 def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     """Build the engine for `config`. Settings left on auto are resolved here; the returned engine's
     `config` holds the resolved values."""
-    from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint
-    from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
     from deepinfer.models.interface import allocate_cache_tensors
+    from deepinfer.models.registry import checkpoint_family
     from deepinfer.models.resolve import resolve_model
     from deepinfer.plugins import load_features, select_accelerator
     from deepinfer.tokenizer import load_tokenizer
@@ -91,11 +87,13 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
 
     t0 = time.perf_counter()
     resolved = resolve_model(config.model)
-    model_config, weights = load_checkpoint(resolved.path, _dtype(config))
+    family, config_dict = checkpoint_family(resolved.path)  # config.json's model_type -> the registry entry
+    family.check_accelerator(accelerator)  # every kernel the model calls, before any weight is read
+    model_config, weights = family.load_checkpoint(resolved.path, _dtype(config), config_dict)
     float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point() and t.dtype != torch.float32]
     dtype = float_dtypes[0] if float_dtypes else torch.float32
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    model = DeepseekV4ForCausalLM(model_config, accelerator, dtype, device)
+    model = family.build_model(model_config, accelerator, dtype, device)
     model.load_weights(weights)
     del weights
     load_seconds = time.perf_counter() - t0
@@ -119,7 +117,7 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     # declares how many through its config's `max_rollback`; the rings are sized for it
     max_rollback = max((getattr(c, "max_rollback", 0) for c in features.configs.values()), default=0)
     layout = model.cache_layout(max_rollback)
-    reserve = activation_reserve_bytes(model_config, config.max_num_batched_tokens, config.max_num_seqs)
+    reserve = family.activation_reserve_bytes(model_config, config.max_num_batched_tokens, config.max_num_seqs)
     budget = cache_budget(config, free_bytes, weight_bytes, reserve)
     pool = size_pool(layout, budget_bytes=budget, max_model_len=max_model_len,
                      max_num_seqs=config.max_num_seqs, block_size=config.block_size)
@@ -138,5 +136,6 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
         features=features, config=config)
     info = BuildInfo(model_path=str(resolved.path), model_source=resolved.source,
                      is_default_model=resolved.is_default, dtype=dtype, weight_bytes=weight_bytes, pool=pool,
-                     load_seconds=load_seconds, cache_seconds=cache_seconds)
+                     load_seconds=load_seconds, cache_seconds=cache_seconds,
+                     model_type=family.model_type)
     return engine, info

@@ -5,6 +5,8 @@ sequence (window rings, compressor rows) lives in one *slot* per running sequenc
 with the context (compressed entries, indexer keys) lives in fixed-size *blocks*, one pool per block
 group. The pool is sized once from the memory budget and preallocated once (first-touch allocation
 costs ~0.3 s/GB on the CPU machine); after that this class only hands out and takes back indices.
+Sizing counts each state tensor's owner layers only: a layer that reads another layer's copy
+(`StateTensor.readers`) takes no memory (`StateTensor.bytes_per_unit`).
 """
 from __future__ import annotations
 

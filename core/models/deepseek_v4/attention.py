@@ -12,11 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.common.ragged import take_rows
+from deepinfer.models.common.weights import fused_parts, split_fused, strip_prefix
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.rope import RotaryTables
-from deepinfer.models.deepseek_v4.state import StepPlan, take_rows
-from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, fused_parts, split_fused, strip_prefix
+from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS
 
 
 @dataclass
@@ -51,6 +53,10 @@ class Attention:
             self.indexer_compressor = Compressor(accel, strip_prefix(weights, "indexer.compressor."), self.rate, True,
                                                  config.index_head_dim, eps)
         self.state: AttentionState | None = None
+
+    def run(self, x: torch.Tensor, step) -> torch.Tensor:
+        """The block's sub-layer call (`block.StepInputs`): `forward` with the step's plan and RoPE."""
+        return self.forward(x, step.plan, step.rope, step.cos_sin)
 
     def forward(self, x: torch.Tensor, plan: StepPlan, rope: RotaryTables,
                 cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

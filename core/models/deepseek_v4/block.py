@@ -1,37 +1,130 @@
-"""A decoder block: mHC-wrapped attention then mHC-wrapped MoE (deepseek-v4.md §4)."""
+"""A decoder block as an ordered list of sub-modules over the residual streams (deepseek-v4.md §4).
+
+Every sub-module maps the streams `[T, n, D]` to new streams through `forward(streams, step)`,
+where `step` (`StepInputs`) carries what any of them may read in this step (token ids, the step
+plan, RoPE tables). The block runs them in order; nothing in `DecoderBlock` knows what they are.
+
+DeepSeek-V4 builds `[mHC(attention), mHC(MoE)]` (`build_decoder_block`): `HyperConnected` wraps one
+sub-layer in manifold-constrained hyper-connections (collapse the streams with `hc_pre`, RMS-norm,
+run the sub-layer, expand back with `hc_post`). A module that acts on the streams directly (e.g.
+V4.1's Engram memory, which precedes attention in two layers) is inserted with
+`block.insert_before("attn", module)` or `build_decoder_block(..., pre_modules=[module])`.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.common.weights import strip_prefix
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
-from deepinfer.models.deepseek_v4.weights import strip_prefix
+
+ATTN, FFN = "attn", "ffn"
+
+
+@dataclass
+class StepInputs:
+    """What a block's sub-modules may read in one step (the same object for every block)."""
+
+    input_ids: torch.Tensor  # [T]
+    plan: StepPlan
+    rope: RotaryTables
+    cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]  # frequency set -> cos, sin `[T, r/2]`
+
+
+class BlockModule(Protocol):
+    name: str
+
+    def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """streams `[T, n, D]` -> `[T, n, D]`."""
+
+
+class SubLayer(Protocol):
+    def run(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """x `[T, D]` (normalised) -> `[T, D]`."""
+
+
+class HyperConnected:
+    """One sub-layer inside mHC: `hc_pre` -> RMS-norm -> sub-layer -> `hc_post` (§5).
+
+    `weights` are the block's tensors; this module reads `hc_{name}_fn/_base/_scale` and
+    `{name}_norm.weight`."""
+
+    def __init__(self, name: str, layer: SubLayer, weights: dict[str, torch.Tensor], config: DeepseekV4Config,
+                 accel: Accelerator):
+        self.name, self.layer, self.c, self.accel = name, layer, config, accel
+        self.fn, self.base, self.scale = weights[f"hc_{name}_fn"], weights[f"hc_{name}_base"], weights[f"hc_{name}_scale"]
+        self.norm = weights[f"{name}_norm.weight"]
+
+    def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        a, c = self.accel, self.c
+        collapsed, post, comb = a.hc_pre(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
+                                         c.rms_norm_eps)
+        y = self.layer.run(a.rms_norm(collapsed, self.norm, c.rms_norm_eps), step)
+        return a.hc_post(y, streams, post, comb)
 
 
 class DecoderBlock:
-    def __init__(self, config: DeepseekV4Config, layer_type: str, mlp_type: str, weights: dict[str, torch.Tensor],
-                 accel: Accelerator):
-        """`weights`: the block's tensors under official names relative to `layers.{i}.`/`mtp.{j}.`."""
-        self.c, self.accel, self.w = config, accel, weights
-        self.attn = Attention(config, layer_type, strip_prefix(weights, "attn."), accel)
-        self.ffn = MoE(config, mlp_type == "hash_moe", strip_prefix(weights, "ffn."), accel)
+    """An ordered list of sub-modules over the residual streams."""
 
-    def _hc(self, streams: torch.Tensor, unit: str):
-        c, w = self.c, self.w
-        return self.accel.hc_pre(streams, w[f"hc_{unit}_fn"], w[f"hc_{unit}_base"], w[f"hc_{unit}_scale"],
-                                 c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+    def __init__(self, modules: list[BlockModule], weights: dict[str, torch.Tensor]):
+        """`weights`: the block's tensors under official names relative to `layers.{i}.`/`mtp.{j}.`."""
+        self.modules: list[BlockModule] = list(modules)
+        self.w = weights
+        self._check_names()
+
+    def _check_names(self) -> None:
+        names = [m.name for m in self.modules]
+        if len(set(names)) != len(names):
+            raise ValueError(f"sub-module names of a block must be unique; got {names}")
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.modules]
+
+    def module(self, name: str) -> BlockModule:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise KeyError(f"block has no sub-module {name!r}; it has {self.names}")
+
+    def insert_before(self, name: str, module: BlockModule) -> None:
+        """Run `module` right before the sub-module called `name`."""
+        index = self.names.index(self.module(name).name)
+        self.modules.insert(index, module)
+        self._check_names()
+
+    @property
+    def attn(self) -> Attention:
+        return self.module(ATTN).layer
+
+    @property
+    def ffn(self) -> MoE:
+        return self.module(FFN).layer
+
+    def run(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """streams `[T, n, D]` -> `[T, n, D]`: every sub-module in order."""
+        for m in self.modules:
+            streams = m.forward(streams, step)
+        return streams
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, plan: StepPlan, rope: RotaryTables,
                 cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """streams `[T, n, D]` -> `[T, n, D]`."""
-        a, eps = self.accel, self.c.rms_norm_eps
-        collapsed, post, comb = self._hc(streams, "attn")
-        y = self.attn.forward(a.rms_norm(collapsed, self.w["attn_norm.weight"], eps), plan, rope, cos_sin)
-        streams = a.hc_post(y, streams, post, comb)
-        collapsed, post, comb = self._hc(streams, "ffn")
-        y = self.ffn.forward(a.rms_norm(collapsed, self.w["ffn_norm.weight"], eps), input_ids)
-        return a.hc_post(y, streams, post, comb)
+        return self.run(streams, StepInputs(input_ids, plan, rope, cos_sin))
+
+
+def build_decoder_block(config: DeepseekV4Config, layer_type: str, mlp_type: str, weights: dict[str, torch.Tensor],
+                        accel: Accelerator, pre_modules: tuple[BlockModule, ...] | list[BlockModule] = ()
+                        ) -> DecoderBlock:
+    """V4's block: `[*pre_modules, mHC(attention of layer_type), mHC(MoE, hash-routed for "hash_moe")]`."""
+    attn = HyperConnected(ATTN, Attention(config, layer_type, strip_prefix(weights, "attn."), accel), weights,
+                          config, accel)
+    ffn = HyperConnected(FFN, MoE(config, mlp_type == "hash_moe", strip_prefix(weights, "ffn."), accel), weights,
+                         config, accel)
+    return DecoderBlock([*pre_modules, attn, ffn], weights)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.common.ragged import take_rows
 from deepinfer.models.deepseek_v4.rope import RotaryTables
-from deepinfer.models.deepseek_v4.state import StepPlan, take_rows
+from deepinfer.models.deepseek_v4.state import StepPlan
 
 
 class Compressor:

@@ -18,12 +18,18 @@ be ints (not bool, float or str), floats finite numbers. `from_dict` reports eve
 """
 from __future__ import annotations
 
-import math
 import numbers
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from deepinfer.models.common.config_values import Range
+from deepinfer.models.common.config_values import plain_number as _plain  # noqa: F401  (re-exported)
+from deepinfer.models.common.config_values import range_problems as _range_problems
+from deepinfer.models.common.config_values import report as _report
+from deepinfer.models.common.config_values import show_value as _show
+from deepinfer.models.common.config_values import type_name as _type_name
+from deepinfer.models.common.errors import CheckpointError
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -32,63 +38,9 @@ MLP_LAYER_TYPES = ("hash_moe", "moe")
 SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 
 
-class CheckpointError(ValueError):
-    """The checkpoint cannot be loaded: a config.json value of the wrong type or out of range, a
-    corrupt or truncated safetensors file, a shard index that points outside the folder, or tensors
-    that do not fit the config. Always raised while the model is loaded, never during generation."""
-
-
 # --- value ranges ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Range:
-    """The type and bounds of one numeric setting. Bounds are inclusive except a `low` with
-    `open_low`; float settings must also be finite. bool is never a number here."""
-
-    kind: type  # int or float
-    low: float | None = None
-    high: float | None = None
-    open_low: bool = False
-
-    def describe(self) -> str:
-        what = "an integer" if self.kind is int else "a finite number"
-        lo, hi = _plain(self.low), _plain(self.high)
-        if self.low is not None and self.high is not None:
-            return f"{what} in {'(' if self.open_low else '['}{lo}, {hi}]"
-        if self.low is not None:
-            return f"{what} {'>' if self.open_low else '>='} {lo}"
-        return what if self.high is None else f"{what} <= {hi}"
-
-    def problem(self, key: str, value: Any) -> str | None:
-        """None when `value` is valid, else a sentence naming the key, the value and the range."""
-        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if not number or (self.kind is int and not isinstance(value, numbers.Integral)):
-            return f"{key} = {_show(value)} has the wrong type ({_type_name(value)}): must be {self.describe()}"
-        below = self.low is not None and (value < self.low or (self.open_low and value == self.low))
-        above = self.high is not None and value > self.high
-        if below or above or (self.kind is float and not math.isfinite(value)):
-            return f"{key} = {_show(value)} is out of range: must be {self.describe()}"
-        return None
-
-
-def _plain(x: float | None) -> str:
-    return "" if x is None else str(int(x)) if float(x).is_integer() else repr(x)
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def _type_name(value: Any) -> str:
-    if value is None:
-        return "null"
-    for kind, name in ((bool, "a bool"), (str, "a string"), (dict, "an object"), ((list, tuple), "a list"),
-                       (numbers.Integral, "an integer"), (numbers.Real, "a float")):
-        if isinstance(value, kind):
-            return name
-    return f"a {type(value).__name__}"
-
+# `Range` and the message helpers are shared by every family (common/config_values.py); the names
+# below are kept for the code (and tests) that import them from here.
 
 # Every numeric DeepseekV4Config field, with what the model code needs of it. Cross-field rules
 # (divisibility, top-k <= experts, rotary dims, token ids < vocab_size) are in `_cross_field_problems`.
@@ -142,22 +94,12 @@ PARSE_RANGES: dict[str, Range] = {
 }
 
 
-def _range_problems(data: dict[str, Any], ranges: dict[str, Range]) -> list[str]:
-    return [p for k, r in ranges.items() if k in data and (p := r.problem(k, data[k])) is not None]
-
-
 def _token_id_problem(key: str, value: Any, many: bool) -> str | None:
     ids = list(value) if many and isinstance(value, (list, tuple)) else [value]
     if value is None or all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in ids):
         return None
     return (f"{key} = {_show(value)} has the wrong type ({_type_name(value)}): must be an integer token id"
             f"{', a list of them' if many else ''} or null")
-
-
-def _report(source: str, problems: list[str]) -> str:
-    if len(problems) == 1:
-        return f"{source}: {problems[0]}"
-    return f"{source} has {len(problems)} invalid settings:\n" + "\n".join(f"  {p}" for p in problems)
 
 
 def _validation_problems(err: ValidationError) -> list[str]:

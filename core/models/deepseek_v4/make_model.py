@@ -31,16 +31,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
-from deepinfer.models.deepseek_v4 import quant
+from deepinfer.models.common import quant
+from deepinfer.models.common.safetensors_io import (  # noqa: F401  (write_safetensors re-exported)
+    DEFAULT_MAX_SHARD_BYTES, _bytes_bar, write_safetensors,
+)
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from deepinfer.models.deepseek_v4.weights import expected_weight_shapes, to_hf_names, weight_kind
 
 SPEC_VERSION = 1  # bump when a preset or the initialisation changes (invalidates cached default models)
 MARKER_FILE = "deepinfer_make_model.json"
 QUANTIZE_CHOICES = ("fp8", "fp4-experts")
-DEFAULT_MAX_SHARD_BYTES = 2**30
 
 SIZES: dict[str, dict[str, Any]] = {
     # deepseek-v4.md §17.3: every layer type, hash and learned routing, YaRN, index_topk 4 so the
@@ -209,41 +210,6 @@ def quantize_official(weights: dict[str, torch.Tensor], mode: str) -> dict[str, 
 
 
 # --- writing ---------------------------------------------------------------------------------
-
-def _bytes_bar(total: int, desc: str, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
-                file=sys.stderr)
-
-
-def write_safetensors(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-                      progress: bool = False) -> list[Path]:
-    """One `model.safetensors`, or shards plus `model.safetensors.index.json` when larger."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t.contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    bar = _bytes_bar(sum(t.numel() * t.element_size() for t in tensors.values()), "writing safetensors", progress)
-    for shard, file in zip(shards, names):
-        save_file(shard, str(out_dir / file), metadata={"format": "pt"})
-        bar.update(sum(t.numel() * t.element_size() for t in shard.values()))
-    bar.close()
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
-                 "weight_map": {name: file for shard, file in zip(shards, names) for name in shard}}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return [out_dir / n for n in names]
-
 
 def write_tokenizer(out_dir: Path, vocab_size: int) -> bool:
     """The real DeepSeek-V4 tokenizer when the vocabulary holds it, else a cut-down copy

@@ -7,7 +7,8 @@
     out = model.forward(batch)          # ForwardOutput(logits [L, V] fp32, streams)
     draft = model.mtp_forward(streams, next_token_ids, mtp_batch)
 
-Hardware-agnostic: only torch and the accelerator object it is given.
+Implements the engine's `Model` protocol (`deepinfer.models.protocol`); its registry entry is
+`family.py`. Hardware-agnostic: only torch and the accelerator object it is given.
 """
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.deepseek_v4.attention import AttentionState
-from deepinfer.models.deepseek_v4.block import DecoderBlock
+from deepinfer.models.common.weights import fuse_rows, strip_prefix
+from deepinfer.models.deepseek_v4.block import DecoderBlock, StepInputs, build_decoder_block
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import (
     COMPRESSED_KV, CSA_ROWS, HCA_ROWS, INDEXER_KEYS, INDEXER_ROWS, WINDOW_KV, RingSizes, StepPlan,
     build_cache_layout, group_name, ring_sizes,
 )
-from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, check_weights, fuse_rows, strip_prefix, weight_kind
+from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, check_weights, weight_kind
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
 
 
@@ -43,9 +45,13 @@ class DeepseekV4ForCausalLM:
         self._rings: RingSizes | None = None
         self._num_slots = 0
 
+    def drafter_heads(self) -> tuple[DecoderBlock, ...] | None:
+        """The MTP block (`mtp.0`, run by `mtp_forward`) when its weights are loaded, else None."""
+        return None if self.mtp_block is None else (self.mtp_block,)
+
     @property
     def has_mtp(self) -> bool:
-        return self.mtp_block is not None
+        return self.drafter_heads() is not None
 
     # ----- weights -----
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
@@ -63,15 +69,15 @@ class DeepseekV4ForCausalLM:
         state = {k: self._convert(k, v) for k, v in state.items() if not k.startswith("mtp.") or k.startswith("mtp.0.")}
         self.top = {k: state[k] for k in ("embed.weight", "norm.weight", "head.weight",
                                           "hc_head_fn", "hc_head_base", "hc_head_scale")}
-        self.blocks = [DecoderBlock(c, c.layer_types[i], c.mlp_layer_types[i],
-                                    self._fuse_block(strip_prefix(state, f"layers.{i}.")), self.accel)
+        self.blocks = [build_decoder_block(c, c.layer_types[i], c.mlp_layer_types[i],
+                                           self._fuse_block(strip_prefix(state, f"layers.{i}.")), self.accel)
                        for i in range(c.num_hidden_layers)]
         self.mtp_block, self.mtp_top = None, {}
         if with_mtp:
             mtp = strip_prefix(state, "mtp.0.")
             self.mtp_top = {k: mtp.pop(k) for k in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight",
                                                     "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")}
-            self.mtp_block = DecoderBlock(c, SLIDING, "moe", self._fuse_block(mtp), self.accel)
+            self.mtp_block = build_decoder_block(c, SLIDING, "moe", self._fuse_block(mtp), self.accel)
         if self._cache is not None:
             self.bind_cache(self._cache)
 
@@ -82,10 +88,10 @@ class DeepseekV4ForCausalLM:
         c = self.config
         other = DeepseekV4ForCausalLM(c, self.accel, self.dtype, self.device, self.query_block)
         other.top, other.mtp_top = self.top, self.mtp_top
-        other.blocks = [DecoderBlock(c, c.layer_types[i], c.mlp_layer_types[i], blk.w, self.accel)
+        other.blocks = [build_decoder_block(c, c.layer_types[i], c.mlp_layer_types[i], blk.w, self.accel)
                         for i, blk in enumerate(self.blocks)]
         if self.mtp_block is not None:
-            other.mtp_block = DecoderBlock(c, SLIDING, "moe", self.mtp_block.w, self.accel)
+            other.mtp_block = build_decoder_block(c, SLIDING, "moe", self.mtp_block.w, self.accel)
         return other
 
     def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -128,27 +134,26 @@ class DeepseekV4ForCausalLM:
         layout = self.cache_layout(max_rollback)
         for t in layout.slot_tensors:
             got = cache.slot.get(t.name)
-            if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.layers) or got.dtype != t.dtype:
+            if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.owners) or got.dtype != t.dtype:
                 raise ValueError(f"cache slot tensor {t.name!r} does not match the layout (expected "
-                                 f"[{len(t.layers)}, slots, {', '.join(map(str, t.shape))}] {t.dtype}); allocate "
+                                 f"[{len(t.owners)}, slots, {', '.join(map(str, t.shape))}] {t.dtype}); allocate "
                                  f"the cache from model.cache_layout({max_rollback})")
         for g in layout.block_groups:
             for t in g.tensors:
                 got = cache.blocks.get(g.name, {}).get(t.name)
-                if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.layers):
+                if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.owners):
                     raise ValueError(f"cache block tensor {g.name}/{t.name} does not match the layout; allocate "
                                      f"the cache from model.cache_layout({max_rollback})")
         self._cache = cache
         self._num_slots = window.shape[1]
         self._rings = ring_sizes(c, max_rollback)
-        index = {t.name: t.layers for t in layout.slot_tensors}
-        gindex = {(g.name, t.name): t.layers for g in layout.block_groups for t in g.tensors}
 
         def slot(name: str, layer: int) -> torch.Tensor:
-            return cache.slot[name][index[name].index(layer)]
+            return layout.slot_tensor(name).view(cache.slot[name], layer)
 
         def block(rate: int, name: str, layer: int) -> torch.Tensor:
-            return cache.blocks[group_name(rate)][name][gindex[(group_name(rate), name)].index(layer)]
+            group = group_name(rate)
+            return layout.group(group).tensor(name).view(cache.blocks[group][name], layer)
 
         for i, blk in enumerate(self.blocks):
             t = c.layer_types[i]
@@ -181,8 +186,9 @@ class DeepseekV4ForCausalLM:
         cos_sin = {k: self.rope.cos_sin(plan.positions, k) for k in ("main", "compress")}
         x = self.top["embed.weight"][ids]
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        step = StepInputs(ids, plan, self.rope, cos_sin)
         for blk in self.blocks:
-            streams = blk.forward(streams, ids, plan, self.rope, cos_sin)
+            streams = blk.run(streams, step)
         picked = streams[batch.logits_indices.to(self.device)]
         logits = self._logits(picked, self.top["hc_head_fn"], self.top["hc_head_base"], self.top["hc_head_scale"],
                               self.top["norm.weight"])
@@ -205,7 +211,7 @@ class DeepseekV4ForCausalLM:
         cos_sin = {k: self.rope.cos_sin(plan.positions, k) for k in ("main", "compress")}
         e = a.linear(a.rms_norm(self.top["embed.weight"][ids], w["enorm.weight"], eps), w["e_proj.weight"])
         h = a.linear(a.rms_norm(streams.to(self.dtype), w["hnorm.weight"], eps), w["h_proj.weight"])
-        x = self.mtp_block.forward(e.unsqueeze(1) + h, ids, plan, self.rope, cos_sin)
+        x = self.mtp_block.run(e.unsqueeze(1) + h, StepInputs(ids, plan, self.rope, cos_sin))
         picked = x[batch.logits_indices.to(self.device)]
         logits = self._logits(picked, w["hc_head_fn"], w["hc_head_base"], w["hc_head_scale"], w["norm.weight"])
         return ForwardOutput(logits=logits, streams=self._streams_out(batch, x, picked))

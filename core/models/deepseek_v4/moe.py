@@ -35,6 +35,10 @@ class MoE:
             # w1 and w3 fused into one [2I, D] matrix at load (weights.FUSED_PROJECTIONS)
             self.shared = (weights["fused_shared.weight"], weights["shared_experts.w2.weight"])
 
+    def run(self, x: torch.Tensor, step) -> torch.Tensor:
+        """The block's sub-layer call (`block.StepInputs`): routing reads the step's token ids."""
+        return self.forward(x, step.input_ids)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         a, c = self.accel, self.c
         scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)

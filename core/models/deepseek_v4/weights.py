@@ -22,6 +22,9 @@ import re
 
 import torch
 
+from deepinfer.models.common.weights import (  # noqa: F401  (fuse_rows, fused_parts, split_fused re-exported)
+    CanonicalNames, drop_prefix, fuse_rows, fused_parts, hf_scale_to_official, rename_prefix, split_fused, strip_prefix,
+)
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, CheckpointError, DeepseekV4Config
 
 # in-layer suffixes: transformers-internal prefix -> official prefix (longest first where it matters)
@@ -96,41 +99,6 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def fuse_rows(w: dict[str, torch.Tensor], key: str, names: tuple[str, ...]) -> None:
-    """Concatenate the present `names` (matrices with the same input) into `w[key]`, in place; each
-    part is then a row view of the fused tensor, so no memory is added. Idempotent."""
-    present = [n for n in names if n in w]
-    if key in w or not present:
-        return
-    if len({(w[n].dtype, w[n].shape[1:]) for n in present}) != 1:
-        raise ValueError(f"cannot fuse {present}: their dtypes or input sizes differ")
-    fused = torch.cat([w[n] for n in present])
-    start = 0
-    for n in present:
-        rows = w[n].shape[0]
-        w[n] = fused[start:start + rows]
-        start += rows
-    w[key] = fused
-
-
-def fused_parts(w: dict[str, torch.Tensor], names: tuple[str, ...], prefix: str) -> tuple[list[str], list[int]]:
-    """The parts of a fused projection that `w` has (names relative to `prefix`) and their output
-    widths, in row order: what `split_fused` needs, computed once at load."""
-    present = [n[len(prefix):] for n in names if n[len(prefix):] in w]
-    return present, [w[n].shape[0] for n in present]
-
-
-def split_fused(out: torch.Tensor, parts: tuple[list[str], list[int]]) -> dict[str, torch.Tensor]:
-    """Split the output of a fused projection back into its parts, by name (see `fused_parts`)."""
-    names, widths = parts
-    return dict(zip(names, out.split(widths, dim=-1)))
-
-
-def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    """The tensors under `prefix`, named relative to it."""
-    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
-
-
 def weight_kind(name: str) -> str:
     """"int" for the hash-routing table, "fp32" for tensors the model keeps in fp32 whatever its
     dtype (sinks, position biases, mHC parameters, norm weights, router weight and bias), else
@@ -202,30 +170,17 @@ def expected_weight_shapes(config: DeepseekV4Config, include_mtp: bool = True) -
     return shapes
 
 
-def _rename_leaf(name: str) -> str:
-    if name.endswith(".weight_scale_inv"):
-        return name[: -len(".weight_scale_inv")] + ".scale"
-    return name
-
-
 def canonicalize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Any of the three naming forms -> official names (fused experts split per expert)."""
-    out: dict[str, torch.Tensor] = {}
-
-    def put(name: str, tensor: torch.Tensor) -> None:
-        if name in out:
-            raise ValueError(f"two checkpoint tensors map to the same canonical name {name!r}; the checkpoint "
-                             f"mixes naming forms for one tensor")
-        out[name] = tensor
-
+    out = CanonicalNames()
     for key, tensor in state.items():
-        name = key[len("model."):] if key.startswith("model.") else key
+        name = drop_prefix(key, "model.")
         if name in _TOP_RENAMES:
-            put(_TOP_RENAMES[name], tensor)
+            out.put(_TOP_RENAMES[name], tensor)
             continue
         m = _BLOCK_RE.match(name)
         if m is None:
-            put(_rename_leaf(name), tensor)
+            out.put(hf_scale_to_official(name), tensor)
             continue
         block, rest = m.groups()
         fused = _FUSED_RE.match(rest)
@@ -235,19 +190,16 @@ def canonicalize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             for e in range(tensor.shape[0]):
                 if kind == "gate_up_proj":
                     w1, w3 = tensor[e].chunk(2, dim=0)
-                    put(f"{block}.ffn.experts.{e}.w1.{leaf}", w1)
-                    put(f"{block}.ffn.experts.{e}.w3.{leaf}", w3)
+                    out.put(f"{block}.ffn.experts.{e}.w1.{leaf}", w1)
+                    out.put(f"{block}.ffn.experts.{e}.w3.{leaf}", w3)
                 else:
-                    put(f"{block}.ffn.experts.{e}.w2.{leaf}", tensor[e])
+                    out.put(f"{block}.ffn.experts.{e}.w2.{leaf}", tensor[e])
             continue
-        for hf, official in _LAYER_RENAMES + _HYBRID_RENAMES:
-            if rest.startswith(hf):
-                rest = official + rest[len(hf):]
-                break
+        rest = rename_prefix(rest, _LAYER_RENAMES + _HYBRID_RENAMES)
         if rest.startswith("mlp."):  # unfused per-expert or other mlp.* spellings
             rest = "ffn." + rest[4:]
-        put(_rename_leaf(f"{block}.{rest}"), tensor)
-    return out
+        out.put(hf_scale_to_official(f"{block}.{rest}"), tensor)
+    return dict(out)
 
 
 _INVERSE_TOP = {v: k for k, v in _TOP_RENAMES.items()}

@@ -1,0 +1,37 @@
+"""One step's input and output between the runner and a model: a ragged batch of sequences.
+
+Sequence i owns rows `cu[i]:cu[i+1]` of the flat token tensors (no padding); `context_lens[i]`
+tokens of it are already in the state, `query_lens[i]` new ones run this step at absolute
+positions `context_len + 0..query_len-1`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One step's input, flattened over sequences (sequence i owns rows cu[i]:cu[i+1])."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute positions
+    query_lens: list[int]  # new tokens per sequence this step
+    context_lens: list[int]  # tokens already in the state before this step, per sequence
+    slots: torch.Tensor  # [B] int64, slot index of each sequence
+    block_tables: dict[str, torch.Tensor]  # group name -> [B, max_blocks] int64, -1 = unused
+    logits_indices: torch.Tensor  # [L] int64 rows of T whose logits are returned
+    return_streams: bool = False  # also return the final residual streams (for MTP drafting)
+    stream_indices: torch.Tensor | None = None  # [S] int64 rows whose streams are returned; None: logits_indices
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [L, V] fp32
+    streams: torch.Tensor | None = None  # [S, n, D] final residual streams at stream_indices (or logits_indices)

@@ -1,0 +1,108 @@
+"""The per-step addressing of a ragged `ForwardBatch`, shared by every layer of any model.
+
+`RaggedPlan(batch, num_slots, block_size)` checks the batch once and turns it into per-sequence and
+per-token index tensors: which rows belong to which sequence (`row_start`, `row_seq`), each token's
+absolute position (`positions`, which must be `context_len + 0..query_len-1`), the sequence's slot.
+On top of that it answers the two addressing questions every cache layout asks:
+
+- `ring_write(ring)`: for slot state kept as a ring of `ring` positions (indexed by absolute
+  position mod `ring`), which of this step's rows to store and where: the last `ring` positions of
+  each sequence;
+- `entry_rows(group, seq, entries, valid)`: for paged state, the row of the block-group tensor that
+  holds entry `entries[b, j]` of sequence `seq[b]` (through the sequence's block table).
+
+A family's own step plan (attention groups, compression windows, ...) extends this class.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.models.batch import ForwardBatch
+
+
+def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`t[index]` for an integer index of any shape, as one `index_select` over rows (2.5-6x
+    faster than advanced indexing for row gathers on the CPU)."""
+    return t.index_select(0, index.reshape(-1)).view(*index.shape, *t.shape[1:])
+
+
+@dataclass
+class RingWrite:
+    rows: torch.Tensor  # [K] token rows to store
+    ring_row: torch.Tensor  # [K] flat ring index (slot * ring + position % ring)
+
+
+class RaggedPlan:
+    """Per-sequence index tensors of one ragged step (built once per forward)."""
+
+    def __init__(self, batch: ForwardBatch, num_slots: int, block_size: int):
+        self.block_size = block_size
+        dev = batch.input_ids.device
+        self.device = dev
+        B = batch.num_seqs
+        if len(batch.context_lens) != B or batch.slots.numel() != B:
+            raise ValueError(f"ForwardBatch has {B} query_lens but {len(batch.context_lens)} context_lens and "
+                             f"{batch.slots.numel()} slots; give one of each per sequence")
+        self.q_lens = [int(n) for n in batch.query_lens]
+        self.ctx = [int(c) for c in batch.context_lens]
+        self.slots = [int(s) for s in batch.slots.tolist()]
+        if len(set(self.slots)) != B or any(s < 0 or s >= num_slots for s in self.slots):
+            raise ValueError(f"slots {self.slots} must be distinct and within [0, {num_slots})")
+        self.T = sum(self.q_lens)
+        if batch.input_ids.numel() != self.T or batch.positions.numel() != self.T:
+            raise ValueError(f"input_ids/positions have {batch.input_ids.numel()}/{batch.positions.numel()} rows "
+                             f"but query_lens sum to {self.T}")
+        self.row_start = [0] * B
+        for i in range(1, B):
+            self.row_start[i] = self.row_start[i - 1] + self.q_lens[i - 1]
+        q_lens_t = torch.tensor(self.q_lens, device=dev)
+        self.row_seq = torch.repeat_interleave(torch.arange(B, device=dev), q_lens_t)
+        ctx_t = torch.tensor(self.ctx, device=dev)
+        start_t = torch.tensor(self.row_start, device=dev)
+        expected = ctx_t[self.row_seq] + torch.arange(self.T, device=dev) - start_t[self.row_seq]
+        if not torch.equal(batch.positions.to(dev).long(), expected):
+            raise ValueError("ForwardBatch.positions must be context_len + 0..query_len-1 for every sequence "
+                             "(state is addressed by absolute position)")
+        self.positions = expected
+        self.block_tables = batch.block_tables
+        self._ring_writes: dict[int, RingWrite] = {}
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.q_lens)
+
+    def seq_end(self, i: int) -> int:
+        """Tokens in sequence i's state after this step."""
+        return self.ctx[i] + self.q_lens[i]
+
+    def ring_write(self, ring: int) -> RingWrite:
+        """The new rows to store in a ring of `ring` positions: the last `ring` of each sequence."""
+        if ring not in self._ring_writes:
+            dev = self.device
+            end = torch.tensor([c + n for c, n in zip(self.ctx, self.q_lens)], device=dev)[self.row_seq]
+            keep = self.positions >= end - ring
+            rows = torch.nonzero(keep).squeeze(1)
+            slot = torch.tensor(self.slots, device=dev)[self.row_seq[rows]]
+            self._ring_writes[ring] = RingWrite(rows, slot * ring + self.positions[rows] % ring)
+        return self._ring_writes[ring]
+
+    def entry_rows(self, group: str, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Rows of block group `group`'s tensors holding entry ids `entries` `[B, E]` of sequences
+        `seq` `[B]` (0 where not `valid`). The block table must have a block for every valid entry."""
+        if not bool(valid.any()):
+            return torch.zeros_like(entries)
+        if group not in self.block_tables:
+            raise ValueError(f"ForwardBatch.block_tables has no table for block group {group!r}")
+        table = self.block_tables[group].to(self.device)[seq]
+        bs = self.block_size
+        col = torch.where(valid, entries // bs, 0)
+        if bool(valid.any()) and int(col[valid].max()) >= table.shape[1]:
+            raise ValueError(f"block table of group {group!r} has {table.shape[1]} columns, too few for "
+                             f"{int(entries[valid].max()) + 1} entries of {bs} per block")
+        block = table.gather(1, col)
+        if bool((block[valid] < 0).any()):
+            raise ValueError(f"block table of group {group!r} lacks blocks for existing entries; the cache manager "
+                             f"must allocate ceil(entries / block_size) blocks per sequence")
+        return torch.where(valid, block * bs + entries % bs, 0)

@@ -1,0 +1,80 @@
+"""Weight-name canonicalisation helpers and load-time weight transforms, for any model family.
+
+A family loads tensors under one canonical naming. Checkpoints in the wild spell the same tensor
+several ways (a `model.` prefix, transformers' module paths, `weight_scale_inv` for a scale); a
+family's `canonicalize` is built from these pieces:
+
+- `drop_prefix(name, "model.")`, `rename_prefix(name, table)` (first matching prefix of a table of
+  (stored, canonical) prefixes), `hf_scale_to_official` (`<w>.weight_scale_inv` -> `<w>.scale`);
+- `CanonicalNames`: the output mapping, refusing two stored tensors that land on one name;
+- `strip_prefix(weights, prefix)`: a sub-module's tensors, named relative to it;
+- `fuse_rows` / `fused_parts` / `split_fused`: matrices that read the same input concatenated into
+  one at load time (one GEMM instead of several), and the output split back by name.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def drop_prefix(name: str, prefix: str = "model.") -> str:
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
+def rename_prefix(name: str, table: tuple[tuple[str, str], ...]) -> str:
+    """`name` with the first matching `old` prefix of `table` ((old, new) pairs) replaced by `new`."""
+    for old, new in table:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def hf_scale_to_official(name: str) -> str:
+    """transformers' scale spelling `<w>.weight_scale_inv` -> the official `<w>.scale`."""
+    if name.endswith(".weight_scale_inv"):
+        return name[: -len(".weight_scale_inv")] + ".scale"
+    return name
+
+
+class CanonicalNames(dict):
+    """{canonical name: tensor} that refuses a second tensor under a name already taken."""
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self:
+            raise ValueError(f"two checkpoint tensors map to the same canonical name {name!r}; the checkpoint "
+                             f"mixes naming forms for one tensor")
+        self[name] = tensor
+
+
+def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors under `prefix`, named relative to it."""
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+
+
+def fuse_rows(w: dict[str, torch.Tensor], key: str, names: tuple[str, ...]) -> None:
+    """Concatenate the present `names` (matrices with the same input) into `w[key]`, in place; each
+    part is then a row view of the fused tensor, so no memory is added. Idempotent."""
+    present = [n for n in names if n in w]
+    if key in w or not present:
+        return
+    if len({(w[n].dtype, w[n].shape[1:]) for n in present}) != 1:
+        raise ValueError(f"cannot fuse {present}: their dtypes or input sizes differ")
+    fused = torch.cat([w[n] for n in present])
+    start = 0
+    for n in present:
+        rows = w[n].shape[0]
+        w[n] = fused[start:start + rows]
+        start += rows
+    w[key] = fused
+
+
+def fused_parts(w: dict[str, torch.Tensor], names: tuple[str, ...], prefix: str) -> tuple[list[str], list[int]]:
+    """The parts of a fused projection that `w` has (names relative to `prefix`) and their output
+    widths, in row order: what `split_fused` needs, computed once at load."""
+    present = [n[len(prefix):] for n in names if n[len(prefix):] in w]
+    return present, [w[n].shape[0] for n in present]
+
+
+def split_fused(out: torch.Tensor, parts: tuple[list[str], list[int]]) -> dict[str, torch.Tensor]:
+    """Split the output of a fused projection back into its parts, by name (see `fused_parts`)."""
+    names, widths = parts
+    return dict(zip(names, out.split(widths, dim=-1)))

@@ -1,0 +1,36 @@
+"""DeepSeek-V4's registry entry: `model_type: deepseek_v4` -> parser, loader, model class, op defaults.
+
+Importing this module registers the family (the registry does so on the first look-up of
+`deepseek_v4`).
+"""
+from __future__ import annotations
+
+from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint, parse_config
+from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from deepinfer.models.registry import ModelFamily, OpDefaults, activation_reserve_bytes, register_model_family
+
+# every accelerator kernel the V4 model code calls
+REQUIRED_OPS = (
+    "linear", "grouped_linear", "rms_norm", "rotary", "swiglu", "hc_pre", "hc_post", "hc_head",
+    "sink_attention", "compress_pool", "indexer_topk", "moe_route", "moe_dispatch", "moe_experts", "moe_combine",
+)
+# prefill runs in query blocks of this many tokens (bounded key ranges per block, see docs/model.md)
+QUERY_BLOCK = 256
+
+
+def activation_bytes(config: DeepseekV4Config, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The residual stream is `hc_mult` copies of the hidden state (mHC)."""
+    return activation_reserve_bytes(config.hidden_size * config.hc_mult, config.vocab_size,
+                                    max_num_batched_tokens, max_num_seqs)
+
+
+FAMILY = register_model_family(ModelFamily(
+    model_type="deepseek_v4",
+    parse_config=parse_config,
+    load_checkpoint=load_checkpoint,
+    model_class=DeepseekV4ForCausalLM,
+    op_defaults=OpDefaults(required_ops=REQUIRED_OPS, model_options={"query_block": QUERY_BLOCK}),
+    activation_bytes=activation_bytes,
+    description="DeepSeek-V4 (V4-Flash / V4-Pro architecture): sliding, CSA and HCA attention, mHC, MoE, MTP",
+))
