@@ -211,7 +211,11 @@ def test_load_refuses_a_library_that_does_not_match_its_record(tmp_path):
     path = tmp_path / "kernels-x.so"
     native._compile(path, native._compiler(), native.build_flags())
     assert native._load(path) is not None
-    path.write_bytes(planted_library(tmp_path).read_bytes())
+    # swapped in by a rename, as an attacker would: overwriting the loaded library's own inode in
+    # place would change the code this process has mapped (and crash it at exit)
+    swapped = tmp_path / "swapped.so"
+    swapped.write_bytes(planted_library(tmp_path).read_bytes())
+    os.replace(swapped, path)
     with pytest.raises(native.CacheError, match="refusing to load"):
         native._load(path)
     path.with_name(path.name + ".sha256").unlink()
