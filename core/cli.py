@@ -32,7 +32,8 @@ def cmd_plugins(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from deepinfer.plugins import ACCELERATOR_GROUP, PluginError, discover, probe, select_accelerator_class
+    from deepinfer.plugins import (ACCELERATOR_GROUP, PluginError, discover, feature_specs, probe,
+                                   select_accelerator_class)
 
     rows = []
     for name in sorted(discover(ACCELERATOR_GROUP)):
@@ -40,6 +41,12 @@ def cmd_doctor(args) -> int:
         rows.append([name, "yes" if result.usable else "no", info.version if info else "-", result.reason])
     print(f"deepinfer {__version__}")
     print(_table(["accelerator", "usable", "version", "reason"], rows))
+    specs, errors = feature_specs()
+    features = [[name, "on" if spec.enabled_by_default else "off", spec.description or "-"]
+                for name, (_, spec) in sorted(specs.items())]
+    features += [[name, "-", f"failed to load: {message}"] for name, message in sorted(errors.items())]
+    print("\n" + _table(["feature", "default", "description"], features))
+    print("\nenvironment variables:\n" + envs.describe())
     chosen = envs.get("DEEPINFER_ACCELERATOR")
     try:
         cls = select_accelerator_class(chosen)

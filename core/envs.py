@@ -1,8 +1,18 @@
 """Every environment variable deepinfer reads, in one place, each documented.
 
 Nothing else in the code base reads `os.environ` for a `DEEPINFER_*` variable: it calls `get()`
-here. Variables that configure a feature map onto that feature's config fields; setting one whose
-feature is not installed is an error (`feature_overrides`), never silently ignored.
+here. There are two kinds:
+
+- the core's own variables, declared below (`VARIABLES`); those with a `field` set that field of
+  the engine config (`engine_overrides`);
+- a feature's variables, declared on its `FeatureSpec.env_vars`, each setting a field of that
+  feature's config (`feature_overrides`). This module reads the declarations from the installed
+  feature plugins (`feature_variables`), so it knows them before any engine is built.
+
+Setting a variable of a feature this installation cannot give is an error, never silently
+ignored: one that configures an installed feature the caller did not list, or one that the seeds'
+deployments set for a feature this release does not have (`NOT_IN_THIS_RELEASE`). Any other
+unknown `DEEPINFER_*` variable draws a warning with the closest documented name (`warn_unknown`).
 """
 from __future__ import annotations
 
@@ -14,13 +24,17 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EnvVar:
+    """One environment variable: its name, what it does, and the config field it sets, if any (an
+    `EngineConfig` field for the core's variables, a field of the feature's config model for a
+    variable on a `FeatureSpec`), with the kind its value is converted to (str, int or bool)."""
+
     name: str
     doc: str
-    feature: str | None = None  # feature plugin whose config this sets
-    field: str | None = None  # config field (engine field when feature is None)
+    field: str | None = None
     kind: type = str
 
 
+#: The core's own variables (engine settings, back-end switches, paths).
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("DEEPINFER_ACCELERATOR",
            "Back end to use: cpu, nvidia, ascend, or a third-party plugin's name. Unset: the one "
@@ -47,39 +61,59 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "multi-row linear reads (made at its second such use; 1.3x faster from 2 rows up, "
            "costs the weights' size again in RAM); 0 uses the plain weights only.", kind=bool),
     EnvVar("DEEPINFER_LOG_LEVEL", "Logging level of the `deepinfer` logger (default WARNING)."),
-    EnvVar("DEEPINFER_USE_NEXTN_DECODE",
-           "Maximum speculative draft length (default 5); 0 disables speculation.",
-           feature="dspark", field="num_draft_tokens", kind=int),
-    EnvVar("DEEPINFER_ENABLE_MTP_VARLEN",
-           "1: confidence-scheduled variable-length verification.",
-           feature="dspark", field="variable_length", kind=bool),
-    EnvVar("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
-           "SWA bounded replay truncation mode (e.g. compact).",
-           feature="swa_replay", field="truncation_mode"),
-    EnvVar("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS",
-           "SWA bounded replay: prompt suffix kept for replay (must cover the window plus backtracking).",
-           feature="swa_replay", field="keep_tokens", kind=int),
-    EnvVar("DEEPINFER_BATCH_INVARIANT",
-           "1: batch-invariant kernels and deterministic sampling.",
-           feature="batch_invariant", field="enabled", kind=bool),
-    EnvVar("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS",
-           "Lower bound on redundant experts for expert load balancing.",
-           feature="eplb", field="num_extra_experts", kind=int),
 ]}
+
+#: Variables the seeds' deployments set for features this release does not implement, with what
+#: they would configure. No installed feature declares them, so setting one is refused with an
+#: error that says so (a plugin that provides the feature declares the variable and takes it over).
+NOT_IN_THIS_RELEASE: dict[str, str] = {
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "SWA bounded replay (the swa_replay feature)",
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "SWA bounded replay (the swa_replay feature)",
+    "DEEPINFER_BATCH_INVARIANT": "batch-invariant kernels (the batch_invariant feature)",
+    "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "expert load balancing (the eplb feature)",
+}
+
+
+def feature_variables() -> dict[str, tuple[str, EnvVar]]:
+    """The variables the installed feature plugins declare: name -> (feature, declaration).
+
+    Read from the plugins' specs on every call (a plugin may be installed while a process runs);
+    a plugin that fails to load declares nothing.
+    """
+    from deepinfer.plugins import feature_specs  # imported here: deepinfer.plugins imports this module
+
+    specs, _ = feature_specs()
+    return {var.name: (name, var) for name, (_, spec) in specs.items() for var in spec.env_vars}
+
+
+def _declaration(name: str) -> EnvVar:
+    if name in VARIABLES:
+        return VARIABLES[name]
+    declared = feature_variables().get(name)
+    if declared is None:
+        raise KeyError(f"{name} is not a documented deepinfer environment variable; declare it in envs.py "
+                       f"(core) or on the FeatureSpec of the feature it configures")
+    return declared[1]
+
+
+def _raw(name: str) -> str | None:
+    value = os.environ.get(name, "")
+    return value if value != "" else None
 
 
 def get(name: str, default: str | None = None) -> str | None:
-    """The raw value of a documented variable (empty strings count as unset)."""
-    if name not in VARIABLES:
-        raise KeyError(f"{name} is not a documented deepinfer environment variable; add it to envs.py")
-    value = os.environ.get(name, "")
-    return value if value != "" else default
+    """The raw value of a documented variable, the core's or an installed feature's (empty strings
+    count as unset). Raises KeyError for any other name: a typo in the code, not in the environment."""
+    _declaration(name)
+    value = _raw(name)
+    return default if value is None else value
 
 
 def get_bool(name: str, default: bool) -> bool:
     """A documented boolean variable (1/0, true/false, yes/no, on/off); `default` when unset."""
-    raw = get(name)
-    return default if raw is None else _convert(VARIABLES[name], raw)
+    var = _declaration(name)
+    raw = _raw(name)
+    return default if raw is None else _convert(var, raw)
 
 
 def _convert(var: EnvVar, raw: str):
@@ -100,27 +134,33 @@ def _convert(var: EnvVar, raw: str):
 
 def engine_overrides() -> dict:
     """Engine config fields set through the environment."""
-    return {v.field: _convert(v, get(v.name)) for v in VARIABLES.values()
-            if v.feature is None and v.field and get(v.name) is not None}
+    return {v.field: _convert(v, _raw(v.name)) for v in VARIABLES.values()
+            if v.field and _raw(v.name) is not None}
 
 
 def feature_overrides(installed_features: set[str]) -> dict[str, dict]:
-    """Feature config fields set through the environment, per feature.
+    """Feature config fields set through the environment, per feature, as the features' specs
+    declare them.
 
-    Raises ValueError for a variable whose feature is not installed: the user asked for
+    Raises ValueError for a set variable that configures a feature outside `installed_features`,
+    or one in `NOT_IN_THIS_RELEASE` that no installed feature declares: the user asked for
     behaviour this installation cannot give, and ignoring it would hide that.
     """
+    declared = feature_variables()
+    for name, what in NOT_IN_THIS_RELEASE.items():
+        if name not in declared and _raw(name) is not None:
+            raise ValueError(f"{name} is set, but it configures {what}, which is not available in this release "
+                             f"of deepinfer (no installed feature plugin declares {name}). Unset {name}.")
     out: dict[str, dict] = {}
-    for var in VARIABLES.values():
-        raw = get(var.name) if var.feature else None
+    for name, (feature, var) in declared.items():
+        raw = _raw(name)
         if raw is None:
             continue
-        if var.feature not in installed_features:
+        if feature not in installed_features:
             raise ValueError(
-                f"{var.name} is set, but it configures the feature '{var.feature}', which is not "
-                f"available in this installation (installed features: {sorted(installed_features) or 'none'}). "
-                f"Unset {var.name}.")
-        out.setdefault(var.feature, {})[var.field] = _convert(var, raw)
+                f"{name} is set, but it configures the feature '{feature}', which is not available in this "
+                f"installation (installed features: {sorted(installed_features) or 'none'}). Unset {name}.")
+        out.setdefault(feature, {})[var.field] = _convert(var, raw)
     return out
 
 
@@ -130,19 +170,29 @@ _warned: set[str] = set()
 def warn_unknown() -> list[str]:
     """Warn (once per name and process) about set `DEEPINFER_*` variables that deepinfer does not
     read, with the closest documented name: a misspelt variable would otherwise be silently
-    ignored. Returns the unknown names."""
-    unknown = sorted(k for k in os.environ if k.startswith("DEEPINFER_") and k not in VARIABLES)
+    ignored. The installed features' variables are documented names; the seeds' variables of
+    features this release lacks are not warned about (`feature_overrides` refuses them). Returns
+    the unknown names."""
+    candidates = sorted(k for k in os.environ if k.startswith("DEEPINFER_") and k not in VARIABLES
+                        and k not in NOT_IN_THIS_RELEASE)
+    if not candidates:
+        return []
+    documented = [*VARIABLES, *feature_variables()]
+    unknown = [name for name in candidates if name not in documented]
     for name in unknown:
         if name in _warned:
             continue
         _warned.add(name)
-        close = difflib.get_close_matches(name, VARIABLES, n=1, cutoff=0.6)
-        hint = f"did you mean {close[0]}?" if close else "see `deepinfer doctor` for the documented variables"
+        close = difflib.get_close_matches(name, documented, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "`deepinfer doctor` lists the documented variables"
         logging.getLogger("deepinfer").warning("the environment variable %s is not one deepinfer reads, so it has "
                                                "no effect; %s", name, hint)
     return unknown
 
 
 def describe() -> str:
-    """A table of every variable, for docs and `deepinfer doctor`."""
-    return "\n".join(f"{v.name}: {v.doc}" for v in VARIABLES.values())
+    """Every documented variable with its meaning, the installed features' included (for
+    `deepinfer doctor`)."""
+    lines = [f"{v.name}: {v.doc}" for v in VARIABLES.values()]
+    lines += [f"{v.name}: feature {feature}: {v.doc}" for feature, v in feature_variables().values()]
+    return "\n".join(lines)

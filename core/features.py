@@ -1,9 +1,10 @@
 """Feature declaration (`FeatureSpec`) and start-up validation of the enabled combination."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 from deepinfer.accelerator.interface import Capabilities
+from deepinfer.envs import VARIABLES, EnvVar
 
 
 class FeatureSpec(BaseModel):
@@ -15,30 +16,42 @@ class FeatureSpec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
-    name: str  # the config key: [features.<name>]
-    config_model: type[BaseModel]  # pydantic model with extra="forbid"
-    hooks: tuple[str, ...]  # hook names it implements (checked against the plugin object)
+    name: str  # the config key: [features.<name>], and the entry-point name
+    config_model: type[BaseModel]  # pydantic model with extra="forbid"; the plugin class gets an instance
+    hooks: tuple[str, ...]  # hook names the plugin class implements (checked when it is registered)
+    env_vars: tuple[EnvVar, ...] = ()  # environment variables, each setting a field of config_model
     required_capabilities: tuple[str, ...] = ()  # Capabilities fields that must be truthy
     requires: tuple[str, ...] = ()  # other features that must be enabled
     conflicts: tuple[str, ...] = ()  # features that must not be enabled together with this one
-    before: tuple[str, ...] = ()  # run before these features (processor order)
+    before: tuple[str, ...] = ()  # run before these features (hook and processor order)
     after: tuple[str, ...] = ()
     slots: tuple[str, ...] = ()  # single-owner slots, e.g. "draft_proposer"
     supports_async_pipeline: bool = True
     enabled_by_default: bool = False  # loaded without a [features.<name>] table (lazy features)
-    description: str = ""
+    description: str = ""  # one line, shown by `deepinfer doctor`
+
+    @model_validator(mode="after")
+    def _check_env_vars(self) -> FeatureSpec:
+        for var in self.env_vars:
+            if not var.name.startswith("DEEPINFER_") or var.name in VARIABLES:
+                raise ValueError(f"feature '{self.name}': environment variable {var.name} must start with "
+                                 f"DEEPINFER_ and must not be one of the core's variables")
+            if var.field not in self.config_model.model_fields:
+                raise ValueError(f"feature '{self.name}': environment variable {var.name} sets field "
+                                 f"{var.field!r}, which {self.config_model.__name__} does not have")
+            if var.kind not in (str, int, bool):
+                raise ValueError(f"feature '{self.name}': environment variable {var.name} has kind "
+                                 f"{var.kind!r}; use str, int or bool")
+        return self
 
 
-def validate_features(specs: dict[str, FeatureSpec], plugins: dict[str, object],
-                      capabilities: Capabilities, async_pipeline: bool) -> list[str]:
-    """Every problem with the enabled feature set, as sentences that name the fix."""
+def validate_features(specs: dict[str, FeatureSpec], capabilities: Capabilities,
+                      async_pipeline: bool) -> list[str]:
+    """Every problem with the enabled feature set, as sentences that name the fix. (Whether each
+    plugin implements the hooks its spec lists is checked when it is registered: `FeatureSet`.)"""
     problems: list[str] = []
     owners: dict[str, str] = {}
     for name, spec in specs.items():
-        plugin = plugins.get(name)
-        for hook in spec.hooks:
-            if plugin is not None and not hasattr(plugin, hook):
-                problems.append(f"feature '{name}' declares hook '{hook}' but its plugin does not implement it")
         for cap in spec.required_capabilities:
             if not getattr(capabilities, cap, False):
                 problems.append(f"feature '{name}' needs the back-end capability '{cap}', which accelerator "

@@ -1,94 +1,134 @@
-"""The extension API of deepinfer: every hook a feature plugin can implement.
+"""The extension API of deepinfer: every hook a feature plugin can implement, and what it gets.
 
-This one file is the contract for feature plugins (speculative decoding, structured outputs,
-expert load balancing, ...). Hooks are control-plane only: registration, configuration,
-lifecycle, per-step scheduler events, and *contributing objects* (a logits processor, a draft
-proposer) that the core then calls directly. (The expert-placement hook arrives with the EPLB
-feature, together with the engine code that calls it.) Nothing per layer or
-per token goes through pluggy (a pluggy call costs ~1.7 µs).
+This one file is the contract for feature plugins (speculative decoding, structured outputs, ...).
 
-Conventions, as in pytest:
-- hook names start with `deepinfer_`; implement them with `@deepinfer.hookimpl`;
-- a plugin may implement any subset and may omit trailing arguments it does not need;
-- `firstresult` hooks stop at the first non-None result;
-- "process": all hooks run in the engine process of each data-parallel rank.
+A feature plugin is a class, named by an entry point in the group `deepinfer.features`:
 
+- the class declares the feature: its `deepinfer_feature_spec` (a staticmethod) returns the
+  `FeatureSpec`, read from every installed feature plugin, enabled or not;
+- each engine that enables the feature makes one instance, `plugin_class(config)`, with the
+  feature's validated config (an instance of `FeatureSpec.config_model`), and registers it with
+  that engine's own pluggy plugin manager. The instance implements the other hooks, keeps its
+  config and that engine's state: no hook passes a feature its config.
+
+Hooks are control-plane only: declaration, configuration checks, lifecycle, per-request events,
+and *contributing objects* (a logits processor, a draft proposer) that the core then calls
+directly. Nothing per layer or per token goes through pluggy (a pluggy call costs ~1.7 µs).
+
+Every hook is a real pluggy call (`pm.hook.<name>(...)`), with pluggy's meaning, as in pytest:
+- hook names start with `deepinfer_`; implement them with `@deepinfer.hookimpl`; a plugin may
+  implement any subset of the hooks, and take any subset of a hook's arguments;
+- the features of an engine are called in feature order (their FeatureSpecs' `before`/`after`;
+  pluggy calls the last registered plugin first, so the core registers them in reverse);
+- a plain hook returns the list of its non-None results, in that order;
+- a `firstresult` hook stops at the first non-None result and returns it (None if there is none);
+- a `historic` hook is remembered: a plugin registered after the call is called at registration.
+
+Arguments are typed: `engine` is an `EngineContext`, exactly what a feature may use of the engine.
 A misspelled hook implementation is an error at start-up (`PluginManager.check_pending`).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 if TYPE_CHECKING:
+    import torch
+
+    from deepinfer.accelerator.interface import Accelerator
     from deepinfer.config import EngineConfig
+    from deepinfer.engine.cache_manager import CacheManager
+    from deepinfer.engine.engine_core import EngineCore
+    from deepinfer.engine.runner import ModelRunner
     from deepinfer.features import FeatureSpec
     from deepinfer.logits_processor import LogitsProcessor
+    from deepinfer.models.protocol import Model
+    from deepinfer.tokenizer import NoTokenizer, Tokenizer
 
 PROJECT = "deepinfer"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 
+@dataclass(frozen=True)
+class EngineContext:
+    """What a feature may use of the engine it is part of: the `engine` argument of the hooks.
+
+    The objects are the engine's own (not copies); a feature that uses one, uses it as the engine
+    does. The runner and the cache are here because speculative decoding times synthetic verify
+    batches at start-up (`runner.dummy_run(cache, ...)`) and sizes its drafter by them.
+    """
+
+    config: EngineConfig | None  # the resolved engine configuration (None for engines built by hand)
+    accelerator: Accelerator  # the back end
+    model: Model  # the target model (forward, weights, cache binding)
+    tokenizer: Tokenizer | NoTokenizer
+    vocab_size: int  # width of the model's logits
+    eos_token_ids: frozenset[int]  # tokens that end a request
+    max_model_len: int  # prompt + output tokens per request
+    max_num_seqs: int  # sequences per step
+    max_num_batched_tokens: int  # tokens per step
+    cache: CacheManager  # cache slots and blocks (`layout`, `block_size`, `allocate`, `free`)
+    generator: torch.Generator  # the sampler's random stream (drafts sample from the same stream)
+    runner: ModelRunner  # runs model batches; `dummy_run` times synthetic ones
+
+    @classmethod
+    def of(cls, engine: EngineCore) -> EngineContext:
+        """The context of an `EngineCore`."""
+        return cls(config=engine.config, accelerator=engine.accelerator, model=engine.model,
+                   tokenizer=engine.tokenizer, vocab_size=engine.vocab_size,
+                   eos_token_ids=frozenset(engine.eos_token_ids), max_model_len=engine.max_model_len,
+                   max_num_seqs=engine.scheduler.max_num_seqs,
+                   max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, cache=engine.cache,
+                   generator=engine.sampler.generator, runner=engine.runner)
+
+
 @hookspec(historic=True)
 def deepinfer_feature_spec() -> FeatureSpec:
-    """Declare the feature: name, config model, hooks, requirements, slots.
+    """Declare the feature: name, config model, hooks, environment variables, requirements, slots.
 
-    Called once per feature plugin when it is registered (historic: plugins registered later are
-    called too). Must return the plugin's `FeatureSpec`; the core validates the whole combination
-    of enabled features against it before the engine starts.
+    Implemented by the plugin class itself (a staticmethod), not by its per-engine instances.
+    Historic: deepinfer calls it once on a catalogue of the installed feature plugins
+    (`deepinfer.plugins.FeatureCatalog`), and every plugin added to the catalogue afterwards is
+    asked at that moment. Must return the plugin's `FeatureSpec`, named as its entry point; the
+    core validates the whole combination of enabled features against it before the engine starts.
     """
 
 
 @hookspec
-def deepinfer_validate_config(config: EngineConfig, feature_config: Any) -> list[str] | None:
+def deepinfer_validate_config(config: EngineConfig) -> list[str] | None:
     """Check the engine configuration as a whole, from this feature's point of view.
 
-    `feature_config` is this feature's own validated config model. Return a list of problems
-    (each a sentence that names the fix) or None. Called once at start-up, after every feature
-    config has been parsed; all problems of all features are reported together.
+    Return a list of problems or None; each problem is a sentence that names the feature and the
+    fix. Called once at start-up, after every enabled feature's config has been parsed and its
+    plugin made; all problems of all features are reported together.
     """
 
 
 @hookspec
-def deepinfer_engine_start(engine: Any, feature_config: Any) -> None:
-    """The engine is built (model loaded, cache allocated) and about to serve. Called once."""
-
-
-@hookspec
-def deepinfer_engine_shutdown(engine: Any) -> None:
-    """The engine is shutting down; release threads and buffers. Called once, also after errors."""
-
-
-@hookspec
-def deepinfer_request_added(request: Any) -> None:
-    """A request was admitted to the waiting queue. Called once per request, in the engine thread."""
-
-
-@hookspec
-def deepinfer_request_finished(request: Any) -> None:
-    """A request finished (any reason, errors included). Called once per request."""
-
-
-@hookspec
-def deepinfer_step_end(scheduler_output: Any, finished_request_ids: list[str]) -> None:
-    """A step's results were applied. Called once per engine step; keep it cheap."""
-
-
-@hookspec
-def deepinfer_logits_processor(engine: Any, feature_config: Any) -> LogitsProcessor | None:
+def deepinfer_logits_processor(engine: EngineContext) -> LogitsProcessor | None:
     """Contribute a batch-level logits processor (e.g. grammar bitmasks).
 
-    Called once at start-up; every non-None result is called by the core each step, in plugin
-    order (`before`/`after` of the FeatureSpec), before sampling.
+    Called once at start-up; every non-None result is called by the core each step, in feature
+    order, before sampling.
     """
 
 
 @hookspec(firstresult=True)
-def deepinfer_draft_proposer(engine: Any, feature_config: Any) -> Any:
+def deepinfer_draft_proposer(engine: EngineContext) -> Any:
     """Contribute the speculative-decoding draft proposer (slot `draft_proposer`).
 
-    Called once at start-up. firstresult: only one feature may own the slot, which the
-    FeatureSpec's `slots` declares and start-up validation enforces.
+    Called once at start-up. firstresult: the first feature (in feature order) that returns one
+    owns the slot; the others are not called. Start-up validation refuses two enabled features
+    that both declare the slot in their FeatureSpec. Returns a `deepinfer.engine.speculative.Speculation` (a `Drafter`,
+    `num_draft_tokens`, an optional `VerifyPolicy`); the core verifies, accepts, rolls back and
+    keeps the statistics.
     """
+
+
+@hookspec
+def deepinfer_engine_shutdown(engine: EngineContext) -> None:
+    """The engine is shutting down; release threads and buffers. Called once, also after errors
+    (even when start-up failed part way)."""

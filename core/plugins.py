@@ -6,15 +6,16 @@
   `importlib.metadata`; pluggy uses the same API.)
 - Accelerators: only the selected one is imported. Every failure is loud and carries the fix;
   there is never a silent fallback to another back end.
-- Features: each installed feature module is imported to read its `FeatureSpec` (feature
-  modules must be import-light); only enabled features are registered with pluggy and started.
+- Features: each installed feature plugin (a class) is imported to read its `FeatureSpec`
+  (feature modules must be import-light); each engine registers one instance per enabled
+  feature, made with that feature's config, with its own pluggy plugin manager (hookspecs.py).
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 from pydantic import BaseModel
@@ -22,6 +23,12 @@ from pydantic import BaseModel
 from deepinfer import envs, hookspecs
 from deepinfer.accelerator.interface import INTERFACE_VERSION, Accelerator, ProbeResult, interface_compatible
 from deepinfer.features import FeatureSpec, order_features, validate_features
+from deepinfer.hookspecs import EngineContext
+
+if TYPE_CHECKING:
+    from deepinfer.config import EngineConfig
+    from deepinfer.engine.engine_core import EngineCore
+    from deepinfer.logits_processor import LogitsProcessor
 
 ACCELERATOR_GROUP = "deepinfer.accelerators"
 FEATURE_GROUP = "deepinfer.features"
@@ -61,8 +68,8 @@ def discover(group: str) -> dict[str, list[PluginInfo]]:
     return found
 
 
-def _one(group: str, name: str) -> PluginInfo:
-    registry = discover(group)
+def _one(group: str, name: str, registry: dict[str, list[PluginInfo]] | None = None) -> PluginInfo:
+    registry = discover(group) if registry is None else registry
     kind = "accelerator" if group == ACCELERATOR_GROUP else "feature"
     if name not in registry:
         installed = ", ".join(sorted(registry)) or "none"
@@ -149,69 +156,106 @@ def _version() -> str:
 # ----------------------------------------------------------------------------------------- features
 
 
-def feature_specs() -> tuple[dict[str, tuple[Any, FeatureSpec]], dict[str, str]]:
-    """Import every installed feature module: name -> (plugin, spec); and name -> load error."""
-    plugins, errors = {}, {}
-    for name, infos in discover(FEATURE_GROUP).items():
+def _plugin_manager() -> pluggy.PluginManager:
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+class FeatureCatalog:
+    """Feature plugins (classes) and the FeatureSpec each declares.
+
+    `deepinfer_feature_spec` is called historically on the catalogue's plugin manager when the
+    catalogue is made, so each plugin is asked for its spec when it is added, whenever that is.
+    """
+
+    def __init__(self) -> None:
+        self.plugins: dict[str, tuple[Any, FeatureSpec]] = {}  # name -> (plugin class, spec)
+        self._pm = _plugin_manager()
+        self._declared: list[FeatureSpec] = []
+        self._pm.hook.deepinfer_feature_spec.call_historic(result_callback=self._declared.append)
+
+    def add(self, name: str, plugin: Any, where: str | None = None) -> FeatureSpec:
+        """Register a feature plugin under its entry-point name and return its spec. `where`
+        names it in errors (default: the name)."""
+        where = where or f"'{name}'"
+        if not callable(plugin):
+            raise PluginError(f"feature plugin {where} must be a class: each engine that enables the feature "
+                              f"makes one instance of it with the feature's config (got {plugin!r})")
+        self._declared.clear()
         try:
-            info = _one(FEATURE_GROUP, name)
-            plugin = _load(info)
-            spec = plugin.deepinfer_feature_spec()
-            if not isinstance(spec, FeatureSpec) or spec.name != name:
-                raise PluginError(f"feature plugin {info.describe()} must return a FeatureSpec named '{name}' "
-                                  f"from deepinfer_feature_spec()")
-            plugins[name] = (plugin, spec)
+            self._pm.register(plugin, name=name)  # historic: its deepinfer_feature_spec runs now
+        except Exception as exc:
+            raise PluginError(f"feature plugin {where} could not be registered: {type(exc).__name__}: {exc}") from exc
+        spec = self._declared[0] if len(self._declared) == 1 else None
+        if not isinstance(spec, FeatureSpec) or spec.name != name:
+            raise PluginError(f"feature plugin {where} must return a FeatureSpec named '{name}' "
+                              f"from deepinfer_feature_spec()")
+        taken = {var.name: other for other, (_, declared) in self.plugins.items() for var in declared.env_vars}
+        for var in spec.env_vars:
+            if var.name in taken:
+                raise PluginError(f"feature plugin {where} declares the environment variable {var.name}, which "
+                                  f"feature '{taken[var.name]}' already declares; uninstall one of them")
+        self.plugins[name] = (plugin, spec)
+        return spec
+
+
+def feature_specs() -> tuple[dict[str, tuple[Any, FeatureSpec]], dict[str, str]]:
+    """Import every installed feature plugin: name -> (plugin class, spec); and name -> load error."""
+    catalog, errors = FeatureCatalog(), {}
+    registry = discover(FEATURE_GROUP)
+    for name in registry:
+        try:
+            info = _one(FEATURE_GROUP, name, registry)
+            catalog.add(name, _load(info), info.describe())
         except PluginError as exc:
             errors[name] = str(exc)
-    return plugins, errors
+    return catalog.plugins, errors
 
 
 class FeatureSet:
-    """The enabled features of one engine, registered with pluggy in dependency order."""
+    """The enabled features of one engine: one plugin instance per feature, made from the
+    feature's plugin class with its validated config, registered with this engine's plugin
+    manager. `hook` calls every enabled feature, in feature order."""
 
     def __init__(self, specs: dict[str, FeatureSpec], configs: dict[str, BaseModel], plugins: dict[str, Any]):
         self.order = order_features(specs)
         self.specs = {n: specs[n] for n in self.order}
-        self.configs = configs
-        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
-        self.pm.add_hookspecs(hookspecs)
-        for name in self.order:
-            self.pm.register(plugins[name], name=name)
+        self.configs = {n: configs[n] for n in self.order}
+        self.pm = _plugin_manager()
+        for name in reversed(self.order):  # pluggy calls the last registered first
+            try:
+                instance = plugins[name](self.configs[name])
+            except Exception as exc:
+                raise PluginError(f"feature '{name}' could not be set up with its config: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+            self.pm.register(instance, name=name)
         self.pm.check_pending()  # a misspelled hook implementation is an error, not a no-op
         self.hook = self.pm.hook
-        self.processors: list = []
+        self.context: EngineContext | None = None
+        self.processors: list[LogitsProcessor] = []
         self.draft_proposer: Any = None
 
-    def call_each(self, hook_name: str, **kwargs) -> list[tuple[str, Any]]:
-        """Call a per-feature hook on every enabled feature, passing that feature's own config."""
-        results = []
-        for impl in reversed(getattr(self.hook, hook_name).get_hookimpls()):  # pluggy keeps LIFO order
-            args = dict(kwargs, feature_config=self.configs.get(impl.plugin_name))
-            value = impl.function(**{k: args[k] for k in impl.argnames})
-            if value is not None:
-                results.append((impl.plugin_name, value))
-        return results
+    def validate(self, config: EngineConfig) -> list[str]:
+        """Hooks a spec lists that its plugin does not implement, and the features' own checks."""
+        problems = []
+        for name, spec in self.specs.items():
+            implemented = {caller.name for caller in self.pm.get_hookcallers(self.pm.get_plugin(name)) or ()}
+            problems += [f"feature '{name}' declares hook '{hook}' but its plugin does not implement it (a method "
+                         f"marked @deepinfer.hookimpl)" for hook in spec.hooks if hook not in implemented]
+        return problems + [p for found in self.hook.deepinfer_validate_config(config=config) for p in found]
 
-    def validate(self, config) -> list[str]:
-        return [f"feature '{name}': {p}" for name, problems in self.call_each("deepinfer_validate_config", config=config)
-                for p in problems]
+    def start(self, engine: EngineCore) -> None:
+        """Collect the objects the features contribute to `engine`."""
+        self.context = EngineContext.of(engine)
+        self.processors = self.hook.deepinfer_logits_processor(engine=self.context)
+        self.draft_proposer = self.hook.deepinfer_draft_proposer(engine=self.context)
 
-    def start(self, engine: Any) -> None:
-        """Collect contributed objects and announce the engine start."""
-        by_name = dict(self.call_each("deepinfer_logits_processor", engine=engine))
-        self.processors = [by_name[n] for n in self.order if n in by_name]
-        proposers = self.call_each("deepinfer_draft_proposer", engine=engine)
-        self.draft_proposer = proposers[0][1] if proposers else None
-        self.call_each("deepinfer_engine_start", engine=engine)
-
-    def shutdown(self, engine: Any) -> None:
-        self.hook.deepinfer_engine_shutdown(engine=engine)
-
-    def config(self, name: str) -> BaseModel | None:
-        return self.configs.get(name)
+    def shutdown(self, engine: EngineCore) -> None:
+        self.hook.deepinfer_engine_shutdown(engine=self.context or EngineContext.of(engine))
 
 
-def load_features(config, accelerator: Accelerator) -> FeatureSet:
+def load_features(config: EngineConfig, accelerator: Accelerator) -> FeatureSet:
     """Enabled features (config tables, environment variables, default-on features), validated
     together against the back end; every problem is reported at once."""
     from deepinfer.config import resolve_feature_configs
@@ -237,8 +281,7 @@ def load_features(config, accelerator: Accelerator) -> FeatureSet:
                                       {n: spec.config_model for n, (_, spec) in available.items()})
     configs = {n: c for n, c in configs.items() if getattr(c, "enabled", True)}
     specs = {n: available[n][1] for n in configs}
-    problems = validate_features(specs, {n: available[n][0] for n in specs}, caps,
-                                 config.async_pipeline)
+    problems = validate_features(specs, caps, config.async_pipeline)
     feature_set = FeatureSet(specs, configs, {n: available[n][0] for n in specs})
     problems += feature_set.validate(config)
     if problems:

@@ -77,16 +77,16 @@ def combine(a: dict, b: dict, sign: int = 1) -> dict:
 
 def record_schedule(llm, trace: list[tuple[float, int]]) -> None:
     """Log (calibrated first-draft confidence, drafts kept) of each request the variable-length plan sees."""
-    spec = llm.engine.speculator
-    plan = spec.plan
+    policy = llm.engine.speculator.policy
+    plan = policy.plan
 
-    def traced(requests):
-        first = [(spec.calibrator.calibrate(0, r.draft_state.confidence[0])
-                  if r.draft_state is not None and r.draft_token_ids else None, r) for r in requests]
-        plan(requests)
-        trace.extend((c, len(r.draft_token_ids)) for c, r in first if c is not None)
+    def traced(confidences, draft_seconds):
+        first = [policy.calibrator.calibrate(0, c[0]) for c in confidences]
+        chosen = plan(confidences, draft_seconds)
+        trace.extend(zip(first, chosen))
+        return chosen
 
-    spec.plan = traced
+    policy.plan = traced
 
 
 def run_batch(args, batch: int) -> dict:
@@ -107,7 +107,7 @@ def run_batch(args, batch: int) -> dict:
     schedules: dict[str, list] = {}
     for name, llm in engines.items():
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-        if llm.engine.speculator is not None and llm.engine.speculator.config.variable_length:
+        if llm.engine.speculator is not None and llm.engine.speculator.policy is not None:
             schedules[name] = []
             record_schedule(llm, schedules[name])
     speeds: dict[str, list[float]] = {n: [] for n in engines}
@@ -138,7 +138,7 @@ def run_batch(args, batch: int) -> dict:
         if name in schedules:
             row["schedule_by_confidence"] = bucket(schedules[name])
             row["verify_cost_ms"] = {str(b): [(t, round(s * 1e3, 2)) for t, s in pts]
-                                     for b, pts in llm.engine.speculator.cost_model.table.items()}
+                                     for b, pts in llm.engine.speculator.policy.cost_model.table.items()}
         result["modes"][name] = row
         llm.shutdown()
     return result

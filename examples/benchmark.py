@@ -164,12 +164,13 @@ def check_yoco_clip(enabled: bool) -> None:
 
 def _speculation_env_note() -> str | None:
     """DEEPINFER_USE_NEXTN_DECODE=0 asks for no speculation; without the dspark feature that is
-    already the case, so drop the variable instead of letting the engine refuse it."""
-    from deepinfer import envs
+    already the case, so drop the variable instead of letting the engine warn that nothing reads it."""
     from deepinfer.plugins import FEATURE_GROUP, discover
 
-    raw = envs.get("DEEPINFER_USE_NEXTN_DECODE")
-    if raw is None or raw.strip() != "0" or "dspark" in discover(FEATURE_GROUP):
+    if "dspark" in discover(FEATURE_GROUP):
+        return None
+    # without dspark nothing declares the variable (envs.get would refuse the name): look at it raw
+    if os.environ.get("DEEPINFER_USE_NEXTN_DECODE", "").strip() != "0":
         return None
     os.environ.pop("DEEPINFER_USE_NEXTN_DECODE", None)
     return "DEEPINFER_USE_NEXTN_DECODE=0: speculative decoding is not installed, so there is nothing to disable"

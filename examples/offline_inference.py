@@ -102,12 +102,13 @@ SEED_ENV_DEFAULTS = [  # (variable, value, feature, accelerators it applies to o
 
 
 def apply_seed_env_defaults(accelerator: str, disable_eplb: bool) -> dict[str, str]:
-    from deepinfer.plugins import FEATURE_GROUP, discover
+    """Set the seeds' defaults whose variable an installed feature declares; returns what was set."""
+    from deepinfer import envs
 
-    installed = set(discover(FEATURE_GROUP))
+    declared = envs.feature_variables()
     applied = {}
     for var, value, feature, accelerators in SEED_ENV_DEFAULTS:
-        if feature not in installed or var in os.environ or (accelerators and accelerator not in accelerators):
+        if var not in declared or var in os.environ or (accelerators and accelerator not in accelerators):
             continue
         if feature == "eplb" and disable_eplb:
             continue

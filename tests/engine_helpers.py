@@ -103,21 +103,18 @@ class ToyTokenizer:
 def toy_engine(*, num_slots: int = 4, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 4,
                max_num_batched_tokens: int = 32, max_model_len: int = 256, async_pipeline: bool = False,
                features=None, processors=None, sampler_force_topk=None, model: ToyModel | None = None,
-               seed: int = 0) -> EngineCore:
+               seed: int = 0, eos_token_ids: set[int] = frozenset({TOY_EOS})) -> EngineCore:
     from deepinfer_plugins.cpu import CpuAccelerator
 
     model = model or ToyModel()
     layout = model.cache_layout(0)
     model.bind_cache(allocate_cache_tensors(layout, num_slots, {"c4": num_blocks}, block_size, "cpu"))
     cache = CacheManager(layout, num_slots, {"c4": num_blocks}, block_size)
-    engine = EngineCore(model=model, accelerator=CpuAccelerator(), tokenizer=ToyTokenizer(model.vocab_size),
-                        cache=cache, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, vocab_size=model.vocab_size,
-                        eos_token_ids={TOY_EOS}, device=torch.device("cpu"), async_pipeline=async_pipeline,
-                        sampler_force_topk=sampler_force_topk, seed=seed, features=features)
-    if processors:
-        engine.processors = list(processors)
-    return engine
+    return EngineCore(model=model, accelerator=CpuAccelerator(), tokenizer=ToyTokenizer(model.vocab_size),
+                      cache=cache, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, vocab_size=model.vocab_size,
+                      eos_token_ids=set(eos_token_ids), device=torch.device("cpu"), async_pipeline=async_pipeline,
+                      sampler_force_topk=sampler_force_topk, seed=seed, features=features, processors=processors)
 
 
 def run_all(engine: EngineCore, prompts, params):

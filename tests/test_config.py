@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict
 
 from deepinfer import envs
 from deepinfer.config import EngineConfig, load_config, resolve_feature_configs
+from deepinfer.features import FeatureSpec
 
 
 def test_defaults(clean_env):
@@ -76,18 +77,93 @@ def test_feature_tables_validated_against_their_model(clean_env):
     assert "features.dspark.num_drafts" in msg and "num_draft_tokens" in msg and "features.nope" in msg
 
 
-def test_feature_env_vars_map_to_fields(clean_env):
+LEVEL_FEATURE = """
+from pydantic import BaseModel, ConfigDict
+import deepinfer
+from deepinfer.envs import EnvVar
+from deepinfer.features import FeatureSpec
+
+
+class LevelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    level: int = 1
+
+
+class Level:
+    def __init__(self, config):
+        self.config = config
+
+    @staticmethod
+    @deepinfer.hookimpl
+    def deepinfer_feature_spec():
+        return FeatureSpec(name="level", config_model=LevelConfig, hooks=(),
+                           env_vars=(EnvVar("DEEPINFER_LEVEL", "the level of the level feature", field="level",
+                                            kind=int),))
+"""
+
+
+@pytest.fixture
+def level_feature(fake_distribution):
+    fake_distribution("level-feature", "1.0", {"deepinfer.features": {"level": "level_feature:Level"}},
+                      {"level_feature": LEVEL_FEATURE})
+    import level_feature
+    return level_feature
+
+
+def test_a_feature_declares_its_env_vars_on_its_spec(level_feature, clean_env):
+    spec = level_feature.Level.deepinfer_feature_spec()
+    assert [(v.name, v.field, v.kind) for v in spec.env_vars] == [("DEEPINFER_LEVEL", "level", int)]
+    assert "DEEPINFER_LEVEL" not in envs.VARIABLES  # the core does not know it by itself
+    clean_env.setenv("DEEPINFER_LEVEL", "7")
+    out = resolve_feature_configs(load_config(), {"level": level_feature.LevelConfig})
+    assert out["level"].level == 7
+    assert envs.get("DEEPINFER_LEVEL") == "7" and "DEEPINFER_LEVEL: feature level:" in envs.describe()
+    clean_env.setattr(envs, "_warned", set())
+    assert envs.warn_unknown() == []  # a loaded feature's variable is a documented one
+
+
+def test_a_spec_env_var_must_name_a_field_of_the_config_model(level_feature):
+    with pytest.raises(ValueError, match="sets field 'levl', which LevelConfig does not have"):
+        FeatureSpec(name="level", config_model=level_feature.LevelConfig, hooks=(),
+                    env_vars=(envs.EnvVar("DEEPINFER_LEVEL", "the level", field="levl", kind=int),))
+    with pytest.raises(ValueError, match="core's variables"):
+        FeatureSpec(name="level", config_model=level_feature.LevelConfig, hooks=(),
+                    env_vars=(envs.EnvVar("DEEPINFER_ACCELERATOR", "the level", field="level"),))
+
+
+def test_two_features_cannot_declare_the_same_variable(fake_distribution):
+    from deepinfer.plugins import feature_specs
+
+    copycat = (LEVEL_FEATURE.replace('name="level"', 'name="copycat"').replace("class Level:", "class Copycat:")
+               .replace("DEEPINFER_LEVEL", "DEEPINFER_USE_NEXTN_DECODE"))  # dspark's variable
+    fake_distribution("copycat", "1.0", {"deepinfer.features": {"copycat": "copycat:Copycat"}}, {"copycat": copycat})
+    specs, errors = feature_specs()
+    [(loser, message)] = [(n, m) for n, m in errors.items() if n in ("copycat", "dspark")]
+    assert "DEEPINFER_USE_NEXTN_DECODE" in message and "already declares" in message and loser not in specs
+
+
+def test_dspark_env_vars_map_to_fields(clean_env):
     clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
     clean_env.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     out = resolve_feature_configs(load_config(), {"dspark": DemoConfig})
     assert out["dspark"].num_draft_tokens == 0 and out["dspark"].variable_length is True
 
 
-def test_env_var_of_missing_feature_is_rejected(clean_env):
+def test_env_var_of_a_feature_outside_the_installed_ones_is_rejected(level_feature, clean_env):
+    clean_env.setenv("DEEPINFER_LEVEL", "3")
+    with pytest.raises(ValueError) as e:
+        resolve_feature_configs(load_config(), {"dspark": DemoConfig})
+    assert "DEEPINFER_LEVEL" in str(e.value) and "the feature 'level'" in str(e.value)
+
+
+def test_env_var_of_a_feature_not_in_this_release_is_rejected(clean_env):
     clean_env.setenv("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "32")
     with pytest.raises(ValueError) as e:
         resolve_feature_configs(load_config(), {})
-    assert "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS" in str(e.value) and "eplb" in str(e.value)
+    msg = str(e.value)
+    assert "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS" in msg and "eplb" in msg and "not available in this release" in msg
+    clean_env.setattr(envs, "_warned", set())
+    assert envs.warn_unknown() == []  # refused, not merely warned about
 
 
 def test_bad_env_value(clean_env):
@@ -97,7 +173,7 @@ def test_bad_env_value(clean_env):
 
 
 def test_every_variable_is_documented():
-    for var in envs.VARIABLES.values():
+    for var in [*envs.VARIABLES.values(), *(v for _, v in envs.feature_variables().values())]:
         assert var.name.startswith("DEEPINFER_") and len(var.doc) > 20
     with pytest.raises(KeyError, match="not a documented"):
         envs.get("DEEPINFER_NOT_A_THING")

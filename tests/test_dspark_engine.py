@@ -356,7 +356,7 @@ def test_environment_variables_turn_speculation_on_and_off(tiny, clean_env):
     clean_env.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
     llm = _llm(tiny)
     spec = llm.engine.speculator
-    assert spec is not None and spec.num_draft_tokens == 2 and spec.cost_model is not None
+    assert spec is not None and spec.num_draft_tokens == 2 and spec.policy.cost_model is not None
     assert llm.engine.cache.layout.max_rollback == 3
     llm.shutdown()
     clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")

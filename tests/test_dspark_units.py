@@ -6,12 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.engine.sampler import Sampler, SamplingMetadata
+from deepinfer.engine.spec_stats import SpecDecodeStats
+from deepinfer.engine.speculative import Speculation, SpeculativeDecoder
+from deepinfer.engine.verification import VerifyGroup, greedy_accept_count, verify
 from deepinfer_plugins.cpu import CpuAccelerator
-from deepinfer_plugins.features.dspark.acceptance import greedy_accept_count
 from deepinfer_plugins.features.dspark.config import DSparkConfig
-from deepinfer_plugins.features.dspark.stats import SpecDecodeStats
-from deepinfer_plugins.features.dspark.verify_scheduler import (ConfidenceCalibrator, VerifyCostModel,
-                                                                 plan_verification, profile_verify_cost)
+from deepinfer_plugins.features.dspark.verify_scheduler import (ConfidenceCalibrator, VariableLengthPolicy,
+                                                                 VerifyCostModel, plan_verification,
+                                                                 profile_verify_cost)
 
 ACC = CpuAccelerator()
 
@@ -146,6 +149,84 @@ def test_greedy_accept_count():
     assert greedy_accept_count([5, 6, 7], [4, 6, 7]) == 0
     assert greedy_accept_count([5, 6], [5, 6]) == 2
     assert greedy_accept_count([], []) == 0
+
+
+def _meta(temperatures: list[float]) -> SamplingMetadata:
+    n = len(temperatures)
+    return SamplingMetadata(temperature=temperatures, top_k=[0] * n, top_p=[1.0] * n, min_p=[0.0] * n,
+                            seeds=[None] * n, num_logprobs=[None] * n)
+
+
+def test_verify_greedy_rows_by_exact_match_with_a_bonus_and_dead_rows():
+    """Two greedy requests in one batch: the first's drafts all match (bonus token after them), the
+    second's second draft differs (the target's token replaces it, later rows carry -1); a row the
+    bitmask empties is dead."""
+    vocab = 8
+    logits = torch.full((6, vocab), -5.0)
+    logits[torch.arange(6), torch.tensor([3, 4, 5, 1, 2, 6])] = 5.0  # row argmaxes
+    groups = [VerifyGroup(0, [3, 4], None, True, None), VerifyGroup(3, [1, 7], None, True, None)]
+    sampler = Sampler(ACC, generator=torch.Generator().manual_seed(0))
+    out = verify(logits, _meta([0.0] * 6), None, groups, sampler, ACC)
+    assert out.token_ids.tolist() == [3, 4, 5, 1, 2, -1] and not out.dead.any()
+    mask = torch.full((6, 1), -1, dtype=torch.int32)
+    mask[4] = 0  # nothing allowed after the second request's first draft
+    out = verify(logits, _meta([0.0] * 6), mask, groups, sampler, ACC)
+    assert out.token_ids.tolist()[3:] == [1, -1, -1] and out.dead.tolist()[3:] == [False, True, False]
+
+
+def test_verify_rejection_samples_non_greedy_rows():
+    vocab = 4
+    logits = torch.zeros(3, vocab)
+    logits[:, 2] = 50.0  # the target puts all its mass on token 2 at every position
+    drafts = [2, 0]
+    q = torch.full((2, vocab), 0.25)
+    sampler = Sampler(ACC, generator=torch.Generator().manual_seed(0))
+    group = VerifyGroup(0, drafts, q, greedy=False, seed=123)
+    out = verify(logits, _meta([1.0] * 3), None, [group], sampler, ACC)
+    assert out.token_ids.tolist() == [2, 2, -1]  # draft 2 passes, draft 0 has p = 0: replaced by 2
+
+
+class _Drafter:
+    features = None
+    context_window = 0
+
+    def propose(self, requests, features):
+        return [None] * len(requests)
+
+    def forget(self, request_id):
+        pass
+
+
+def test_the_core_refuses_a_contribution_that_is_not_a_speculation():
+    with pytest.raises(TypeError, match="must be a Speculation"):
+        SpeculativeDecoder(object(), sampler=None, accelerator=ACC, max_model_len=64)
+    with pytest.raises(TypeError, match="must be a Speculation"):
+        SpeculativeDecoder(Speculation(drafter=object(), num_draft_tokens=2), sampler=None, accelerator=ACC,
+                           max_model_len=64)
+    spec = SpeculativeDecoder(Speculation(_Drafter(), 3), sampler=None, accelerator=ACC, max_model_len=64)
+    assert spec.plan([[0.5]]) is None and spec.draft_limit(None) == 3 and spec.draft_limit(1) == 2
+
+
+def test_the_dspark_speculator_is_a_speculation_with_the_variable_length_policy():
+    from deepinfer_plugins.features.dspark.speculator import Speculator
+
+    cost = _linear_cost(per_step=1.0, per_token=0.001)
+    fixed = Speculator(_Drafter(), DSparkConfig(num_draft_tokens=3))
+    assert isinstance(fixed, Speculation) and fixed.policy is None and fixed.num_draft_tokens == 3
+    varlen = Speculator(_Drafter(), DSparkConfig(num_draft_tokens=3, variable_length=True), cost_model=cost)
+    assert isinstance(varlen.policy, VariableLengthPolicy) and varlen.policy.cost_model is cost
+    with pytest.raises(ValueError, match="verify-cost table"):
+        Speculator(_Drafter(), DSparkConfig(variable_length=True))
+
+
+def test_variable_length_policy_explores_then_follows_the_evidence():
+    steep = _linear_cost(per_step=0.01, per_token=1.0)  # a token costs a whole step: verify nothing unsure
+    policy = VariableLengthPolicy(steep, num_draft_tokens=3)
+    policy.calibrator.min_observations = 4
+    assert policy.plan([[0.05, 0.05, 0.05]], draft_seconds=0.0) == [1]  # no evidence yet: one exploratory draft
+    for _ in range(10):
+        policy.observe([0.05, 0.05, 0.05], num_verified=1, num_accepted=0)
+    assert policy.plan([[0.05, 0.05, 0.05]], draft_seconds=0.0) == [0]  # always rejected: none
 
 
 # --------------------------------------------------------------------- variable-length verification

@@ -69,9 +69,7 @@ def test_stop_token_ids_and_eos():
     out = _first_run([5, 6, 7], stop_token_ids=[stop])
     assert out.token_ids == base.token_ids[:first + 1] and out.finish_reason == "stop" and out.stop_reason == stop
     # the same token as EOS: stops there; ignore_eos runs to max_tokens; min_tokens bans it first
-    e = toy_engine()
-    e.eos_token_ids = {stop}
-    e.runner.eos_token_ids = e.eos_token_ids
+    e = toy_engine(eos_token_ids={stop})
     eos_out = run_all(e, [[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=12)])[0].outputs[0]
     assert eos_out.token_ids == base.token_ids[:first + 1] and eos_out.finish_reason == "stop"
     assert eos_out.stop_reason is None and eos_out.text == e.tokenizer.decode(base.token_ids[:first])
@@ -247,6 +245,21 @@ def test_seq_seed_on_toy_model_is_batch_independent():
     other = _tokens(run_all(toy_engine(), [[5, 6]], [p.clone(seq_seed=99)]))[0]
     assert other != alone
     e.shutdown()
+
+
+def test_dummy_run_forwards_a_synthetic_verify_batch_and_gives_the_cache_back():
+    model = ToyModel()
+    e = toy_engine(model=model, num_slots=3)
+    seen = []
+    forward = model.forward
+    model.forward = lambda batch: seen.append((batch.query_lens, batch.context_lens)) or forward(batch)
+    e.runner.dummy_run(e.cache, num_seqs=3, query_len=4, context_len=5, token=9)
+    assert seen == [([4, 4, 4], [5, 5, 5])]
+    assert e.stats().slots_used == 0 and e.stats().blocks_used == {"c4": 0}
+    with pytest.raises(RuntimeError, match="cache pool is too small"):
+        e.runner.dummy_run(e.cache, num_seqs=4, query_len=1, context_len=1)
+    assert e.stats().slots_used == 0
+    assert run_all(e, [[5, 6]], [GREEDY])[0].outputs[0].finish_reason == "length"  # the engine carries on
 
 
 # ------------------------------------------------------------------ tiny DeepSeek-V4 checkpoint

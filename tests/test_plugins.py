@@ -130,3 +130,17 @@ def test_probes_of_absent_hardware_are_clear():
 def test_accelerator_is_abstract():
     with pytest.raises(TypeError):
         Accelerator()
+
+
+def test_doctor_lists_the_features_and_every_variable(clean_env, capsys):
+    import re
+
+    from deepinfer.cli import main
+
+    clean_env.setenv("DEEPINFER_ACCELERATOR", "cpu")
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^structured_output +on +regex / JSON-schema", out, re.M)
+    assert re.search(r"^dspark +off +speculative decoding", out, re.M)
+    assert "DEEPINFER_ACCELERATOR: Back end to use" in out
+    assert "DEEPINFER_USE_NEXTN_DECODE: feature dspark: Maximum speculative draft length" in out

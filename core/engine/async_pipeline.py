@@ -1,8 +1,9 @@
 """The async batch pipeline's worker: one daemon thread that executes prepared steps in order.
 
-While the worker runs step N (forward, then sampling), the engine thread applies step N-1's
-results, fills step N's logits-processor bitmasks, and schedules and prepares step N+1. On the
-CPU back end the forward is torch kernels, which release the GIL, so the two threads overlap.
+While the worker runs step N (forward, then sampling), the engine thread schedules and prepares
+step N+1, applies step N-1's results and fills step N's logits-processor bitmasks
+(`executor.AsyncExecutor` drives it). On the CPU back end the forward is torch kernels, which
+release the GIL, so the two threads overlap.
 
 The thread is a daemon (it can never keep the interpreter alive) and `shutdown` joins it: it
 fails every queued step and unblocks a step waiting for its bitmask, so Ctrl-C or an engine error
@@ -19,7 +20,7 @@ import weakref
 from concurrent.futures import Future
 
 from deepinfer.engine.runner import ModelRunner, PreparedStep
-from deepinfer.engine.sampler import SamplerOutput
+from deepinfer.engine.scheduler import ModelRunnerOutput
 
 _STOP = object()
 
@@ -40,7 +41,7 @@ class StepWorker:
         atexit.register(_shutdown_at_exit, weakref.ref(self))
 
     def submit(self, step: PreparedStep) -> Future:
-        """Queue `step`; the future resolves to its SamplerOutput (or the error it raised)."""
+        """Queue `step`; the future resolves to its ModelRunnerOutput (or the error it raised)."""
         result: Future = Future()
         with self._lock:
             if self._closed:
@@ -58,7 +59,7 @@ class StepWorker:
             try:
                 if not result.set_running_or_notify_cancel():
                     continue
-                out: SamplerOutput = self.runner.execute(step)
+                out: ModelRunnerOutput = self.runner.execute(step)
                 result.set_result(out)
             except BaseException as exc:  # handed to the engine thread, which re-raises it
                 if not result.done():

@@ -1,14 +1,23 @@
-"""One request's life in the engine: its tokens, progress, cache resources and finish state."""
+"""One request's life in the engine: its tokens, progress, cache resources and finish state.
+
+Who writes what: the `Scheduler` is the only writer of a request's state once it exists (queue
+status, `num_computed_tokens`, pending and output tokens, drafts, finish state, final text); the
+`CacheManager` it calls writes `slot` and `block_ids`. Admission only builds a request; the runner,
+the drafter and the output processor only read it (the runner through its `ScheduledRequest`).
+"""
 from __future__ import annotations
 
 import enum
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from deepinfer.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.engine.speculative import Drafts
 
 
 class RequestStatus(enum.Enum):
@@ -24,7 +33,8 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_index: int  # FCFS order; lower = older
-    eos_token_id: int | None = None
+    #: logits processors (by index in the engine's list) that track this request (set at admission)
+    processors: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
 
     status: RequestStatus = RequestStatus.WAITING
@@ -36,12 +46,11 @@ class Request:
     num_pending_tokens: int = 0
     slot: int | None = None
     block_ids: dict[str, list[int]] = field(default_factory=dict)
-    #: logits processors (by index in the engine's list) that track this request.
-    processors: list[int] = field(default_factory=list)
-    #: speculative decoding: drafts for the tokens after the last one, verified with it next step,
-    #: and the draft proposer's own record of them (confidences, draft distributions).
-    draft_token_ids: list[int] = field(default_factory=list)
-    draft_state: Any = None
+    #: speculative decoding: the drafts for the tokens after the last one (verified with it in the
+    #: next step), with the drafter's confidences and draft distributions
+    drafts: Drafts | None = None
+    #: drafts the verification policy let this request verify when it last planned (None: never)
+    num_drafts_planned: int | None = None
     num_drafts_verified: int = 0
     num_drafts_accepted: int = 0
 
@@ -53,8 +62,6 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
-    stop_decoder: Any = None  # incremental detokenizer, only for requests with stop strings
-    stop_text: str = ""  # text decoded so far by stop_decoder
     text: str = ""  # final text, set when the request finishes
 
     # -- token counts -----------------------------------------------------------------------------
@@ -75,6 +82,10 @@ class Request:
     @property
     def num_outputs_with_pending(self) -> int:
         return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return [] if self.drafts is None else self.drafts.token_ids
 
     def token_at(self, index: int) -> int:
         p = len(self.prompt_token_ids)

@@ -1,14 +1,15 @@
-"""Model runner: SchedulerOutput -> ragged ForwardBatch (host side) -> forward + sampling (device side).
+"""Model runner: SchedulerOutput -> ragged ForwardBatch (host side) -> forward + sampling -> ModelRunnerOutput.
 
-`prepare` runs on the engine thread and only reads the scheduler output; `execute` may run on the
-async pipeline's worker thread. An input token sampled by the step still in flight is a
-placeholder row, filled in `execute` from that step's sampled tokens (which exist by then, since
-steps execute in order).
+The runner reads only the scheduler output (`ScheduledRequest`: tokens, positions, cache slot and
+block ids, sampling parameters, drafts) and writes no request. `prepare` runs on the engine thread;
+`execute` may run on the async pipeline's worker thread. An input token sampled by the step still
+in flight is a placeholder row, filled in `execute` from that step's sampled tokens (which exist by
+then, since steps execute in order).
 
-Speculative decoding (a `speculator` from the draft_proposer slot): a decode carries its drafts as
-extra input rows and gets a logits row per input row; `execute` lets the speculator accept or
-reject the drafts (`verify`) and then draft for the next step (`propose`) from the target's final
-residual streams of the rows it needs (`DraftRows`).
+Speculative decoding (`speculator`, a core `SpeculativeDecoder`): a decode carries its drafts as
+extra input rows and gets a logits row per input row; `execute` verifies the drafts instead of
+plain sampling, then lets the drafter propose the next ones from the target's final residual
+streams of the rows it needs (`DraftRows`).
 """
 from __future__ import annotations
 
@@ -17,24 +18,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine.cache_manager import CacheManager
+from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
-from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from deepinfer.engine.scheduler import ModelRunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
+from deepinfer.engine.speculative import DraftRows, SpeculativeDecoder
 from deepinfer.models.interface import ForwardBatch
-
-
-@dataclass
-class DraftRows:
-    """One scheduled request's rows as the draft proposer needs them (speculative decoding)."""
-
-    scheduled: ScheduledRequest
-    slot: int  # its cache slot in this step (the request may be preempted while the step runs)
-    logits_start: int | None  # its first logits row; None for a chunk that samples nothing
-    stream_start: int  # its first row of ForwardOutput.streams
-    first_position: int  # position of that row
-    num_stream_rows: int  # rows with streams: the last `context_window` positions of the chunk
-    following_ids: list[int]  # the known input token after each stream row, up to the last known row
-    next_known: int | None  # the token after the chunk, for a chunk that samples nothing
-    num_known_tokens: int  # request.num_tokens when scheduled
+from deepinfer.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)
@@ -45,7 +35,6 @@ class PreparedStep:
     sample_rows: list[ScheduledRequest]  # one per sampled request, in order
     logits_starts: list[int] = field(default_factory=list)  # first logits row of each (1 + drafts rows)
     draft_rows: list[DraftRows] = field(default_factory=list)  # speculative decoding only
-    drafts: dict = field(default_factory=dict)  # request id -> the speculator's next drafts (set by execute)
     prev: PreparedStep | None = None  # the step whose sampled tokens fill the placeholders
     placeholder_rows: list[int] = field(default_factory=list)  # rows of input_ids to fill
     placeholder_src: list[int] = field(default_factory=list)  # logits rows of `prev` that fill them
@@ -62,7 +51,7 @@ class ModelRunner:
         self.device = device
         self.group_names = block_group_names
         self.eos_token_ids = eos_token_ids
-        self.speculator = None  # set by the engine when a draft proposer is enabled
+        self.speculator: SpeculativeDecoder | None = None  # set by the engine when speculative decoding is on
 
     # -- host side --------------------------------------------------------------------------------
 
@@ -77,7 +66,7 @@ class ModelRunner:
         prev_rows = {s.request_id: prev.logits_starts[i] for i, s in enumerate(prev.sample_rows)} \
             if prev is not None else {}
         spec = self.speculator
-        window = spec.context_window if spec is not None and spec.features else 0
+        window = spec.stream_window if spec is not None else 0
         stream_indices: list[int] = []
         draft_rows: list[DraftRows] = []
         for s in sched.scheduled:
@@ -98,25 +87,23 @@ class ModelRunner:
                 sample_rows.append(s)
             if spec is not None:
                 end = s.context_len + s.query_len
-                first = max(s.context_len, s.request.num_tokens - window) if window else end
+                first = max(s.context_len, s.num_known_tokens - window) if window else end
                 rows = range(start + first - s.context_len, start + s.query_len)
                 if s.sample or rows:
                     known_last = start + s.query_len - 1 - m  # last row with a known input token
                     draft_rows.append(DraftRows(
-                        scheduled=s, slot=s.request.slot, logits_start=logits_starts[-1] if s.sample else None,
+                        scheduled=s, logits_start=logits_starts[-1] if s.sample else None,
                         stream_start=len(stream_indices), first_position=first, num_stream_rows=len(rows),
                         following_ids=input_ids[rows.start + 1:known_last + 1] if rows else [],
-                        next_known=None if s.sample else s.request.token_at(end),
-                        num_known_tokens=s.request.num_tokens))
+                        next_known=None if s.sample else s.tokens(end, end + 1)[0]))
                     stream_indices += rows
 
-        reqs = [s.request for s in sched.scheduled]
         block_tables = {}
         for name in self.group_names:
-            width = max([len(r.block_ids.get(name, ())) for r in reqs] + [1])
-            table = torch.full((len(reqs), width), -1, dtype=torch.int64)
-            for i, r in enumerate(reqs):
-                ids = r.block_ids.get(name, [])
+            width = max([len(s.block_ids.get(name, ())) for s in sched.scheduled] + [1])
+            table = torch.full((len(sched.scheduled), width), -1, dtype=torch.int64)
+            for i, s in enumerate(sched.scheduled):
+                ids = s.block_ids.get(name, [])
                 if ids:
                     table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
             block_tables[name] = table.to(self.device)
@@ -126,7 +113,7 @@ class ModelRunner:
             positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
             query_lens=[s.query_len for s in sched.scheduled],
             context_lens=[s.context_len for s in sched.scheduled],
-            slots=torch.tensor([r.slot for r in reqs], dtype=torch.int64, device=self.device),
+            slots=torch.tensor([s.slot for s in sched.scheduled], dtype=torch.int64, device=self.device),
             block_tables=block_tables,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             return_streams=bool(stream_indices),
@@ -138,7 +125,7 @@ class ModelRunner:
                             sample_rows=sample_rows, logits_starts=logits_starts, draft_rows=draft_rows,
                             prev=prev if placeholder_rows else None,
                             placeholder_rows=placeholder_rows, placeholder_src=placeholder_src,
-                            needs_bitmask=any(s.request.processors for s in sample_rows))
+                            needs_bitmask=any(s.constrained for s in sample_rows))
         if not step.needs_bitmask:
             step.bitmask.set_result(None)
         return step
@@ -147,7 +134,7 @@ class ModelRunner:
         """One entry per logits row: (request, offset of the row among its 1 + drafts rows)."""
         meta = SamplingMetadata(temperature=[], top_k=[], top_p=[], min_p=[], seeds=[], num_logprobs=[])
         for i, (s, offset) in enumerate(rows):
-            p = s.request.params
+            p = s.params
             output_index = s.output_index + offset
             meta.temperature.append(0.0 if p.greedy else float(p.temperature))
             meta.top_k.append(p.effective_top_k)
@@ -163,9 +150,30 @@ class ModelRunner:
                     meta.banned.append((i, sorted(banned)))
         return meta
 
+    def dummy_run(self, cache: CacheManager, num_seqs: int, query_len: int, context_len: int, token: int = 0) -> None:
+        """One target forward of `num_seqs` synthetic sequences, each with `query_len` new tokens (a
+        decode verifying query_len - 1 drafts) after `context_len` tokens, then a device sync: for
+        start-up profiling (speculative decoding times its verify cost with it). The cache it needs
+        is held for the call only; the state it writes is overwritten by later steps."""
+        requests = [Request(request_id=f"dummy-{i}", prompt=None, prompt_token_ids=[token] * (context_len + 1),
+                            params=SamplingParams(max_tokens=1), arrival_index=-1) for i in range(num_seqs)]
+        try:
+            for r in requests:
+                if not cache.allocate(r, context_len + query_len):
+                    raise RuntimeError(f"the cache pool is too small for {num_seqs} sequences of "
+                                       f"{context_len + query_len} tokens")
+            scheduled = [ScheduledRequest(request=r, context_len=context_len, token_ids=[token], num_placeholders=0,
+                                          sample=True, output_index=0, draft_token_ids=[token] * (query_len - 1))
+                         for r in requests]
+            self.model.forward(self.prepare(SchedulerOutput(step_id=0, scheduled=scheduled), None).batch)
+            self.sampler.accelerator.synchronize()
+        finally:
+            for r in requests:
+                cache.free(r)
+
     # -- device side ------------------------------------------------------------------------------
 
-    def execute(self, step: PreparedStep) -> SamplerOutput:
+    def execute(self, step: PreparedStep) -> ModelRunnerOutput:
         batch = step.batch
         if step.placeholder_rows:
             prev_tokens = step.prev.sampled.token_ids.to(self.device)
@@ -179,10 +187,33 @@ class ModelRunner:
         bitmask = step.bitmask.result()  # the engine thread fills it while the forward runs
         if bitmask is not None:
             bitmask = bitmask.to(logits.device)
+        drafts = {}
         if self.speculator is None:
             out = self.sampler(logits, step.sampling, bitmask)
         else:
-            out = self.speculator.verify(logits, step, bitmask, self.sampler)
-            step.drafts = self.speculator.propose(step, forward.streams, out)
+            out = self.speculator.verify(logits, step, bitmask)
+            drafts = self.speculator.propose(step, forward.streams, out)
         step.sampled = out
-        return out
+        return ModelRunnerOutput(sampled=self._per_request(step, out), drafts=drafts)
+
+    @staticmethod
+    def _per_request(step: PreparedStep, out: SamplerOutput) -> dict[str, SampledTokens]:
+        """The sampler's rows as each request's emitted tokens (rows after them carry -1)."""
+        tokens = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist()
+        dead = out.dead.tolist()
+        ranks = out.ranks.tolist() if out.ranks is not None else None
+        result = {}
+        for start, s in zip(step.logits_starts, step.sample_rows):
+            end = start + len(s.draft_token_ids) + 1
+            n = next((i for i in range(start, end) if tokens[i] < 0), end) - start
+            k = s.params.logprobs
+            top = None
+            if k and out.top_ids is not None:
+                top = [list(zip(out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()))
+                       for row in range(start, start + n)]
+            result[s.request_id] = SampledTokens(
+                token_ids=tokens[start:start + n], logprobs=logprobs[start:start + n],
+                ranks=ranks[start:start + n] if ranks is not None and k is not None else None, top=top,
+                dead=start + n < end and dead[start + n])
+        return result

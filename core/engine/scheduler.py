@@ -1,43 +1,75 @@
-"""Continuous batching: which requests run this step, and how many tokens each.
+"""Continuous batching: which requests run this step and how many tokens each, and what the step did.
 
-Policy (vLLM v1 style, one token budget per step):
-- running requests first, decodes (one token left) before prefill chunks, oldest first;
-- then waiting requests, strictly first come first served, while `max_num_seqs` and the token
-  budget allow and the cache has room for their first chunk;
-- a prompt longer than the remaining budget is prefilled in chunks over several steps;
-- when the cache is full, the newest running request is preempted by recompute: its slot and
-  blocks are freed, it goes back to the waiting queue with its generated tokens kept, and later
-  recomputes prompt + generated tokens and continues where it stopped.
+The scheduler is the only writer of request state. Two calls per step:
 
-Speculative decoding (`speculative`): a decode carries its drafts (`Request.draft_token_ids`, at
-most what the budget, max_tokens and max_model_len leave room for) and is scheduled as 1 + m query
-tokens; the drafts' positions count as computed until the engine rolls back the rejected ones. A
-request whose step is still in flight is not scheduled again until its result is applied.
+- `schedule()` -> `SchedulerOutput`: the typed contract the runner executes (the runner reads
+  nothing else). Policy (vLLM v1 style, one token budget per step): running requests first,
+  decodes (one token left) before prefill chunks, oldest first; then waiting requests, strictly
+  first come first served, while `max_num_seqs` and the token budget allow and the cache has room
+  for their first chunk. A prompt longer than the remaining budget is prefilled in chunks over
+  several steps. When the cache is full, the newest running request is preempted by recompute: its
+  slot and blocks are freed, it goes back to the waiting queue with its generated tokens kept, and
+  later recomputes prompt + generated tokens and continues where it stopped.
+- `update_from_output(scheduler_output, runner_output)`: applies the step's sampled tokens (the
+  logits processors' `accept`, logprobs, stop checks), finishes requests, and for speculative
+  decoding rolls `num_computed_tokens` back over the rejected drafts and stores the next drafts.
 
-The scheduler never touches a device: `schedule()` returns a `SchedulerOutput`, the typed contract
-the runner executes. It works with steps in flight (async pipeline): a token sampled by a step that
-has not finished yet is counted in `num_pending_tokens` and scheduled as a placeholder input.
+It works with steps in flight (async pipeline): a token sampled by a step whose result has not
+been applied yet is counted in `num_pending_tokens` and scheduled as a placeholder input.
+
+Speculative decoding (`speculator`): a decode carries its drafts (at most what the budget,
+max_tokens and max_model_len leave room for) and is scheduled as 1 + m query tokens; the drafts'
+positions count as computed until the update rolls back the rejected ones. A request whose step
+is still in flight is not scheduled again until its result is applied (its next input depends on
+how many drafts were accepted).
 """
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
 from deepinfer.engine.cache_manager import CacheManager
+from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.speculative import Drafts, SpeculativeDecoder
+from deepinfer.engine.structured_masks import StructuredMasks
+from deepinfer.sampling_params import SamplingParams
+
+DEAD_END = "grammar_dead_end"
 
 
 @dataclass
 class ScheduledRequest:
+    """One request's share of a step. Everything the runner and the drafter read about the
+    request; the cache fields are taken from the request when this entry is made."""
+
     request: Request
     context_len: int  # tokens already in the model state (first position of this chunk)
     token_ids: list[int]  # known input tokens of this chunk
     num_placeholders: int  # trailing inputs sampled by the step in flight (filled by the runner)
     sample: bool  # this chunk reaches the end of the known tokens: sample the next token
     output_index: int  # index among generated tokens of the token sampled after this chunk
-    #: speculative decoding: drafts verified after the last known token (a decode step only)
+    #: speculative decoding (a decode step only): drafts verified after the last known token, the
+    #: distributions they were drawn from (None: greedy drafts) and the drafter's confidences
     draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    draft_confidence: list[float] = field(default_factory=list)
+    draft_limit: int = 0  # the most drafts to propose for the request's next step
+    slot: int | None = field(init=False)
+    block_ids: dict[str, list[int]] = field(init=False)
+    num_known_tokens: int = field(init=False)  # prompt + generated tokens known when scheduled
+    constrained: bool = field(init=False)  # logits processors track the request (bitmasks)
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.slot = r.slot
+        self.block_ids = {name: list(ids) for name, ids in r.block_ids.items()}
+        self.num_known_tokens = r.num_tokens
+        self.constrained = bool(r.processors)
 
     @property
     def query_len(self) -> int:
@@ -51,6 +83,17 @@ class ScheduledRequest:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end) of the request (end <= num_known_tokens; the token history
+        only grows, so this stays valid while the step runs)."""
+        if end > self.num_known_tokens:
+            raise IndexError(f"tokens up to {end} requested, but {self.num_known_tokens} were known when scheduled")
+        return self.request.tokens(start, end)
 
 
 @dataclass
@@ -74,15 +117,40 @@ class SchedulerOutput:
         return [s for s in self.scheduled if s.sample]
 
 
+@dataclass
+class SampledTokens:
+    """One sampled request's result in a step: the tokens it emits, in order (one without
+    speculation; the accepted drafts and one target token with it), their raw log-probabilities,
+    and whether the position after them had every token masked (nothing could be sampled)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int] | None = None  # per token, its rank (1 = most likely), when the request asks for logprobs
+    top: list[list[tuple[int, float]]] | None = None  # per token, the request's top-k (id, logprob)
+    dead: bool = False
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What a step computed, by request id: what each sampled request emits, and the next drafts."""
+
+    sampled: dict[str, SampledTokens]
+    drafts: dict[str, Drafts] = field(default_factory=dict)
+
+
 class Scheduler:
-    def __init__(self, cache: CacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, cache: CacheManager, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 outputs: OutputProcessor | None = None, masks: StructuredMasks | None = None,
+                 speculator: SpeculativeDecoder | None = None):
         self.cache = cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        #: speculative decoding is on: decodes carry their drafts, and a request whose step is still
-        #: in flight waits for it (its next input depends on how many drafts were accepted)
-        self.speculative = False
+        self.outputs = outputs or OutputProcessor(max_model_len=max_model_len)
+        self.masks = masks or StructuredMasks([], vocab_size=0)
+        #: speculative decoding (None: off); the engine sets it once its features have started
+        self.speculator = speculator
+        self.requests: dict[str, Request] = {}  # every unfinished request, in admission order
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._step = 0
@@ -91,8 +159,36 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
         self._enqueue(request)
+
+    def reject(self, request: Request, problem: str) -> None:
+        """Finish a request that admission refused (it was never queued)."""
+        request.finish("error", error=problem)
+        request.text = self.outputs.final_text(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort_all(self) -> list[Request]:
+        """Finish every unfinished request with "abort" (after an interrupt); returns them."""
+        aborted = list(self.requests.values())
+        for req in aborted:
+            self._finish(req, "abort", error="aborted")
+        return aborted
+
+    def apply_failures(self, failures: dict[str, tuple[str, str]]) -> list[Request]:
+        """Finish the requests the logits processors cannot continue: id -> (finish reason, message)."""
+        done = []
+        for rid, (reason, message) in failures.items():
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, reason, error=message)
+                done.append(req)
+        return done
 
     def _enqueue(self, request: Request) -> None:
         if not self.waiting or self.waiting[-1].arrival_index < request.arrival_index:
@@ -101,22 +197,23 @@ class Scheduler:
         keys = [r.arrival_index for r in self.waiting]  # a preempted request returns to its place
         self.waiting.insert(bisect.bisect(keys, request.arrival_index), request)
 
-    def finish_request(self, request: Request) -> None:
-        """Remove a finished request from the queues and free its cache (call after `finish`)."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.cache.free(request)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+    def _finish(self, req: Request, reason: str, stop_reason: int | str | None = None, error: str | None = None) -> None:
+        req.finish(reason, stop_reason=stop_reason, error=error)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.cache.free(req)
+        self.masks.remove(req)
+        self.requests.pop(req.request_id, None)
+        req.text = self.outputs.final_text(req)
+        self.outputs.release(req.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.cache.free(request)
         request.num_computed_tokens = 0
-        request.draft_token_ids = []  # a recomputed request drafts anew after its last chunk
+        request.drafts = None  # a recomputed request drafts anew after its last chunk
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.WAITING
@@ -127,17 +224,11 @@ class Scheduler:
         return (r.num_outputs_with_pending >= r.params.max_tokens
                 or r.num_tokens_with_pending >= self.max_model_len)
 
-    def _num_drafts(self, r: Request, remaining: int, budget: int) -> int:
-        """Drafts to verify with a decode: as many as it has, within the token budget and without
-        passing max_tokens or max_model_len even if all of them are accepted."""
-        if not (self.speculative and r.draft_token_ids and remaining == 1):
-            return 0
-        return max(0, min(len(r.draft_token_ids), budget - 1, r.params.max_tokens - r.num_outputs_with_pending - 1,
-                          self.max_model_len - r.num_tokens_with_pending - 1))
-
-    # -- one step ---------------------------------------------------------------------------------
+    # -- one step: what to run --------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.speculator is not None:
+            self._plan_drafts()
         budget = self.max_num_batched_tokens
         plan: dict[Request, int] = {}  # request -> new tokens this step (applied at the end)
         drafts: dict[Request, int] = {}  # request -> drafts among them
@@ -152,7 +243,7 @@ class Scheduler:
                 break
             if req not in self.running or remaining(req) <= 0 or self._done_generating(req):
                 continue
-            if self.speculative and req.num_pending_tokens:
+            if self.speculator is not None and req.num_pending_tokens:
                 continue
             m = self._num_drafts(req, remaining(req), budget)
             n = min(remaining(req), budget) + m
@@ -193,6 +284,24 @@ class Scheduler:
         return SchedulerOutput(step_id=self._step, scheduled=scheduled, preempted=preempted,
                                num_waiting=len(self.waiting), num_running=len(self.running))
 
+    def _plan_drafts(self) -> None:
+        """Speculative decoding with a verification policy: keep, per decode, the drafts it verifies."""
+        ready = [r for r in self.running if r.draft_token_ids and not r.num_pending_tokens]
+        counts = self.speculator.plan([r.drafts.confidence for r in ready]) if ready else None
+        if counts is None:
+            return
+        for r, m in zip(ready, counts):
+            r.drafts = r.drafts.truncate(m) if m else None
+            r.num_drafts_planned = m
+
+    def _num_drafts(self, r: Request, remaining: int, budget: int) -> int:
+        """Drafts to verify with a decode: as many as it has, within the token budget and without
+        passing max_tokens or max_model_len even if all of them are accepted."""
+        if not (self.speculator is not None and r.draft_token_ids and remaining == 1):
+            return 0
+        return max(0, min(len(r.draft_token_ids), budget - 1, r.params.max_tokens - r.num_outputs_with_pending - 1,
+                          self.max_model_len - r.num_tokens_with_pending - 1))
+
     def _commit(self, req: Request, n: int, num_drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
         end = start + n - num_drafts
@@ -200,10 +309,89 @@ class Scheduler:
         sample = end == req.num_tokens_with_pending
         out = ScheduledRequest(
             request=req, context_len=start, token_ids=req.tokens(start, known_end),
-            num_placeholders=end - known_end, sample=sample, output_index=req.num_outputs_with_pending,
-            draft_token_ids=req.draft_token_ids[:num_drafts])
-        # the drafts' positions are written too; the engine rolls back those rejected
+            num_placeholders=end - known_end, sample=sample, output_index=req.num_outputs_with_pending)
+        if self.speculator is not None:
+            if num_drafts:
+                chosen = req.drafts.truncate(num_drafts)
+                out.draft_token_ids, out.draft_probs, out.draft_confidence = \
+                    chosen.token_ids, chosen.probs, chosen.confidence
+            out.draft_limit = self.speculator.draft_limit(req.num_drafts_planned)
+        # the drafts' positions are written too; the update rolls back those rejected
         req.num_computed_tokens = end + num_drafts
         if sample:
             req.num_pending_tokens += 1
         return out
+
+    # -- one step: what it did --------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
+        """Apply a finished step's results; returns the requests that finished."""
+        finished: list[Request] = []
+        outcomes: list[tuple[int, int]] = []  # (drafts verified, drafts accepted) per verification
+        for s in scheduler_output.sampled:
+            req = s.request
+            result = output.sampled[s.request_id]
+            req.num_pending_tokens -= 1
+            accepted = max(len(result.token_ids) - 1, 0)  # a verification emits the accepted drafts and one more
+            if s.draft_token_ids:
+                self.speculator.observe(s.draft_confidence, len(s.draft_token_ids), accepted)
+            if req.is_finished:
+                continue  # finished while the step ran (async); its tokens are discarded
+            self._apply_tokens(req, result, finished)
+            if self.speculator is not None:
+                self._after_verification(s, accepted, output.drafts.get(s.request_id), outcomes)
+        if outcomes:
+            self.speculator.stats.record_step(outcomes)
+        return finished
+
+    def _apply_tokens(self, req: Request, result: SampledTokens, finished: list[Request]) -> None:
+        for i, token in enumerate(result.token_ids):
+            stop_by_processor = self.masks.accept(req, token)
+            if req.processors:
+                finished += self.apply_failures(self.masks.pop_failures())
+                if req.is_finished:
+                    return  # its token is discarded
+            self._append(req, token, result, i)
+            reason, stop_reason = ("stop", None) if stop_by_processor else self.outputs.check_stop(req)
+            if reason is not None:
+                self._finish(req, reason, stop_reason=stop_reason)
+                finished.append(req)
+                return  # the rest is discarded
+        if result.dead:
+            self._finish(req, DEAD_END, error="every token of the vocabulary was masked by the logits processors, "
+                                              "so no token could be sampled")
+            finished.append(req)
+
+    def _append(self, req: Request, token: int, result: SampledTokens, i: int) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_token_ids.append(token)
+        req.sum_logprob += result.logprobs[i]
+        if req.params.logprobs is not None:
+            if req.logprobs is None:
+                req.logprobs = []
+            req.logprobs.append(self.outputs.logprob_entry(token, result.logprobs[i], result.ranks[i],
+                                                           result.top[i] if result.top is not None else ()))
+
+    def _after_verification(self, s: ScheduledRequest, accepted: int, drafts: Drafts | None,
+                            outcomes: list[tuple[int, int]]) -> None:
+        """Speculative decoding: counts, rollback of the rejected drafts' positions, next drafts.
+
+        The model's state of a rejected draft's position needs no undo: the sequence length is set
+        back and the next step overwrites it (the cache rings hold `max_rollback` extra positions).
+        Logits processors never saw the rejected drafts (they accept emitted tokens only), and the
+        drafter restarts from the committed length at every step."""
+        req = s.request
+        num_drafts = len(s.draft_token_ids)
+        if s.is_decode:
+            outcomes.append((num_drafts, accepted))
+            req.num_drafts_verified += num_drafts
+            req.num_drafts_accepted += accepted
+        req.drafts = None
+        if req.is_finished or req.status is not RequestStatus.RUNNING:
+            return  # finished, or preempted while this step ran (its state is recomputed)
+        req.num_computed_tokens = s.context_len + s.query_len - num_drafts + accepted
+        if drafts is not None and drafts.token_ids:
+            # a draft the request's grammar rejects can never be accepted: not worth verifying
+            valid = self.masks.valid_draft_prefix(req, drafts.token_ids)
+            req.drafts = drafts.truncate(valid) if valid else None

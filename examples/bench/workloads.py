@@ -101,9 +101,9 @@ def run_requests(llm: Any, prompts: list[list[int]], params: Any, profiler: Any 
 
 def _abort_and_wait(engine: Any) -> None:
     """Abort the remaining requests and wait for the step still running on the worker thread, so
-    that it is not billed to whatever is timed next. (`_in_flight` is the engine's (step, future)
-    pair; without it there is nothing to wait for.)"""
-    in_flight = getattr(engine, "_in_flight", None)
+    that it is not billed to whatever is timed next. (The async executor's `in_flight` is its
+    (step, future) pair; the synchronous executor has none, so there is nothing to wait for.)"""
+    in_flight = getattr(engine.executor, "in_flight", None)
     engine.abort_all()
     if in_flight is not None:
         try:

@@ -1,7 +1,7 @@
 """Settings of the DSpark speculative-decoding feature: the `[features.dspark]` table.
 
-Environment variables map onto two fields (core/envs.py): DEEPINFER_USE_NEXTN_DECODE ->
-`num_draft_tokens`, DEEPINFER_ENABLE_MTP_VARLEN -> `variable_length`.
+Two environment variables map onto fields (declared on the FeatureSpec, in `__init__.py`):
+DEEPINFER_USE_NEXTN_DECODE -> `num_draft_tokens`, DEEPINFER_ENABLE_MTP_VARLEN -> `variable_length`.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The V4 MTP drafter: the checkpoint's `mtp.0` block drafts autoregressively (deepseek-v4.md §14.1).
+"""The V4 MTP drafter: the checkpoint's multi-token-prediction block `mtp.0` drafts autoregressively.
 
 Token alignment: the MTP row at position t reads the trunk's final residual streams at t (before
 hc_head) and the embedding of the token at t+1, and predicts the token at t+2. After a step that
@@ -22,12 +22,16 @@ from typing import Any
 
 import torch
 
+from deepinfer.engine.speculative import DraftRequest, Drafts
 from deepinfer.models.interface import ForwardBatch
 
-from .proposer import DraftProposer, DraftRequest, Drafts, choose_drafts
+from .proposer import choose_drafts
 
 
-class MtpDrafter(DraftProposer):
+class MtpDrafter:
+    """A core `Drafter`: reads the trunk's final residual streams of the last `sliding_window`
+    committed positions of each sequence."""
+
     features = "final_streams"
 
     def __init__(self, model: Any, accelerator: Any, shared_generator: torch.Generator | None = None):
@@ -50,6 +54,9 @@ class MtpDrafter(DraftProposer):
             query_lens=[len(ps) for ps in positions], context_lens=[ps[0] for ps in positions],
             slots=torch.tensor(slots, dtype=torch.int64, device=dev), block_tables={},
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev), return_streams=True)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing to drop: the drafter's only state is the MTP ring in the request's engine slot."""
 
     @torch.no_grad()
     def propose(self, requests: list[DraftRequest], features: torch.Tensor | None) -> list[Drafts | None]:

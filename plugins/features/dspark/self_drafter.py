@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from deepinfer.engine.cache_manager import CacheManager
+from deepinfer.engine.speculative import DraftRequest, Drafts
 from deepinfer.models.interface import ForwardBatch, allocate_cache_tensors
 
-from .proposer import DraftProposer, DraftRequest, Drafts, choose_drafts
+from .proposer import choose_drafts
 
 
 @dataclass(eq=False)
@@ -33,7 +34,9 @@ class _DraftSequence:
     num_computed: int = 0  # positions whose state is exact (committed tokens run through the twin)
 
 
-class SelfDrafter(DraftProposer):
+class SelfDrafter:
+    """A core `Drafter` that reads no target features (tokens only)."""
+
     features = None
     context_window = 0
 

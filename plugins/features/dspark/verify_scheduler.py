@@ -16,7 +16,8 @@ as much per token as decoding (a CPU) or confidence is low, it verifies few or n
 
 `VerifyCostModel` holds the table, profiled at engine start on the selected back end by timing the
 real target forward on synthetic batches (`profile_verify_cost`); nothing in it is specific to
-one kind of hardware.
+one kind of hardware. `VariableLengthPolicy` is what the core calls (its `VerifyPolicy` protocol):
+`plan` before each schedule, `observe` after each verification.
 """
 from __future__ import annotations
 
@@ -102,6 +103,27 @@ class ConfidenceCalibrator:
             self.accepted[i][b] += i < num_accepted
 
 
+class VariableLengthPolicy:
+    """The core's `VerifyPolicy` for confidence-scheduled verification: calibrated confidences,
+    the expected-gain-per-second schedule over the profiled cost table, and one exploratory draft
+    where the calibration has too little evidence."""
+
+    def __init__(self, cost_model: VerifyCostModel, num_draft_tokens: int):
+        self.cost_model = cost_model
+        self.calibrator = ConfidenceCalibrator(num_draft_tokens)
+
+    def plan(self, confidences: list[list[float]], draft_seconds: float) -> list[int]:
+        calibrated = [[self.calibrator.calibrate(i, c) for i, c in enumerate(conf)] for conf in confidences]
+        chosen = plan_verification(calibrated, self.cost_model, draft_seconds)
+        for r, (conf, m) in enumerate(zip(confidences, chosen)):
+            if m < len(conf) and self.calibrator.needs_evidence(m, conf[m]):
+                chosen[r] = m + 1  # explore: one more draft whose acceptance has hardly been measured
+        return chosen
+
+    def observe(self, confidences: list[float], num_verified: int, num_accepted: int) -> None:
+        self.calibrator.observe(confidences, num_verified, num_accepted)
+
+
 def plan_verification(confidences: list[list[float]], cost: VerifyCostModel, overhead_seconds: float = 0.0,
                       extra_tokens: int = 0) -> list[int]:
     """How many leading drafts of each request to verify this step.
@@ -164,4 +186,5 @@ def format_cost_table(cost: VerifyCostModel) -> str:
                      for b, points in cost.table.items())
 
 
-__all__ = ["VerifyCostModel", "format_cost_table", "plan_verification", "profile_verify_cost"]
+__all__ = ["ConfidenceCalibrator", "VariableLengthPolicy", "VerifyCostModel", "format_cost_table", "plan_verification",
+           "profile_verify_cost"]

@@ -9,34 +9,41 @@ This module stays import-light: the entry point imports it to read the FeatureSp
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Callable
 
 from deepinfer.features import FeatureSpec
-from deepinfer.hookspecs import hookimpl
+from deepinfer.hookspecs import EngineContext, hookimpl
 
 from .config import StructuredOutputConfig
+
+if TYPE_CHECKING:
+    from .processor import StructuredOutputProcessor
+    from .vocabulary import Vocabulary
 
 NAME = "structured_output"
 
 
-def _engine_vocabulary(engine: Any, config: StructuredOutputConfig):
+def _engine_vocabulary(engine: EngineContext, config: StructuredOutputConfig) -> Callable[[], Vocabulary]:
     """A zero-argument factory of the engine's `Vocabulary` (called at the first constrained request)."""
     def build():
         from .vocabulary import vocabulary_from_tokenizer
 
         return vocabulary_from_tokenizer(engine.tokenizer, engine.vocab_size, config.block_control_tokens,
-                                         stop_token_ids=getattr(engine, "eos_token_ids", None))
+                                         stop_token_ids=engine.eos_token_ids)
     return build
 
 
 class StructuredOutputPlugin:
-    """The pluggy plugin object registered under the entry point `deepinfer.features:structured_output`."""
+    """The feature plugin (entry point `deepinfer.features:structured_output`): one instance per
+    engine that enables structured outputs, holding that engine's processor."""
 
-    def __init__(self) -> None:
-        self._processors: dict[int, Any] = {}  # id(engine) -> its processor, for shutdown
+    def __init__(self, config: StructuredOutputConfig) -> None:
+        self.config = config
+        self.processor: StructuredOutputProcessor | None = None
 
+    @staticmethod
     @hookimpl
-    def deepinfer_feature_spec(self) -> FeatureSpec:
+    def deepinfer_feature_spec() -> FeatureSpec:
         return FeatureSpec(
             name=NAME,
             config_model=StructuredOutputConfig,
@@ -47,21 +54,19 @@ class StructuredOutputPlugin:
         )
 
     @hookimpl
-    def deepinfer_logits_processor(self, engine: Any, feature_config: StructuredOutputConfig):
+    def deepinfer_logits_processor(self, engine: EngineContext) -> StructuredOutputProcessor:
         from .processor import StructuredOutputProcessor
 
-        config = feature_config or StructuredOutputConfig()
-        processor = StructuredOutputProcessor(_engine_vocabulary(engine, config), config)
-        self._processors[id(engine)] = processor
-        return processor
+        self.processor = StructuredOutputProcessor(_engine_vocabulary(engine, self.config), self.config)
+        return self.processor
 
     @hookimpl
-    def deepinfer_engine_shutdown(self, engine: Any) -> None:
-        processor = self._processors.pop(id(engine), None)
-        if processor is not None:
-            processor.shutdown()
+    def deepinfer_engine_shutdown(self) -> None:
+        if self.processor is not None:
+            self.processor.shutdown()
+            self.processor = None
 
 
-plugin = StructuredOutputPlugin()
+plugin = StructuredOutputPlugin  # the entry point: the class, instantiated by each engine with its config
 
 __all__ = ["NAME", "StructuredOutputConfig", "StructuredOutputPlugin", "plugin"]

@@ -1,4 +1,4 @@
-"""Acceptance of drafts after the target's verification forward.
+"""Verification of drafts after the target's forward: which drafts are accepted, and the token after them.
 
 A request with m drafts has m + 1 logits rows: row i is the target's distribution for the token
 after the anchor and the first i drafts. Its emitted tokens are, in order, the accepted drafts and
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from deepinfer.engine.sampler import SamplerOutput, SamplingMetadata
+from deepinfer.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 
 #: Mixed into a request's seq_seed for its acceptance draws.
 VERIFY_SEED_SALT = 0x2545F4914F6CDD1D
@@ -55,7 +55,7 @@ def greedy_accept_count(row_tokens: list[int], drafts: list[int]) -> int:
 
 
 def verify(logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None, groups: list[VerifyGroup],
-           sampler: Any, accelerator: Any) -> SamplerOutput:
+           sampler: Sampler, accelerator: Any) -> SamplerOutput:
     """Accept or reject the drafts of every group; one SamplerOutput row per logits row."""
     num_rows = logits.shape[0]
     device = logits.device

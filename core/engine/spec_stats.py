@@ -1,4 +1,4 @@
-"""Speculative-decoding totals of one engine (`EngineCore.spec_stats`), read by benchmarks."""
+"""Speculative-decoding totals of one engine (`EngineCore.spec_stats`, `LLM.stats()["spec_decode"]`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -45,7 +45,7 @@ class SpecDecodeStats:
 
     @property
     def mean_accepted_length(self) -> float | None:
-        """Tokens emitted per verification, the bonus or corrected token included (AL, anchors.md §5.5)."""
+        """Tokens emitted per verification, the bonus or corrected token included ("accepted length", AL)."""
         return self.num_tokens_emitted / self.num_verifications if self.num_verifications else None
 
     @property
