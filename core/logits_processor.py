@@ -40,10 +40,6 @@ class LogitsProcessor(ABC):
         """Advance the request's state by `token_ids`. Returns True when the constraint is
         complete and the request must finish (EOS was accepted or the grammar terminated)."""
 
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens (speculative decoding)."""
-        raise NotImplementedError(f"{type(self).__name__} does not support rollback")
-
     def pop_failures(self) -> dict[str, tuple[str, str]]:
         """Requests this processor cannot continue, found since the last call: request id ->
         (finish_reason, message). "grammar_dead_end": the constraint admits no token (its bitmask

@@ -11,7 +11,7 @@ Where the tokenizer comes from (`load_tokenizer`):
 
 DeepSeek's tokenizer marks 53 control tokens (`<think>`, `</think>`, `<｜User｜>`, `<｜Assistant｜>`,
 the tool-call markers, ...) as *not special*, so libraries such as xgrammar treat them as ordinary
-text. `control_token_ids` lists them so that structured outputs can block them (machine.md §6.5).
+text. `control_token_ids` lists them so that structured outputs can block them (xgrammar does not treat them as special).
 """
 from __future__ import annotations
 

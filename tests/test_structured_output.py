@@ -205,7 +205,7 @@ def test_eos_allowed_exactly_when_the_grammar_may_end(processor, tokenizer, voca
     assert processor.accept("e", [tokenizer.eos_token_id]) is True
 
 
-def test_rollback_and_draft_checking(processor, tokenizer, vocabulary):
+def test_draft_checking(processor, tokenizer, vocabulary):
     eos = tokenizer.eos_token_id
     assert processor.add_request("s", params(CONSTRAINTS["ebnf"]))
     good = tokenizer.encode("answer=yes;level=2")
@@ -213,15 +213,6 @@ def test_rollback_and_draft_checking(processor, tokenizer, vocabulary):
     assert processor.count_valid_draft("s", tokenizer.encode("answer=maybe")) == len(tokenizer.encode("answer="))
     assert processor.count_valid_draft("s", []) == 0
     assert processor.accept("s", good + [eos]) is True  # checking drafts left the state untouched
-    processor.rollback("s", len(good) + 1)
-    bitmask = torch.full((1, vocabulary.bitmask_width), -1, dtype=torch.int32)
-    processor.fill_bitmask(["s"], bitmask)
-    assert tokenizer.encode("answer")[0] in allowed_ids(bitmask[0], vocabulary.vocab_size)
-    assert processor.accept("s", tokenizer.encode("answer=no")) is False
-    processor.rollback("s", 1)
-    assert processor.accept("s", tokenizer.encode("yes;level=3") + [eos]) is True
-    with pytest.raises(ValueError, match="cannot roll request 's' back by 99 tokens"):
-        processor.rollback("s", 99)
 
 
 def test_fill_with_draft_tokens_gives_one_row_per_position(processor, tokenizer, vocabulary):

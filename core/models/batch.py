@@ -6,7 +6,7 @@ positions `context_len + 0..query_len-1`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,6 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [L] int64 rows of T whose logits are returned
     return_streams: bool = False  # also return the final residual streams (for MTP drafting)
     stream_indices: torch.Tensor | None = None  # [S] int64 rows whose streams are returned; None: logits_indices
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 #: More drafts than this cost more to verify than they can return (per-position acceptance of
-#: real drafters is below 10% by position 7, anchors.md §5.5).
+#: published real drafters is below 10% by position 7).
 MAX_DRAFT_TOKENS = 16
 
 

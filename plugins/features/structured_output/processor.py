@@ -136,19 +136,6 @@ class StructuredOutputProcessor(LogitsProcessor):
                 return True
         return False
 
-    def rollback(self, request_id: str, num_tokens: int) -> None:
-        state = self._requests.get(request_id)
-        if state is None or num_tokens == 0:
-            return
-        if not 0 <= num_tokens <= state.num_accepted:
-            raise ValueError(f"cannot roll request {request_id!r} back by {num_tokens} tokens: "
-                             f"it has accepted {state.num_accepted}")
-        matcher = self._matcher(request_id, state)
-        if matcher is None:
-            return
-        matcher.rollback(num_tokens)
-        state.num_accepted -= num_tokens
-
     # -- extras for speculative decoding and the engine -------------------------------------------
 
     def count_valid_draft(self, request_id: str, draft_tokens: list[int]) -> int:

@@ -3,7 +3,7 @@
 Built from a `tokenizers.Tokenizer` (the engine's `deepinfer.tokenizer.Tokenizer.backend`) without
 importing xgrammar, so the engine pays nothing until the first constrained request.
 
-Blocked tokens: xgrammar marks none of DeepSeek's added tokens as special (machine.md §6.5), so a
+Blocked tokens: xgrammar (0.2.9) marks none of DeepSeek's added tokens as special, so a
 constraint would happily emit `<think>`, `<｜User｜>` or even BOS as "text" (for example inside a
 JSON string). Every added token except the stop tokens is therefore blocked: the 53 control tokens
 the tokenizer marks non-special and the special ones (BOS, pad, placeholders).
