@@ -159,7 +159,7 @@ def test_cache_key_follows_the_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     here = native._build()
     assert here.exists() and native._cpu_features()
-    monkeypatch.setattr(native, "_cpu_features", lambda: "sse2")
+    monkeypatch.setattr(native.build, "_cpu_features", lambda: "sse2")
     assert native._build() != here
 
 

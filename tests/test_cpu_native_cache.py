@@ -141,11 +141,12 @@ def test_unwritable_cache_directory_names_the_directory_not_the_compiler(tmp_pat
 
 
 def planted_library(tmp_path):
-    """A valid library with every kernel symbol, built from another source: kernels.c plus a marker."""
-    source = tmp_path / "planted.c"
-    source.write_text(native.SOURCE.read_text() + "\nint planted_marker(void) { return 42; }\n")
+    """A valid library with every kernel symbol, built from other sources: the kernels plus a marker."""
+    marker = tmp_path / "planted.c"
+    marker.write_text("int planted_marker(void) { return 42; }\n")
     out = tmp_path / "planted.so"
-    subprocess.run([*native._compiler(), *native.FLAGS, "-o", str(out), str(source)], check=True, capture_output=True)
+    subprocess.run([*native._compiler(), *native.FLAGS, "-o", str(out), *map(str, native.SOURCES), str(marker)],
+                   check=True, capture_output=True)
     return out
 
 

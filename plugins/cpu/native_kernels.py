@@ -1,4 +1,4 @@
-"""CpuKernels with its fast paths: fused C functions (native/kernels.c), one call and one pass over
+"""CpuKernels with its fast paths: fused C functions (native/*.c), one call and one pass over
 memory instead of tens of torch ops, for
 - the element-wise kernels: rms_norm, rotary, hc_pre, hc_post, swiglu;
 - decode-sized products: the bf16 GEMV of weights up to 8 M elements (it streams them faster than
@@ -64,9 +64,9 @@ class NativeCpuKernels(CpuKernels):
         return PackedWeights() if packed_weights.available() else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(x.shape[-1], 1)
-        if 1 < rows <= _LINEAR_AMX_MAX_ROWS and self.native_amx and weight.numel() <= _LINEAR_AMX_MAX_ELEMENTS:
-            y = native.linear_amx_bf16(self.native_library, x.reshape(rows, x.shape[-1]), weight)
+        rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
+        if lib is not None and 1 < rows <= _LINEAR_AMX_MAX_ROWS and weight.numel() <= _LINEAR_AMX_MAX_ELEMENTS:
+            y = native.linear_amx_bf16(lib, x.reshape(rows, x.shape[-1]), weight)  # None without AMX
             if y is not None:
                 return y.view(*x.shape[:-1], weight.shape[0])
         table = self.packed_weights if rows > 1 and x.dtype == torch.bfloat16 and x.is_cpu else None
@@ -116,8 +116,8 @@ class NativeCpuKernels(CpuKernels):
         lib, out = self.native_library, None
         if lib is not None and x.shape[0] == 1:
             out = native.grouped_gemv_bf16(lib, x, weight)
-        elif lib is not None and x.shape[0] <= _GROUPED_AMX_MAX_TOKENS and self.native_amx:
-            out = native.grouped_amx_bf16(lib, x, weight)
+        elif lib is not None and x.shape[0] <= _GROUPED_AMX_MAX_TOKENS:
+            out = native.grouped_amx_bf16(lib, x, weight)  # None without AMX
         return super().grouped_linear(x, weight) if out is None else out
 
     def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
@@ -131,9 +131,9 @@ class NativeCpuKernels(CpuKernels):
 
     def moe_combine(self, out_rows: torch.Tensor, plan: MoEDispatch, weights: torch.Tensor) -> torch.Tensor:
         lib = self.native_library
-        out = None
-        if lib is not None and out_rows.shape[0] == weights.numel():  # every choice present (no subset)
-            out = native.moe_combine_rows(lib, out_rows, plan.source_token, plan.source_slot, weights)
+        # None unless every choice is present (one row per (token, choice), no subset)
+        out = None if lib is None else native.moe_combine_rows(lib, out_rows, plan.source_token, plan.source_slot,
+                                                               weights)
         return super().moe_combine(out_rows, plan, weights) if out is None else out
 
     def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
@@ -151,7 +151,8 @@ class NativeCpuKernels(CpuKernels):
 
     @functools.cached_property
     def native_amx(self) -> bool:
-        """The C expert kernel runs on AMX tiles (built for an AMX CPU, and Linux granted the state)."""
+        """The C expert kernel runs on AMX tiles (built for an AMX CPU, and Linux granted the state): it
+        decides how many rows the expert kernel takes; the AMX wrappers check it themselves."""
         return self.native_library is not None and native.amx_usable(self.native_library)
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,59 @@
+"""What the binding modules (one per C file) share: `Kernel`, one C function's ctypes prototype with
+its argument names, and the small tensor helpers of their wrappers.
+
+A wrapper takes torch tensors, checks once that they are what the C code handles (device, dtype,
+layout, shape) and returns new tensors, or None so that the caller falls back to the reference
+kernel. Decode calls are a few microseconds, so the checks use the cheapest tensor queries.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+# ctypes argument types, as the C prototypes spell them
+ptr, int_, long_, float_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+
+# the C files' `dtype` codes (common.h: DT_F32, DT_BF16)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+# Every Kernel declared so far, in declaration order: build._load gives each its prototype.
+KERNELS: list[Kernel] = []
+
+
+class Kernel:
+    """A C function of the library: `Kernel("rms_norm", x=ptr, rows=long_, ...)` names its arguments in
+    the C order with their ctypes types; `kernel(lib, x=..., rows=...)` calls it with exactly those
+    arguments (TypeError otherwise)."""
+
+    def __init__(self, name: str, restype: Any = None, **arguments: Any):
+        self.name, self.restype, self.arguments = name, restype, arguments
+        KERNELS.append(self)
+
+    def declare(self, lib: ctypes.CDLL) -> None:
+        fn = getattr(lib, self.name)
+        fn.argtypes, fn.restype = tuple(self.arguments.values()), self.restype
+
+    def __call__(self, lib: ctypes.CDLL, **values: Any) -> Any:
+        if values.keys() != self.arguments.keys():
+            raise TypeError(f"{self.name}() takes {', '.join(self.arguments)}; got {', '.join(values)}")
+        return getattr(lib, self.name)(*[values[name] for name in self.arguments])
+
+
+def dtype_code(t: torch.Tensor) -> int | None:
+    """The C dtype code of a CPU tensor that needs no gradient, else None (not handled)."""
+    return DTYPE_CODES.get(t.dtype) if t.is_cpu and not t.requires_grad else None
+
+
+def f32(t: torch.Tensor) -> torch.Tensor:
+    """t as a contiguous fp32 tensor (t itself when it already is one)."""
+    return t if t.dtype is torch.float32 and t.is_contiguous() else t.detach().float().contiguous()
+
+
+def new_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def threads() -> int:
+    return torch.get_num_threads()

@@ -1,0 +1,369 @@
+"""Build, cache and load the C kernels of the cpu back end (the C files next to this module, one per
+op family, sharing common.h / gemv.h: SOURCES, HEADERS).
+
+`library()` compiles every C file once, together, with the system C compiler (`$CC`, else `cc`)
+into one shared library in `$DEEPINFER_CACHE_DIR/cpu_native/` (default ~/.cache/deepinfer/cpu_native/),
+under a name keyed by all the sources and headers, the compiler's version, the flags and the CPU,
+and loads it with ctypes (one dlopen). Without a working compiler, or with a cache directory that
+cannot be used safely, it logs one warning and returns None: the pure-torch kernels are used
+instead.
+
+The cache holds code this process will run, so it is guarded (see `_cache_directory`, `_compile`
+and `_open_verified`): the directory must belong to this user and be writable by nobody else (it is
+created 0700), a library is written under a temporary name and renamed, its sha256 is recorded
+next to it (`kernels-<key>.so.sha256`, also written atomically), and a library is loaded only
+from the file descriptor whose contents matched that record. A missing or wrong record means
+rebuild, never load.
+
+`DEEPINFER_CPU_NATIVE_ISA` picks a build switch (`BUILD_VARIANTS`): all the CPU offers, or a build
+without AMX, without AVX512-BF16, or without any AVX-512.
+
+The ctypes prototypes are declared by the binding modules (binding.Kernel, all imported by the
+package's __init__); `_load` applies every declared one to the loaded library.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import hmac
+import logging
+import os
+import shlex
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+# torch first: its libgomp.so.1 is then already loaded, and the loader resolves the library's
+# libgomp.so.1 dependency to that copy (two OpenMP runtimes would oversubscribe the cores).
+import torch
+
+from deepinfer import envs
+from deepinfer_plugins.cpu.native import binding
+
+logger = logging.getLogger("deepinfer")
+
+HERE = Path(__file__).parent
+# The C files, one per op family, compiled together into the one library (named, not globbed: a stale
+# file left in a build tree must not join the build); the headers they include are part of the cache key.
+SOURCES = tuple(HERE / name for name in ("isa.c", "norm_rope.c", "mhc.c", "activation.c", "gemv.c", "experts.c",
+                                         "attention.c", "moe_rows.c", "sampling.c"))
+HEADERS = tuple(HERE / name for name in ("common.h", "gemv.h"))
+FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp")
+# Build switches (DEEPINFER_CPU_NATIVE_ISA): extra flags after FLAGS. The C files pick their AMX,
+# AVX512-BF16 and portable paths at compile time, so each switch compiles the next path down; on a
+# CPU without the feature a switch changes nothing (and the build is still checked).
+BUILD_VARIANTS: dict[str, tuple[str, ...]] = {
+    "native": (),
+    "no-amx": ("-mno-amx-tile", "-mno-amx-bf16"),
+    "no-avx512bf16": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"),
+    # -mno-avx512f switches off every AVX-512 extension (BW, VL, BF16, FP16, ...); AMX goes too (its
+    # path needs AVX512-BF16). The define makes common.h refuse to compile if AVX-512 is still on.
+    "no-avx512": ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-DDEEPINFER_NO_AVX512"),
+}
+# build_isa()'s bits (isa.c)
+ISA_BITS = {"avx2": 1, "fma": 2, "avx512f": 4, "avx512bf16": 8, "amx": 16}
+# A recorded digest is one line of 64 hex digits; anything longer is not ours.
+_DIGEST_FILE_MAX = 256
+
+
+class CompilerError(RuntimeError):
+    """The C compiler is missing or failed."""
+
+
+class CacheError(RuntimeError):
+    """The kernel cache directory or a file in it cannot be used (safely); the message names the
+    path, what is wrong and the fix."""
+
+
+def enabled() -> bool:
+    """False when DEEPINFER_CPU_NATIVE=0 asks for the pure-torch kernels."""
+    return envs.get_bool("DEEPINFER_CPU_NATIVE", True)
+
+
+def build_variant() -> str:
+    """The build switch DEEPINFER_CPU_NATIVE_ISA selects (default "native")."""
+    name = (envs.get("DEEPINFER_CPU_NATIVE_ISA") or "native").strip().lower()
+    if name not in BUILD_VARIANTS:
+        raise ValueError(f"DEEPINFER_CPU_NATIVE_ISA={name!r} is not a build switch; use one of "
+                         f"{', '.join(BUILD_VARIANTS)}")
+    return name
+
+
+def build_flags(variant: str | None = None) -> tuple[str, ...]:
+    """The compiler flags of a build switch (default: the one DEEPINFER_CPU_NATIVE_ISA selects)."""
+    return FLAGS + BUILD_VARIANTS[build_variant() if variant is None else variant]
+
+
+def cache_root() -> Path:
+    configured = envs.get("DEEPINFER_CACHE_DIR")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "deepinfer"
+
+
+def cache_dir() -> Path:
+    return cache_root() / "cpu_native"
+
+
+def _compiler() -> list[str]:
+    return shlex.split(os.environ.get("CC") or "cc")
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def _unwritable(path: Path, exc: OSError) -> CacheError:
+    return CacheError(f"cannot create or write the kernel cache directory {path}: {exc}. Fix: make it writable "
+                      f"by you (e.g. `mkdir -p {path} && chmod 700 {path}`) or point DEEPINFER_CACHE_DIR at a "
+                      f"directory you own")
+
+
+def _unsafe(path: Path, st: os.stat_result, problem: str, fix: str) -> CacheError:
+    return CacheError(f"refusing the kernel cache directory {path}: it {problem} (mode {stat.filemode(st.st_mode)} "
+                      f"{stat.S_IMODE(st.st_mode):04o}, owner {_owner(st.st_uid)}; this process runs as "
+                      f"{_owner(os.getuid())}), so someone else could plant a library there that this process "
+                      f"would run. Fix: {fix}, or point DEEPINFER_CACHE_DIR at a directory only you can write")
+
+
+def _check_directory(path: Path) -> None:
+    """The library directory itself: a real directory (not a symlink), owned by this user, not
+    writable by its group or by others."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise _unsafe(path, st, "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory",
+                      f"replace it with a directory of yours (`rm {path} && mkdir -m 700 {path}`)")
+    if st.st_uid != os.getuid():
+        raise _unsafe(path, st, "is not owned by you", f"remove it (`rm -r {path}`; it is rebuilt 0700) or "
+                                                       f"`chown` it to yourself and `chmod 700 {path}`")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _unsafe(path, st, "is writable by " + ("others" if st.st_mode & stat.S_IWOTH else "its group"),
+                      f"`chmod 700 {path}` (and delete the libraries in it if you did not build them)")
+
+
+def _check_root(path: Path) -> None:
+    """The folder above it (DEEPINFER_CACHE_DIR): whoever may rename its entries could swap the
+    library directory, so it must belong to this user or root and not be writable by everyone
+    unless sticky (as /tmp)."""
+    st = os.stat(path)
+    if st.st_uid not in (os.getuid(), 0):
+        raise _unsafe(path, st, "is owned by another user", "use a directory of your own")
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise _unsafe(path, st, "is writable by everyone (and not sticky)", f"`chmod o-w {path}` (or `chmod +t`)")
+
+
+def _cache_directory() -> Path:
+    """The library directory, created 0700 when missing, else checked (CacheError)."""
+    root, path = cache_root(), cache_dir()
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _check_root(root)
+        try:
+            os.mkdir(path, 0o700)
+            os.chmod(path, 0o700)  # exactly 0700, whatever the umask
+        except FileExistsError:
+            pass
+        _check_directory(path)
+    except CacheError:
+        raise
+    except OSError as exc:
+        raise _unwritable(path, exc) from exc
+    return path
+
+
+def _digest_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _write_atomically(target: Path, write) -> None:
+    """`write(tmp_path)` fills a temporary file in target's directory, which then replaces target in
+    one rename: readers see the old file or the complete new one."""
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o700 if target.suffix == ".so" else 0o600)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _compile(target: Path, compiler: list[str], flags: tuple[str, ...] = FLAGS) -> str:
+    """Compile to a temporary name next to `target`, record its sha256 in `<target>.sha256`, rename
+    both into place; returns the digest. Processes building at the same time each produce complete
+    files and the last rename wins."""
+    digest = ""
+
+    def build(tmp: str) -> None:
+        nonlocal digest
+        try:
+            out = subprocess.run([*compiler, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True,
+                                 text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise CompilerError(f"running `{' '.join(compiler)}` failed: {exc}") from exc
+        if out.returncode != 0:
+            raise CompilerError((out.stderr or out.stdout).strip() or f"exit status {out.returncode}")
+        with open(tmp, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+
+    try:
+        _write_atomically(target, build)
+        _write_atomically(_digest_path(target), lambda tmp: Path(tmp).write_text(digest + "\n"))
+    except OSError as exc:
+        raise _unwritable(target.parent, exc) from exc
+    return digest
+
+
+def _read_digest(target: Path) -> str | None:
+    """The sha256 recorded for `target`, or None when there is no (well-formed) record."""
+    try:
+        fd = os.open(_digest_path(target), os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        text = f.read(_DIGEST_FILE_MAX).decode("ascii", "replace").strip()
+    return text.lower() if len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text) else None
+
+
+def _open_verified(target: Path) -> tuple[int, bool]:
+    """Open `target` (not through a symlink) and check it: a regular file of this user that its
+    group and others cannot write, whose sha256 is the recorded one. Returns (fd, matches); the
+    caller closes the fd. OSError when it cannot be opened."""
+    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
+            return fd, False
+        h = hashlib.sha256()
+        while chunk := os.read(fd, 1 << 20):
+            h.update(chunk)
+        recorded = _read_digest(target)
+        return fd, recorded is not None and hmac.compare_digest(h.hexdigest(), recorded)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _cpu_features() -> str:
+    """What `-march=native` compiles for: the CPU's feature flags (Linux), else torch's ISA level. Part
+    of the cache key, so a cache directory shared between different CPUs never hands one of them a
+    library with instructions it lacks."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def _build() -> Path:
+    """The path of a library in the cache for this source, compiler, switch and CPU whose contents
+    match their recorded sha256, compiled (again) when there is none."""
+    directory = _cache_directory()
+    compiler, flags = _compiler(), build_flags()
+    try:
+        version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CompilerError(f"running `{' '.join(compiler)} --version` failed: {exc}") from exc
+    if version.returncode != 0:
+        raise CompilerError(f"`{' '.join(compiler)} --version` failed: {(version.stderr or version.stdout).strip()}")
+    sources = [part for path in (*SOURCES, *HEADERS) for part in (path.name.encode(), path.read_bytes())]
+    key = hashlib.sha256(b"\0".join([*sources, version.stdout.encode(), " ".join(flags).encode(),
+                                      " ".join(compiler).encode(), _cpu_features().encode()])).hexdigest()[:16]
+    target = directory / f"kernels-{key}.so"
+    try:
+        fd, matches = _open_verified(target)
+        os.close(fd)
+    except FileNotFoundError:
+        matches = None
+    except OSError as exc:  # e.g. a symlink planted under the name (O_NOFOLLOW)
+        logger.warning("deepinfer: cannot open the cached kernel library %s (%s); rebuilding it", target, exc)
+        matches = False
+    if matches is False:
+        if _read_digest(target) is None:
+            logger.info("deepinfer: the cached kernel library %s has no recorded sha256; rebuilding it", target)
+        else:
+            logger.warning("deepinfer: the cached kernel library %s does not match its recorded sha256 (or is not a "
+                           "private file of yours); not loading it, rebuilding it", target)
+    if not matches:
+        _compile(target, compiler, flags)
+    return target
+
+
+# Descriptors of the loaded libraries, kept open for the life of the process: the loader knows each
+# library by its /proc/self/fd/N name, which must not come back for another file.
+_LOADED_FDS: list[int] = []
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """Load the library at `path` after checking it against its recorded sha256 (CacheError when it
+    does not match). On Linux the verified descriptor itself is loaded, so the file cannot be
+    swapped between the check and the load."""
+    fd, matches = _open_verified(path)
+    if not matches:
+        os.close(fd)
+        raise CacheError(f"refusing to load {path}: its contents do not match the sha256 recorded in "
+                         f"{_digest_path(path)} (or it is not a private file of yours). Fix: delete both files so "
+                         f"that the library is rebuilt, and check who can write {path.parent}")
+    by_fd = f"/proc/self/fd/{fd}"
+    if os.path.exists(by_fd):
+        try:
+            lib = ctypes.CDLL(by_fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        _LOADED_FDS.append(fd)
+    else:
+        os.close(fd)
+        lib = ctypes.CDLL(str(path))
+    for kernel in binding.KERNELS:
+        kernel.declare(lib)
+    return lib
+
+
+_BUILD_ISA = binding.Kernel("build_isa", restype=ctypes.c_int)
+
+
+def build_isa(lib: ctypes.CDLL) -> frozenset[str]:
+    """The instruction sets the library was compiled for (keys of ISA_BITS)."""
+    bits = _BUILD_ISA(lib)
+    return frozenset(name for name, bit in ISA_BITS.items() if bits & bit)
+
+
+def _sources() -> str:
+    return f"{HERE}/{{{','.join(path.name for path in SOURCES)}}}"
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (one warning) when they cannot be built or loaded."""
+    head = ("deepinfer: the native C kernels of the cpu back end are unavailable, the slower pure-torch kernels are "
+            "used instead.")
+    silence = "set DEEPINFER_CPU_NATIVE=0 to silence this warning."
+    try:
+        return _load(_build())
+    except CompilerError as exc:
+        logger.warning("%s Building %s with `%s` failed: %s. Fix: install a C compiler with OpenMP support (e.g. "
+                       "`apt-get install gcc`) or point $CC at one; %s", head, _sources(), " ".join(_compiler()), exc,
+                       silence)
+    except CacheError as exc:
+        logger.warning("%s %s; %s", head, exc, silence)
+    except OSError as exc:
+        logger.warning("%s Loading the library built from %s failed: %s. Fix: delete %s so that it is rebuilt; %s",
+                       head, _sources(), exc, cache_dir(), silence)
+    return None
+
+
+def active_library() -> ctypes.CDLL | None:
+    """The library when enabled (DEEPINFER_CPU_NATIVE) and buildable, else None."""
+    return library() if enabled() else None
+
+

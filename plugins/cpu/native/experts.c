@@ -1,0 +1,79 @@
+/* experts_bf16: the routed MoE experts of decode-sized batches. */
+#include "gemv.h"
+
+/* ----- experts_bf16: the routed experts of a decode-sized batch, streaming each weight once -----
+ * rows [n, D] grouped by expert (expert e owns rows offsets[e] .. offsets[e+1]), w13 [E, 2I, D]
+ * (gate rows then up rows), w2 [E, D, I]; out [n, D]. Each block of 16 weight rows is read from
+ * memory once and applied to all of its expert's rows while it sits in L1. Only the experts that
+ * have rows are visited, and their blocks are dealt to the threads evenly. Roundings follow the
+ * reference: gate/up and the output of w2 to bf16 (as torch's bf16 products), swiglu in fp32 with
+ * one rounding (as the swiglu kernel above). gate_up [n, 2I] and hidden [n, I] are scratch. */
+
+static void expert_products(const uint16_t *W, long N, long K, const long *active, long num_active,
+                            const long *offsets, const uint16_t *X, const float *Xf, uint16_t *Y, long ldy) {
+    const long blocks = (N + 15) / 16;
+#pragma omp for schedule(static)
+    for (long it = 0; it < num_active * blocks; it++) {
+        const long e = active[it / blocks], n0 = (it % blocks) * 16, n1 = n0 + 16 < N ? n0 + 16 : N;
+        const long t = offsets[e];
+        gemv_rows_tokens(W + (size_t)e * N * K, X + (size_t)t * K, Xf + (size_t)t * K, Y + (size_t)t * ldy, ldy,
+                         offsets[e + 1] - t, n0, n1, K);
+    }
+}
+
+void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, long E, const uint16_t *w13,
+                  const uint16_t *w2, long I, float limit, uint16_t *gate_up, uint16_t *hidden, uint16_t *out,
+                  int num_threads) {
+    long *active = malloc((size_t)E * sizeof(long));
+    long num_active = 0;
+    for (long e = 0; e < E; e++)
+        if (offsets[e + 1] > offsets[e]) active[num_active++] = e;
+    const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
+    const int amx = amx_usable() && D % 64 == 0 && I % 32 == 0;
+    /* AMX: chunks of 16 tokens per expert and their packed copies; else fp32 copies of the inputs
+     * for the portable dot product (unused with AVX512-BF16) */
+    long *first_chunk = malloc((size_t)(E + 1) * sizeof(long));
+    first_chunk[0] = 0;
+    for (long e = 0; e < E; e++) first_chunk[e + 1] = first_chunk[e] + (offsets[e + 1] - offsets[e] + 15) / 16;
+    const long num_chunks = first_chunk[E];
+    const long K_max = D > I ? D : I;
+    uint16_t *packed = amx ? aligned_alloc(64, (size_t)num_chunks * K_max * 16 * sizeof(uint16_t) + 64) : NULL;
+    float *rows_f = amx ? NULL : malloc((size_t)n * D * sizeof(float));
+    float *hidden_f = amx ? NULL : malloc((size_t)n * I * sizeof(float));
+#pragma omp parallel num_threads(num_threads) if (n * D * I > PARALLEL_MIN_WORK)
+    {
+        float *g = malloc((size_t)I * sizeof(float));
+        float *u = malloc((size_t)I * sizeof(float));
+        if (amx) {
+            amx_configure();
+            expert_products_amx(w13, 2 * I, D, active, num_active, offsets, first_chunk, num_chunks, rows, packed,
+                                gate_up, 2 * I);
+        } else {
+#pragma omp for schedule(static)
+            for (long t = 0; t < n; t++) load_row(rows + (size_t)t * D, DT_BF16, rows_f + (size_t)t * D, D);
+            expert_products(w13, 2 * I, D, active, num_active, offsets, rows, rows_f, gate_up, 2 * I);
+        }
+#pragma omp for schedule(static)
+        for (long t = 0; t < n; t++) {
+            load_row(gate_up + (size_t)t * 2 * I, DT_BF16, g, I);
+            load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
+            swiglu_row(g, u, I, hi, lo);
+            store_row(g, hidden + (size_t)t * I, DT_BF16, I);
+            if (!amx) load_row(hidden + (size_t)t * I, DT_BF16, hidden_f + (size_t)t * I, I);
+        }
+        if (amx) {
+            expert_products_amx(w2, D, I, active, num_active, offsets, first_chunk, num_chunks, hidden, packed,
+                                out, D);
+            amx_release();
+        } else {
+            expert_products(w2, D, I, active, num_active, offsets, hidden, hidden_f, out, D);
+        }
+        free(u);
+        free(g);
+    }
+    free(packed);
+    free(hidden_f);
+    free(rows_f);
+    free(first_chunk);
+    free(active);
+}

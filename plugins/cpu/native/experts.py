@@ -1,0 +1,36 @@
+"""experts_bf16, the routed MoE experts of decode-sized batches (experts.c)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from deepinfer_plugins.cpu.native.binding import Kernel, float_, int_, long_, ptr, threads
+
+_EXPERTS_BF16 = Kernel("experts_bf16", rows=ptr, n=long_, D=long_, offsets=ptr, E=long_, w13=ptr, w2=ptr, I=long_,
+                       limit=float_, gate_up=ptr, hidden=ptr, out=ptr, num_threads=int_)
+
+
+def experts_bf16(lib: ctypes.CDLL, rows: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor,
+                 w2: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """The routed experts of rows grouped by expert (`rows [n, D]`, `w13 [E, 2I, D]`, `w2 [E, D, I]`,
+    bf16), or None for anything else."""
+    E = w13.shape[0] if w13.dim() == 3 else -1
+    if (any(t.dtype is not torch.bfloat16 or not t.is_cpu or t.requires_grad or not t.is_contiguous()
+            for t in (rows, w13, w2)) or rows.dim() != 2 or w2.dim() != 3 or E < 1
+            or w13.shape[2] != rows.shape[1] or w13.shape[1] % 2 or w2.shape != (E, rows.shape[1], w13.shape[1] // 2)
+            or tokens_per_expert.shape != (E,)):
+        return None
+    n, D = rows.shape
+    inter = w2.shape[2]
+    offsets = torch.zeros(E + 1, dtype=torch.long)
+    torch.cumsum(tokens_per_expert.to(torch.long), 0, out=offsets[1:])
+    if int(offsets[-1]) != n:
+        return None
+    gate_up = torch.empty((n, 2 * inter), dtype=torch.bfloat16)
+    hidden = torch.empty((n, inter), dtype=torch.bfloat16)
+    out = torch.empty((n, D), dtype=torch.bfloat16)
+    _EXPERTS_BF16(lib, rows=rows.data_ptr(), n=n, D=D, offsets=offsets.data_ptr(), E=E, w13=w13.data_ptr(),
+                  w2=w2.data_ptr(), I=inter, limit=limit, gate_up=gate_up.data_ptr(), hidden=hidden.data_ptr(),
+                  out=out.data_ptr(), num_threads=threads())
+    return out

@@ -1,0 +1,84 @@
+"""The bf16 decode products (gemv.c): gemv_bf16, grouped_gemv_bf16, and, where the CPU has AMX,
+grouped_amx_bf16 and linear_amx_bf16 on its tiles."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from deepinfer_plugins.cpu.native.binding import Kernel, int_, long_, ptr, threads
+
+_AMX_USABLE = Kernel("amx_usable", restype=ctypes.c_int)
+_GEMV_BF16 = Kernel("gemv_bf16", W=ptr, x=ptr, y=ptr, N=long_, K=long_, num_threads=int_)
+_GROUPED_GEMV_BF16 = Kernel("grouped_gemv_bf16", W=ptr, X=ptr, Y=ptr, G=long_, N=long_, K=long_, num_threads=int_)
+_GROUPED_AMX_BF16 = Kernel("grouped_amx_bf16", W=ptr, G=long_, N=long_, K=long_, X=ptr, T=long_, Y=ptr,
+                           num_threads=int_)
+
+
+@functools.cache
+def amx_usable(lib: ctypes.CDLL) -> bool:
+    """The library was built for a CPU with AMX and Linux granted this process the AMX state (asked
+    once per library)."""
+    return bool(_AMX_USABLE(lib))
+
+
+def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """`weight @ x` for one bf16 token (x `[K]` or `[1, K]`), or None for anything else."""
+    if (weight.dtype is not torch.bfloat16 or x.dtype is not torch.bfloat16 or weight.dim() != 2
+            or x.numel() != weight.shape[1] or not (weight.is_cpu and x.is_cpu) or not weight.is_contiguous()
+            or weight.requires_grad or x.requires_grad):
+        return None
+    xc = x.reshape(-1)
+    if xc.stride(0) != 1:
+        xc = xc.contiguous()
+    out = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+    _GEMV_BF16(lib, W=weight.data_ptr(), x=xc.data_ptr(), y=out.data_ptr(), N=weight.shape[0], K=weight.shape[1],
+               num_threads=threads())
+    return out
+
+
+def grouped_gemv_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """One bf16 token's grouped projection: x `[1, G, K]`, weight `[G, N, K]` -> `[1, G, N]`; else None."""
+    if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 3 or weight.dim() != 3
+            or x.shape[0] != 1 or x.shape[1:] != (weight.shape[0], weight.shape[2]) or not (x.is_cpu and weight.is_cpu)
+            or not weight.is_contiguous() or x.requires_grad or weight.requires_grad):
+        return None
+    G, N, K = weight.shape
+    xc = x.contiguous()
+    out = torch.empty((1, G, N), dtype=torch.bfloat16)
+    _GROUPED_GEMV_BF16(lib, W=weight.data_ptr(), X=xc.data_ptr(), Y=out.data_ptr(), G=G, N=N, K=K,
+                       num_threads=threads())
+    return out
+
+
+def grouped_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """A few tokens' grouped projection on AMX tiles: x `[T, G, K]`, weight `[G, N, K]` -> `[T, G, N]`;
+    None without AMX or for shapes the tiles do not cover."""
+    if (not amx_usable(lib) or x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 3
+            or weight.dim() != 3 or x.shape[1:] != (weight.shape[0], weight.shape[2]) or not (x.is_cpu and weight.is_cpu)
+            or not weight.is_contiguous() or x.requires_grad or weight.requires_grad
+            or weight.shape[1] % 64 or weight.shape[2] % 32):
+        return None
+    T, G, K = x.shape
+    N = weight.shape[1]
+    xg = x.transpose(0, 1).contiguous()  # [G, T, K]: each group's tokens together
+    out = torch.empty((G, T, N), dtype=torch.bfloat16)
+    _GROUPED_AMX_BF16(lib, W=weight.data_ptr(), G=G, N=N, K=K, X=xg.data_ptr(), T=T, Y=out.data_ptr(),
+                      num_threads=threads())
+    return out.transpose(0, 1)
+
+
+def linear_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`x [m, K] @ weight [N, K]^T` on AMX tiles (`grouped_amx_bf16` with one group), or None without
+    AMX or for shapes they do not cover."""
+    if (not amx_usable(lib) or x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 2
+            or weight.dim() != 2 or x.shape[1] != weight.shape[1] or not (x.is_cpu and weight.is_cpu)
+            or not weight.is_contiguous() or x.requires_grad or weight.requires_grad or weight.shape[0] % 64
+            or weight.shape[1] % 32):
+        return None
+    xc = x.contiguous()
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    _GROUPED_AMX_BF16(lib, W=weight.data_ptr(), G=1, N=weight.shape[0], K=weight.shape[1], X=xc.data_ptr(),
+                      T=x.shape[0], Y=out.data_ptr(), num_threads=threads())
+    return out

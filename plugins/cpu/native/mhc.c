@@ -1,0 +1,203 @@
+/* The mHC (hyper-connection) kernels: hc_pre (mixing weights with Sinkhorn, collapsed input) and
+ * hc_post (the unit's output mixed back into the streams). */
+#include "common.h"
+
+/* ----- hc_pre: mHC mixing weights and the collapsed input of one unit, per token -----
+ * streams [T, n, D]; fn [n*(n+2), n*D] fp32; base [n*(n+2)] fp32; scale [3] fp32.
+ * Outputs: collapsed [T, D] (streams' dtype), post [T, n] fp32, comb [T, n, n] fp32. */
+
+/* Token rows that share one pass over fn (fn is read once per block instead of once per row). */
+#define HC_ROW_BLOCK 4
+
+static void hc_mixing(const float *restrict mix, const float *restrict base, const float *restrict scale, long n,
+                      int sinkhorn_iters, float eps, float *restrict pre, float *restrict post,
+                      float *restrict comb) {
+    for (long j = 0; j < n; j++) {
+        pre[j] = sigmoid(mix[j] * scale[0] + base[j]) + eps;
+        post[j] = 2.0f * sigmoid(mix[n + j] * scale[1] + base[n + j]);
+    }
+    /* comb = softmax over each row of the n x n block, plus eps */
+    for (long i = 0; i < n; i++) {
+        float *row = comb + i * n;
+        float mx = -INFINITY;
+        for (long k = 0; k < n; k++) {
+            row[k] = mix[2 * n + i * n + k] * scale[2] + base[2 * n + i * n + k];
+            mx = row[k] > mx ? row[k] : mx;
+        }
+        float total = 0.0f;
+        for (long k = 0; k < n; k++) {
+            row[k] = expf(row[k] - mx);
+            total += row[k];
+        }
+        for (long k = 0; k < n; k++) row[k] = row[k] / total + eps;
+    }
+    /* column normalisation, then (sinkhorn_iters - 1) rounds of rows then columns */
+    for (int it = 0; it < (sinkhorn_iters > 1 ? sinkhorn_iters : 1); it++) {
+        if (it > 0) {
+            for (long i = 0; i < n; i++) {
+                float total = 0.0f;
+                for (long k = 0; k < n; k++) total += comb[i * n + k];
+                total += eps;
+                for (long k = 0; k < n; k++) comb[i * n + k] /= total;
+            }
+        }
+        for (long k = 0; k < n; k++) {
+            float total = 0.0f;
+            for (long i = 0; i < n; i++) total += comb[i * n + k];
+            total += eps;
+            for (long i = 0; i < n; i++) comb[i * n + k] /= total;
+        }
+    }
+}
+
+/* Features per pass of the dot products below: the 4 row pieces (8 KiB) stay in L1 while every fn row
+ * passes over them. */
+#define HC_CHUNK 512
+
+/* mix[r][m] = inv[r] * <row_r, fn_m> for the HC_ROW_BLOCK (4) token rows of a block, four fn rows
+ * at a time (each loaded value feeds several multiply-adds) and over L1-sized pieces of the rows. */
+static void mix_full_block(const float *restrict rows, const float *restrict fn, long width, long mixes,
+                           const float *restrict inv, float *restrict mix) {
+    for (long k = 0; k < HC_ROW_BLOCK * mixes; k++) mix[k] = 0.0f;
+    for (long i0 = 0; i0 < width; i0 += HC_CHUNK) {
+        const long len = width - i0 < HC_CHUNK ? width - i0 : HC_CHUNK;
+        const float *restrict x0 = rows + i0, *restrict x1 = rows + width + i0;
+        const float *restrict x2 = rows + 2 * width + i0, *restrict x3 = rows + 3 * width + i0;
+        long m = 0;
+        for (; m + 3 < mixes; m += 4) {
+            const float *restrict f = fn + m * width + i0, *restrict g = f + width;
+            const float *restrict h = g + width, *restrict e = h + width;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f, b0 = 0.0f, b1 = 0.0f, b2 = 0.0f, b3 = 0.0f;
+            float c0 = 0.0f, c1 = 0.0f, c2 = 0.0f, c3 = 0.0f, d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+            for (long i = 0; i < len; i++) {
+                a0 += f[i] * x0[i];
+                a1 += f[i] * x1[i];
+                a2 += f[i] * x2[i];
+                a3 += f[i] * x3[i];
+                b0 += g[i] * x0[i];
+                b1 += g[i] * x1[i];
+                b2 += g[i] * x2[i];
+                b3 += g[i] * x3[i];
+                c0 += h[i] * x0[i];
+                c1 += h[i] * x1[i];
+                c2 += h[i] * x2[i];
+                c3 += h[i] * x3[i];
+                d0 += e[i] * x0[i];
+                d1 += e[i] * x1[i];
+                d2 += e[i] * x2[i];
+                d3 += e[i] * x3[i];
+            }
+            mix[m] += a0, mix[mixes + m] += a1, mix[2 * mixes + m] += a2, mix[3 * mixes + m] += a3;
+            mix[m + 1] += b0, mix[mixes + m + 1] += b1, mix[2 * mixes + m + 1] += b2, mix[3 * mixes + m + 1] += b3;
+            mix[m + 2] += c0, mix[mixes + m + 2] += c1, mix[2 * mixes + m + 2] += c2, mix[3 * mixes + m + 2] += c3;
+            mix[m + 3] += d0, mix[mixes + m + 3] += d1, mix[2 * mixes + m + 3] += d2, mix[3 * mixes + m + 3] += d3;
+        }
+        for (; m < mixes; m++) {
+            const float *restrict f = fn + m * width + i0;
+            float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+            for (long i = 0; i < len; i++) {
+                a0 += f[i] * x0[i];
+                a1 += f[i] * x1[i];
+                a2 += f[i] * x2[i];
+                a3 += f[i] * x3[i];
+            }
+            mix[m] += a0, mix[mixes + m] += a1, mix[2 * mixes + m] += a2, mix[3 * mixes + m] += a3;
+        }
+    }
+    for (long r = 0; r < HC_ROW_BLOCK; r++)
+        for (long m = 0; m < mixes; m++) mix[r * mixes + m] *= inv[r];
+}
+
+void hc_pre(const void *streams, const float *fn, const float *base, const float *scale, void *collapsed,
+            float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
+            int dtype, int num_threads) {
+    const size_t es = elem_size(dtype);
+    const long width = n * D, mixes = n * (n + 2);
+    const long blocks = (T + HC_ROW_BLOCK - 1) / HC_ROW_BLOCK;
+#pragma omp parallel num_threads(num_threads) if (T * width > PARALLEL_MIN_WORK && blocks > 1)
+    {
+        float *rows = malloc((size_t)HC_ROW_BLOCK * width * sizeof(float));
+        float *mix = malloc((size_t)HC_ROW_BLOCK * mixes * sizeof(float));
+        float *acc = malloc((size_t)D * sizeof(float));
+        float *pre = malloc((size_t)n * sizeof(float));
+#pragma omp for schedule(static)
+        for (long b = 0; b < blocks; b++) {
+            const long t0 = b * HC_ROW_BLOCK;
+            const long nb = T - t0 < HC_ROW_BLOCK ? T - t0 : HC_ROW_BLOCK;
+            float inv[HC_ROW_BLOCK];
+            for (long r = 0; r < nb; r++) {
+                float *row = rows + r * width;
+                load_row((const char *)streams + (size_t)(t0 + r) * width * es, dtype, row, width);
+                inv[r] = 1.0f / sqrtf(sum_squares(row, width) / (float)width + norm_eps);
+            }
+            /* mix[r][m] = inv_r * <row_r, fn_m> */
+            if (nb == HC_ROW_BLOCK) {
+                mix_full_block(rows, fn, width, mixes, inv, mix);
+            } else {
+                for (long m = 0; m < mixes; m++) {
+                    const float *restrict f = fn + m * width;
+                    for (long r = 0; r < nb; r++) {
+                        const float *restrict x = rows + r * width;
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (long i = 0; i < width; i++) s += f[i] * x[i];
+                        mix[r * mixes + m] = s * inv[r];
+                    }
+                }
+            }
+            for (long r = 0; r < nb; r++) {
+                const long t = t0 + r;
+                hc_mixing(mix + r * mixes, base, scale, n, sinkhorn_iters, eps, pre, post + t * n, comb + t * n * n);
+                /* collapsed = sum_j pre_j * X_j */
+                const float *restrict row = rows + r * width;
+                for (long i = 0; i < D; i++) acc[i] = pre[0] * row[i];
+                for (long j = 1; j < n; j++) {
+                    const float pj = pre[j];
+                    const float *restrict xj = row + j * D;
+                    for (long i = 0; i < D; i++) acc[i] += pj * xj[i];
+                }
+                store_row(acc, (char *)collapsed + (size_t)t * D * es, dtype, D);
+            }
+        }
+        free(pre);
+        free(acc);
+        free(mix);
+        free(rows);
+    }
+}
+
+/* ----- hc_post: X'_k = post_k * y + sum_j comb[j, k] * X_j, per token -----
+ * y [T, D] (y_dtype); streams [T, n, D] and out [T, n, D] (dtype); post [T, n], comb [T, n, n] fp32. */
+
+void hc_post(const void *y, int y_dtype, const void *streams, const float *post, const float *comb, void *out,
+             long T, long n, long D, int dtype, int num_threads) {
+    const size_t es = elem_size(dtype), y_es = elem_size(y_dtype);
+#pragma omp parallel num_threads(num_threads) if (T * n * D > PARALLEL_MIN_WORK && T > 1)
+    {
+        float *src = malloc((size_t)(n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y */
+        float *acc = malloc((size_t)D * sizeof(float));
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            load_row((const char *)streams + (size_t)t * n * D * es, dtype, src, n * D);
+            load_row((const char *)y + (size_t)t * D * y_es, y_dtype, src + n * D, D);
+            const float *restrict yf = src + n * D;
+            const float *restrict c = comb + t * n * n;
+            for (long k = 0; k < n; k++) {
+                const float ck0 = c[k];
+                for (long i = 0; i < D; i++) acc[i] = ck0 * src[i];
+                for (long j = 1; j < n; j++) {
+                    const float cjk = c[j * n + k];
+                    const float *restrict xj = src + j * D;
+                    for (long i = 0; i < D; i++) acc[i] += cjk * xj[i];
+                }
+                const float pk = post[t * n + k];
+                for (long i = 0; i < D; i++) acc[i] += pk * yf[i];
+                store_row(acc, (char *)out + (size_t)(t * n + k) * D * es, dtype, D);
+            }
+        }
+        free(acc);
+        free(src);
+    }
+}

@@ -1,0 +1,51 @@
+"""hc_pre and hc_post, the mHC (hyper-connection) kernels (mhc.c)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr, threads
+
+_HC_PRE = Kernel("hc_pre", streams=ptr, fn=ptr, base=ptr, scale=ptr, collapsed=ptr, post=ptr, comb=ptr, T=long_,
+                 n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, dtype=int_, num_threads=int_)
+_HC_POST = Kernel("hc_post", y=ptr, y_dtype=int_, streams=ptr, post=ptr, comb=ptr, out=ptr, T=long_, n=long_,
+                  D=long_, dtype=int_, num_threads=int_)
+
+
+def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+           sinkhorn_iters: int, eps: float, norm_eps: float
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    dtype = dtype_code(streams)
+    if dtype is None or streams.dim() != 3 or streams.numel() == 0:
+        return None
+    T, n, D = streams.shape
+    mixes = n * (n + 2)
+    if fn.shape != (mixes, n * D) or base.numel() != mixes or scale.numel() < 3:
+        return None
+    if not (fn.is_cpu and base.is_cpu and scale.is_cpu):
+        return None
+    s = streams.contiguous()
+    f, b, sc = f32(fn), f32(base), f32(scale)
+    collapsed = torch.empty((T, D), dtype=streams.dtype)
+    post = torch.empty((T, n), dtype=torch.float32)
+    comb = torch.empty((T, n, n), dtype=torch.float32)
+    _HC_PRE(lib, streams=s.data_ptr(), fn=f.data_ptr(), base=b.data_ptr(), scale=sc.data_ptr(),
+            collapsed=collapsed.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
+            sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, dtype=dtype, num_threads=threads())
+    return collapsed, post, comb
+
+
+def hc_post(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+            comb: torch.Tensor) -> torch.Tensor | None:
+    dtype, y_dtype = dtype_code(streams), dtype_code(y)
+    if dtype is None or y_dtype is None or streams.dim() != 3 or streams.numel() == 0:
+        return None
+    T, n, D = streams.shape
+    if y.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n) or not (post.is_cpu and comb.is_cpu):
+        return None
+    s, yc, p, c = streams.contiguous(), y.contiguous(), f32(post), f32(comb)
+    out = new_like(s)
+    _HC_POST(lib, y=yc.data_ptr(), y_dtype=y_dtype, streams=s.data_ptr(), post=p.data_ptr(), comb=c.data_ptr(),
+             out=out.data_ptr(), T=T, n=n, D=D, dtype=dtype, num_threads=threads())
+    return out

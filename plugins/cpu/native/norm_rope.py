@@ -1,0 +1,51 @@
+"""rms_norm and rotary (norm_rope.c)."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr, threads
+
+_RMS_NORM = Kernel("rms_norm", x=ptr, x_row_stride=long_, w=ptr, w_dtype=int_, out=ptr, rows=long_, D=long_,
+                   eps=float_, dtype=int_, num_threads=int_)
+_ROTARY = Kernel("rotary", x=ptr, x_stride_t=long_, x_stride_m=long_, cos_t=ptr, sin_t=ptr, out=ptr, T=long_,
+                 M=long_, d=long_, half=long_, inverse=int_, dtype=int_, num_threads=int_)
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    dtype = dtype_code(x)
+    if dtype is None or x.dim() == 0 or x.numel() == 0:
+        return None
+    D = x.shape[-1]
+    w_dtype = 0 if weight is None else dtype_code(weight)
+    if weight is not None and (weight.shape != (D,) or w_dtype is None):
+        return None
+    flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, D)  # a 2-D row view keeps its stride
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    w = None if weight is None else weight.contiguous()
+    out = new_like(x)
+    _RMS_NORM(lib, x=flat.data_ptr(), x_row_stride=flat.stride(0), w=None if w is None else w.data_ptr(),
+              w_dtype=w_dtype, out=out.data_ptr(), rows=flat.shape[0], D=D, eps=eps, dtype=dtype,
+              num_threads=threads())
+    return out
+
+
+def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           inverse: bool) -> torch.Tensor | None:
+    dtype = dtype_code(x)
+    if dtype is None or x.dim() < 2 or cos.dim() != 2 or cos.shape != sin.shape or not cos.is_cpu:
+        return None
+    T, half, d = x.shape[0], cos.shape[1], x.shape[-1]
+    if cos.shape[0] != T or half == 0 or 2 * half > d or x.numel() == 0:
+        return None  # broadcasting tables and odd shapes stay with the reference
+    view = x.unsqueeze(1) if x.dim() == 2 else x.flatten(1, -2)  # [T, M, d], a view where possible
+    if view.stride(-1) != 1:
+        view = view.contiguous()
+    c, s = f32(cos), f32(sin)
+    out = new_like(x)
+    _ROTARY(lib, x=view.data_ptr(), x_stride_t=view.stride(0), x_stride_m=view.stride(1), cos_t=c.data_ptr(),
+            sin_t=s.data_ptr(), out=out.data_ptr(), T=T, M=view.shape[1], d=d, half=half, inverse=int(inverse),
+            dtype=dtype, num_threads=threads())
+    return out
