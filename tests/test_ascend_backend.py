@@ -24,7 +24,8 @@ import torch
 
 from deepinfer_plugins.ascend950 import devices
 from deepinfer_plugins.ascend950 import probe as ascprobe
-from deepinfer_plugins.ascend950.kernels import FUSED_OPS, AscendKernels
+from deepinfer.models.deepseek_v4.ops import resolve_ops
+from deepinfer_plugins.ascend950.kernels import FUSED_OPS, AscendDeepseekV4Ops, AscendKernels
 from deepinfer_plugins.cpu.kernels import CpuKernels
 
 FAKE_DIR = Path(__file__).with_name("fake_torch_npu")
@@ -224,12 +225,14 @@ def test_hyper_connections(npu_kernels, dtype):
     streams = torch.randn(5, n, d, generator=g).to(dtype)
     fn, base = torch.randn((2 + n) * n, n * d, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g) * 0.1
     scale = torch.rand(3, generator=g) + 0.5
-    got = k.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    ops = k.model_ops("deepseek_v4")  # the V4 op table the Ascend back end declares
+    assert isinstance(ops, AscendDeepseekV4Ops) and isinstance(resolve_ops(k), AscendDeepseekV4Ops)
+    got = ops.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
     want = REF.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
     for name, a, b in zip(("collapsed", "post", "comb"), got, want):
         _close(a, b, dtype, f"hc_pre.{name}")
     y = torch.randn(5, d, generator=g).to(dtype)
-    _close(k.hc_post(y, streams, want[1], want[2]), REF.hc_post(y, streams, want[1], want[2]), dtype, "hc_post")
+    _close(ops.hc_post(y, streams, want[1], want[2]), REF.hc_post(y, streams, want[1], want[2]), dtype, "hc_post")
     fused = dtype == torch.bfloat16  # the mHC ops take bf16/fp16 streams only; fp32 uses the reference
     assert ("npu_mhc_pre" in k.calls) == fused and ("npu_mhc_sinkhorn" in k.calls) == fused
     assert ("npu_mhc_post" in k.calls) == fused
@@ -311,7 +314,7 @@ def test_accelerator_over_the_stand_in(torch_npu, ascend_machine):
     acc = AscendAccelerator()
     caps = acc.capabilities()
     assert caps.device_type == "npu" and caps.collectives == "hccl" and caps.fast_paths == tuple(sorted(FUSED_OPS))
-    assert caps.token_bitmask and caps.rejection_sampling and not caps.graph_capture
+    assert caps.token_bitmask and caps.rejection_sampling
     # (device(0) itself needs torch_npu's "npu" device type, which the stand-in does not register)
     with pytest.raises(ValueError, match=r"NPU 3 does not exist: 1 visible \(logical->chip 0->1, 1->2\)"):
         acc.device(3)

@@ -93,3 +93,48 @@ def test_reference_is_plain_torch_and_imports_no_back_end():
     out = subprocess.run([sys.executable, "-c", INDEPENDENT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+# A back end made only of core's public plain-torch reference (what the NVIDIA and Ascend back ends
+# build on): the kit checks those kernels like any back end's.
+TORCH_REFERENCE = '''
+import os
+import torch
+from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
+from deepinfer.accelerator.reference import TorchCollectives, TorchKernels
+
+class TorchReference(TorchCollectives, TorchKernels, Accelerator):
+    name = "torchref"
+
+    @classmethod
+    def probe(cls):
+        return ProbeResult(usable=True, reason="core reference kernels on the CPU")
+
+    def capabilities(self):
+        return Capabilities(name=self.name, device_type="cpu", token_bitmask=True, rejection_sampling=True,
+                            host_overlap=False, collectives="gloo")
+
+    def device(self, index=0):
+        return torch.device("cpu")
+
+    def memory_info(self):
+        page = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(free_bytes=os.sysconf("SC_AVPHYS_PAGES") * page,
+                          total_bytes=os.sysconf("SC_PHYS_PAGES") * page)
+
+    def synchronize(self):
+        return None
+'''
+
+
+def test_kit_passes_the_core_reference_kernels(tmp_path, fake_distribution):
+    root = fake_distribution("torch-ref", "0.1",
+                             {"deepinfer.accelerators": {"torchref": "torch_ref_mod:TorchReference"}},
+                             {"torch_ref_mod": TORCH_REFERENCE})
+    out = run_kit("torchref", tmp_path / "t.json", extra_path=str(root))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["summary"]["failed"] == 0
+    for test in ("test_rms_norm", "test_sink_attention_ragged_masks", "test_hc_pre_post_head", "test_indexer_topk",
+                 "test_model_ops_are_declared_as_op_tables"):
+        assert report["tests"][test]["outcome"] == "passed", test

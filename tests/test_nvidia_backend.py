@@ -6,9 +6,8 @@
 - the fast paths' own torch code (FlashMLA key lists, DeepGEMM contiguous layout, FP8 scaling)
   against CPU stand-ins of `flash_mla` / `deep_gemm` written from their documented semantics,
   compared with the CPU reference kernels: plumbing, not GPU numerics;
-- the generic kernels create nothing on a fixed device (run on the meta device);
-- the CUDA-graph helper's buffer logic with an emulated graph; the all-to-all expert exchange
-  with two gloo processes.
+- the generic kernels (core's plain-torch reference) and DeepSeek-V4's default op table create
+  nothing on a fixed device (run on the meta device).
 """
 from __future__ import annotations
 
@@ -24,7 +23,8 @@ import torch
 
 from deepinfer.accelerator.interface import MoEDispatch
 from deepinfer_plugins.cpu.kernels import CpuKernels
-from deepinfer_plugins.nvidia_sm100 import cuda_graph, deep_gemm_experts, flash_mla_attention, kernels
+from deepinfer.models.deepseek_v4.ops import resolve_ops
+from deepinfer_plugins.nvidia_sm100 import deep_gemm_experts, flash_mla_attention, kernels
 from deepinfer_plugins.nvidia_sm100 import probe as nvprobe
 
 REF = CpuKernels()
@@ -80,17 +80,17 @@ def test_sm90_is_usable_with_generic_kernels(fake_cuda_machine):
 
 
 def test_sm100_activates_installed_fast_paths(fake_cuda_machine):
-    fake_cuda_machine(SMI["b200"], installed=("flash_mla", "deep_gemm", "deep_ep"))
+    fake_cuda_machine(SMI["b200"], installed=("flash_mla", "deep_gemm"))
     result = nvprobe.probe()
     assert result.usable and "sm_100" in result.reason
-    assert "fast paths: flash_mla, deep_gemm, deep_ep" in result.reason
-    assert result.details["fast_paths"] == "flash_mla,deep_gemm,deep_ep"
+    assert "fast paths: flash_mla, deep_gemm" in result.reason
+    assert result.details["fast_paths"] == "flash_mla,deep_gemm"
 
 
 def test_sm100_without_libraries_says_so(fake_cuda_machine):
     fake_cuda_machine(SMI["b200"])
     result = nvprobe.probe()
-    assert result.usable and "no FlashMLA/DeepGEMM/DeepEP installed" in result.reason
+    assert result.usable and "no FlashMLA/DeepGEMM installed" in result.reason
 
 
 def test_sm75_is_refused_with_the_fix(fake_cuda_machine):
@@ -129,7 +129,7 @@ import json, sys, torch
 import deepinfer_plugins.nvidia_sm100 as plugin
 result = plugin.NvidiaAccelerator.probe()
 print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(), "usable": result.usable,
-                  "vendor_imported": sorted(m for m in ("flash_mla", "deep_gemm", "deep_ep") if m in sys.modules)}))
+                  "vendor_imported": sorted(m for m in ("flash_mla", "deep_gemm") if m in sys.modules)}))
 """
 
 
@@ -215,7 +215,7 @@ def _fake_deep_gemm(alignment: int = 128) -> types.ModuleType:
 
 @pytest.fixture
 def fake_libraries(monkeypatch):
-    libs = {"flash_mla": _fake_flash_mla(), "deep_gemm": _fake_deep_gemm(), "deep_ep": types.ModuleType("deep_ep")}
+    libs = {"flash_mla": _fake_flash_mla(), "deep_gemm": _fake_deep_gemm()}
     for name, mod in libs.items():
         monkeypatch.setitem(sys.modules, name, mod)
     return libs
@@ -223,14 +223,15 @@ def fake_libraries(monkeypatch):
 
 def test_build_fast_paths_wires_each_library(fake_libraries):
     k = kernels.CudaKernels()
-    paths = kernels.build_fast_paths(("flash_mla", "deep_gemm", "deep_ep"), k, expert_precision="fp8")
+    paths = kernels.build_fast_paths(("flash_mla", "deep_gemm"), k, expert_precision="fp8")
     assert isinstance(paths.attention, flash_mla_attention.FlashMlaAttention)
     assert isinstance(paths.experts, deep_gemm_experts.DeepGemmExperts) and paths.experts.precision == "fp8"
-    assert paths.deep_ep and paths.names == ("flash_mla", "deep_gemm", "deep_ep")
+    assert paths.names == ("flash_mla", "deep_gemm")
     empty = kernels.build_fast_paths((), k)
-    assert empty.attention is None and empty.experts is None and not empty.deep_ep
-    with pytest.raises(ValueError, match="unknown NVIDIA fast path"):
-        kernels.build_fast_paths(("cutlass",), k)
+    assert empty.attention is None and empty.experts is None
+    for unknown in ("cutlass", "deep_ep"):  # DeepEP was never used by the engine; the path is gone
+        with pytest.raises(ValueError, match="unknown NVIDIA fast path"):
+            kernels.build_fast_paths((unknown,), k)
 
 
 def test_installed_but_broken_library_is_a_clear_error(monkeypatch):
@@ -247,9 +248,9 @@ def test_accelerator_declares_what_it_selected(fake_cuda_machine, fake_libraries
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     caps = NvidiaAccelerator().capabilities()
     assert caps.fast_paths == ("flash_mla", "deep_gemm") and caps.device_type == "cuda"
-    assert caps.graph_capture and caps.collectives == "nccl" and caps.token_bitmask and caps.rejection_sampling
+    assert caps.collectives == "nccl" and caps.token_bitmask and caps.rejection_sampling
     generic = NvidiaAccelerator(fast_paths=()).capabilities()
-    assert generic.fast_paths == () and not generic.graph_capture  # the generic MoE syncs with the host
+    assert generic.fast_paths == ()
     assert NvidiaAccelerator(expert_precision="fp8").fast.experts.precision == "fp8"
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert NvidiaAccelerator().capabilities().fast_paths == ()
@@ -373,13 +374,13 @@ META_CALLS = {
     "rms_norm": lambda k: k.rms_norm(_meta(5, 32), _meta(32), 1e-6),
     "rotary": lambda k: k.rotary(_meta(6, 4, 32), _meta(6, 4), _meta(6, 4), True),
     "swiglu": lambda k: k.swiglu(_meta(9, 16), _meta(9, 16), 10.0),
-    "hc_pre": lambda k: k.hc_pre(_meta(5, 4, 16), _meta(24, 64), _meta(24), _meta(3), 20, 1e-6, 1e-6),
-    "hc_post": lambda k: k.hc_post(_meta(5, 16), _meta(5, 4, 16), _meta(5, 4), _meta(5, 4, 4)),
-    "hc_head": lambda k: k.hc_head(_meta(5, 4, 16), _meta(4, 64), _meta(4), _meta(1), 1e-6, 1e-6),
+    "hc_pre": lambda k: resolve_ops(k).hc_pre(_meta(5, 4, 16), _meta(24, 64), _meta(24), _meta(3), 20, 1e-6, 1e-6),
+    "hc_post": lambda k: resolve_ops(k).hc_post(_meta(5, 16), _meta(5, 4, 16), _meta(5, 4), _meta(5, 4, 4)),
+    "hc_head": lambda k: resolve_ops(k).hc_head(_meta(5, 4, 16), _meta(4, 64), _meta(4), _meta(1), 1e-6, 1e-6),
     "sink_attention": lambda k: k.sink_attention(_meta(2, 3, 4, 32), _meta(2, 7, 32), _meta(2, 3, 7, dtype=torch.bool),
                                                  _meta(4), 0.1),
-    "compress_pool": lambda k: k.compress_pool(_meta(2, 3, 8, 16), _meta(2, 3, 8, 16)),
-    "indexer_topk": lambda k: k.indexer_topk(_meta(2, 5, 4, 8), _meta(2, 5, 4), _meta(2, 12, 8),
+    "compress_pool": lambda k: resolve_ops(k).compress_pool(_meta(2, 3, 8, 16), _meta(2, 3, 8, 16)),
+    "indexer_topk": lambda k: resolve_ops(k).indexer_topk(_meta(2, 5, 4, 8), _meta(2, 5, 4), _meta(2, 12, 8),
                                              _meta(2, 5, 12, dtype=torch.bool), 4),
     "moe_route": lambda k: k.moe_route(_meta(13, 8), _meta(8), 2, 1.5, None),
     "apply_token_bitmask": lambda k: k.apply_token_bitmask(_meta(4, 100), _meta(4, 4, dtype=torch.int32)),
@@ -426,115 +427,3 @@ def test_rejection_sampling_is_the_reference_one():
         return k.rejection_sample(target, draft, ids, [2, 1], gens)
 
     assert torch.equal(run(kernels.CudaKernels()), run(REF))
-
-
-# ---------------------------------------------------------------------------------- CUDA graphs
-
-
-class _EmulatedGraph:
-    """Replays by re-running the recorded computation on the same input and output buffers,
-    which is what a CUDA graph replay does."""
-
-    def __init__(self, impl):
-        self.impl, self.recorded, self.replays = impl, None, 0
-
-    def replay(self):
-        args, outs = self.recorded
-        for out, new in zip(outs, self.impl(*args)):
-            out.copy_(new)
-        self.replays += 1
-
-    def pool(self):
-        return ("pool", id(self))
-
-
-def _emulation(impl):
-    state = {"graph": None}
-
-    @contextlib.contextmanager
-    def capture(graph, pool=None):
-        state["graph"] = graph
-        yield
-        state["graph"] = None
-
-    def fn(*args):
-        outs = impl(*args)
-        if state["graph"] is not None:
-            state["graph"].recorded = (args, outs)
-        return outs
-
-    return fn, capture
-
-
-def test_captured_graph_copies_inputs_and_reuses_outputs():
-    impl = lambda x, y: (x * 2 + y, x.sum(0, keepdim=True))  # noqa: E731
-    fn, capture = _emulation(impl)
-    graph = cuda_graph.CapturedGraph(fn, (torch.ones(3, 2), torch.zeros(3, 2)), warmup=1,
-                                     graph_factory=lambda: _EmulatedGraph(impl), capture_context=capture)
-    x, y = torch.arange(6.0).view(3, 2), torch.full((3, 2), 0.5)
-    a, s = graph(x, y)
-    assert torch.equal(a, x * 2 + y) and torch.equal(s, x.sum(0, keepdim=True))
-    a2, _ = graph(y, x)
-    assert a2 is a and torch.equal(a, y * 2 + x)  # the same static output, overwritten
-    assert graph.graph.replays == 2
-    with pytest.raises(ValueError, match="captured with"):
-        graph(torch.ones(4, 2), y)
-    with pytest.raises(TypeError, match="2 inputs"):
-        graph(x)
-
-
-def test_graph_set_picks_the_smallest_fitting_batch():
-    captured = []
-
-    def capture(fn, inputs, pool):
-        captured.append((inputs[0].shape[0], pool))
-        g = types.SimpleNamespace(pool=lambda: "shared-pool")
-        return g
-
-    graphs = cuda_graph.GraphSet(lambda x: x, lambda b: (torch.zeros(b, 4),), [1, 8, 4], capture=capture)
-    assert [b for b, _ in captured] == [8, 4, 1] and [p for _, p in captured] == [None, "shared-pool", "shared-pool"]
-    assert graphs.get(3).batch == 4 and graphs.get(8).batch == 8 and graphs.get(9) is None
-
-
-# ------------------------------------------------------------------------ expert-parallel exchange
-
-
-def _exchange_worker(rank, world, init, queue):
-    import torch.distributed as dist
-
-    from deepinfer_plugins.nvidia_sm100.expert_exchange import AllToAllExchange
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=init)
-    g = torch.Generator().manual_seed(10 + rank)
-    T, E, K, D = 5 + rank, 4, 2, 3
-    x = torch.randn(T, D, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
-    ex = AllToAllExchange(E)
-    recv = ex.dispatch(x, ids, w)
-    # "expert e" multiplies by (global id + 1); each rank sums its own experts' weighted outputs
-    global_ids = recv.ids + rank * ex.experts_per_rank
-    scale = torch.where(recv.ids >= 0, recv.weights * (global_ids + 1), torch.zeros_like(recv.weights))
-    y = recv.x * scale.sum(-1, keepdim=True)
-    out = ex.combine(y, recv.handle)
-    want = x * (w * (ids + 1)).sum(-1, keepdim=True)
-    queue.put((rank, float((out - want).abs().max()), int((recv.ids >= 0).sum())))
-    dist.destroy_process_group()
-
-
-def test_all_to_all_exchange_two_ranks(tmp_path):
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_exchange_worker, args=(r, 2, init, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs)
-    assert all(err < 1e-5 for _, err, _ in results), results
-    assert sum(n for _, _, n in results) == (5 + 6) * 2  # every (token, choice) handled exactly once

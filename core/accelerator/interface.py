@@ -2,6 +2,11 @@
 
 An accelerator is one class made of small sub-interfaces (device and memory, small ops, attention,
 MoE, sampling kernels, collectives) plus a frozen `Capabilities` model and an import-light `probe()`.
+These are the generic ops every model family uses. A family's own fused ops (DeepSeek-V4's mHC,
+compressor pooling and indexer) are not part of this contract: they live in the family's op table,
+which has plain-torch defaults and which a back end may override through `Accelerator.model_ops`.
+`deepinfer.accelerator.reference` has a plain-torch implementation of every generic op and
+collectives over torch.distributed, for back ends to build on.
 The core resolves the kernels it needs once at start-up into plain attributes; nothing on the hot
 path goes through a registry.
 
@@ -27,7 +32,10 @@ from pydantic import BaseModel, ConfigDict
 #: Version of this contract. A plugin built against another *major* version is refused at
 #: selection with both versions in the message; a newer minor on the core side is accepted.
 #: 1.1 added the optional kernel `argmax_logsumexp` (with a default).
-INTERFACE_VERSION = "1.1"
+#: 2.0 moved the model-specific ops (hc_pre, hc_post, hc_head, compress_pool, indexer_topk) out of
+#: the interface into DeepSeek-V4's op table (`Accelerator.model_ops`), and removed the unused
+#: capabilities `graph_capture` and `fp8_weights`.
+INTERFACE_VERSION = "2.0"
 
 
 class ProbeResult(BaseModel):
@@ -50,8 +58,6 @@ class Capabilities(BaseModel):
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     token_bitmask: bool = False  # apply_token_bitmask is implemented (structured outputs)
     rejection_sampling: bool = False  # rejection_sample is implemented (speculative decoding)
-    graph_capture: bool = False  # decode steps can be captured as a device graph
-    fp8_weights: bool = False  # FP8 block-scaled weights are used without dequantisation
     # The forward runs on cores the host thread does not use, so preparing step N+1 while step N
     # runs (the async pipeline) gains time. False on the cpu back end: there the two threads share
     # the cores, and libgomp's second thread pool throttles every parallel region (docs/engine.md).
@@ -149,28 +155,9 @@ class SmallOps(_Interface):
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         """`silu(min(gate, limit)) * clamp(up, -limit, limit)`; limit <= 0 disables the clamps."""
 
-    @abstractmethod
-    def hc_pre(
-        self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-        sinkhorn_iters: int, eps: float, norm_eps: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mHC mixing weights and collapse (deepseek-v4.md §4 steps 1-7).
-
-        streams `[T, n, D]`; fn `[(2+n)n, nD]`, base `[(2+n)n]`, scale `[3]`, all fp32.
-        Returns (collapsed `[T, D]` in streams' dtype, post `[T, n]` fp32, comb `[T, n, n]` fp32)."""
-
-    @abstractmethod
-    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        """mHC expansion: `X'_k = post_k * y + sum_j comb[j, k] * X_j` -> `[T, n, D]` in streams' dtype."""
-
-    @abstractmethod
-    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                eps: float, norm_eps: float) -> torch.Tensor:
-        """Output-head collapse of the streams (no Sinkhorn, no post) -> `[T, D]`."""
-
 
 class AttentionOps(_Interface):
-    """Attention with sinks over an explicit key set, the compressor pooling and the indexer."""
+    """Attention with sinks over an explicit key set."""
 
     @abstractmethod
     def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
@@ -180,23 +167,6 @@ class AttentionOps(_Interface):
         q `[B, S, H, d]`; kv `[B, L, d]` (K = V); mask `[B, S, L]` bool, True = attend;
         sinks `[H]` fp32. Returns `[B, S, H, d]` in q's dtype. A row with no visible key
         attends to nothing (output 0; the sink absorbs all mass)."""
-
-    @abstractmethod
-    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        """Gated softmax pooling of compressor slots, per channel, in fp32.
-
-        kv, score `[..., slots, d]` (score already includes the position bias; -inf = empty
-        slot). Returns `[..., d]` fp32 = sum over slots of softmax(score) * kv."""
-
-    @abstractmethod
-    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                     mask: torch.Tensor, k: int) -> torch.Tensor:
-        """Lightning-indexer selection.
-
-        q `[B, S, Hi, di]`; weights `[B, S, Hi]` (already scaled); keys `[B, E, di]`;
-        mask `[B, S, E]` bool (True = visible). Score `I[s, e] = sum_h w[h] * relu(q_h . k_e)`
-        in fp32 (the 1/sqrt(di) scale is applied by the caller to q or w). Returns
-        `[B, S, k]` int64 entry indices; picks on invisible entries are -1."""
 
 
 class MoEOps(_Interface):
@@ -311,6 +281,15 @@ class Accelerator(DeviceMemory, SmallOps, AttentionOps, MoEOps, SamplingOps, Col
     @abstractmethod
     def capabilities(self) -> Capabilities:
         """The frozen capability declaration of this instance."""
+
+    def model_ops(self, family: str) -> object | None:
+        """This back end's op table for model family `family` (e.g. "deepseek_v4"), or None.
+
+        Optional: None (this default) means the family's plain-torch op table is used. A back end
+        with faster versions of a family's own ops returns an instance of a subclass of that table
+        (for DeepSeek-V4, `deepinfer.models.deepseek_v4.ops.DeepseekV4Ops`). The model asks once,
+        at construction."""
+        return None
 
 
 def interface_compatible(plugin_version: str, core_version: str = INTERFACE_VERSION) -> bool:

@@ -46,12 +46,16 @@ BUILTIN_FAMILIES: dict[str, str] = {
 class OpDefaults:
     """What a family asks of the ops it runs, unless told otherwise.
 
-    `required_ops`: the accelerator kernels its model calls (`Accelerator` method names); the
-    builder checks the selected back end has every one before loading any weights.
+    `required_ops`: the ops its model calls: generic `Accelerator` kernels, or ops of the family's
+    own op table; the builder checks the selected back end has every generic one before loading
+    any weights (an op of `model_ops` is always there: the table has plain-torch defaults).
+    `model_ops`: the family's op table class (its model-specific fused ops with plain-torch
+    defaults; a back end may override them through `Accelerator.model_ops`), or None.
     `model_options`: keyword defaults handed to the model class (e.g. DeepSeek-V4's `query_block`,
     the prefill query-block size its attention kernels run over)."""
 
     required_ops: tuple[str, ...] = ()
+    model_ops: type | None = None
     model_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -63,11 +67,14 @@ class OpDefaults:
         bad = [k for k in options if not isinstance(k, str) or not k.isidentifier()]
         if bad:
             raise ValueError(f"model_options keys must be keyword names; got {bad}")
+        if self.model_ops is not None and not isinstance(self.model_ops, type):
+            raise ValueError(f"model_ops must be a class (the family's op table); got {self.model_ops!r}")
         object.__setattr__(self, "required_ops", ops)
         object.__setattr__(self, "model_options", MappingProxyType(options))
 
     def missing_ops(self, accelerator: object) -> list[str]:
-        return [op for op in self.required_ops if not callable(getattr(accelerator, op, None))]
+        return [op for op in self.required_ops if not callable(getattr(accelerator, op, None))
+                and not callable(getattr(self.model_ops, op, None))]
 
 
 ParseConfig = Callable[[dict, str], Any]

@@ -7,7 +7,9 @@ A pytest plugin, shipped in the wheel and not auto-registered. Run it as
 
 The oracle is `ReferenceAccelerator` below: every kernel of the accelerator interface written
 from its documented math (core/accelerator/interface.py, deepseek-v4.md) in plain torch, computed
-in float64 and rounded once to the output dtype. It shares no code with any back end (the cpu
+in float64 and rounded once to the output dtype; DeepSeek-V4's own ops likewise
+(`ReferenceDeepseekV4Ops`, its `model_ops`), compared with the op table the model resolves on the
+back end under test. It shares no code with any back end (the cpu
 plugin included), so the cpu back end is checked like every other one. Levels (the `level`
 marker of each test): 0 contract, 1 op numerics, 2 sampler, 3 memory, 4 collectives, 5 end to end
 (the engine on the back end against the engine on the reference kernels).
@@ -28,6 +30,7 @@ import pytest
 import torch
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, MoEDispatch, ProbeResult
+from deepinfer.models.deepseek_v4.ops import FAMILY as DEEPSEEK_V4, DeepseekV4Ops
 
 TESTS_FILE = Path(__file__).with_name("conformance_tests.py")
 #: The entry-point name the reference is registered under while a level-5 run needs it.
@@ -44,6 +47,62 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """(mean(x^2) + eps)^(-1/2) over the last dim, float64, keepdim."""
     return (x.square().mean(-1, keepdim=True) + eps).rsqrt()
+
+
+class ReferenceDeepseekV4Ops(DeepseekV4Ops):
+    """DeepSeek-V4's own ops (mHC, compressor pooling, indexer) for the oracle: their documented math,
+    in float64 on the CPU, rounded once (deepseek-v4.md §4, §6-§7)."""
+
+    def _hc_projection(self, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        """z = rho * (fn . x) per token, x the flattened streams (deepseek-v4.md §4 steps 1-3)."""
+        x = _f64(streams).flatten(1)
+        return _rms(x, norm_eps) * (x @ _f64(fn).T)
+
+    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T, n, _ = streams.shape
+        z, b, sc = self._hc_projection(streams, fn, norm_eps), _f64(base), _f64(scale)
+        pre = torch.sigmoid(sc[0] * z[:, :n] + b[:n]) + eps
+        post = 2 * torch.sigmoid(sc[1] * z[:, n:2 * n] + b[n:2 * n])
+        comb = torch.softmax(sc[2] * z[:, 2 * n:].view(T, n, n) + b[2 * n:].view(n, n), dim=-1) + eps  # [t, j, k]
+        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)  # columns once
+        for _ in range(sinkhorn_iters - 1):  # then rows, columns
+            comb = comb / (comb.sum(dim=2, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
+        collapsed = torch.einsum("tj,tjd->td", pre, _f64(streams))
+        return collapsed.to(streams.dtype), post.float(), comb.float()
+
+    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        # X'_k = post_k * y + sum_j comb[j, k] * X_j
+        out = _f64(post).unsqueeze(-1) * _f64(y).unsqueeze(1) + torch.einsum("tjk,tjd->tkd", _f64(comb), _f64(streams))
+        return out.to(streams.dtype)
+
+    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                eps: float, norm_eps: float) -> torch.Tensor:
+        z = self._hc_projection(streams, fn, norm_eps)
+        pre = torch.sigmoid(_f64(scale) * z + _f64(base)) + eps
+        return torch.einsum("tj,tjd->td", pre, _f64(streams)).to(streams.dtype)
+
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        w = torch.softmax(_f64(score), dim=-2)  # per channel over the slots; -inf slots get 0
+        return (w * _f64(kv)).sum(dim=-2).float()
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, k: int) -> torch.Tensor:
+        B, S, _, _ = q.shape
+        E = keys.shape[1]
+        picks = torch.full((B, S, k), -1, dtype=torch.long)
+        if E == 0:
+            return picks
+        # I[s, e] = sum_h w[h] * relu(q_h . k_e)
+        score = torch.einsum("bsh,bshe->bse", _f64(weights), torch.einsum("bshd,bed->bshe", _f64(q), _f64(keys)).relu())
+        visible = mask.cpu().bool()
+        for b in range(B):
+            for s in range(S):
+                seen = visible[b, s].nonzero().flatten()
+                best = seen[score[b, s, seen].argsort(descending=True, stable=True)][:k]
+                picks[b, s, :best.numel()] = best
+        return picks
 
 
 class ReferenceAccelerator(Accelerator):
@@ -64,6 +123,9 @@ class ReferenceAccelerator(Accelerator):
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"), token_bitmask=True,
                             rejection_sampling=False, host_overlap=False, collectives="none")
+
+    def model_ops(self, family: str) -> DeepseekV4Ops | None:
+        return ReferenceDeepseekV4Ops() if family == DEEPSEEK_V4 else None
 
     # ----- device and memory
     def device(self, index: int = 0) -> torch.device:
@@ -117,36 +179,6 @@ class ReferenceAccelerator(Accelerator):
             g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         return (g * torch.sigmoid(g) * u).to(gate.dtype)
 
-    def _hc_projection(self, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-        """z = rho * (fn . x) per token, x the flattened streams (deepseek-v4.md §4 steps 1-3)."""
-        x = _f64(streams).flatten(1)
-        return _rms(x, norm_eps) * (x @ _f64(fn).T)
-
-    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        T, n, _ = streams.shape
-        z, b, sc = self._hc_projection(streams, fn, norm_eps), _f64(base), _f64(scale)
-        pre = torch.sigmoid(sc[0] * z[:, :n] + b[:n]) + eps
-        post = 2 * torch.sigmoid(sc[1] * z[:, n:2 * n] + b[n:2 * n])
-        comb = torch.softmax(sc[2] * z[:, 2 * n:].view(T, n, n) + b[2 * n:].view(n, n), dim=-1) + eps  # [t, j, k]
-        comb = comb / (comb.sum(dim=1, keepdim=True) + eps)  # columns once
-        for _ in range(sinkhorn_iters - 1):  # then rows, columns
-            comb = comb / (comb.sum(dim=2, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=1, keepdim=True) + eps)
-        collapsed = torch.einsum("tj,tjd->td", pre, _f64(streams))
-        return collapsed.to(streams.dtype), post.float(), comb.float()
-
-    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        # X'_k = post_k * y + sum_j comb[j, k] * X_j
-        out = _f64(post).unsqueeze(-1) * _f64(y).unsqueeze(1) + torch.einsum("tjk,tjd->tkd", _f64(comb), _f64(streams))
-        return out.to(streams.dtype)
-
-    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                eps: float, norm_eps: float) -> torch.Tensor:
-        z = self._hc_projection(streams, fn, norm_eps)
-        pre = torch.sigmoid(_f64(scale) * z + _f64(base)) + eps
-        return torch.einsum("tj,tjd->td", pre, _f64(streams)).to(streams.dtype)
-
     # ----- attention
     def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
                        sinks: torch.Tensor, scale: float) -> torch.Tensor:
@@ -160,27 +192,6 @@ class ReferenceAccelerator(Accelerator):
         denom = e.sum(-1) + torch.exp(sink - top)
         out = torch.einsum("bshl,bld->bshd", e / denom.unsqueeze(-1), _f64(kv))
         return out.to(q.dtype)
-
-    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        w = torch.softmax(_f64(score), dim=-2)  # per channel over the slots; -inf slots get 0
-        return (w * _f64(kv)).sum(dim=-2).float()
-
-    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                     mask: torch.Tensor, k: int) -> torch.Tensor:
-        B, S, _, _ = q.shape
-        E = keys.shape[1]
-        picks = torch.full((B, S, k), -1, dtype=torch.long)
-        if E == 0:
-            return picks
-        # I[s, e] = sum_h w[h] * relu(q_h . k_e)
-        score = torch.einsum("bsh,bshe->bse", _f64(weights), torch.einsum("bshd,bed->bshe", _f64(q), _f64(keys)).relu())
-        visible = mask.cpu().bool()
-        for b in range(B):
-            for s in range(S):
-                seen = visible[b, s].nonzero().flatten()
-                best = seen[score[b, s, seen].argsort(descending=True, stable=True)][:k]
-                picks[b, s, :best.numel()] = best
-        return picks
 
     # ----- MoE
     def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int,

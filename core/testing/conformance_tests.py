@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from deepinfer.accelerator import interface as api
+from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -57,6 +58,15 @@ def test_entry_point_name_matches(accelerator_class, accelerator_name):
 def test_signatures_match_the_interface(accelerator_class):
     for base in (api.DeviceMemory, api.SmallOps, api.AttentionOps, api.MoEOps, api.SamplingOps, api.Collectives):
         api._check_signatures(accelerator_class, base)
+
+
+@pytest.mark.level(0)
+def test_model_ops_are_declared_as_op_tables(acc):
+    """`model_ops(family)` is None (the model's defaults) or an instance of the family's op table."""
+    table = acc.model_ops("deepseek_v4")
+    assert table is None or isinstance(table, DeepseekV4Ops), type(table).__name__
+    assert isinstance(resolve_ops(acc), DeepseekV4Ops)
+    assert acc.model_ops("no_such_family") is None
 
 
 @pytest.mark.level(0)
@@ -157,20 +167,22 @@ def _hc_params(g, n=4, d=16):
 
 @pytest.mark.level(1)
 def test_hc_pre_post_head(acc, ref):
+    """DeepSeek-V4's mHC ops, as the model resolves them on the back end (its model_ops or the defaults)."""
+    acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
     g = _gen(5)
     for dtype in _dtypes(acc):
         streams = torch.randn(5, 4, 16, generator=g).to(dtype)
         fn, base, scale = _hc_params(g)
-        got = acc.hc_pre(*_on(acc, streams, fn, base, scale), 20, 1e-6, 1e-6)
-        want = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        got = acc_ops.hc_pre(*_on(acc, streams, fn, base, scale), 20, 1e-6, 1e-6)
+        want = ref_ops.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
         for name, a, b in zip(("collapsed", "post", "comb"), got, want):
             _close(a, b, dtype, f"hc_pre.{name}")
         y = torch.randn(5, 16, generator=g).to(dtype)
-        _close(acc.hc_post(*_on(acc, y, streams, want[1], want[2])), ref.hc_post(y, streams, want[1], want[2]),
+        _close(acc_ops.hc_post(*_on(acc, y, streams, want[1], want[2])), ref_ops.hc_post(y, streams, want[1], want[2]),
                dtype, "hc_post")
         hfn, hbase, hscale = torch.randn(4, 64, generator=g) * 0.1, torch.randn(4, generator=g), torch.rand(1, generator=g)
-        _close(acc.hc_head(*_on(acc, streams, hfn, hbase, hscale), 1e-6, 1e-6),
-               ref.hc_head(streams, hfn, hbase, hscale, 1e-6, 1e-6), dtype, "hc_head")
+        _close(acc_ops.hc_head(*_on(acc, streams, hfn, hbase, hscale), 1e-6, 1e-6),
+               ref_ops.hc_head(streams, hfn, hbase, hscale, 1e-6, 1e-6), dtype, "hc_head")
 
 
 @pytest.mark.level(1)
@@ -191,16 +203,19 @@ def test_sink_attention_ragged_masks(acc, ref):
 
 @pytest.mark.level(1)
 def test_compress_pool(acc, ref):
+    acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
     g = _gen(7)
     for dtype in _dtypes(acc):
         kv = torch.randn(2, 3, 8, 16, generator=g)
         score = torch.randn(2, 3, 8, 16, generator=g)
         score[0, 0, :4] = float("-inf")  # empty overlap slots of the first CSA window
-        _close(acc.compress_pool(*_on(acc, kv, score)), ref.compress_pool(kv, score), torch.float32, "compress_pool")
+        _close(acc_ops.compress_pool(*_on(acc, kv, score)), ref_ops.compress_pool(kv, score), torch.float32,
+               "compress_pool")
 
 
 @pytest.mark.level(1)
 def test_indexer_topk(acc, ref):
+    acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
     g = _gen(8)
     q = torch.randn(2, 5, 16, 8, generator=g)
     w = torch.randn(2, 5, 16, generator=g)
@@ -208,8 +223,8 @@ def test_indexer_topk(acc, ref):
     mask = torch.ones(2, 5, 12, dtype=torch.bool)
     mask[1, :, 6:] = False
     mask[0, 0, 2:] = False  # fewer visible than k: extra picks must be -1
-    got = acc.indexer_topk(*_on(acc, q, w, keys, mask), 4).cpu()
-    want = ref.indexer_topk(q, w, keys, mask, 4)
+    got = acc_ops.indexer_topk(*_on(acc, q, w, keys, mask), 4).cpu()
+    want = ref_ops.indexer_topk(q, w, keys, mask, 4)
     assert got.shape == want.shape
     for a, b in zip(got.reshape(-1, 4).tolist(), want.reshape(-1, 4).tolist()):
         assert sorted(a) == sorted(b), "indexer_topk selected a different set"

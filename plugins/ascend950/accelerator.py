@@ -13,13 +13,13 @@ import os
 import torch
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
+from deepinfer.accelerator.reference import TorchCollectives
 from deepinfer_plugins.ascend950 import devices
 from deepinfer_plugins.ascend950 import probe as _probe
 from deepinfer_plugins.ascend950.kernels import FUSED_OPS, AscendKernels
-from deepinfer_plugins.cpu.accelerator import TorchDistributedCollectives
 
 
-class AscendAccelerator(TorchDistributedCollectives, AscendKernels, Accelerator):
+class AscendAccelerator(TorchCollectives, AscendKernels, Accelerator):
     name = "ascend"
     package = "deepinfer"
     collective_backend = "hccl"
@@ -60,8 +60,7 @@ class AscendAccelerator(TorchDistributedCollectives, AscendKernels, Accelerator)
 
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="npu", dtypes=("float32", "bfloat16"),
-                            token_bitmask=True, rejection_sampling=True, graph_capture=False,
-                            collectives="hccl", fast_paths=tuple(sorted(self.fused)))
+                            token_bitmask=True, rejection_sampling=True, collectives="hccl", fast_paths=tuple(sorted(self.fused)))
 
     # ----- device and memory -----
     def device(self, index: int = 0) -> torch.device:

@@ -1,5 +1,7 @@
 """Kernels of the Ascend back end: torch_npu fused ops where one matches the contract, else the
-reference PyTorch kernels (`CpuKernels`, device-agnostic) on NPU tensors.
+plain-torch reference kernels (`deepinfer.accelerator.reference.TorchKernels`, device-agnostic) on
+NPU tensors. DeepSeek-V4's own ops come from `AscendDeepseekV4Ops` (declared through `model_ops`):
+the fused mHC ops where they fit, else the model's plain-torch defaults.
 
 Every fused op is called with the signature documented in torch_npu's `_op_plugin_docs.py`
 (Ascend/op-plugin, codegen/templates/_op_plugin_docs.py) and, where a fused op's semantics or
@@ -17,12 +19,12 @@ dtypes do not cover an input, the reference kernel runs instead:
 | moe_experts | npu_grouped_matmul (+ clipped SwiGLU) | no rows, > 1024 experts |
 | moe_combine | npu_moe_finalize_routing (fp32 rows) | rows != tokens * k |
 
-Reference kernels only (no fused op fits): linear (a plain matmul), hc_head (npu_mhc_pre needs
-the (2+n)n mixing layout), compress_pool, indexer_topk (npu_lightning_indexer masks by sequence
-lengths and a token-level causal rule, not an arbitrary visibility mask), moe_route
+Reference kernels only (no fused op fits): linear (a plain matmul), moe_route
 (npu_moe_gating_top_k applies softmax/sigmoid itself; V4's scores arrive already
 sqrt-softplus'ed), apply_token_bitmask, sample and rejection_sample (per-row torch generators on
-the NPU).
+the NPU). V4 defaults only: hc_head (npu_mhc_pre needs the (2+n)n mixing layout), compress_pool,
+indexer_topk (npu_lightning_indexer masks by sequence lengths and a token-level causal rule, not
+an arbitrary visibility mask).
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from typing import Any
 import torch
 
 from deepinfer.accelerator.interface import MoEDispatch
-from deepinfer_plugins.cpu.kernels import CpuKernels
+from deepinfer.accelerator.reference import TorchKernels
+from deepinfer.models.deepseek_v4.ops import FAMILY as DEEPSEEK_V4, DeepseekV4Ops
 
 #: every torch_npu op this module can call; the accelerator keeps those its torch_npu provides
 FUSED_OPS = ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "npu_clipped_swiglu", "npu_mhc_pre",
@@ -45,11 +48,39 @@ GMM_MAX_GROUPS = 1024
 INIT_ROUTING_MAX_EXPERTS = 10240
 
 
-class AscendKernels(CpuKernels):
+class AscendDeepseekV4Ops(DeepseekV4Ops):
+    """DeepSeek-V4's op table on Ascend: torch_npu's fused mHC ops for bf16/fp16 streams, else the
+    model's plain-torch defaults. Uses the kernels object's torch_npu module and op list."""
+
+    def __init__(self, kernels: "AscendKernels"):
+        self.kernels = kernels
+
+    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if (not self.kernels._has("npu_mhc_pre", "npu_mhc_sinkhorn") or streams.dtype not in HALF
+                or streams.shape[-2] not in MHC_STREAMS or not 1 <= sinkhorn_iters <= 100):
+            return super().hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+        npu = self.kernels.npu
+        collapsed, post, res_logits = npu.npu_mhc_pre(streams, fn.float(), scale.float(), base.float(),
+                                                       norm_eps=norm_eps, hc_eps=eps)[:3]
+        comb = npu.npu_mhc_sinkhorn(res_logits, eps=eps, num_iters=sinkhorn_iters)[0]
+        return collapsed, post, comb
+
+    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if not self.kernels._has("npu_mhc_post") or streams.dtype not in HALF:
+            return super().hc_post(y, streams, post, comb)
+        return self.kernels.npu.npu_mhc_post(streams, comb.float(), y.to(streams.dtype), post.float())
+
+
+class AscendKernels(TorchKernels):
     """Set `self.npu` (the torch_npu module) and `self.fused` (available op names) before use."""
 
     npu: Any = None
     fused: frozenset[str] = frozenset()
+
+    def model_ops(self, family: str) -> DeepseekV4Ops | None:
+        """The V4 op table with the fused mHC ops; None (the defaults) for other families."""
+        return AscendDeepseekV4Ops(self) if family == DEEPSEEK_V4 else None
 
     def _has(self, *ops: str) -> bool:
         return all(op in self.fused for op in ops)
@@ -84,21 +115,6 @@ class AscendKernels(CpuKernels):
         if not self._has(op) or gate.dim() < 2:
             return super().swiglu(gate, up, limit)
         return self._glu(torch.cat((gate, up), dim=-1), limit)
-
-    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if (not self._has("npu_mhc_pre", "npu_mhc_sinkhorn") or streams.dtype not in HALF
-                or streams.shape[-2] not in MHC_STREAMS or not 1 <= sinkhorn_iters <= 100):
-            return super().hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
-        collapsed, post, res_logits = self.npu.npu_mhc_pre(streams, fn.float(), scale.float(), base.float(),
-                                                            norm_eps=norm_eps, hc_eps=eps)[:3]
-        comb = self.npu.npu_mhc_sinkhorn(res_logits, eps=eps, num_iters=sinkhorn_iters)[0]
-        return collapsed, post, comb
-
-    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        if not self._has("npu_mhc_post") or streams.dtype not in HALF:
-            return super().hc_post(y, streams, post, comb)
-        return self.npu.npu_mhc_post(streams, comb.float(), y.to(streams.dtype), post.float())
 
     # ----- attention -----
     def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,

@@ -1,7 +1,14 @@
-"""Plain-PyTorch kernels of the accelerator interface (fp32 and bf16), the reference every other
-back end is checked against. Semantics follow transformers' DeepseekV4 (deepseek-v4.md §4-§10);
-reductions and softmaxes run in fp32. Large intermediate tensors are chunked so that memory stays
-bounded on long prompts.
+"""The cpu back end's PyTorch kernels (fp32 and bf16): core's plain-torch reference kernels
+(`deepinfer.accelerator.reference.TorchKernels`) with CPU performance paths — NumPy where it beats
+torch's dispatch at decode sizes, a private aten flash-attention op, GEMM row bucketing, cache-sized
+row blocks. Semantics follow transformers' DeepseekV4 (deepseek-v4.md §4-§10); reductions and
+softmaxes run in fp32. Large intermediate tensors are chunked so that memory stays bounded on long
+prompts.
+
+DeepSeek-V4's own ops (mHC `hc_pre`/`hc_post`/`hc_head`, `compress_pool`, `indexer_topk`) are
+methods of `CpuKernels` too (the native subclass replaces some with C kernels); the back end
+declares them to the model through `model_ops("deepseek_v4")`, a `CpuDeepseekV4Ops` table that
+delegates to these methods.
 """
 from __future__ import annotations
 
@@ -12,15 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from deepinfer.accelerator.interface import AttentionOps, MoEDispatch, MoEOps, SamplingOps, SmallOps
-
-# Upper bound on elements of one score block (attention / indexer), ~256 MB of fp32.
-_MAX_SCORE_ELEMENTS = 1 << 26
-
-
-def _row_chunks(rows: int, per_row: int) -> int:
-    return max(1, min(rows, _MAX_SCORE_ELEMENTS // max(per_row, 1)))
-
+from deepinfer.accelerator.interface import MoEDispatch
+from deepinfer.accelerator.reference import TorchKernels, row_chunks
+from deepinfer.models.deepseek_v4.ops import FAMILY as DEEPSEEK_V4, DeepseekV4Ops
 
 # Inputs of at most this many rows take the weight-streaming GEMV path of `linear` (measured faster
 # up to 16 rows, mixed at 32, slower from 64 on).
@@ -71,7 +72,37 @@ def _sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
         comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
 
 
-class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
+class CpuDeepseekV4Ops(DeepseekV4Ops):
+    """DeepSeek-V4's op table on the cpu back end: each op is the kernels object's method of the same
+    name (so the C kernels of the native subclass are used where it has them)."""
+
+    def __init__(self, kernels: "CpuKernels"):
+        self.kernels = kernels
+
+    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernels.hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+
+    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        return self.kernels.hc_post(y, streams, post, comb)
+
+    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                eps: float, norm_eps: float) -> torch.Tensor:
+        return self.kernels.hc_head(streams, fn, base, scale, eps, norm_eps)
+
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        return self.kernels.compress_pool(kv, score)
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, k: int) -> torch.Tensor:
+        return self.kernels.indexer_topk(q, weights, keys, mask, k)
+
+
+class CpuKernels(TorchKernels):
+    def model_ops(self, family: str) -> DeepseekV4Ops | None:
+        """The V4 op table over this object's methods; None (the defaults) for other families."""
+        return CpuDeepseekV4Ops(self) if family == DEEPSEEK_V4 else None
+
     # ----- small ops -----
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if weight.dtype != x.dtype:
@@ -135,6 +166,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             up = up.clamp(min=-limit, max=limit)
         return F.silu(gate) * up
 
+    # ----- DeepSeek-V4 mHC (served to the model through CpuDeepseekV4Ops) -----
     def _hc_mix(self, streams_f: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
         """RMS-normalised flattened streams times fn; the per-row norm factor is applied to the
         small product instead of to the wide input (one pass less over [T, n*D])."""
@@ -206,7 +238,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         keys = torch.cat((kv, kv.new_zeros((B, 1, d))), dim=1).unsqueeze(1)  # [B, 1, L+1, d]
         sink = sinks.float().view(1, H, 1)
         out = torch.empty_like(q)
-        step = _row_chunks(S, B * H * (L + 1))
+        step = row_chunks(S, B * H * (L + 1))
         for s0 in range(0, S, step):
             m = mask[:, s0:s0 + step]
             bias = torch.empty((B, H, m.shape[1], L + 1), dtype=torch.float32, device=q.device)
@@ -227,7 +259,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         out = torch.empty_like(q)
         keys = kv.unsqueeze(1).expand(B, H, L, d)
         sink = sinks.float().view(1, H, 1)
-        step = _row_chunks(S, B * H * L)
+        step = row_chunks(S, B * H * L)
         for s0 in range(0, S, step):
             m = mask[:, s0:s0 + step]
             bias = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill_(~m, float("-inf")).unsqueeze(1)
@@ -237,6 +269,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             out[:, s0:s0 + step] = o.transpose(1, 2)
         return out
 
+    # ----- DeepSeek-V4 compressor pooling and indexer (through CpuDeepseekV4Ops) -----
     def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         weights = torch.softmax(score.float(), dim=-2)
         return (weights * kv.float()).sum(dim=-2)
@@ -250,7 +283,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         keys_f = keys.float()
         kk = min(k, E)
         picks = torch.empty((B, S, kk), dtype=torch.long, device=q.device)
-        step = _row_chunks(S, B * Hi * E)
+        step = row_chunks(S, B * Hi * E)
         for s0 in range(0, S, step):
             dots = torch.einsum("bshd,bed->bshe", q[:, s0:s0 + step].float(), keys_f).relu_()
             score = (dots * weights[:, s0:s0 + step].float().unsqueeze(-1)).sum(dim=2)
@@ -262,19 +295,7 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             picks = F.pad(picks, (0, k - kk), value=-1)
         return picks
 
-    # ----- MoE -----
-    def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int,
-                  routed_scaling_factor: float, hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = scores.float()
-        if hash_ids is not None:
-            ids = hash_ids.long()
-        else:
-            biased = scores + bias.float() if bias is not None else scores
-            ids = biased.topk(top_k, dim=-1).indices
-        w = scores.gather(1, ids)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * routed_scaling_factor, ids
-
+    # ----- MoE (moe_route: the reference) -----
     def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
         T, k = ids.shape
         flat = ids.reshape(-1)
@@ -363,80 +384,13 @@ class CpuKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
             torch.bmm(w[t0:t0 + step], rows, out=y[t0:t0 + step].unsqueeze(1))
         return y
 
-    # ----- sampling -----
+    # ----- sampling (sample, rejection_sample: the reference) -----
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         V = logits.shape[-1]
         if logits.device.type == "cpu" and bitmask.device.type == "cpu" and sys.byteorder == "little":
             # numpy unpacks the little-endian int32 words bit by bit ~3x faster than the shift below
             bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
             allowed = torch.from_numpy(bits[..., :V]).bool()
+            logits.masked_fill_(~allowed, float("-inf"))
         else:
-            shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-            allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :V].to(logits.device)
-        logits.masked_fill_(~allowed, float("-inf"))
-
-    def sample(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-        check_generators(generators, probs.device, "sample")
-        if len(generators) != probs.shape[0]:
-            raise ValueError(f"sample got {probs.shape[0]} rows but {len(generators)} generators; give one per row "
-                             f"(None for rows without a seed)")
-        out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-        free = [i for i, g in enumerate(generators) if g is None]
-        if free:
-            out[free] = torch.multinomial(probs[free].float(), 1).squeeze(-1)
-        for i, g in enumerate(generators):
-            if g is not None:
-                out[i] = torch.multinomial(probs[i].float(), 1, generator=g).squeeze(-1)
-        return out
-
-    def rejection_sample(self, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                         draft_token_ids: torch.Tensor, num_drafts: list[int],
-                         generators: list[torch.Generator | None]) -> torch.Tensor:
-        check_generators(generators, target_probs.device, "rejection_sample")
-        B = len(num_drafts)
-        if len(generators) != B:
-            raise ValueError(f"rejection_sample got {B} requests but {len(generators)} generators; give one per "
-                             f"request (None for requests without a seed)")
-        total = sum(num_drafts)
-        if target_probs.shape[0] != total + B or draft_token_ids.shape[0] != total or (
-                draft_probs is not None and draft_probs.shape[0] != total):
-            raise ValueError(f"rejection_sample: {B} requests with {total} drafts need {total + B} target rows, "
-                             f"{total} draft ids and {total} draft rows; got {target_probs.shape[0]}, "
-                             f"{draft_token_ids.shape[0]} and "
-                             f"{'none' if draft_probs is None else draft_probs.shape[0]}")
-        device = target_probs.device
-        out = torch.full((B, 1 + max(num_drafts, default=0)), -1, dtype=torch.long, device=device)
-        t0 = d0 = 0
-        for b, m in enumerate(num_drafts):
-            g = generators[b]
-            p = target_probs[t0:t0 + m + 1].float()
-            drafts = draft_token_ids[d0:d0 + m]
-            j = m  # index of the position that draws a token (first rejection, or the bonus)
-            if m:
-                u = torch.rand(m, generator=g, device=device)
-                rows = torch.arange(m, device=device)
-                p_d = p[rows, drafts]
-                q_d = draft_probs[d0:d0 + m].float()[rows, drafts] if draft_probs is not None else torch.ones_like(p_d)
-                passed = (u * q_d < p_d).tolist()  # u < p/q without dividing by q
-                j = passed.index(False) if False in passed else m
-                out[b, :j] = drafts[:j]
-            dist = p[j]
-            if j < m:  # the residual max(p - q, 0) of the rejected position
-                q = draft_probs[d0 + j].float() if draft_probs is not None else \
-                    F.one_hot(drafts[j], p.shape[1]).to(p.dtype)
-                residual = (dist - q).clamp(min=0.0)
-                if float(residual.sum()) > 0.0:  # zero only through rounding when p == q
-                    dist = residual
-            if float(dist.sum()) > 0.0:
-                out[b, j] = torch.multinomial(dist / dist.sum(), 1, generator=g).squeeze(0)
-            t0 += m + 1
-            d0 += m
-        return out
-
-
-def check_generators(generators: list[torch.Generator | None], device: torch.device, kernel: str) -> None:
-    """Per-row generators must live on the device they draw for (torch.Generator(device=...))."""
-    for row, g in enumerate(generators):
-        if g is not None and g.device.type != device.type:
-            raise ValueError(f"{kernel}: the generator of row {row} is on {g.device} but the probabilities are on "
-                             f"{device}; create it with torch.Generator(device='{device.type}')")
+            super().apply_token_bitmask(logits, bitmask)

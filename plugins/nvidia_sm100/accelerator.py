@@ -1,24 +1,22 @@
 """NVIDIA back end: torch-CUDA kernels (SM80 and newer), NCCL collectives, and the vendor fast
-paths (FlashMLA, DeepGEMM, DeepEP) when they are installed and the GPU is SM100/SM103.
+paths (FlashMLA, DeepGEMM) when they are installed and the GPU is SM100/SM103.
 
 Not run on a GPU where it was written (a CPU-only machine): see docs/backends.md for what is
 verified and how. Importing and probing never initialise CUDA; `__init__` does.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Iterable
 
 import torch
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
-from deepinfer_plugins.cpu.accelerator import TorchDistributedCollectives
+from deepinfer.accelerator.reference import TorchCollectives
 from deepinfer_plugins.nvidia_sm100 import probe as _probe
-from deepinfer_plugins.nvidia_sm100.cuda_graph import CapturedGraph, capture_graph
-from deepinfer_plugins.nvidia_sm100.expert_exchange import AllToAllExchange
 from deepinfer_plugins.nvidia_sm100.kernels import CudaKernels, build_fast_paths
 
 
-class NvidiaAccelerator(TorchDistributedCollectives, CudaKernels, Accelerator):
+class NvidiaAccelerator(TorchCollectives, CudaKernels, Accelerator):
     name = "nvidia"
     package = "deepinfer"
     collective_backend = "nccl"
@@ -45,12 +43,9 @@ class NvidiaAccelerator(TorchDistributedCollectives, CudaKernels, Accelerator):
         self.expert_precision = expert_precision
 
     def capabilities(self) -> Capabilities:
-        # a decode step can be captured only if no kernel synchronises with the host; the generic
-        # moe_experts reads its per-expert counts on the host, the DeepGEMM path does not
         return Capabilities(name=self.name, device_type="cuda", dtypes=("float32", "bfloat16"),
-                            token_bitmask=True, rejection_sampling=True,
-                            graph_capture=self.fast.experts is not None,
-                            fp8_weights=False, collectives="nccl", fast_paths=self.fast.names)
+                            token_bitmask=True, rejection_sampling=True, collectives="nccl",
+                            fast_paths=self.fast.names)
 
     # ----- device and memory -----
     def device(self, index: int = 0) -> torch.device:
@@ -71,18 +66,3 @@ class NvidiaAccelerator(TorchDistributedCollectives, CudaKernels, Accelerator):
         # NCCL binds a rank to the current device: one GPU per local rank, round robin
         torch.cuda.set_device(rank % torch.cuda.device_count())
         super().init_process_group(rank, world_size, init_method)
-
-    # ----- beyond the interface (the engine may adopt these) -----
-    def capture_graph(self, fn: Callable[..., Any], *example_inputs: torch.Tensor, warmup: int = 2,
-                      pool: Any = None) -> CapturedGraph:
-        """Record `fn` over static copies of `example_inputs` as a CUDA graph (see cuda_graph.py)."""
-        return capture_graph(fn, *example_inputs, warmup=warmup, pool=pool)
-
-    def expert_exchange(self, num_experts: int, hidden: int, top_k: int, max_tokens_per_rank: int,
-                        dtype: torch.dtype, group: Any = None):
-        """EP dispatch/combine for the current process group: DeepEP for bf16 when its fast path is
-        active, else torch.distributed all-to-all (see expert_exchange.py for the semantics)."""
-        if self.fast.deep_ep and dtype == torch.bfloat16:
-            from deepinfer_plugins.nvidia_sm100.deep_ep_exchange import DeepEPExchange  # noqa: PLC0415
-            return DeepEPExchange(num_experts, hidden, top_k, max_tokens_per_rank, group)
-        return AllToAllExchange(num_experts, group)

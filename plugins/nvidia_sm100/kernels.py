@@ -1,17 +1,18 @@
 """torch-CUDA kernels of the NVIDIA back end, with the vendor fast paths chosen at construction.
 
-The generic kernels are the reference PyTorch implementations (`CpuKernels`): they are
-device-agnostic (every tensor they create follows its inputs' device, nothing goes through NumPy),
-so they run unchanged on CUDA tensors on SM80 and newer. Two of them have fast paths, each used
+The generic kernels are core's plain-torch reference kernels
+(`deepinfer.accelerator.reference.TorchKernels`): they are device-agnostic (every tensor they
+create follows its inputs' device, nothing goes through NumPy), so they run unchanged on CUDA
+tensors on SM80 and newer. DeepSeek-V4's own ops (mHC, compressor pooling, indexer) are the
+model's plain-torch defaults (no override is declared). Two kernels have fast paths, each used
 only for inputs its library supports (otherwise the generic kernel runs):
 
 - `sink_attention` -> FlashMLA sparse MQA (`flash_mla_attention.py`): bf16, 64/128 heads, d = 512;
 - `moe_experts` -> DeepGEMM M-grouped GEMM (`deep_gemm_experts.py`): bf16, 128-aligned dims.
 
-`sample` and `rejection_sample` are the reference ones after checking that every per-row
-generator is on the probabilities' device. `moe_dispatch` counts rows per expert without a host
-synchronisation, so that with the DeepGEMM path a whole forward pass can be captured as a CUDA
-graph. DeepEP is not a kernel of the interface; it backs `NvidiaAccelerator.expert_exchange`.
+`sample` and `rejection_sample` are the reference ones, which check that every per-row generator
+is on the probabilities' device; the reference `moe_dispatch` counts rows per expert without a
+host synchronisation.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from deepinfer.accelerator.interface import MoEDispatch
-from deepinfer_plugins.cpu.kernels import CpuKernels
+from deepinfer.accelerator.reference import TorchKernels
 from deepinfer_plugins.nvidia_sm100 import deep_gemm_experts, flash_mla_attention
 from deepinfer_plugins.nvidia_sm100.probe import FAST_PATH_MODULES
 
@@ -32,7 +33,6 @@ class FastPaths:
 
     attention: Any = None  # FlashMlaAttention
     experts: Any = None  # DeepGemmExperts
-    deep_ep: bool = False  # expert_exchange() may build a DeepEPExchange
     names: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -47,9 +47,6 @@ def build_fast_paths(names: tuple[str, ...], kernels: "CudaKernels", expert_prec
             paths.attention = flash_mla_attention.FlashMlaAttention()
         if "deep_gemm" in names:
             paths.experts = deep_gemm_experts.DeepGemmExperts(kernels.swiglu, precision=expert_precision)
-        if "deep_ep" in names:
-            import deep_ep  # noqa: F401, PLC0415 - fail at construction, not at the first MoE layer
-            paths.deep_ep = True
     except ImportError as exc:
         raise RuntimeError(f"an NVIDIA fast-path library is installed but does not import ({exc}); fix or "
                            f"uninstall it, or construct NvidiaAccelerator(fast_paths=()) for the generic "
@@ -57,7 +54,7 @@ def build_fast_paths(names: tuple[str, ...], kernels: "CudaKernels", expert_prec
     return paths
 
 
-class CudaKernels(CpuKernels):
+class CudaKernels(TorchKernels):
     """The reference kernels plus the fast paths in `self.fast` (set by the accelerator)."""
 
     fast: FastPaths = FastPaths()
@@ -67,17 +64,6 @@ class CudaKernels(CpuKernels):
         if self.fast.attention is not None and flash_mla_attention.eligible(q, kv):
             return self.fast.attention(q, kv, mask, sinks, scale)
         return super().sink_attention(q, kv, mask, sinks, scale)
-
-    def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
-        # the reference's bincount reads its input's maximum on the host (a sync that breaks
-        # CUDA-graph capture); counting with scatter_add gives the same counts without one
-        T, k = ids.shape
-        flat = ids.reshape(-1).long()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(num_experts, dtype=torch.long, device=ids.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        plan = MoEDispatch(tokens_per_expert=counts, source_token=order // k, source_slot=order % k, num_tokens=T)
-        return x[plan.source_token], plan
 
     def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                     swiglu_limit: float) -> torch.Tensor:

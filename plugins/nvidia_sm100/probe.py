@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from deepinfer.accelerator.interface import ProbeResult
 
 #: fast-path name -> the Python module that provides it (looked up with find_spec, never imported here)
-FAST_PATH_MODULES = {"flash_mla": "flash_mla", "deep_gemm": "deep_gemm", "deep_ep": "deep_ep"}
+FAST_PATH_MODULES = {"flash_mla": "flash_mla", "deep_gemm": "deep_gemm"}
 #: compute capabilities the fast paths are used on (SM100 = B200/GB200, SM103 = B300/GB300)
 FAST_PATH_CAPABILITIES = {(10, 0), (10, 3)}
 #: the generic torch-CUDA kernels need bf16 tensor cores
@@ -107,7 +107,7 @@ def fast_path_report(capability: tuple[int, int]) -> str:
     if installed and tuple(capability) not in FAST_PATH_CAPABILITIES:
         return (f"generic torch-CUDA kernels ({', '.join(installed)} installed but used only on "
                 f"sm_100/sm_103)")
-    return "generic torch-CUDA kernels (no FlashMLA/DeepGEMM/DeepEP installed)"
+    return "generic torch-CUDA kernels (no FlashMLA/DeepGEMM installed)"
 
 
 def probe() -> ProbeResult:

@@ -16,6 +16,7 @@ from deepinfer.models.common.ragged import take_rows
 from deepinfer.models.common.weights import fused_parts, split_fused, strip_prefix
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
 from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS
@@ -34,10 +35,12 @@ class AttentionState:
 
 class Attention:
     def __init__(self, config: DeepseekV4Config, layer_type: str, weights: dict[str, torch.Tensor],
-                 accel: Accelerator):
+                 accel: Accelerator, ops: DeepseekV4Ops | None = None):
         """`weights`: this block's tensors under official names relative to `attn.`, plus the fused
-        projections `fused_x.weight` and `fused_qr.weight` (weights.fuse_rows)."""
+        projections `fused_x.weight` and `fused_qr.weight` (weights.fuse_rows). `ops`: the model's V4
+        op table (None: resolved from `accel`)."""
         self.c, self.accel, self.type = config, accel, layer_type
+        self.ops = resolve_ops(accel) if ops is None else ops
         self.w = weights
         self.x_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_x.weight"], "attn.")
         self.qr_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_qr.weight"], "attn.")
@@ -47,11 +50,11 @@ class Attention:
         self.compressor = None
         if layer_type in (CSA, HCA):
             self.compressor = Compressor(accel, strip_prefix(weights, "compressor."), self.rate, layer_type == CSA,
-                                         config.head_dim, eps)
+                                         config.head_dim, eps, self.ops)
         self.indexer_compressor = None
         if layer_type == CSA:
             self.indexer_compressor = Compressor(accel, strip_prefix(weights, "indexer.compressor."), self.rate, True,
-                                                 config.index_head_dim, eps)
+                                                 config.index_head_dim, eps, self.ops)
         self.state: AttentionState | None = None
 
     def run(self, x: torch.Tensor, step) -> torch.Tensor:
@@ -122,7 +125,7 @@ class Attention:
         """Indexer top-k per query, then the union of the picks of each item as its key set."""
         st = self.state
         # [B, S, k], -1 = none
-        sel = self.accel.indexer_topk(g.gather(index_q), g.gather(index_w),
+        sel = self.ops.indexer_topk(g.gather(index_q), g.gather(index_w),
                                       take_rows(st.indexer_keys, ev.flat), ev.visible, self.c.index_topk)
         B, S, E = ev.visible.shape
         if E == 0:

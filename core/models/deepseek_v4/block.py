@@ -22,6 +22,7 @@ from deepinfer.models.common.weights import strip_prefix
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.moe import MoE
+from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
 
@@ -57,17 +58,18 @@ class HyperConnected:
     `{name}_norm.weight`."""
 
     def __init__(self, name: str, layer: SubLayer, weights: dict[str, torch.Tensor], config: DeepseekV4Config,
-                 accel: Accelerator):
+                 accel: Accelerator, ops: DeepseekV4Ops | None = None):
         self.name, self.layer, self.c, self.accel = name, layer, config, accel
+        self.ops = resolve_ops(accel) if ops is None else ops  # V4's own ops (mHC)
         self.fn, self.base, self.scale = weights[f"hc_{name}_fn"], weights[f"hc_{name}_base"], weights[f"hc_{name}_scale"]
         self.norm = weights[f"{name}_norm.weight"]
 
     def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        a, c = self.accel, self.c
-        collapsed, post, comb = a.hc_pre(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                         c.rms_norm_eps)
+        a, c, ops = self.accel, self.c, self.ops
+        collapsed, post, comb = ops.hc_pre(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
+                                           c.rms_norm_eps)
         y = self.layer.run(a.rms_norm(collapsed, self.norm, c.rms_norm_eps), step)
-        return a.hc_post(y, streams, post, comb)
+        return ops.hc_post(y, streams, post, comb)
 
 
 class DecoderBlock:
@@ -120,11 +122,14 @@ class DecoderBlock:
 
 
 def build_decoder_block(config: DeepseekV4Config, layer_type: str, mlp_type: str, weights: dict[str, torch.Tensor],
-                        accel: Accelerator, pre_modules: tuple[BlockModule, ...] | list[BlockModule] = ()
-                        ) -> DecoderBlock:
-    """V4's block: `[*pre_modules, mHC(attention of layer_type), mHC(MoE, hash-routed for "hash_moe")]`."""
-    attn = HyperConnected(ATTN, Attention(config, layer_type, strip_prefix(weights, "attn."), accel), weights,
-                          config, accel)
+                        accel: Accelerator, pre_modules: tuple[BlockModule, ...] | list[BlockModule] = (),
+                        ops: DeepseekV4Ops | None = None) -> DecoderBlock:
+    """V4's block: `[*pre_modules, mHC(attention of layer_type), mHC(MoE, hash-routed for "hash_moe")]`.
+
+    `ops`: the model's V4 op table (resolved once by the model); None resolves it from `accel`."""
+    ops = resolve_ops(accel) if ops is None else ops
+    attn = HyperConnected(ATTN, Attention(config, layer_type, strip_prefix(weights, "attn."), accel, ops), weights,
+                          config, accel, ops)
     ffn = HyperConnected(FFN, MoE(config, mlp_type == "hash_moe", strip_prefix(weights, "ffn."), accel), weights,
-                         config, accel)
+                         config, accel, ops)
     return DecoderBlock([*pre_modules, attn, ffn], weights)

@@ -12,14 +12,16 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
+from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
 
 
 class Compressor:
     def __init__(self, accel: Accelerator, weights: dict[str, torch.Tensor], rate: int, overlap: bool,
-                 out_dim: int, eps: float):
+                 out_dim: int, eps: float, ops: DeepseekV4Ops | None = None):
         self.accel, self.rate, self.overlap, self.out_dim, self.eps = accel, rate, overlap, out_dim, eps
+        self.ops = resolve_ops(accel) if ops is None else ops  # compress_pool
         self.ape, self.norm = weights["ape"], weights["norm.weight"]
 
     def update(self, kv: torch.Tensor, score: torch.Tensor, plan: StepPlan, rope: RotaryTables,
@@ -44,7 +46,7 @@ class Compressor:
             empty = cp.empty.unsqueeze(-1)
             src_kv = src_kv.masked_fill(empty, 0.0)
             src_score = src_score.masked_fill(empty, float("-inf"))
-            pooled = a.compress_pool(src_kv, src_score).to(entries.dtype)
+            pooled = self.ops.compress_pool(src_kv, src_score).to(entries.dtype)
             normed = a.rms_norm(pooled, self.norm, self.eps)
             cos, sin = rope.cos_sin(cp.rope_pos, "compress")
             entries[cp.entry_row] = a.rotary(normed, cos, sin, False)

@@ -8,12 +8,14 @@ from __future__ import annotations
 from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint, parse_config
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer.models.registry import ModelFamily, OpDefaults, activation_reserve_bytes, register_model_family
 
-# every accelerator kernel the V4 model code calls
+# every op the V4 model code calls: the generic accelerator kernels, then V4's own (DeepseekV4Ops)
 REQUIRED_OPS = (
-    "linear", "grouped_linear", "rms_norm", "rotary", "swiglu", "hc_pre", "hc_post", "hc_head",
-    "sink_attention", "compress_pool", "indexer_topk", "moe_route", "moe_dispatch", "moe_experts", "moe_combine",
+    "linear", "grouped_linear", "rms_norm", "rotary", "swiglu", "sink_attention",
+    "moe_route", "moe_dispatch", "moe_experts", "moe_combine",
+    "hc_pre", "hc_post", "hc_head", "compress_pool", "indexer_topk",
 )
 # prefill runs in query blocks of this many tokens (bounded key ranges per block, see docs/model.md)
 QUERY_BLOCK = 256
@@ -30,7 +32,8 @@ FAMILY = register_model_family(ModelFamily(
     parse_config=parse_config,
     load_checkpoint=load_checkpoint,
     model_class=DeepseekV4ForCausalLM,
-    op_defaults=OpDefaults(required_ops=REQUIRED_OPS, model_options={"query_block": QUERY_BLOCK}),
+    op_defaults=OpDefaults(required_ops=REQUIRED_OPS, model_ops=DeepseekV4Ops,
+                           model_options={"query_block": QUERY_BLOCK}),
     activation_bytes=activation_bytes,
     description="DeepSeek-V4 (V4-Flash / V4-Pro architecture): sliding, CSA and HCA attention, mHC, MoE, MTP",
 ))

@@ -19,6 +19,7 @@ from deepinfer.models.deepseek_v4.attention import AttentionState
 from deepinfer.models.common.weights import fuse_rows, strip_prefix
 from deepinfer.models.deepseek_v4.block import DecoderBlock, StepInputs, build_decoder_block
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.deepseek_v4.ops import resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import (
     COMPRESSED_KV, CSA_ROWS, HCA_ROWS, INDEXER_KEYS, INDEXER_ROWS, WINDOW_KV, RingSizes, StepPlan,
@@ -34,6 +35,7 @@ class DeepseekV4ForCausalLM:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported; choose torch.float32, torch.bfloat16 or torch.float16")
         self.config, self.accel, self.dtype = config, accelerator, dtype
+        self.ops = resolve_ops(accelerator)  # V4's own ops: the back end's table if it declares one
         self.device = torch.device(device)
         self.query_block = query_block
         self.rope = RotaryTables(config, self.device)
@@ -70,14 +72,15 @@ class DeepseekV4ForCausalLM:
         self.top = {k: state[k] for k in ("embed.weight", "norm.weight", "head.weight",
                                           "hc_head_fn", "hc_head_base", "hc_head_scale")}
         self.blocks = [build_decoder_block(c, c.layer_types[i], c.mlp_layer_types[i],
-                                           self._fuse_block(strip_prefix(state, f"layers.{i}.")), self.accel)
+                                           self._fuse_block(strip_prefix(state, f"layers.{i}.")), self.accel,
+                                           ops=self.ops)
                        for i in range(c.num_hidden_layers)]
         self.mtp_block, self.mtp_top = None, {}
         if with_mtp:
             mtp = strip_prefix(state, "mtp.0.")
             self.mtp_top = {k: mtp.pop(k) for k in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight",
                                                     "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")}
-            self.mtp_block = build_decoder_block(c, SLIDING, "moe", self._fuse_block(mtp), self.accel)
+            self.mtp_block = build_decoder_block(c, SLIDING, "moe", self._fuse_block(mtp), self.accel, ops=self.ops)
         if self._cache is not None:
             self.bind_cache(self._cache)
 
@@ -88,10 +91,10 @@ class DeepseekV4ForCausalLM:
         c = self.config
         other = DeepseekV4ForCausalLM(c, self.accel, self.dtype, self.device, self.query_block)
         other.top, other.mtp_top = self.top, self.mtp_top
-        other.blocks = [build_decoder_block(c, c.layer_types[i], c.mlp_layer_types[i], blk.w, self.accel)
+        other.blocks = [build_decoder_block(c, c.layer_types[i], c.mlp_layer_types[i], blk.w, self.accel, ops=self.ops)
                         for i, blk in enumerate(self.blocks)]
         if self.mtp_block is not None:
-            other.mtp_block = build_decoder_block(c, SLIDING, "moe", self.mtp_block.w, self.accel)
+            other.mtp_block = build_decoder_block(c, SLIDING, "moe", self.mtp_block.w, self.accel, ops=self.ops)
         return other
 
     def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -224,6 +227,6 @@ class DeepseekV4ForCausalLM:
     def _logits(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 norm: torch.Tensor) -> torch.Tensor:
         a, c = self.accel, self.config
-        h = a.hc_head(streams, fn, base, scale, c.hc_eps, c.rms_norm_eps)
+        h = self.ops.hc_head(streams, fn, base, scale, c.hc_eps, c.rms_norm_eps)
         h = a.rms_norm(h, norm, c.rms_norm_eps)
         return a.linear(h, self.top["head.weight"]).float()

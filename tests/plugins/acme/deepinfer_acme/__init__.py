@@ -1,18 +1,22 @@
 """A minimal third-party back end: the "Acme" accelerator runs on the host CPU.
 
 It is what a vendor package looks like: its own distribution, an entry point under
-`deepinfer.accelerators`, a subclass of the Accelerator interface. Its kernels reuse the CPU
-reference implementations; its probe can be told (ACME_DEVICE_PRESENT=0) that the hardware is
-missing, so the not-usable path can be tested end to end."""
+`deepinfer.accelerators`, a subclass of the Accelerator interface built on core's public plain-torch
+reference kernels and torch.distributed collectives (it imports no other plugin). Its probe can be
+told (ACME_DEVICE_PRESENT=0) that the hardware is missing, so the not-usable path can be tested end
+to end."""
 import os
 
-from deepinfer.accelerator.interface import Capabilities, ProbeResult
-from deepinfer_plugins.cpu import CpuAccelerator
+import torch
+
+from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
+from deepinfer.accelerator.reference import TorchCollectives, TorchKernels
 
 
-class AcmeAccelerator(CpuAccelerator):
+class AcmeAccelerator(TorchCollectives, TorchKernels, Accelerator):
     name = "acme"
     package = "deepinfer-acme"
+    interface_version = "2.0"
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -21,7 +25,19 @@ class AcmeAccelerator(CpuAccelerator):
         return ProbeResult(usable=True, reason="Acme emulated on the host CPU")
 
     def capabilities(self) -> Capabilities:
-        return super().capabilities().model_copy(update={"name": self.name})
+        return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"), token_bitmask=True,
+                            rejection_sampling=True, host_overlap=False, collectives="gloo")
+
+    def device(self, index: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+    def memory_info(self) -> MemoryInfo:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(free_bytes=os.sysconf("SC_AVPHYS_PAGES") * page,
+                          total_bytes=os.sysconf("SC_PHYS_PAGES") * page)
+
+    def synchronize(self) -> None:
+        return None
 
 
 class LegacyAcmeAccelerator(AcmeAccelerator):

@@ -1,0 +1,129 @@
+"""DeepSeek-V4's own fused ops: the op table the model calls for them.
+
+The generic ops (linear, norms, rope, attention, MoE, sampling) come from the accelerator
+interface. The ops below exist only because of V4's architecture — manifold-constrained
+hyper-connections (mHC: `hc_pre`, `hc_post`, `hc_head`), the compressor's gated pooling
+(`compress_pool`) and the lightning indexer's selection (`indexer_topk`) — so they are not part of
+the accelerator contract. `DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32
+reductions). A back end with faster versions subclasses it, overrides what it has, and returns an
+instance from `Accelerator.model_ops("deepseek_v4")`; the model resolves its table once, at
+construction (`resolve_ops`).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+#: the family name a back end's `model_ops(family)` is asked with
+FAMILY = "deepseek_v4"
+
+# Upper bound on elements of one indexer score block, ~256 MB of fp32.
+_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+#: the ops of the table (what a back end may override)
+OPS = ("hc_pre", "hc_post", "hc_head", "compress_pool", "indexer_topk")
+
+
+class DeepseekV4Ops:
+    """Plain-torch defaults of V4's model-specific ops. A subclass that overrides one with other
+    parameter names or kinds fails when it is defined (as accelerator kernels do)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in OPS:
+            want = [(p.name, p.kind) for p in inspect.signature(getattr(DeepseekV4Ops, name)).parameters.values()]
+            got = [(p.name, p.kind) for p in inspect.signature(getattr(cls, name)).parameters.values()]
+            if want != got:
+                raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} has signature "
+                                f"({', '.join(n for n, _ in got)}) but DeepseekV4Ops.{name} requires "
+                                f"({', '.join(n for n, _ in want)})")
+
+    def _hc_mix(self, streams_f: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        """RMS-normalised flattened streams times fn (the norm factor applied to the product)."""
+        flat = streams_f.flatten(-2)
+        inv = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+        return F.linear(flat, fn.float()).mul_(inv)
+
+    def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC mixing weights and collapse (deepseek-v4.md §4 steps 1-7).
+
+        streams `[T, n, D]`; fn `[(2+n)n, nD]`, base `[(2+n)n]`, scale `[3]`, all fp32.
+        Returns (collapsed `[T, D]` in streams' dtype, post `[T, n]` fp32, comb `[T, n, n]` fp32)."""
+        n = streams.shape[1]
+        pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+        scale = scale.float()
+        sf = streams.float()
+        mixes = self._hc_mix(sf, fn, norm_eps)
+        pre = torch.sigmoid(mixes[:, :n] * scale[0] + pre_b) + eps
+        collapsed = torch.bmm(pre.unsqueeze(1), sf).squeeze(1).to(streams.dtype)  # sum_j pre_j * X_j
+        post = 2 * torch.sigmoid(mixes[:, n:2 * n] * scale[1] + post_b)
+        comb = torch.softmax(mixes[:, 2 * n:].unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), dim=-1) + eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # columns once
+        for _ in range(sinkhorn_iters - 1):  # then rows, columns (Sinkhorn)
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return collapsed, post, comb
+
+    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """mHC expansion: `X'_k = post_k * y + sum_j comb[j, k] * X_j` -> `[T, n, D]` in streams' dtype."""
+        mixed = torch.bmm(comb.float().transpose(-1, -2), streams.float())
+        return (mixed + post.float().unsqueeze(-1) * y.float().unsqueeze(1)).to(streams.dtype)
+
+    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                eps: float, norm_eps: float) -> torch.Tensor:
+        """Output-head collapse of the streams (no Sinkhorn, no post) -> `[T, D]`."""
+        streams_f = streams.float()
+        mixes = self._hc_mix(streams_f, fn, norm_eps)
+        pre = torch.sigmoid(mixes * scale.float() + base.float()) + eps
+        return (pre.unsqueeze(-1) * streams_f).sum(dim=-2).to(streams.dtype)
+
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        """Gated softmax pooling of compressor slots, per channel, in fp32.
+
+        kv, score `[..., slots, d]` (score already includes the position bias; -inf = empty
+        slot). Returns `[..., d]` fp32 = sum over slots of softmax(score) * kv."""
+        weights = torch.softmax(score.float(), dim=-2)
+        return (weights * kv.float()).sum(dim=-2)
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, k: int) -> torch.Tensor:
+        """Lightning-indexer selection.
+
+        q `[B, S, Hi, di]`; weights `[B, S, Hi]` (already scaled); keys `[B, E, di]`;
+        mask `[B, S, E]` bool (True = visible). Score `I[s, e] = sum_h w[h] * relu(q_h . k_e)`
+        in fp32 (the 1/sqrt(di) scale is applied by the caller to q or w). Returns
+        `[B, S, k]` int64 entry indices; picks on invisible entries are -1."""
+        B, S, Hi, _ = q.shape
+        E = keys.shape[1]
+        if E == 0:
+            return torch.full((B, S, k), -1, dtype=torch.long, device=q.device)
+        keys_f = keys.float()
+        kk = min(k, E)
+        picks = torch.empty((B, S, kk), dtype=torch.long, device=q.device)
+        step = max(1, min(S, _MAX_SCORE_ELEMENTS // max(B * Hi * E, 1)))
+        for s0 in range(0, S, step):
+            dots = torch.einsum("bshd,bed->bshe", q[:, s0:s0 + step].float(), keys_f).relu_()
+            score = (dots * weights[:, s0:s0 + step].float().unsqueeze(-1)).sum(dim=2)
+            m = mask[:, s0:s0 + step]
+            idx = score.masked_fill(~m, float("-inf")).topk(kk, dim=-1).indices
+            picks[:, s0:s0 + step] = torch.where(m.gather(-1, idx), idx, torch.full_like(idx, -1))
+        if kk < k:
+            picks = F.pad(picks, (0, k - kk), value=-1)
+        return picks
+
+
+def resolve_ops(accelerator: object) -> DeepseekV4Ops:
+    """The back end's V4 op table if it declares one (`model_ops("deepseek_v4")`), else the defaults."""
+    declare = getattr(accelerator, "model_ops", None)
+    table = declare(FAMILY) if callable(declare) else None
+    if table is None:
+        return DeepseekV4Ops()
+    if not isinstance(table, DeepseekV4Ops):
+        name = getattr(accelerator, "name", type(accelerator).__name__)
+        raise TypeError(f"back end {name!r} returned a {type(table).__name__} from model_ops({FAMILY!r}); it must "
+                        f"be an instance of a subclass of deepinfer.models.deepseek_v4.ops.DeepseekV4Ops")
+    return table

@@ -1,0 +1,87 @@
+"""The house rules that keep the architecture visible: core never imports a plugin, core's packages
+import downward only, and the project's docs stand on their own."""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORE = REPO / "core"
+
+# Core's layers, lowest first: a module may import its own layer and the ones before it. (Imports
+# inside functions count too: a lazy import is still a dependency.)
+LAYERS = [
+    {"version", "envs", "sampling_params", "outputs", "logits_processor", "tokenizer", "accelerator", "config"},
+    {"models", "features"},
+    {"testing", "engine", "hookspecs", "plugins"},
+    {"llm", "__init__"},
+    {"cli", "entrypoints"},
+]
+
+
+def _imports(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+    return names
+
+
+def _core_modules():
+    return sorted(p for p in CORE.rglob("*.py"))
+
+
+def test_core_never_imports_a_plugin():
+    offenders = [(str(p.relative_to(REPO)), name) for p in _core_modules() for name in _imports(p)
+                 if name == "deepinfer_plugins" or name.startswith("deepinfer_plugins.")]
+    assert not offenders, f"core imports plugins: {offenders}"
+
+
+def _layer_of(top: str) -> int:
+    for index, layer in enumerate(LAYERS):
+        if top in layer:
+            return index
+    raise AssertionError(f"core/{top} is in no layer of tests/test_layering.py: add it where it belongs")
+
+
+def test_core_packages_import_downward_only():
+    upward = []
+    for path in _core_modules():
+        own = path.relative_to(CORE).parts[0].removesuffix(".py")
+        for name in _imports(path):
+            parts = name.split(".")
+            if parts[0] != "deepinfer" or len(parts) < 2:
+                continue
+            if _layer_of(parts[1]) > _layer_of(own):
+                upward.append(f"{path.relative_to(REPO)} imports deepinfer.{parts[1]}")
+    # where the layers meet on purpose: the builder loads plugins; envs asks the installed feature
+    # plugins which variables they declare (a lazy import, so envs stays importable first)
+    allowed = {"core/engine/builder.py imports deepinfer.plugins", "core/envs.py imports deepinfer.plugins"}
+    assert sorted(set(upward) - allowed) == []
+
+
+def test_the_layer_check_can_fail(tmp_path, monkeypatch):
+    bad = CORE / "models" / "_layering_probe.py"
+    bad.write_text("from deepinfer.engine import scheduler\n")
+    try:
+        with pytest.raises(AssertionError, match="_layering_probe.py imports deepinfer.engine"):
+            test_core_packages_import_downward_only()
+    finally:
+        bad.unlink()
+
+
+EXTERNAL_DOC = re.compile(r"shared/|\b(?:deepseek-v4|deepseek-v41|anchors|machine|llamacpp-anchor|architecture)\.md\s*§")
+
+
+@pytest.mark.parametrize("path", sorted([REPO / "README.md", *(REPO / "docs").glob("*.md")]), ids=lambda p: p.name)
+def test_docs_stand_on_their_own(path):
+    """No project doc cites reference material that is not in the repository."""
+    hits = [f"{path.name}:{n}: {line.strip()}" for n, line in enumerate(path.read_text().splitlines(), 1)
+            if EXTERNAL_DOC.search(line) or re.search(r"\b(?:deepseek-v4|deepseek-v41|anchors|machine)\.md\b", line)]
+    assert not hits, hits
