@@ -148,23 +148,7 @@ class CpuKernels(TorchKernels):
             out[r0:r0 + step] = y if w is None else y.mul_(w)
         return out.view(x.shape)
 
-    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-        half = cos.shape[-1]
-        r = 2 * half
-        shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-        c, s = cos.float().reshape(shape), sin.float().reshape(shape)
-        if inverse:
-            s = -s
-        rot = x[..., -r:].float().unflatten(-1, (half, 2))
-        even, odd = rot[..., 0], rot[..., 1]
-        out = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
-        return torch.cat((x[..., :-r], out.to(x.dtype)), dim=-1)
-
-    def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-        if limit > 0:
-            gate = gate.clamp(max=limit)
-            up = up.clamp(min=-limit, max=limit)
-        return F.silu(gate) * up
+    # rotary and swiglu: the plain-torch reference's (TorchKernels)
 
     # ----- DeepSeek-V4 mHC (served to the model through CpuDeepseekV4Ops) -----
     def _hc_mix(self, streams_f: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
