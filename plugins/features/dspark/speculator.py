@@ -21,5 +21,3 @@ class Speculator(Speculation):
             raise ValueError("variable-length verification needs a verify-cost table")
         policy = VariableLengthPolicy(cost_model, config.num_draft_tokens) if config.variable_length else None
         super().__init__(drafter=drafter, num_draft_tokens=config.num_draft_tokens, policy=policy)
-        self.config = config
-        self.cost_model = cost_model
