@@ -12,15 +12,17 @@ from deepinfer.version import __version__
 # Sub-commands implemented elsewhere: name -> ("module:function", help). Each takes argv.
 DELEGATED = {
     "generate": ("deepinfer.entrypoints.generate:main", "generate text from a prompt (offline)"),
-    "make-model": ("deepinfer.models.deepseek_v4.make_model:main", "write a random-weight DeepSeek-V4 checkpoint"),
+    "make-model": ("deepinfer.entrypoints.make_model:main",
+                   "write a random-weight checkpoint (--family, default v4: DeepSeek-V4)"),
     "conformance": ("deepinfer.testing.conformance:main", "run the back-end conformance kit"),
 }
 
 
 def cmd_plugins(args) -> int:
+    from deepinfer.models.registry import MODEL_FAMILY_GROUP
     from deepinfer.plugins import ACCELERATOR_GROUP, FEATURE_GROUP, discover
 
-    rows = [info for group in (ACCELERATOR_GROUP, FEATURE_GROUP)
+    rows = [info for group in (ACCELERATOR_GROUP, FEATURE_GROUP, MODEL_FAMILY_GROUP)
             for infos in discover(group).values() for info in infos]
     if args.json:
         print(json.dumps([{"name": r.name, "group": r.group, "value": r.value, "distribution": r.distribution,
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4 inference engine")
     parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
     sub = parser.add_subparsers(dest="command")
-    p = sub.add_parser("plugins", help="list installed accelerator and feature plugins (without importing them)")
+    p = sub.add_parser("plugins", help="list installed accelerator, feature and model-family plugins (without "
+                                       "importing them)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("doctor", help="probe every accelerator and show which one would be used")
     for name, (_, help_text) in DELEGATED.items():

@@ -39,6 +39,10 @@ class EngineConfig(BaseModel):
         None, description="prepare step N+1 on the host while step N runs; None (auto): on where the back end "
                           "declares host_overlap (GPU, NPU), off on the cpu back end")
     sampler_force_topk: int | None = Field(None, ge=1, description="restrict sampling to the top-k logits first")
+    model_options: dict[str, Any] = Field(
+        default_factory=dict, description="[model_options]: overrides of the model family's options "
+                                          "(OpDefaults.model_options, e.g. DeepSeek-V4's query_block), checked "
+                                          "against the options the family declares once the checkpoint is known")
     features: dict[str, dict[str, Any]] = Field(default_factory=dict, description="[features.<name>] tables")
 
     @field_validator("model")

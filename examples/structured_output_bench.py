@@ -13,7 +13,7 @@ steps (see `bench_end_to_end`), alternating A/B in one engine, plus where the ti
 
 Run: python examples/structured_output_bench.py [--runs 5] [--batches 1 32] [--threads N]
      python examples/structured_output_bench.py --end_to_end /tmp/bm/bench [--pairs 3] [--batches 1 32]
-CPU figures are noisy (machine.md §3): compare the two kernels as a ratio within one run.
+CPU figures are noisy (a shared 2-core machine): compare the two kernels as a ratio within one run.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Shared helpers for model tests: a tiny random transformers DeepseekV4ForCausalLM (the oracle,
-deepseek-v4.md §17.3), our model built from its weights, and a small engine stand-in that owns
-slots and blocks and runs sequences through `forward` in ragged batches."""
+its special parameters randomised: docs/model.md, "Verification"), our model built from its
+weights, and a small engine stand-in that owns slots and blocks and runs sequences through
+`forward` in ragged batches."""
 from __future__ import annotations
 
 import random
@@ -13,7 +14,7 @@ from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v4.weights import canonicalize
 from deepinfer.models.interface import ForwardBatch, allocate_cache_tensors
 
-# deepseek-v4.md §17.3: every layer type, both MLP types, YaRN, 16 indexer heads (no top-k ties),
+# the test model: every layer type, both MLP types, YaRN, 16 indexer heads (no top-k ties),
 # index_topk 4 so that sparse selection is active from 16 tokens on.
 TINY_HF = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, head_dim=32,

@@ -50,3 +50,20 @@ def test_doctor_unknown_lists_installed(name):
     out = run("doctor", env={"DEEPINFER_ACCELERATOR": name})
     assert out.returncode != 0
     assert f"'{name}' is not installed" in out.stderr and "cpu" in out.stderr
+
+
+def test_make_model_help_shows_the_families_flags_and_unknown_family_lists_choices(tmp_path):
+    out = run("make-model", "--help")
+    assert out.returncode == 0 and "--family" in out.stdout and "--no-mtp" in out.stdout  # default: v4's flags
+    out = run("make-model", str(tmp_path / "x"), "--family", "nope")
+    assert out.returncode == 2 and not (tmp_path / "x").exists()
+    assert "unknown model family 'nope'" in out.stderr and "deepseek_v4 (alias v4)" in out.stderr
+
+
+def test_plugins_lists_model_family_entry_points(fake_distribution):
+    root = fake_distribution("acme-models", "1.0", {"deepinfer.model_families": {"acme_lm": "acme_lm_mod"}},
+                             {"acme_lm_mod": "raise ImportError('listing must not import me')\n"})
+    out = run("plugins", "--json", env={"PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    rows = {r["name"]: r for r in json.loads(out.stdout) if r["group"] == "deepinfer.model_families"}
+    assert rows["acme_lm"]["distribution"] == "acme-models" and rows["acme_lm"]["value"] == "acme_lm_mod"

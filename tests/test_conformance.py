@@ -6,14 +6,21 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 
-def run_kit(name: str, report, extra_path: str | None = None) -> subprocess.CompletedProcess:
+TESTS = Path(__file__).resolve().parent
+
+
+def run_kit(name: str, report, extra_path: str | None = None, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
     if extra_path:
         env["PYTHONPATH"] = extra_path + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "deepinfer.cli", "conformance", name,
-                           f"--conformance-report={report}"], capture_output=True, text=True, env=env, timeout=600)
+                           f"--conformance-report={report}", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
 
 
 def test_cpu_passes_every_level(tmp_path):
@@ -138,3 +145,65 @@ def test_kit_passes_the_core_reference_kernels(tmp_path, fake_distribution):
     for test in ("test_rms_norm", "test_sink_attention_ragged_masks", "test_hc_pre_post_head", "test_indexer_topk",
                  "test_model_ops_are_declared_as_op_tables"):
         assert report["tests"][test]["outcome"] == "passed", test
+
+
+# --- the kit on another model family: the test-only toy_dense family (tests/toy_family) ---------
+
+V4_OWN_OPS = ("test_hc_pre_post_head", "test_compress_pool", "test_indexer_topk")
+TOY_FAMILY_MODULE = "--family-module=toy_family.family:TOY_FAMILY"
+
+
+@pytest.fixture(scope="module")
+def toy_checkpoint(tmp_path_factory) -> Path:
+    from toy_family import TOY_FAMILY
+
+    out = tmp_path_factory.mktemp("toy") / "ckpt"
+    TOY_FAMILY.make_checkpoint.make(out, "tiny", seed=2)
+    return out
+
+
+def test_kit_passes_the_cpu_back_end_on_a_toy_family_checkpoint(tmp_path, toy_checkpoint):
+    out = run_kit("cpu", tmp_path / "toy.json", str(TESTS), f"--checkpoint={toy_checkpoint}", TOY_FAMILY_MODULE)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    report = json.loads((tmp_path / "toy.json").read_text())
+    assert report["family"] == "toy_dense" and report["checkpoint"] == str(toy_checkpoint)
+    assert report["summary"]["failed"] == 0
+    for test in ("test_tiny_checkpoint_greedy_matches_the_reference", "test_model_ops_are_declared_as_op_tables",
+                 "test_rms_norm", "test_swiglu"):
+        assert report["tests"][test]["outcome"] == "passed", test
+    for test in V4_OWN_OPS:  # DeepSeek-V4's op table does not apply: skipped, saying why
+        entry = report["tests"][test]
+        assert entry["outcome"] == "skipped", test
+        assert "deepseek_v4" in entry["reason"] and "'toy_dense'" in entry["reason"], entry["reason"]
+
+
+BROKEN_SWIGLU = '''
+from deepinfer_plugins.cpu import CpuAccelerator
+
+class WrongSwiglu(CpuAccelerator):
+    name = "wrongswiglu"
+    def swiglu(self, gate, up, limit):  # `up` replaced by its sign times its mean size: numerically wrong
+        return super().swiglu(gate, up.sign() * up.abs().mean(), limit)
+'''
+
+
+def test_kit_fails_a_broken_kernel_on_the_toy_family_end_to_end(tmp_path, toy_checkpoint, fake_distribution):
+    root = fake_distribution("wrong-swiglu", "0.1",
+                             {"deepinfer.accelerators": {"wrongswiglu": "wrong_swiglu_mod:WrongSwiglu"}},
+                             {"wrong_swiglu_mod": BROKEN_SWIGLU})
+    out = run_kit("wrongswiglu", tmp_path / "w.json", f"{root}{os.pathsep}{TESTS}", f"--checkpoint={toy_checkpoint}",
+                  TOY_FAMILY_MODULE, "-k", "swiglu or rms_norm or greedy")
+    assert out.returncode != 0
+    report = json.loads((tmp_path / "w.json").read_text())
+    assert report["tests"]["test_tiny_checkpoint_greedy_matches_the_reference"]["outcome"] == "failed"
+    assert report["tests"]["test_swiglu"]["outcome"] == "failed"
+    assert report["tests"]["test_rms_norm"]["outcome"] == "passed"
+
+
+def test_kit_names_an_unknown_family_and_a_broken_family_module(tmp_path, toy_checkpoint):
+    out = run_kit("cpu", tmp_path / "a.json", str(TESTS), f"--checkpoint={toy_checkpoint}")
+    assert out.returncode != 0
+    assert "model_type 'toy_dense' is not supported" in out.stderr and "--family-module" in out.stderr
+    out = run_kit("cpu", tmp_path / "b.json", str(TESTS), "--family-module=toy_family.no_such_module")
+    assert out.returncode != 0
+    assert "--family-module toy_family.no_such_module: ModuleNotFoundError" in out.stderr

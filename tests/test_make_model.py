@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint
-from deepinfer.models.deepseek_v4.make_model import SIZES, count_parameters, main, make_model, model_config
+from deepinfer.entrypoints.make_model import main
+from deepinfer.models.deepseek_v4.make_model import SIZES, count_parameters, make_model, model_config
 from deepinfer.models.deepseek_v4.weights import to_hf_names
 
 
@@ -104,3 +105,41 @@ def test_size_presets():
         config, _ = model_config(size)
         assert config.vocab_size == 129280 and config.num_nextn_predict_layers == 1
         assert {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"} <= set(config.layer_types)
+
+
+def test_family_option_takes_the_model_type_or_an_alias(tmp_path, capsys):
+    assert main([str(tmp_path / "alias"), "--family", "v4", "--seed", "4", "--no-tokenizer"]) == 0
+    assert main([str(tmp_path / "type"), "--family=deepseek_v4", "--seed", "4", "--no-tokenizer"]) == 0
+    _, a = load_checkpoint(tmp_path / "alias", torch.float32)
+    _, b = load_checkpoint(tmp_path / "type", torch.float32)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    assert main([str(tmp_path / "x"), "--family", "llama"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown model family 'llama'" in err and "deepseek_v4 (alias v4)" in err
+
+
+def test_family_option_dispatches_to_another_familys_maker_and_flags(tmp_path, capsys):
+    from dataclasses import replace
+
+    from toy_family import TOY_FAMILY, registered
+
+    from deepinfer.models.registry import load_model_checkpoint
+
+    with registered():
+        assert main([str(tmp_path / "toy"), "--family", "toy", "--size", "small", "--seed", "3",
+                     "--sliding-window", "7"]) == 0
+        assert "toy_dense small, seed 3, sliding window 7" in capsys.readouterr().out
+        family, config, _ = load_model_checkpoint(tmp_path / "toy")
+        assert family is TOY_FAMILY and config.sliding_window == 7 and config.hidden_size == 64
+        with pytest.raises(SystemExit):  # V4's flags are not the toy family's
+            main([str(tmp_path / "toy2"), "--family", "toy", "--quantize", "fp8"])
+        with pytest.raises(SystemExit):  # nor are its sizes
+            main([str(tmp_path / "toy2"), "--family", "toy", "--size", "bench"])
+        assert main([str(tmp_path / "toy"), "--family", "toy"]) == 2  # exists; --force replaces it
+        assert main([str(tmp_path / "toy"), "--family", "toy", "--force"]) == 0
+    with registered(replace(TOY_FAMILY, make_checkpoint=None, aliases=())):
+        capsys.readouterr()
+        assert main([str(tmp_path / "none"), "--family", "toy_dense"]) == 2
+        err = capsys.readouterr().err
+        assert "model family 'toy_dense' cannot write random checkpoints" in err and "deepseek_v4 (alias v4)" in err

@@ -7,7 +7,7 @@ import torch
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.weights import canonicalize, check_weights, expected_weight_shapes, to_hf_names
 
-# V4-Flash's hub config.json, trimmed to the keys that matter (deepseek-v4.md §2)
+# V4-Flash's hub config.json, trimmed to the keys that matter
 FLASH_HUB = dict(
     model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
     head_dim=512, qk_rope_head_dim=64, q_lora_rank=1024, o_groups=8, o_lora_rank=1024, sliding_window=128,

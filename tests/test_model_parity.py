@@ -1,5 +1,5 @@
 """Our DeepSeek-V4 (fp32, CPU kernels) against transformers' DeepseekV4ForCausalLM, the oracle
-(deepseek-v4.md §17): logits at every prefill and decode step against the uncached HF forward,
+(docs/model.md, "Verification"): logits at every prefill and decode step against the uncached HF forward,
 greedy continuations, chunking / batch / rollback invariance of the engine-managed state."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ TOL = 1e-4  # relative to the logit scale; measured agreement is ~2e-6 (docs/mod
 SAME = 2e-5  # two runs of our model that differ only in batching/chunking
 
 CONFIGS = {
-    # deepseek-v4.md §17.3: [sliding, CSA, HCA, CSA, HCA, sliding], hash + learned MoE, YaRN
+    # [sliding, CSA, HCA, CSA, HCA, sliding], hash + learned MoE, YaRN
     "tiny": {},
     # HCA first, larger window, rate-8 HCA, no YaRN, top-3 indexer, sigmoid router
     "hca8": dict(num_hidden_layers=4, layer_types=[HCA, CSA, SLIDING, HCA], mlp_layer_types=["hash_moe"] + ["moe"] * 3,
@@ -63,8 +63,8 @@ def test_prefill_and_greedy_decode_match_hf(models, name):
 
 
 def test_short_prompts_decode_through_the_first_boundaries(models):
-    """Prompts of 1, 3, 4 and 5 tokens (deepseek-v4.md §16 item 6): decode starts with no
-    compressed entry and crosses the first CSA (4), window (8) and HCA (16) boundaries."""
+    """Prompts of 1, 3, 4 and 5 tokens: decode starts with no compressed entry and crosses the first
+    CSA (4), window (8) and HCA (16) boundaries."""
     hf, ours = models("tiny")
     for n in (1, 3, 4, 5):
         tokens, logits = Runner(ours).generate("s", prompt(n, seed=20 + n), new_tokens=18)
@@ -187,7 +187,7 @@ def _random_mtp_weights(config, seed: int) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def _hf_mtp_reference(hf, weights, streams, next_ids):
-    """The MTP block (deepseek-v4.md §14.1) built from HF's own modules, run uncached."""
+    """The MTP block (docs/model.md, "MTP") built from HF's own modules, run uncached."""
     from transformers import DeepseekV4Config as HFConfig
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
     from deepinfer.models.deepseek_v4.weights import to_hf_names
@@ -218,7 +218,7 @@ def _hf_mtp_reference(hf, weights, streams, next_ids):
 
 def test_mtp_block_matches_hf_modules(models):
     """mtp_forward over chunks and single positions == the MTP block assembled from HF's decoder
-    layer / hyper-head modules (HF itself has no MTP, §17.2 item 7), run uncached."""
+    layer / hyper-head modules (HF itself has no MTP), run uncached."""
     from deepinfer.models.interface import ForwardBatch
     hf, _ = models("tiny")
     mtp = _random_mtp_weights(build_our_model(hf).config, seed=11)
@@ -244,8 +244,8 @@ def test_mtp_block_matches_hf_modules(models):
 
 
 def test_bf16_runs_with_fp32_state_and_logits(models):
-    """bf16 has no exact oracle (§17.2 item 1); check dtypes and that it tracks fp32 closely at
-    the first positions (before routing flips can compound)."""
+    """bf16 has no exact oracle (transformers' own bf16 differs from its fp32); check dtypes and
+    that it tracks fp32 closely at the first positions (before routing flips can compound)."""
     hf, fp32 = models("tiny")
     bf16 = build_our_model(hf, dtype=torch.bfloat16)
     p = prompt(20, seed=9)

@@ -132,3 +132,145 @@ def test_v4_drafter_heads_and_has_mtp_agree():
     model.load_weights({k: v for k, v in weights.items() if not k.startswith("mtp.")})
     assert model.drafter_heads() is None and not model.has_mtp
     assert drafter_heads(object()) is None  # a model without the method has no heads
+
+
+# --- third-party families: the deepinfer.model_families entry-point group ----------------------
+
+EP_BASE = '''
+import torch
+from deepinfer.models.registry import ModelFamily
+
+
+class Model:
+    def __init__(self, config, accelerator, dtype=torch.float32, device="cpu"):
+        self.config, self.device = config, torch.device(device)
+
+    def load_weights(self, weights): ...
+    def cache_layout(self, max_rollback): ...
+    def bind_cache(self, cache): ...
+    def forward(self, batch): ...
+    def drafter_heads(self): return None
+
+
+def family(model_type):
+    return ModelFamily(model_type=model_type, parse_config=lambda d, source: None,
+                       load_checkpoint=lambda path, dtype, d: (None, {}), model_class=Model)
+'''
+EP_MODULES = {
+    "ep_base": EP_BASE,
+    "ep_object": "from ep_base import family\nFAMILY = family('ep_object')\n",
+    "ep_module": "from deepinfer.models.registry import register_model_family\nfrom ep_base import family\n"
+                 "register_model_family(family('ep_module'))\n",
+    "ep_callable": "from ep_base import family\ndef make():\n    return family('ep_callable')\n",
+    "ep_broken": "import no_such_dependency_of_ep_broken\n",
+    "ep_misnamed": "from ep_base import family\nFAMILY = family('something_else')\n",
+}
+EP_NAMES = {"ep_object": "ep_object:FAMILY", "ep_module": "ep_module", "ep_callable": "ep_callable:make",
+            "ep_broken": "ep_broken", "ep_misnamed": "ep_misnamed:FAMILY"}
+
+
+@pytest.fixture
+def family_plugins(fake_distribution):
+    fake_distribution("acme-models", "1.2", {registry.MODEL_FAMILY_GROUP: EP_NAMES}, EP_MODULES)
+    yield
+    for name in [*EP_NAMES, "something_else"]:
+        unregister_model_family(name)
+
+
+def test_entry_point_families_are_listed_without_import_and_loaded_on_first_look_up(family_plugins):
+    import sys
+
+    assert set(EP_NAMES) <= set(supported_model_types()) and "deepseek_v4" in supported_model_types()
+    assert not {"ep_object", "ep_module", "ep_callable"} & set(sys.modules)  # listing imports nothing
+    for name in ("ep_object", "ep_module", "ep_callable"):  # an object, a module, a callable
+        family = get_model_family(name)
+        assert family.model_type == name and get_model_family(name) is family
+    assert "ep_broken" not in sys.modules
+
+
+def test_a_broken_entry_point_names_itself_and_leaves_the_other_families_alone(family_plugins):
+    from deepinfer.models.common.errors import ModelFamilyPluginError
+
+    with pytest.raises(ModelFamilyPluginError) as e:
+        get_model_family("ep_broken")
+    message = str(e.value)
+    assert "entry point 'ep_broken = ep_broken'" in message and "distribution acme-models 1.2" in message
+    assert "ModuleNotFoundError" in message and "no_such_dependency_of_ep_broken" in message
+    with pytest.raises(ModelFamilyPluginError, match=r"'ep_misnamed = ep_misnamed:FAMILY'.*registered no family "
+                                                     r"'ep_misnamed'.*named after the model_type"):
+        get_model_family("ep_misnamed")
+    assert get_model_family("deepseek_v4").model_type == "deepseek_v4"
+    assert registry.find_model_family("v4").model_type == "deepseek_v4"
+    assert "ep_object" in {f.model_type for f in registry.all_model_families()}  # listing skips the broken one
+
+
+def test_entry_points_never_shadow_an_in_tree_family(fake_distribution):
+    fake_distribution("shadow", "0.1", {registry.MODEL_FAMILY_GROUP: {"deepseek_v4": "ep_broken"}},
+                      {"ep_broken": EP_MODULES["ep_broken"]})
+    assert get_model_family("deepseek_v4").model_class.__name__ == "DeepseekV4ForCausalLM"
+
+
+def test_load_model_family_takes_entry_point_syntax(fake_distribution):
+    fake_distribution("direct", "0.1", {}, {"ep_base": EP_BASE, "ep_object": EP_MODULES["ep_object"]})
+    try:
+        registry.load_model_family("ep_object:FAMILY")
+        assert get_model_family("ep_object").model_type == "ep_object"
+        with pytest.raises(TypeError, match="expected a module, a ModelFamily or a callable"):
+            registry.load_model_family("torch:float32")
+    finally:
+        unregister_model_family("ep_object")
+
+
+# --- aliases, checkpoint makers, model options -------------------------------------------------
+
+def test_aliases_are_found_and_must_not_collide(clean):
+    family = register_model_family(_family(aliases=("utf",)))
+    assert registry.find_model_family("utf") is family and registry.find_model_family("unit_test_family") is family
+    assert family.label == "unit_test_family (alias utf)"
+    assert registry.find_model_family("v4").model_type == "deepseek_v4"
+    with pytest.raises(UnknownModelTypeError, match=r"unknown model family 'nope'; choose a model_type or alias: "
+                                                    r".*deepseek_v4 \(alias v4\).*unit_test_family \(alias utf\)"):
+        registry.find_model_family("nope")
+    with pytest.raises(ValueError, match=r"aliases \['utf'\] already name model family 'unit_test_family'"):
+        register_model_family(_family("other_test_family", aliases=("utf",)))
+    with pytest.raises(ValueError, match="aliases must be non-empty names other than the model_type"):
+        _family(aliases=("unit_test_family",))
+
+
+def test_checkpoint_maker_is_validated():
+    with pytest.raises(ValueError, match="sizes must be non-empty preset names"):
+        registry.CheckpointMaker(make=lambda *a, **k: "", sizes=())
+    with pytest.raises(ValueError, match="make_checkpoint must be a CheckpointMaker"):
+        _family(make_checkpoint=lambda *a: "")
+    v4 = get_model_family("deepseek_v4")
+    assert v4.aliases == ("v4",) and v4.make_checkpoint.sizes == ("tiny", "default", "bench")
+
+
+def test_model_options_accept_declared_keys_only():
+    family = _family(op_defaults=OpDefaults(model_options={"block": 8, "mode": "a"}))
+    assert family.model_options({"block": 2}) == {"block": 2, "mode": "a"}
+    with pytest.raises(ValueError, match=r"model_options \['blok'\] are not options of model family "
+                                         r"'unit_test_family'; its options \(OpDefaults.model_options\) "
+                                         r"are: block, mode"):
+        family.model_options({"blok": 2})
+    with pytest.raises(ValueError, match=r"\['blok'\]"):
+        family.build_model(_Config(), object(), torch.float32, "cpu", blok=2)
+
+
+def test_engine_config_overrides_the_familys_model_options(tmp_path):
+    from deepinfer import LLM
+    from deepinfer.config import load_config
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    path = make_model(tmp_path / "tiny", "tiny", seed=0, tokenizer=False)
+    llm = LLM(model=str(path), accelerator="cpu", max_model_len=64, max_num_seqs=2, model_options={"query_block": 8})
+    try:
+        assert llm.engine.model.query_block == 8 and llm.config.model_options == {"query_block": 8}
+    finally:
+        llm.shutdown()
+    toml = tmp_path / "engine.toml"
+    toml.write_text("[model_options]\nquery_blok = 8\n")
+    assert load_config(config_file=toml).model_options == {"query_blok": 8}
+    with pytest.raises(ValueError, match=r"model_options \['query_blok'\] are not options of model family "
+                                         r"'deepseek_v4'; its options .* are: query_block"):
+        LLM(model=str(path), accelerator="cpu", config=str(toml))

@@ -1,4 +1,4 @@
-"""Back-end discovery and selection: every error path of architecture.md §5, end to end."""
+"""Back-end discovery and selection: every error path of docs/architecture.md ("Selecting a back end"), end to end."""
 from __future__ import annotations
 
 import pytest

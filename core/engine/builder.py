@@ -1,8 +1,9 @@
 """Build an `EngineCore` from an `EngineConfig`: back end, checkpoint, model, tokenizer, cache pool, features.
 
 The model family comes from the checkpoint's config.json `model_type` through the model registry
-(`deepinfer.models.registry`): its parser, checkpoint loader, model class and op defaults. Nothing
-here knows a particular model; the engine talks to it through the `Model` protocol.
+(`deepinfer.models.registry`): its parser, checkpoint loader, model class and op defaults (the
+model options, overridden by `EngineConfig.model_options`). Nothing here knows a particular model;
+the engine talks to it through the `Model` protocol.
 
 Memory budget (`gpu_memory_utilization`, default 0.85): the fraction of the memory the back end
 reports free at start-up (`accelerator.memory_info()`: device memory on a GPU, available RAM on the
@@ -89,11 +90,12 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     resolved = resolve_model(config.model)
     family, config_dict = checkpoint_family(resolved.path)  # config.json's model_type -> the registry entry
     family.check_accelerator(accelerator)  # every kernel the model calls, before any weight is read
+    model_options = family.model_options(config.model_options)  # unknown keys fail before loading too
     model_config, weights = family.load_checkpoint(resolved.path, _dtype(config), config_dict)
     float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point() and t.dtype != torch.float32]
     dtype = float_dtypes[0] if float_dtypes else torch.float32
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    model = family.build_model(model_config, accelerator, dtype, device)
+    model = family.build_model(model_config, accelerator, dtype, device, **model_options)
     model.load_weights(weights)
     del weights
     load_seconds = time.perf_counter() - t0

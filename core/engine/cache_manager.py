@@ -1,6 +1,6 @@
 """Cache pool sizing and bookkeeping: per-sequence slots plus paged block groups.
 
-The model declares its state as a `CacheLayout` (deepseek-v4.md §12): constant-size state per
+The model declares its state as a `CacheLayout` (docs/model.md, "Cache layout"): constant-size state per
 sequence (window rings, compressor rows) lives in one *slot* per running sequence; state that grows
 with the context (compressed entries, indexer keys) lives in fixed-size *blocks*, one pool per block
 group. The pool is sized once from the memory budget and preallocated once (first-touch allocation

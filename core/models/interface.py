@@ -6,7 +6,7 @@ a ragged `ForwardBatch` (many sequences, different lengths, no padding) and gets
 What the engine calls on a model is the `Model` protocol (`protocol.py`); which model class a
 checkpoint needs comes from the registry (`registry.py`, keyed by config.json's `model_type`).
 
-State comes in two kinds (deepseek-v4.md §12):
+State comes in two kinds (docs/model.md, "Cache layout: owners and readers"):
 - *slot state*: a constant size per sequence (window rings, compressor raw-row rings), one slot
   per running sequence;
 - *block groups*: what grows with the context (compressed entries, indexer keys), paged in

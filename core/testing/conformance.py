@@ -2,12 +2,12 @@
 
 A pytest plugin, shipped in the wheel and not auto-registered. Run it as
 
-    deepinfer conformance NAME [--conformance-report PATH] [pytest args...]
+    deepinfer conformance NAME [--conformance-report PATH] [--checkpoint DIR] [--family-module M] [pytest args...]
     pytest -p deepinfer.testing.conformance --accelerator=NAME [--conformance-report PATH]
 
 The oracle is `ReferenceAccelerator` below: every kernel of the accelerator interface written
-from its documented math (core/accelerator/interface.py, deepseek-v4.md) in plain torch, computed
-in float64 and rounded once to the output dtype; DeepSeek-V4's own ops likewise
+from its documented math (core/accelerator/interface.py) in plain torch, computed in float64 and
+rounded once to the output dtype; DeepSeek-V4's own ops likewise
 (`ReferenceDeepseekV4Ops`, its `model_ops`), compared with the op table the model resolves on the
 back end under test. It shares no code with any back end (the cpu
 plugin included), so the cpu back end is checked like every other one. Levels (the `level`
@@ -15,6 +15,13 @@ marker of each test): 0 contract, 1 op numerics, 2 sampler, 3 memory, 4 collecti
 (the engine on the back end against the engine on the reference kernels).
 Tests of capabilities the back end does not declare are skipped and listed in the report.
 The tests themselves live in `deepinfer.testing.conformance_tests`.
+
+The model family under test: by default DeepSeek-V4, whose tiny random checkpoint level 5 runs.
+`--checkpoint DIR` runs level 5 on that checkpoint folder instead, of whatever registered family
+its config.json names; `--family-module MODULE[:OBJECT]` (repeatable; entry-point syntax, see
+`deepinfer.models.registry.load_model_family`) registers an out-of-tree family in the kit's process
+first. Tests of one family's own ops (the `family` marker: DeepSeek-V4's op table) are skipped, with
+the reason, when the family under test is another one.
 """
 from __future__ import annotations
 
@@ -31,6 +38,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, MoEDispatch, ProbeResult
 from deepinfer.models.deepseek_v4.ops import FAMILY as DEEPSEEK_V4, DeepseekV4Ops
+from deepinfer.models.registry import ModelFamily, checkpoint_family, get_model_family, load_model_family
 
 TESTS_FILE = Path(__file__).with_name("conformance_tests.py")
 #: The entry-point name the reference is registered under while a level-5 run needs it.
@@ -51,10 +59,10 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class ReferenceDeepseekV4Ops(DeepseekV4Ops):
     """DeepSeek-V4's own ops (mHC, compressor pooling, indexer) for the oracle: their documented math,
-    in float64 on the CPU, rounded once (deepseek-v4.md §4, §6-§7)."""
+    in float64 on the CPU, rounded once (the math documented on `DeepseekV4Ops`)."""
 
     def _hc_projection(self, streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-        """z = rho * (fn . x) per token, x the flattened streams (deepseek-v4.md §4 steps 1-3)."""
+        """z = rho * (fn . x) per token, x the flattened streams and rho = 1 / rms(x)."""
         x = _f64(streams).flatten(1)
         return _rms(x, norm_eps) * (x @ _f64(fn).T)
 
@@ -289,14 +297,39 @@ def pytest_addoption(parser) -> None:
     group.addoption("--accelerator", action="store", default=None, help="accelerator plugin name to check")
     group.addoption("--conformance-report", action="store", default=None,
                     help="write a JSON pass/skip/fail matrix to this path")
+    group.addoption("--checkpoint", action="store", default=None,
+                    help="checkpoint folder of any registered model family for level 5 (default: a tiny "
+                         "random DeepSeek-V4 one)")
+    group.addoption("--family-module", action="append", default=[], metavar="MODULE[:OBJECT]",
+                    help="import this first to register an out-of-tree model family (repeatable)")
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "level(n): conformance level (0 contract .. 5 end to end)")
     config.addinivalue_line("markers", "capability(name): needs this Capabilities field to be truthy")
+    config.addinivalue_line("markers", "family(model_type): checks that model family's own ops")
     if config.getoption("accelerator") and not _explicit_paths(config):
         config.args[:] = [str(TESTS_FILE)]  # `pytest -p ... --accelerator X` runs the kit itself
     config._conformance_results = {}
+    config._conformance_family = _family_under_test(config)
+
+
+def _family_under_test(config) -> ModelFamily | None:
+    """Register the --family-module families, then the family of --checkpoint (DeepSeek-V4 without
+    one); a usage error naming the option when either fails. None outside a kit run."""
+    for reference in config.getoption("family_module"):
+        try:
+            load_model_family(reference)
+        except Exception as exc:
+            raise pytest.UsageError(f"--family-module {reference}: {type(exc).__name__}: {exc}") from exc
+    path = config.getoption("checkpoint")
+    if path is None:
+        return get_model_family(DEEPSEEK_V4) if config.getoption("accelerator") else None
+    try:
+        return checkpoint_family(path)[0]
+    except Exception as exc:
+        raise pytest.UsageError(f"--checkpoint {path}: {exc} (an out-of-tree family is registered with "
+                                f"--family-module MODULE[:OBJECT])") from exc
 
 
 def _explicit_paths(config) -> bool:
@@ -326,21 +359,33 @@ def acc(accelerator_class):
 
 
 @pytest.fixture(scope="session")
+def model_family(request) -> ModelFamily:
+    """The family under test: --checkpoint's, else DeepSeek-V4."""
+    return request.config._conformance_family
+
+
+@pytest.fixture(scope="session")
 def ref():
     """The oracle the back end is compared with: the float64 reference kernels (never a back end)."""
     return ReferenceAccelerator()
 
 
 @pytest.fixture(autouse=True)
-def _capability_gate(request):
-    marker = request.node.get_closest_marker("capability")
-    if marker is None:
-        return
-    acc_ = request.getfixturevalue("acc")
-    caps = acc_.capabilities()
-    for cap in marker.args:
-        if not getattr(caps, cap, False):
-            pytest.skip(f"capability '{cap}' not declared by {caps.name}")
+def _gates(request):
+    """Skip a test whose `capability` marker names a Capabilities field the back end does not declare,
+    or whose `family` marker names other families than the one under test."""
+    needs = request.node.get_closest_marker("capability")
+    if needs is not None:
+        caps = request.getfixturevalue("acc").capabilities()
+        for cap in needs.args:
+            if not getattr(caps, cap, False):
+                pytest.skip(f"capability '{cap}' not declared by {caps.name}")
+    owner = request.node.get_closest_marker("family")
+    if owner is not None:
+        family = request.getfixturevalue("model_family")
+        if family.model_type not in owner.args:
+            pytest.skip(f"tests the own ops of model family {' / '.join(owner.args)}, which the family under test, "
+                        f"{family.model_type!r} (--checkpoint {request.config.getoption('checkpoint')}), does not use")
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -375,8 +420,11 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     path = config.getoption("conformance_report")
     if path:
         summary = {k: sum(1 for r in results.values() if r["outcome"] == k) for k in ("passed", "skipped", "failed")}
+        family = config._conformance_family
         Path(path).write_text(json.dumps({"accelerator": config.getoption("accelerator"), "summary": summary,
-                                          "tests": results}, indent=2, sort_keys=True))
+                                          "family": family.model_type if family else None,
+                                          "checkpoint": config.getoption("checkpoint"), "tests": results},
+                                         indent=2, sort_keys=True))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
@@ -388,10 +436,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`deepinfer conformance NAME [--conformance-report PATH] [pytest args]`."""
+    """`deepinfer conformance NAME [--conformance-report PATH] [--checkpoint DIR] [--family-module M] [pytest args]`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0].startswith("-"):
-        print("usage: deepinfer conformance NAME [--conformance-report PATH] [pytest options]", file=sys.stderr)
+        print("usage: deepinfer conformance NAME [--conformance-report PATH] [--checkpoint DIR] "
+              "[--family-module MODULE[:OBJECT]] [pytest options]", file=sys.stderr)
         return 2
     name, rest = argv[0], argv[1:]
     return int(pytest.main([str(TESTS_FILE), f"--accelerator={name}", "-q", "-p", "no:cacheprovider", *rest],

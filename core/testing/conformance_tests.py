@@ -2,7 +2,9 @@
 
 Fixtures: `acc` (the back end under test, instantiated), `ref` (the float64 reference kernels,
 `deepinfer.testing.conformance.ReferenceAccelerator`, independent of every back end),
-`accelerator_class`, `accelerator_name`.
+`accelerator_class`, `accelerator_name`, `model_family` (the family under test: --checkpoint's,
+else DeepSeek-V4). Tests marked `family("deepseek_v4")` check DeepSeek-V4's own op table and are
+skipped for another family.
 """
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import inspect
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.accelerator import interface as api
-from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
+from deepinfer.models.deepseek_v4.ops import FAMILY as DEEPSEEK_V4, resolve_ops
+from deepinfer.models.registry import checkpoint_family
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
@@ -61,11 +65,14 @@ def test_signatures_match_the_interface(accelerator_class):
 
 
 @pytest.mark.level(0)
-def test_model_ops_are_declared_as_op_tables(acc):
-    """`model_ops(family)` is None (the model's defaults) or an instance of the family's op table."""
-    table = acc.model_ops("deepseek_v4")
-    assert table is None or isinstance(table, DeepseekV4Ops), type(table).__name__
-    assert isinstance(resolve_ops(acc), DeepseekV4Ops)
+def test_model_ops_are_declared_as_op_tables(acc, model_family):
+    """`model_ops(family)` is None (the model's defaults) or an instance of the family's op table
+    (`OpDefaults.model_ops`); always None for a family without one."""
+    table = acc.model_ops(model_family.model_type)
+    op_table = model_family.op_defaults.model_ops
+    assert table is None or (op_table is not None and isinstance(table, op_table)), \
+        f"model_ops({model_family.model_type!r}) returned a {type(table).__name__}, not None or a " \
+        f"{getattr(op_table, '__name__', 'None')}"
     assert acc.model_ops("no_such_family") is None
 
 
@@ -166,6 +173,7 @@ def _hc_params(g, n=4, d=16):
 
 
 @pytest.mark.level(1)
+@pytest.mark.family(DEEPSEEK_V4)
 def test_hc_pre_post_head(acc, ref):
     """DeepSeek-V4's mHC ops, as the model resolves them on the back end (its model_ops or the defaults)."""
     acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
@@ -202,6 +210,7 @@ def test_sink_attention_ragged_masks(acc, ref):
 
 
 @pytest.mark.level(1)
+@pytest.mark.family(DEEPSEEK_V4)
 def test_compress_pool(acc, ref):
     acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
     g = _gen(7)
@@ -214,6 +223,7 @@ def test_compress_pool(acc, ref):
 
 
 @pytest.mark.level(1)
+@pytest.mark.family(DEEPSEEK_V4)
 def test_indexer_topk(acc, ref):
     acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
     g = _gen(8)
@@ -425,14 +435,18 @@ def test_collectives_two_ranks(acc, accelerator_name, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
+def tiny_checkpoint(request, tmp_path_factory) -> Path:
+    """--checkpoint, else a tiny random DeepSeek-V4 checkpoint written to a temporary folder."""
+    given = request.config.getoption("checkpoint")
+    if given:
+        return Path(given)
     from deepinfer.models.deepseek_v4.make_model import make_model
     return make_model(tmp_path_factory.mktemp("conformance") / "tiny", size="tiny", seed=3, progress=False)
 
 
-def _greedy(model_dir, accelerator_name, prompts):
+def _greedy(model_dir, accelerator_name, prompts, max_model_len):
     from deepinfer import LLM, SamplingParams
-    llm = LLM(model=str(model_dir), accelerator=accelerator_name, dtype="float32", max_model_len=256,
+    llm = LLM(model=str(model_dir), accelerator=accelerator_name, dtype="float32", max_model_len=max_model_len,
               max_num_seqs=4, seed=0)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -444,15 +458,18 @@ def _greedy(model_dir, accelerator_name, prompts):
 
 @pytest.mark.level(5)
 def test_tiny_checkpoint_greedy_matches_the_reference(acc, accelerator_name, tiny_checkpoint):
-    """The whole engine on this back end continues a tiny random checkpoint exactly like the same
-    engine on the float64 reference kernels (fp32, greedy; prompts cross the tiny model's window and
-    compression boundaries)."""
+    """The whole engine on this back end continues the checkpoint exactly like the same engine on
+    the float64 reference kernels (fp32, greedy; 5, 17 and 40 prompt tokens: on the tiny DeepSeek-V4
+    model they cross its window and compression boundaries)."""
     from deepinfer.testing.conformance import reference_registered
+    family, config_dict = checkpoint_family(tiny_checkpoint)
+    config = family.parse_config(config_dict, str(tiny_checkpoint))
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 40)]
-    got = _greedy(tiny_checkpoint, accelerator_name, prompts)
+    prompts = [torch.randint(3, min(500, config.vocab_size), (n,), generator=g).tolist() for n in (5, 17, 40)]
+    max_model_len = min(256, config.max_position_embeddings)
+    got = _greedy(tiny_checkpoint, accelerator_name, prompts, max_model_len)
     with reference_registered() as reference:
-        want = _greedy(tiny_checkpoint, reference, prompts)
+        want = _greedy(tiny_checkpoint, reference, prompts, max_model_len)
     for i, (a, b) in enumerate(zip(got, want)):
         assert a == b, f"prompt {i}: greedy tokens differ from the reference kernels' at step " \
                        f"{next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)}"

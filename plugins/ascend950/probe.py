@@ -1,9 +1,10 @@
 """Import-light probe of the Ascend back end.
 
 `torch_npu` is never imported here: without CANN its import fails (libhccl.so) and, once installed,
-it can break `import torch` itself (machine.md §5). The probe looks for the package with
-`importlib.util.find_spec`, for the CANN toolkit on disk, and asks `npu-smi` (a separate process)
-for the chips; it never initialises the NPU runtime and never changes the environment.
+it can break `import torch` itself (torch auto-loads it through its `torch.backends` entry point).
+The probe looks for the package with `importlib.util.find_spec`, for the CANN toolkit on disk, and
+asks `npu-smi` (a separate process) for the chips; it never initialises the NPU runtime and never
+changes the environment.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """The cpu back end's PyTorch kernels (fp32 and bf16): core's plain-torch reference kernels
 (`deepinfer.accelerator.reference.TorchKernels`) with CPU performance paths — NumPy where it beats
 torch's dispatch at decode sizes, a private aten flash-attention op, GEMM row bucketing, cache-sized
-row blocks. Semantics follow transformers' DeepseekV4 (deepseek-v4.md §4-§10); reductions and
-softmaxes run in fp32. Large intermediate tensors are chunked so that memory stays bounded on long
-prompts.
+row blocks. Semantics follow transformers' DeepseekV4 (as documented on each kernel of the
+interface and of `DeepseekV4Ops`); reductions and softmaxes run in fp32. Large intermediate tensors
+are chunked so that memory stays bounded on long prompts.
 
 DeepSeek-V4's own ops (mHC `hc_pre`/`hc_post`/`hc_head`, `compress_pool`, `indexer_topk`) are
 methods of `CpuKernels` too (the native subclass replaces some with C kernels); the back end

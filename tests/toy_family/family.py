@@ -5,8 +5,10 @@ import contextlib
 
 import torch
 
-from deepinfer.models.registry import ModelFamily, OpDefaults, register_model_family, unregister_model_family
-from toy_family.checkpoint import load_checkpoint
+from deepinfer.models.registry import (
+    CheckpointMaker, ModelFamily, OpDefaults, register_model_family, unregister_model_family,
+)
+from toy_family.checkpoint import SIZES, add_arguments, load_checkpoint, make_checkpoint
 from toy_family.config import MODEL_TYPE, parse_config
 from toy_family.model import ToyDenseForCausalLM
 
@@ -18,6 +20,8 @@ TOY_FAMILY = ModelFamily(
     # the accelerator kernels the toy model calls; attention scores in fp32 whatever the model dtype
     op_defaults=OpDefaults(required_ops=("linear", "rms_norm", "swiglu"),
                            model_options={"attention_dtype": torch.float32}),
+    make_checkpoint=CheckpointMaker(make=make_checkpoint, sizes=tuple(SIZES), add_arguments=add_arguments),
+    aliases=("toy",),
     description="test-only dense transformer: full, sliding-window and KV-sharing attention layers",
 )
 

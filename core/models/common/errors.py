@@ -15,3 +15,8 @@ class CheckpointTooLargeError(MemoryError):
 class UnknownModelTypeError(CheckpointError):
     """config.json names a `model_type` no registered model family handles (the message lists the
     supported ones)."""
+
+
+class ModelFamilyPluginError(RuntimeError):
+    """A `deepinfer.model_families` entry point (a third-party model family) failed to import, or
+    registered no family under its name; the message names the entry point and its distribution."""

@@ -1,4 +1,5 @@
-"""Shared-KV MQA with sinks over a sliding window plus compressed entries (deepseek-v4.md §7, §8).
+"""Shared-KV MQA with sinks over a sliding window plus compressed entries (docs/model.md,
+"Execution on ragged batches").
 
 One class serves the three layer types: sliding (window only, main RoPE), HCA (window + all
 visible entries of rate m) and CSA (window + the lightning indexer's top-k of the overlapping
@@ -7,6 +8,7 @@ together, prefill in bounded query blocks).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -127,20 +129,30 @@ class Attention:
         # [B, S, k], -1 = none
         sel = self.ops.indexer_topk(g.gather(index_q), g.gather(index_w),
                                       take_rows(st.indexer_keys, ev.flat), ev.visible, self.c.index_topk)
-        B, S, E = ev.visible.shape
-        if E == 0:
-            return st.entries.new_zeros((B, 0, st.entries.shape[-1])), ev.visible
-        if S == 1:  # decode: the picks themselves are the key set
-            picks = sel[:, 0, :E]  # beyond E all are -1 (k > E early on): no masked keys to attend over
-            return take_rows(st.entries, ev.flat.gather(1, picks.clamp(min=0))), (picks >= 0).unsqueeze(1)
-        picked = torch.zeros((B, S, E + 1), dtype=torch.bool, device=sel.device)
-        picked.scatter_(2, torch.where(sel >= 0, sel, E), True)
-        picked = picked[..., :E] & g.q_valid.unsqueeze(-1)
-        used = picked.any(dim=1)  # [B, E]
-        counts = used.sum(dim=1)
-        U = int(counts.max()) if B else 0
-        order = torch.argsort((~used).to(torch.int8), dim=1, stable=True)[:, :U]  # used entries first
-        u_valid = torch.arange(U, device=sel.device) < counts.unsqueeze(1)
-        keys = take_rows(st.entries, ev.flat.gather(1, order))
-        mask = picked.gather(2, order.unsqueeze(1).expand(B, S, U)) & u_valid.unsqueeze(1)
-        return keys, mask
+        return selected_entry_keys(lambda rows: take_rows(st.entries, rows), g, ev, sel)
+
+
+def selected_entry_keys(read: Callable[[torch.Tensor], torch.Tensor], g, ev, sel: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compressed keys a group attends over and their mask, from per-query picks `sel`
+    `[B, S, k]` (entry ids, -1 = none): decode (S = 1) attends over its own picks; a prefill block
+    over the union of its queries' picks, each query masked to its own. `read(rows)` returns the
+    entries at block-group rows `rows` (any shape) as `[*rows.shape, d]`."""
+    B, S, E = ev.visible.shape
+    if E == 0:
+        empty = read(ev.flat)
+        return empty, ev.visible
+    if S == 1:  # decode: the picks themselves are the key set
+        picks = sel[:, 0, :E]  # beyond E all are -1 (k > E early on): no masked keys to attend over
+        return read(ev.flat.gather(1, picks.clamp(min=0))), (picks >= 0).unsqueeze(1)
+    picked = torch.zeros((B, S, E + 1), dtype=torch.bool, device=sel.device)
+    picked.scatter_(2, torch.where(sel >= 0, sel, E), True)
+    picked = picked[..., :E] & g.q_valid.unsqueeze(-1)
+    used = picked.any(dim=1)  # [B, E]
+    counts = used.sum(dim=1)
+    U = int(counts.max()) if B else 0
+    order = torch.argsort((~used).to(torch.int8), dim=1, stable=True)[:, :U]  # used entries first
+    u_valid = torch.arange(U, device=sel.device) < counts.unsqueeze(1)
+    keys = read(ev.flat.gather(1, order))
+    mask = picked.gather(2, order.unsqueeze(1).expand(B, S, U)) & u_valid.unsqueeze(1)
+    return keys, mask

@@ -1,4 +1,5 @@
-"""A decoder block as an ordered list of sub-modules over the residual streams (deepseek-v4.md §4).
+"""A decoder block as an ordered list of sub-modules over the residual streams (docs/model.md,
+"Block composition").
 
 Every sub-module maps the streams `[T, n, D]` to new streams through `forward(streams, step)`,
 where `step` (`StepInputs`) carries what any of them may read in this step (token ids, the step
@@ -52,7 +53,7 @@ class SubLayer(Protocol):
 
 
 class HyperConnected:
-    """One sub-layer inside mHC: `hc_pre` -> RMS-norm -> sub-layer -> `hc_post` (§5).
+    """One sub-layer inside mHC: `hc_pre` -> RMS-norm -> sub-layer -> `hc_post`.
 
     `weights` are the block's tensors; this module reads `hc_{name}_fn/_base/_scale` and
     `{name}_norm.weight`."""

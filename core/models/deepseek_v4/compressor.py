@@ -1,4 +1,5 @@
-"""The gated-softmax compressor (deepseek-v4.md §8.2) over per-position raw rows.
+"""The gated-softmax compressor over per-position raw rows (an entry is the window's rows
+weighted per channel by a softmax of their scores over the slots).
 
 Every token stores its raw row (c_t, z_t + ape[t mod m]) in a per-slot ring. When the last token
 of window w arrives, entry w is pooled from the rows of that window (HCA: m slots) or of that

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 hyperparameters (deepseek-v4.md §2).
+"""DeepSeek-V4 hyperparameters (`DeepseekV4Config`).
 
 `DeepseekV4Config.from_dict` accepts the three spellings found in the wild:
 - the official reference `inference/config.json` (`dim`, `n_layers`, `n_heads`, `moe_inter_dim`,
@@ -115,7 +115,7 @@ def _validation_problems(err: ValidationError) -> list[str]:
 
 
 class YarnScaling(BaseModel):
-    """YaRN frequency interpolation of the compress RoPE (§6). No mscale, attention factor 1."""
+    """YaRN frequency interpolation of the compress RoPE (`rope.py`). No mscale, attention factor 1."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -145,7 +145,7 @@ class DeepseekV4Config(BaseModel):
     o_groups: int = 8
     o_lora_rank: int = 1024
     sliding_window: int = 128
-    # per main layer: sliding / CSA / HCA; the MTP block is always sliding-only (§16 item 11)
+    # per main layer: sliding / CSA / HCA; the MTP block is always sliding-only, whatever the list says
     layer_types: tuple[str, ...] = ()
     csa_compress_rate: int = 4
     hca_compress_rate: int = 128
@@ -174,7 +174,7 @@ class DeepseekV4Config(BaseModel):
     num_nextn_predict_layers: int = 1
     bos_token_id: int | None = 0
     eos_token_id: int | tuple[int, ...] | None = 1
-    # checkpoint storage details, passed through for the loader (§13.2)
+    # checkpoint storage details (FP8 / FP4 formats, docs/checkpoints.md), passed through for the loader
     quantization_config: dict[str, Any] | None = None
     expert_dtype: str | None = None
 

@@ -1,4 +1,5 @@
-"""DeepSeek-V4's registry entry: `model_type: deepseek_v4` -> parser, loader, model class, op defaults.
+"""DeepSeek-V4's registry entry: `model_type: deepseek_v4` (alias `v4`) -> parser, loader, model
+class, op defaults, random checkpoints (`deepinfer make-model --family v4`).
 
 Importing this module registers the family (the registry does so on the first look-up of
 `deepseek_v4`).
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint, parse_config
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.models.deepseek_v4.make_model import CHECKPOINT_MAKER
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer.models.registry import ModelFamily, OpDefaults, activation_reserve_bytes, register_model_family
@@ -35,5 +37,7 @@ FAMILY = register_model_family(ModelFamily(
     op_defaults=OpDefaults(required_ops=REQUIRED_OPS, model_ops=DeepseekV4Ops,
                            model_options={"query_block": QUERY_BLOCK}),
     activation_bytes=activation_bytes,
+    make_checkpoint=CHECKPOINT_MAKER,
+    aliases=("v4",),
     description="DeepSeek-V4 (V4-Flash / V4-Pro architecture): sliding, CSA and HCA attention, mHC, MoE, MTP",
 ))

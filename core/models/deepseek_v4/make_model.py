@@ -1,4 +1,4 @@
-"""Write random-weight DeepSeek-V4 checkpoints (`deepinfer make-model`).
+"""Write random-weight DeepSeek-V4 checkpoints (`deepinfer make-model --family v4`, the default).
 
 The output is a directory transformers loads as it is (`DeepseekV4ForCausalLM.from_pretrained`, 0
 missing and 0 unexpected keys): `config.json` in transformers' keys, safetensors with
@@ -10,11 +10,11 @@ deepinfer's loader reads but transformers needs `accelerate` for.
 
 Randomisation is deliberate: attention sinks, compressor position biases, mHC bases and scales,
 router biases, hash tables and norm weights all get random values, because the usual initialisation
-(zeros and ones) makes whole code paths invisible to tests (deepseek-v4.md §17.3). Each tensor is
+(zeros and ones) makes whole code paths invisible to tests. Each tensor is
 drawn from its own generator seeded by (seed, name), so adding or dropping the MTP block leaves the
 trunk's weights unchanged.
 
-Sizes (see `SIZES`): `tiny` (§17.3, vocab 512, about 0.6 M parameters: unit tests), `default` (the
+Sizes (see `SIZES`): `tiny` (vocab 512, about 0.6 M parameters: unit tests), `default` (the
 embedded default model: hidden 256, 6 layers, the real 129,280-token vocabulary), `bench` (about
 0.9 B parameters, the real vocabulary and attention hyperparameters, bf16: benchmarks on a CPU).
 """
@@ -25,7 +25,6 @@ import json
 import math
 import re
 import shutil
-import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -38,13 +37,14 @@ from deepinfer.models.common.safetensors_io import (  # noqa: F401  (write_safet
 )
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config, YarnScaling
 from deepinfer.models.deepseek_v4.weights import expected_weight_shapes, to_hf_names, weight_kind
+from deepinfer.models.registry import CheckpointMaker
 
 SPEC_VERSION = 1  # bump when a preset or the initialisation changes (invalidates cached default models)
 MARKER_FILE = "deepinfer_make_model.json"
 QUANTIZE_CHOICES = ("fp8", "fp4-experts")
 
 SIZES: dict[str, dict[str, Any]] = {
-    # deepseek-v4.md §17.3: every layer type, hash and learned routing, YaRN, index_topk 4 so the
+    # the test model: every layer type, hash and learned routing, YaRN, index_topk 4 so the
     # indexer selects from 16 tokens on.
     "tiny": dict(
         vocab_size=512, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, head_dim=32,
@@ -78,7 +78,7 @@ SIZES: dict[str, dict[str, Any]] = {
         max_position_embeddings=1048576, num_nextn_predict_layers=1, dtype="bfloat16"),
 }
 
-# official tensors stored as FP8 blocks in the hub checkpoint (deepseek-v4.md §13.2)
+# official tensors stored as FP8 blocks in the hub checkpoint (docs/checkpoints.md)
 _FP8_RE = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|"
                      r"ffn\.shared_experts\.w[123]|e_proj|h_proj)\.weight$")
 _EXPERT_RE = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
@@ -312,14 +312,9 @@ def _parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`deepinfer make-model OUT_DIR [--size tiny|default|bench] ...`"""
-    parser = argparse.ArgumentParser(
-        prog="deepinfer make-model",
-        description="Write a random-weight DeepSeek-V4 checkpoint (transformers format, MTP weights, tokenizer).")
-    parser.add_argument("out_dir", help="directory to create")
-    parser.add_argument("--size", default="tiny", choices=list(SIZES), help="preset (default: tiny)")
-    parser.add_argument("--seed", type=int, default=0)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """DeepSeek-V4's own `deepinfer make-model` flags (OUT_DIR, --family, --size, --seed and --force
+    are the command's); their values reach `make_checkpoint` by `dest`."""
     parser.add_argument("--no-mtp", action="store_true", help="leave out the MTP block")
     parser.add_argument("--quantize", choices=QUANTIZE_CHOICES, default=None,
                         help="write the official quantised format (FP8 blocks; fp4-experts: FP4 routed experts)")
@@ -329,25 +324,25 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="KEY=VALUE", help="override a config field (JSON value), e.g. --set num_hidden_layers=2")
     parser.add_argument("--max-shard-size", type=_parse_size_bytes, default=DEFAULT_MAX_SHARD_BYTES,
                         help="split larger checkpoints into shards (default 1GiB)")
-    parser.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists")
-    args = parser.parse_args(argv)
-    overrides = dict(args.overrides)
-    if args.dtype:
-        overrides["dtype"] = args.dtype
-    try:
-        out = make_model(args.out_dir, size=args.size, seed=args.seed, with_mtp=not args.no_mtp,
-                         quantize=args.quantize, tokenizer=not args.no_tokenizer, overwrite=args.force,
-                         max_shard_bytes=args.max_shard_size, **overrides)
-    except (ValueError, FileExistsError) as e:
-        print(f"deepinfer make-model: error: {e}", file=sys.stderr)
-        return 2
+
+
+def make_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite: bool = False, *,
+                    no_mtp: bool = False, quantize: str | None = None, dtype: str | None = None,
+                    no_tokenizer: bool = False, overrides: list[tuple[str, Any]] | None = None,
+                    max_shard_size: int = DEFAULT_MAX_SHARD_BYTES) -> str:
+    """`deepinfer make-model --family deepseek_v4`: `make_model` with the command's flags (see
+    `add_arguments`); returns the summary line the command prints."""
+    fields = dict(overrides or [])
+    if dtype:
+        fields["dtype"] = dtype
+    out = make_model(out_dir, size=size, seed=seed, with_mtp=not no_mtp, quantize=quantize,
+                     tokenizer=not no_tokenizer, overwrite=overwrite, max_shard_bytes=max_shard_size, **fields)
     marker = json.loads((out / MARKER_FILE).read_text())
     disk = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    print(f"wrote {out}: {args.size}, {marker['parameters']:,} parameters, {disk / 2**20:.1f} MiB of weights"
-          f"{', quantised ' + args.quantize if args.quantize else ''}{', no MTP' if args.no_mtp else ''}"
-          f"{'' if marker['tokenizer'] else ', no tokenizer'}")
-    return 0
+    return (f"wrote {out}: {size}, {marker['parameters']:,} parameters, {disk / 2**20:.1f} MiB of weights"
+            f"{', quantised ' + quantize if quantize else ''}{', no MTP' if no_mtp else ''}"
+            f"{'' if marker['tokenizer'] else ', no tokenizer'}")
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+#: the family's `ModelFamily.make_checkpoint` (`deepinfer make-model --family v4`)
+CHECKPOINT_MAKER = CheckpointMaker(make=make_checkpoint, sizes=tuple(SIZES), add_arguments=add_arguments)

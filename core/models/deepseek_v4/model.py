@@ -1,4 +1,4 @@
-"""DeepSeek-V4 causal LM on ragged batches with engine-managed state (deepseek-v4.md §3-§14).
+"""DeepSeek-V4 causal LM on ragged batches with engine-managed state (docs/model.md, "DeepSeek-V4").
 
     model = DeepseekV4ForCausalLM(config, accelerator, dtype=torch.float32, device="cpu")
     model.load_weights(canonicalize(state_dict))
@@ -199,7 +199,7 @@ class DeepseekV4ForCausalLM:
 
     @torch.no_grad()
     def mtp_forward(self, streams: torch.Tensor, next_token_ids: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:
-        """The MTP block (§14.1). streams `[T, n, D]`: the trunk's final residual streams at the
+        """The MTP block (docs/model.md, "MTP"). streams `[T, n, D]`: the trunk's final residual streams at the
         rows of `batch` (positions t, before hc_head); next_token_ids `[T]`: the token at t+1.
         `batch` describes the MTP's own state: positions t, context_lens = positions already run
         through the MTP for each sequence (its window ring is separate from the trunk's).

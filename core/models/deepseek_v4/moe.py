@@ -1,4 +1,5 @@
-"""Routed MoE with hash layers, clamped SwiGLU and a shared expert (deepseek-v4.md §9).
+"""Routed MoE with hash layers, clamped SwiGLU and a shared expert (sqrt-softplus router scores;
+hash layers pick experts from the token id through `tid2eid`).
 
 route -> dispatch -> grouped experts -> combine, all through the accelerator. Router logits are
 computed in fp32 (as the official code does; identical to transformers in fp32).

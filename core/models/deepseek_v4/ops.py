@@ -49,24 +49,31 @@ class DeepseekV4Ops:
 
     def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """mHC mixing weights and collapse (deepseek-v4.md §4 steps 1-7).
+        """mHC mixing weights (pre, post, Sinkhorn-normalised comb) and the collapse `sum_j pre_j * X_j`.
 
         streams `[T, n, D]`; fn `[(2+n)n, nD]`, base `[(2+n)n]`, scale `[3]`, all fp32.
         Returns (collapsed `[T, D]` in streams' dtype, post `[T, n]` fp32, comb `[T, n, n]` fp32)."""
-        n = streams.shape[1]
+        sf = streams.float()
+        pre, post, comb = self._hc_coefficients(sf, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+        collapsed = torch.bmm(pre.unsqueeze(1), sf).squeeze(1).to(streams.dtype)  # sum_j pre_j * X_j
+        return collapsed, post, comb
+
+    def _hc_coefficients(self, streams_f: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                         sinkhorn_iters: int, eps: float, norm_eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(pre `[T, n]`, post `[T, n]`, comb `[T, n, n]`) of one mHC site, fp32 (streams_f fp32)."""
+        n = streams_f.shape[1]
         pre_b, post_b, comb_b = base.float().split([n, n, n * n])
         scale = scale.float()
-        sf = streams.float()
-        mixes = self._hc_mix(sf, fn, norm_eps)
+        mixes = self._hc_mix(streams_f, fn, norm_eps)
         pre = torch.sigmoid(mixes[:, :n] * scale[0] + pre_b) + eps
-        collapsed = torch.bmm(pre.unsqueeze(1), sf).squeeze(1).to(streams.dtype)  # sum_j pre_j * X_j
         post = 2 * torch.sigmoid(mixes[:, n:2 * n] * scale[1] + post_b)
         comb = torch.softmax(mixes[:, 2 * n:].unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n), dim=-1) + eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # columns once
         for _ in range(sinkhorn_iters - 1):  # then rows, columns (Sinkhorn)
             comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        return collapsed, post, comb
+        return pre, post, comb
 
     def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         """mHC expansion: `X'_k = post_k * y + sum_j comb[j, k] * X_j` -> `[T, n, D]` in streams' dtype."""

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's quantised weight formats (deepseek-v4.md §13.2): FP8 blocks and packed FP4 experts.
+"""DeepSeek-V4's quantised weight formats (docs/checkpoints.md): FP8 blocks and packed FP4 experts.
 
 The formats are not V4-specific; they live in `deepinfer.models.common.quant`, re-exported here
 for the code that imports them from this path.

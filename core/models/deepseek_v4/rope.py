@@ -1,4 +1,4 @@
-"""Partial interleaved RoPE with two frequency sets (deepseek-v4.md §6).
+"""Partial interleaved RoPE with two frequency sets, main and compress.
 
 *main* (sliding-only layers and the MTP block): base `rope_theta`, no scaling.
 *compress* (CSA and HCA layers: queries, window keys, compressed entries, indexer q/k): base

@@ -1,4 +1,4 @@
-"""Per-sequence decode state of DeepSeek-V4 (deepseek-v4.md §12) and the per-step addressing plan.
+"""Per-sequence decode state of DeepSeek-V4 (docs/model.md, "State") and the per-step addressing plan.
 
 Slot state (one slot per running sequence), rings indexed by absolute position mod ring size:
 - `window_kv` `[Rw, d]`, every layer (MTP block included): post-norm, post-RoPE kv of the last

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 tensor naming (deepseek-v4.md §13.1, §13.4, §13.5).
+"""DeepSeek-V4 tensor naming: official, transformers-internal and save_pretrained names (docs/checkpoints.md).
 
 The canonical naming is the OFFICIAL one, without prefix: `embed.weight`,
 `layers.{i}.attn.wq_a.weight`, `layers.{i}.ffn.experts.{e}.w1.weight`, `mtp.0.e_proj.weight`, ...

@@ -1,7 +1,7 @@
 """A test-only CPU stand-in for torch_npu: the ops deepinfer's Ascend back end calls, nothing else.
 
 Never installed: tests put `tests/fake_torch_npu` on sys.path (so there is no torch.backends
-auto-load entry point, machine.md §5). Each op follows the signature and the semantics documented
+auto-load entry point, which would import it with torch). Each op follows the signature and the semantics documented
 in torch_npu's `_op_plugin_docs.py` (Ascend/op-plugin, codegen/templates/_op_plugin_docs.py) and
 the CPU golden references of op-plugin's tests, written here as plain torch, and rejects the
 dtypes/shapes the documentation rules out, so that the back end's gating is exercised. Ops run on
