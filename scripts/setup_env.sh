@@ -8,4 +8,8 @@ if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[test]"
+# NVIDIA NeMo AutoModel: the tests use it only as an independent DeepSeek-V4.1 oracle on CPU (format,
+# dequantisation, Engram vocabulary, logits). --no-deps: its metadata pins an older transformers and
+# GPU-only packages, none of which that CPU use needs; pillow is the one extra module it imports.
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps "nemo-automodel==0.7.0" pillow
 .venv/bin/python -c "import deepinfer, torch; print(f'deepinfer {deepinfer.__version__} ready (torch {torch.__version__})')"

@@ -92,7 +92,8 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     family.check_accelerator(accelerator)  # every kernel the model calls, before any weight is read
     model_options = family.model_options(config.model_options)  # unknown keys fail before loading too
     model_config, weights = family.load_checkpoint(resolved.path, _dtype(config), config_dict)
-    float_dtypes = [t.dtype for t in weights.values() if t.is_floating_point() and t.dtype != torch.float32]
+    # the compute dtype: the half-precision weights' (tables kept quantised, e.g. FP8, do not count)
+    float_dtypes = [t.dtype for t in weights.values() if t.dtype in (torch.bfloat16, torch.float16)]
     dtype = float_dtypes[0] if float_dtypes else torch.float32
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     model = family.build_model(model_config, accelerator, dtype, device, **model_options)

@@ -2,8 +2,11 @@
 
 `SafetensorsCheckpoint(root)` lists and validates the files and headers (`safetensors_io`), then:
 
-1. `plan(expert_dtype)` pairs every quantised weight with its scale (official `<w>.scale`,
-   transformers' `<w>.weight_scale_inv` / `<fused>_scale_inv`) and checks the scale's shape;
+1. `plan(expert_dtype, keep_stored)` pairs every quantised weight with its scale (official
+   `<w>.scale`, transformers' `<w>.weight_scale_inv` / `<fused>_scale_inv`) and checks the scale's
+   shape (FP8 blocks of the folder's `block_size`: 128 unless the family passes its
+   `quantization_config.weight_block_size`); weights `keep_stored` names stay as stored, their
+   scale a tensor of its own (V4.1's memory-mapped Engram tables);
 2. `loaded_shapes(units, rename, target_dtype, dtype)` runs the family's name canonicalisation on
    meta tensors: the loaded names, shapes and byte sizes, before any data is read;
 3. `validate(expected, shapes)` compares them with what the config expects: one CheckpointError
@@ -21,13 +24,14 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from deepinfer.models.common import quant
 from deepinfer.models.common.errors import CheckpointError, CheckpointTooLargeError
 from deepinfer.models.common.safetensors_io import (
-    TensorEntry, get_tensor, open_safetensors, read_headers, safetensors_files,
+    CONFIG_FILE, TensorEntry, get_tensor, open_safetensors, read_config, read_headers, safetensors_files,
 )
 
 MAX_LISTED = 200  # problems listed per category in one error (the count is always exact)
@@ -36,6 +40,8 @@ DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torc
 
 Rename = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 TargetDtype = Callable[[str, torch.dtype], torch.dtype]
+KeepStored = Callable[[str], bool]
+ConfigT = TypeVar("ConfigT")
 
 
 def keep_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -69,16 +75,18 @@ def scale_candidates(name: str) -> list[str]:
     return [name + "_scale_inv", name + "_scale"]  # transformers' fused experts
 
 
-def plan_units(entries: dict[str, TensorEntry], problems: LoadProblems, expert_dtype: str | None = None
-               ) -> list[LoadUnit]:
+def plan_units(entries: dict[str, TensorEntry], problems: LoadProblems, expert_dtype: str | None = None,
+               block_size: int = quant.FP8_BLOCK, keep_stored: KeepStored | None = None) -> list[LoadUnit]:
     """One unit per stored tensor, quantised weights paired with their scales (which are then no
-    units of their own). `expert_dtype = "fp8"` refuses packed FP4 weights."""
+    units of their own). `expert_dtype = "fp8"` refuses packed FP4 weights; FP8 scales must cover
+    `block_size` x `block_size` blocks. A weight for which `keep_stored(name)` holds is loaded as
+    stored, and so is its scale (the family checks both)."""
     quantised = quant.FP8_DTYPES + quant.FP4_DTYPES
     units: list[LoadUnit] = []
     used_scales: set[str] = set()
     for name, entry in entries.items():
         scale = next((s for s in scale_candidates(name) if s in entries), None)
-        if entry.dtype not in quantised:
+        if entry.dtype not in quantised or (keep_stored is not None and keep_stored(name)):
             units.append(LoadUnit(name, None))
             continue
         if scale is None:
@@ -89,7 +97,7 @@ def plan_units(entries: dict[str, TensorEntry], problems: LoadProblems, expert_d
         if quant.quant_format(entry.dtype) == "fp4" and expert_dtype == "fp8":
             problems.quant.append(f"{name} is packed FP4 ({entry.dtype}) but config.json says expert_dtype 'fp8'")
             continue
-        want = quant.expected_scale_shape(entry.shape, entry.dtype)
+        want = quant.expected_scale_shape(entry.shape, entry.dtype, block_size)
         if entries[scale].shape != want:
             problems.quant.append(f"{scale}: shape {entries[scale].shape} does not fit the "
                                   f"{quant.quant_format(entry.dtype)} weight {name} {entry.shape}; expected {want}")
@@ -198,11 +206,25 @@ def resolve_dtype(dtype: torch.dtype | str | None, entries: dict[str, TensorEntr
 
 # --- the folder ----------------------------------------------------------------------------------
 
+def checkpoint_config(path: str | Path, config_dict: dict | None, parse: Callable[[dict, str], ConfigT]
+                      ) -> tuple[Path, ConfigT]:
+    """(folder, parsed config) of a checkpoint folder: FileNotFoundError when the folder is missing;
+    `config_dict` is its config.json when the caller has read it already, else it is read here
+    (`read_config`) and parsed with the family's `parse(config_dict, source)`."""
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory not found: {root}")
+    if config_dict is None:
+        config_dict = read_config(root)
+    return root, parse(config_dict, str(root / CONFIG_FILE))
+
+
 class SafetensorsCheckpoint:
     """A checkpoint folder's safetensors, headers read and validated, no tensor data read yet."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, block_size: int = quant.FP8_BLOCK):
         self.root = Path(root)
+        self.block_size = block_size  # rows and columns per FP8 scale block
         self.files = safetensors_files(self.root)
         self.entries = read_headers(self.files)
         self.problems = LoadProblems()
@@ -211,8 +233,8 @@ class SafetensorsCheckpoint:
     def disk_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
-    def plan(self, expert_dtype: str | None = None) -> list[LoadUnit]:
-        return plan_units(self.entries, self.problems, expert_dtype)
+    def plan(self, expert_dtype: str | None = None, keep_stored: KeepStored | None = None) -> list[LoadUnit]:
+        return plan_units(self.entries, self.problems, expert_dtype, self.block_size, keep_stored)
 
     def _meta(self, unit: LoadUnit) -> torch.Tensor:
         e = self.entries[unit.name]
@@ -267,7 +289,7 @@ class SafetensorsCheckpoint:
                             with open_safetensors(scale_file) as g:
                                 scale = get_tensor(g, scale_file, u.scale_name)
                         # dequantise in fp32 (exact), then round once to the target dtype below
-                        tensor = quant.dequantize(tensor, scale, torch.float32)
+                        tensor = quant.dequantize(tensor, scale, torch.float32, self.block_size)
                     for name, piece in rename({u.name: tensor}).items():
                         yield name, piece.to(target_dtype(name, dtype)).contiguous()
 

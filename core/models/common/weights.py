@@ -7,11 +7,15 @@ family's `canonicalize` is built from these pieces:
 - `drop_prefix(name, "model.")`, `rename_prefix(name, table)` (first matching prefix of a table of
   (stored, canonical) prefixes), `hf_scale_to_official` (`<w>.weight_scale_inv` -> `<w>.scale`);
 - `CanonicalNames`: the output mapping, refusing two stored tensors that land on one name;
+- `canonicalize_blocks`: the loop over stored names (prefix, top-level renames, per-block handler);
 - `strip_prefix(weights, prefix)`: a sub-module's tensors, named relative to it;
 - `fuse_rows` / `fused_parts` / `split_fused`: matrices that read the same input concatenated into
   one at load time (one GEMM instead of several), and the output split back by name.
 """
 from __future__ import annotations
+
+import re
+from collections.abc import Callable
 
 import torch
 
@@ -43,6 +47,26 @@ class CanonicalNames(dict):
             raise ValueError(f"two checkpoint tensors map to the same canonical name {name!r}; the checkpoint "
                              f"mixes naming forms for one tensor")
         self[name] = tensor
+
+
+def canonicalize_blocks(state: dict[str, torch.Tensor], top_renames: dict[str, str], block_re: re.Pattern[str],
+                        put_block: Callable[[CanonicalNames, str, str, torch.Tensor], None]) -> dict[str, torch.Tensor]:
+    """The loop of a family's `canonicalize`: each stored name without its `model.` prefix is renamed
+    by `top_renames`, else, when `block_re` matches it as (block, rest) (e.g. `layers.3`,
+    `attn.wq_a.weight`), handed to `put_block(out, block, rest, tensor)`, else kept with
+    transformers' scale spelling made official."""
+    out = CanonicalNames()
+    for key, tensor in state.items():
+        name = drop_prefix(key, "model.")
+        if name in top_renames:
+            out.put(top_renames[name], tensor)
+            continue
+        m = block_re.match(name)
+        if m is None:
+            out.put(hf_scale_to_official(name), tensor)
+            continue
+        put_block(out, m[1], m[2], tensor)
+    return dict(out)
 
 
 def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:

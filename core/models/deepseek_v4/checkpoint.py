@@ -94,12 +94,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     tensor data -- and, once read, hash-routing tables with expert ids outside [0, n_routed_experts).
     CheckpointTooLargeError (a MemoryError) when the loaded tensors would not fit in RAM.
     """
-    root = Path(path).expanduser()
-    if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {root}")
-    if config_dict is None:
-        config_dict = read_config(root)
-    config = parse_config(config_dict, str(root / CONFIG_FILE))
+    root, config = _common.checkpoint_config(path, config_dict, parse_config)
     ckpt = SafetensorsCheckpoint(root)
     dtype = resolve_dtype(dtype, ckpt.entries)
 

@@ -139,7 +139,17 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def random_tensor(name: str, shape: tuple[int, ...], config: DeepseekV4Config, seed: int) -> torch.Tensor:
     """A random value for one official tensor (fp32, or int64 for `tid2eid`)."""
     g = _generator(seed, name)
+    if name.rsplit(".", 1)[-1] == "tid2eid":  # distinct experts per token
+        ranks = torch.rand(config.vocab_size, config.n_routed_experts, generator=g).argsort(dim=-1)
+        return ranks[:, : config.num_experts_per_tok].contiguous()
+    return initial_value(name, shape, g)
 
+
+def initial_value(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """The fp32 random value of a float tensor by its name (the rules DeepSeek-V4.1's make-model
+    shares): norms U(0.8, 1.2), sinks / position biases / mHC bases N(0, 0.5^2), mHC scales
+    U(0.5, 1.5), mHC mixing matrices and linear weights N(0, 1/in), router biases N(0, 0.1^2), the
+    embedding N(0, 1)."""
     def uniform(lo: float, hi: float) -> torch.Tensor:
         return lo + (hi - lo) * torch.rand(shape, generator=g)
 
@@ -147,9 +157,6 @@ def random_tensor(name: str, shape: tuple[int, ...], config: DeepseekV4Config, s
         return torch.randn(shape, generator=g) * std
 
     leaf = name.rsplit(".", 1)[-1]
-    if leaf == "tid2eid":  # distinct experts per token
-        ranks = torch.rand(config.vocab_size, config.n_routed_experts, generator=g).argsort(dim=-1)
-        return ranks[:, : config.num_experts_per_tok].contiguous()
     if name.endswith("norm.weight"):
         return uniform(0.8, 1.2)
     if leaf == "attn_sink":
@@ -233,6 +240,18 @@ def write_tokenizer(out_dir: Path, vocab_size: int) -> bool:
     return True
 
 
+def empty_out_dir(out_dir: str | Path, overwrite: bool) -> Path:
+    """`out_dir` (user-expanded), emptied when `overwrite`; FileExistsError when it holds files and
+    `overwrite` is False."""
+    out = Path(out_dir).expanduser()
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out} exists and is not empty; choose another directory or pass overwrite=True "
+                                  f"(--force)")
+        shutil.rmtree(out)
+    return out
+
+
 def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, with_mtp: bool = True,
                quantize: str | None = None, tokenizer: bool = True, overwrite: bool = False,
                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress: bool | None = None,
@@ -254,12 +273,7 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, with_mtp:
         **overrides: `DeepseekV4Config` fields (e.g. `num_hidden_layers=2`, `vocab_size=1024`) and
             `dtype` ("float32", "bfloat16") for the storage dtype of unquantised float tensors.
     """
-    out = Path(out_dir).expanduser()
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out} exists and is not empty; choose another directory or pass overwrite=True "
-                                  f"(--force)")
-        shutil.rmtree(out)
+    out = empty_out_dir(out_dir, overwrite)
     config, dtype = model_config(size, **overrides)
     if not with_mtp:
         config = config.model_copy(update={"num_nextn_predict_layers": 0})

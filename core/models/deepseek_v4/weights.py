@@ -23,7 +23,8 @@ import re
 import torch
 
 from deepinfer.models.common.weights import (  # noqa: F401  (fuse_rows, fused_parts, split_fused re-exported)
-    CanonicalNames, drop_prefix, fuse_rows, fused_parts, hf_scale_to_official, rename_prefix, split_fused, strip_prefix,
+    CanonicalNames, canonicalize_blocks, fuse_rows, fused_parts, hf_scale_to_official, rename_prefix,
+    split_fused, strip_prefix,
 )
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, CheckpointError, DeepseekV4Config
 
@@ -172,34 +173,26 @@ def expected_weight_shapes(config: DeepseekV4Config, include_mtp: bool = True) -
 
 def canonicalize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Any of the three naming forms -> official names (fused experts split per expert)."""
-    out = CanonicalNames()
-    for key, tensor in state.items():
-        name = drop_prefix(key, "model.")
-        if name in _TOP_RENAMES:
-            out.put(_TOP_RENAMES[name], tensor)
-            continue
-        m = _BLOCK_RE.match(name)
-        if m is None:
-            out.put(hf_scale_to_official(name), tensor)
-            continue
-        block, rest = m.groups()
-        fused = _FUSED_RE.match(rest)
-        if fused:
-            kind, scale = fused.groups()
-            leaf = "scale" if scale else "weight"
-            for e in range(tensor.shape[0]):
-                if kind == "gate_up_proj":
-                    w1, w3 = tensor[e].chunk(2, dim=0)
-                    out.put(f"{block}.ffn.experts.{e}.w1.{leaf}", w1)
-                    out.put(f"{block}.ffn.experts.{e}.w3.{leaf}", w3)
-                else:
-                    out.put(f"{block}.ffn.experts.{e}.w2.{leaf}", tensor[e])
-            continue
-        rest = rename_prefix(rest, _LAYER_RENAMES + _HYBRID_RENAMES)
-        if rest.startswith("mlp."):  # unfused per-expert or other mlp.* spellings
-            rest = "ffn." + rest[4:]
-        out.put(hf_scale_to_official(f"{block}.{rest}"), tensor)
-    return dict(out)
+    return canonicalize_blocks(state, _TOP_RENAMES, _BLOCK_RE, _put_block)
+
+
+def _put_block(out: CanonicalNames, block: str, rest: str, tensor: torch.Tensor) -> None:
+    fused = _FUSED_RE.match(rest)
+    if fused:
+        kind, scale = fused.groups()
+        leaf = "scale" if scale else "weight"
+        for e in range(tensor.shape[0]):
+            if kind == "gate_up_proj":
+                w1, w3 = tensor[e].chunk(2, dim=0)
+                out.put(f"{block}.ffn.experts.{e}.w1.{leaf}", w1)
+                out.put(f"{block}.ffn.experts.{e}.w3.{leaf}", w3)
+            else:
+                out.put(f"{block}.ffn.experts.{e}.w2.{leaf}", tensor[e])
+        return
+    rest = rename_prefix(rest, _LAYER_RENAMES + _HYBRID_RENAMES)
+    if rest.startswith("mlp."):  # unfused per-expert or other mlp.* spellings
+        rest = "ffn." + rest[4:]
+    out.put(hf_scale_to_official(f"{block}.{rest}"), tensor)
 
 
 _INVERSE_TOP = {v: k for k, v in _TOP_RENAMES.items()}

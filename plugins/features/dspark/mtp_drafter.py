@@ -35,6 +35,9 @@ class MtpDrafter:
     features = "final_streams"
 
     def __init__(self, model: Any, accelerator: Any, shared_generator: torch.Generator | None = None):
+        unsupported = getattr(model, "drafter_unsupported", None)
+        if unsupported:
+            raise ValueError(f"{unsupported}; disable speculation for this model (DEEPINFER_USE_NEXTN_DECODE=0)")
         if not getattr(model, "has_mtp", False):
             raise ValueError("the dspark feature with drafter='mtp' needs the checkpoint's MTP block (mtp.0.* weights, "
                              "config num_nextn_predict_layers >= 1), which this model does not have. Use a checkpoint "

@@ -1,0 +1,221 @@
+"""CSA2 attention of DeepSeek-V4.1: V4's shared-KV MQA with sinks, with compressed state shared
+across layers.
+
+Every layer: `q = RoPE(wq_b(q_norm(wq_a(x))))` (no per-head query norm), window key
+`kv = FP8(RoPE(kv_norm(wkv(x))))`, one sink attention over the window (<= sliding_window keys)
+plus, in compressed layers, <= index_topk selected compressed entries; output through the grouped
+`wo_a` and `wo_b` after inverse RoPE. Ratio-0 layers rotate with the main RoPE, compressed layers
+(queries, window keys, entries, indexer q/k) with the compress RoPE.
+
+Layer roles (config.py):
+- **Full** (a KV source) owns a compressor: ratio r > 1 pools each non-overlapping group of r tokens
+  with a per-channel softmax over `wgate` scores of the `wkv` rows (fp32), ratio 1 is `wkv` alone;
+  then `latent = norm(pooled)`. It publishes `compressed_kv = NVFP4(RoPE(latent, j*r))` and
+  `index_keys = MXFP4(RoPE(k_norm(wk(latent)), j*r))` into its block group, and runs its indexer.
+- **Reindex** runs only an indexer query over its KV source's index keys.
+- **Reuse** attends over the latest index source's selection of its KV source's entries.
+The indexer: `score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])` with
+`q = MXFP4(RoPE(indexer.wq_b(q_norm(wq_a(x)))))` at the query's own position and
+`w = weights_proj(x) / sqrt(index_head_dim * index_n_heads)`; a query at position t sees the
+`(t + 1) // r` complete entries; top-k = min(index_topk, visible), picks sorted by position.
+The candidate source additionally publishes a candidate pool: blocks of `candidate_block_size`
+entries ranked by their maximum score, the block holding the newest visible entry always kept,
+the best `candidate_topk_blocks` kept; index sources after it score only inside that pool.
+
+Index-key publication: the owner's keys are read from its block group at every step, so a layer
+always scores against its own KV source's current keys. (DeepSeek's reference code republishes the
+shared index-key pointer only when the owner has just completed a group, so on decode steps where
+a ratio-2 source has half a group pending, its indexer scores against the keys the last publisher
+left, those of the ratio-1 source; its decode then disagrees with its own prefill. We do not
+reproduce that.)
+
+The selection and the candidate pool live on the step (`step.selection`, `step.candidates`), per
+attention group of the step plan, written by each index source and read by the layers after it.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.common.ragged import take_rows
+from deepinfer.models.common.weights import fused_parts, split_fused
+from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, DeepseekV41Config
+from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
+from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops
+from deepinfer.models.deepseek_v4.attention import selected_entry_keys
+from deepinfer.models.deepseek_v4.state import StepPlan
+
+# projections of the attention input fused into one matrix at load (model.FUSED_PROJECTIONS order)
+X_PARTS = ("attn.wq_a.weight", "attn.wkv.weight", "attn.indexer.weights_proj.weight")
+QR_PARTS = ("attn.wq_b.weight", "attn.indexer.wq_b.weight")
+
+
+class CacheViews:
+    """One layer's views of the bound cache (a reader's are its owner's tensors)."""
+
+    def __init__(self, window: torch.Tensor, entries: torch.Tensor | None = None,
+                 index_keys: torch.Tensor | None = None,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.window = window  # [num_slots, Rw, 528] uint8
+        self.entries = entries  # [num_entries, 288] uint8 (the KV source's)
+        self.index_keys = index_keys  # [num_entries, 68] uint8 (the KV source's)
+        self.rows = rows  # compressor raw rows (kv, score) [num_slots, Rc, d] fp32 (Full, ratio > 1)
+
+
+class Attention:
+    def __init__(self, config: DeepseekV41Config, layer: int, weights: dict[str, torch.Tensor],
+                 accel: Accelerator, ops: DeepseekV41Ops):
+        """`weights`: the layer's tensors relative to `attn.`, with `fused_x.weight` and
+        `fused_qr.weight` (X_PARTS, QR_PARTS) and the compressor weights in fp32."""
+        self.c, self.layer, self.accel, self.ops, self.w = config, layer, accel, ops, weights
+        self.role = config.layer_roles[layer]
+        self.rate = config.compress_ratio(layer)
+        self.rope_kind = "main" if self.role == SLIDING else "compress"
+        self.topk_owner = config.topk_owner.get(layer)
+        self.is_candidate_source = layer == config.candidate_source_layer_id
+        self.uses_candidates = config.uses_candidates(layer)
+        self.x_parts = fused_parts(weights, X_PARTS, "attn.")
+        self.qr_parts = fused_parts(weights, QR_PARTS, "attn.")
+        self.state: CacheViews | None = None
+
+    @property
+    def indexes(self) -> bool:
+        return self.role in (FULL, REINDEX)
+
+    def run(self, x: torch.Tensor, step) -> torch.Tensor:
+        """x `[T, D]` (normalised attention input) -> `[T, D]`."""
+        if self.state is None:
+            raise RuntimeError("no cache bound: call bind_cache() before forward()")
+        a, c, w, st, plan = self.accel, self.c, self.w, self.state, step.plan
+        T, H, d, eps = x.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
+        cos, sin = step.cos_sin[self.rope_kind]
+
+        px = split_fused(a.linear(x, w["fused_x.weight"]), self.x_parts)
+        qr = a.rms_norm(px["wq_a.weight"], w["q_norm.weight"], eps)
+        pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), self.qr_parts)
+        q = a.rotary(pqr["wq_b.weight"].reshape(T, H, d), cos, sin, False)
+        kv = a.rotary(a.rms_norm(px["wkv.weight"], w["kv_norm.weight"], eps), cos, sin, False)
+        kv_codes = encode(kv, FP8_WINDOW)
+        kv = decode(kv_codes, FP8_WINDOW, d, kv.dtype)  # the FP8 window key, as every reader sees it
+
+        if self.role == FULL:
+            self._compress(x, step)
+        index_q = index_w = None
+        if self.indexes:
+            Hi, di = c.index_n_heads, c.index_head_dim
+            iq = a.rotary(pqr["indexer.wq_b.weight"].reshape(T, Hi, di), *step.cos_sin["compress"], False)
+            index_q = decode(encode(iq, MXFP4_INDEX), MXFP4_INDEX, di, torch.float32)
+            index_w = px["indexer.weights_proj.weight"].float() * (Hi ** -0.5 * di ** -0.5)
+
+        window_flat = st.window.view(-1, st.window.shape[-1])
+        out = torch.empty_like(q)
+        for gi, g in enumerate(plan.groups):
+            if g.key_ring_row_all is not None:  # decode: own key into the ring first, then one gather
+                window_flat.index_copy_(0, g.new_key_ring_row, take_rows(kv_codes, g.rows[:, 0]))
+                keys = decode(take_rows(window_flat, g.key_ring_row_all), FP8_WINDOW, d, kv.dtype)
+            else:
+                old = decode(take_rows(window_flat, g.key_ring_row), FP8_WINDOW, d, kv.dtype)
+                keys = torch.where(g.key_is_new.unsqueeze(-1), take_rows(kv, g.key_new_row), old)
+            mask = g.window_mask
+            if self.rate:
+                ev = plan.entry_view(gi, self.rate)
+                if self.indexes:
+                    step.selection[gi] = (self.layer, self._select(gi, g, ev, index_q, index_w, step))
+                owner, sel = step.selection[gi]
+                if owner != self.topk_owner:
+                    raise RuntimeError(f"layer {self.layer} expects the top-k of layer {self.topk_owner} but the step "
+                                       f"holds layer {owner}'s; layers must run in order")
+                ckeys, cmask = selected_entry_keys(self._read_entries, g, ev, sel)
+                keys, mask = torch.cat((keys, ckeys), dim=1), torch.cat((mask, cmask), dim=2)
+            g.scatter(out, a.sink_attention(g.gather(q), keys, mask, w["attn_sink"], d ** -0.5))
+
+        if not (len(plan.groups) == 1 and plan.groups[0].key_ring_row_all is not None):
+            write = plan.ring_write(st.window.shape[1])
+            window_flat[write.ring_row] = kv_codes[write.rows]
+
+        o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
+        grouped = a.grouped_linear(o, w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1))
+        return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
+
+    def _read_entries(self, rows: torch.Tensor) -> torch.Tensor:
+        """Dequantised compressed entries at block-group rows `rows` (any shape) -> `[*rows.shape, d]`."""
+        return decode(take_rows(self.state.entries, rows), NVFP4_COMPRESSED, self.c.head_dim,
+                      self.w["wo_b.weight"].dtype)
+
+    # ----- compressor (Full layers) -----
+    def _compress(self, x: torch.Tensor, step) -> None:
+        """Write the entries of the groups completed in this step (compressed KV and index keys)."""
+        a, c, w, st, plan = self.accel, self.c, self.w, self.state, step.plan
+        r, eps, dtype = self.rate, c.rms_norm_eps, x.dtype
+        if r == 1:
+            cp = plan.compress_plan(1, 1, False)
+            if not cp.num_windows:
+                return
+            raw = a.linear(x, w["compressor.wkv.weight"].to(dtype))
+            latent = a.rms_norm(raw[cp.new_row[:, 0]], w["compressor.norm.weight"], eps)
+        else:
+            rows_kv, rows_score = st.rows
+            ring = rows_kv.shape[1]
+            xf = x.float()
+            kv_raw, score_raw = a.linear(xf, w["compressor.wkv.weight"]), a.linear(xf, w["compressor.wgate.weight"])
+            flat_kv, flat_score = rows_kv.view(-1, rows_kv.shape[-1]), rows_score.view(-1, rows_score.shape[-1])
+            cp = plan.compress_plan(r, ring, False)
+            if cp.num_windows:
+                new = cp.is_new.unsqueeze(-1)
+                src_kv = torch.where(new, take_rows(kv_raw, cp.new_row), take_rows(flat_kv, cp.ring_row))
+                src_score = torch.where(new, take_rows(score_raw, cp.new_row), take_rows(flat_score, cp.ring_row))
+                pooled = self.ops.compress_pool(src_kv, src_score).to(dtype)
+                latent = a.rms_norm(pooled, w["compressor.norm.weight"], eps)
+            write = plan.ring_write(ring)
+            flat_kv[write.ring_row] = kv_raw[write.rows]
+            flat_score[write.ring_row] = score_raw[write.rows]
+            if not cp.num_windows:
+                return
+        cos, sin = step.rope.cos_sin(cp.rope_pos, "compress")
+        st.entries[cp.entry_row] = encode(a.rotary(latent, cos, sin, False), NVFP4_COMPRESSED)
+        key = a.rms_norm(a.linear(latent, w["indexer.wk.weight"]), w["indexer.k_norm.weight"], eps)
+        st.index_keys[cp.entry_row] = encode(a.rotary(key, cos, sin, False), MXFP4_INDEX)
+
+    # ----- indexer (Full and Reindex layers) -----
+    def _select(self, gi: int, g, ev, index_q: torch.Tensor, index_w: torch.Tensor, step) -> torch.Tensor:
+        """Top-k entry ids `[B, S, k]` (sorted by position, -1 = none) of the group's queries."""
+        c, st = self.c, self.state
+        B, S, E = ev.visible.shape
+        k = c.index_topk
+        if E == 0:
+            if self.is_candidate_source:
+                step.candidates[gi] = ev.visible
+            return torch.full((B, S, k), -1, dtype=torch.long, device=ev.visible.device)
+        keys = decode(take_rows(st.index_keys, ev.flat), MXFP4_INDEX, c.index_head_dim, torch.float32)
+        dots = torch.einsum("bshd,bed->bshe", g.gather(index_q), keys).relu_()
+        scores = (dots * g.gather(index_w).unsqueeze(-1)).sum(dim=2)  # [B, S, E]
+        allowed = ev.visible
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        if self.is_candidate_source:
+            step.candidates[gi] = self._candidate_pool(scores, g, allowed)
+        elif self.uses_candidates:
+            scores = scores.masked_fill(~step.candidates[gi], float("-inf"))
+        kk = min(k, E)
+        top = scores.topk(kk, dim=-1)
+        picks = torch.where(torch.isfinite(top.values), top.indices, -1)
+        # sorted by position, the -1s last
+        picks = torch.where(picks < 0, E, picks).sort(dim=-1).values
+        picks = torch.where(picks >= E, -1, picks)
+        if kk < k:
+            picks = torch.nn.functional.pad(picks, (0, k - kk), value=-1)
+        return picks
+
+    def _candidate_pool(self, scores: torch.Tensor, g, allowed: torch.Tensor) -> torch.Tensor:
+        """`[B, S, E]` bool: entries in the best blocks (by max score), the newest block always kept."""
+        c = self.c
+        bs, E = c.candidate_block_size, scores.shape[-1]
+        padded = torch.nn.functional.pad(scores, (0, -E % bs), value=float("-inf"))
+        block_scores = padded.unflatten(-1, (-1, bs)).amax(dim=-1)  # [B, S, nb]
+        visible = (g.q_pos + 1) // self.rate  # [B, S]
+        newest = ((visible - 1) // bs).unsqueeze(-1)
+        ids = torch.arange(block_scores.shape[-1], device=scores.device)
+        block_scores = block_scores.masked_fill(ids == newest, float("inf"))
+        best = block_scores.topk(min(c.candidate_topk_blocks, block_scores.shape[-1]), dim=-1)
+        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best.indices,
+                                                                        best.values > float("-inf"))
+        return keep.repeat_interleave(bs, dim=-1)[..., :E] & allowed

@@ -1,0 +1,347 @@
+"""DeepSeek-V4.1 hyperparameters and the per-layer role tables derived from them.
+
+The released `config.json` is composite: `model_type: deepseek_v41` with `text_config` (the
+language model, below), `vision_config` and `quantization_config` blocks, plus top-level token ids
+(`bos_token_id`, `eos_token_id`, `pad_token_id`, `image_token_id`). `DeepseekV41Config.from_dict`
+accepts that form and a flat text config (the `text_config` block on its own, `model_type:
+deepseek_v41_text`); a problem names the key as spelt in the file (`text_config.hidden_size`).
+
+Layer roles (CSA2): a layer with compress ratio 0 is sliding-window only. A compressed layer is
+*Full* when it is a KV source (`kv_source_layer_ids`: it owns a compressor, the index-key
+projection and an indexer), *Reindex* when it is an index source but no KV source (its own indexer
+query rescores the KV source's index keys), and *Reuse* otherwise (it reads the latest KV source's
+compressed KV and the latest index source's top-k and owns neither). Every compressed layer's KV
+source is the latest one at or before it, with the same ratio.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from deepinfer.models.common.config_values import Range, range_problems, report, show_value, type_name
+from deepinfer.models.common.errors import CheckpointError
+from deepinfer.models.deepseek_v4.config import YarnScaling
+
+MODEL_TYPE = "deepseek_v41"
+TEXT_MODEL_TYPE = "deepseek_v41_text"
+SLIDING, FULL, REINDEX, REUSE = "sliding", "full", "reindex", "reuse"
+
+FIELD_RANGES: dict[str, Range] = {
+    "vocab_size": Range(int, 1),
+    "hidden_size": Range(int, 1),
+    "num_hidden_layers": Range(int, 1),
+    "num_attention_heads": Range(int, 1),
+    "head_dim": Range(int, 2),
+    "qk_rope_head_dim": Range(int, 2),
+    "q_lora_rank": Range(int, 1),
+    "o_groups": Range(int, 1),
+    "o_lora_rank": Range(int, 1),
+    "sliding_window": Range(int, 1),
+    "index_n_heads": Range(int, 1),
+    "index_head_dim": Range(int, 2),
+    "index_topk": Range(int, 1),
+    "candidate_source_layer_id": Range(int, -1),
+    "candidate_topk_blocks": Range(int, 1),
+    "candidate_block_size": Range(int, 1),
+    "n_routed_experts": Range(int, 1),
+    "num_experts_per_tok": Range(int, 1),
+    "n_shared_experts": Range(int, 1, 1),
+    "moe_intermediate_size": Range(int, 1),
+    "routed_scaling_factor": Range(float, 0, open_low=True),
+    "gate_temp": Range(float, 0, open_low=True),
+    "swiglu_limit": Range(float, 0),
+    "rope_theta": Range(float, 1, open_low=True),
+    "compress_rope_theta": Range(float, 1, open_low=True),
+    "max_position_embeddings": Range(int, 1),
+    "hc_mult": Range(int, 1),
+    "hc_sinkhorn_iters": Range(int, 1),
+    "hc_eps": Range(float, 0),
+    "rms_norm_eps": Range(float, 0, open_low=True),
+    "engram_max_ngram_size": Range(int, 2),
+    "engram_vocab_size": Range(int, 2),
+    "engram_n_heads": Range(int, 1),
+    "engram_head_dim": Range(int, 1),
+    "engram_pad_token_id": Range(int, 0),
+    "engram_compressed_vocab_size": Range(int, 1),
+    "num_nextn_predict_layers": Range(int, 0),
+    "dspark_block_size": Range(int, 0),
+    "dspark_noise_token_id": Range(int, 0),
+    "dspark_markov_rank": Range(int, 1),
+    "dspark_n_routed_experts": Range(int, 1),
+    "dspark_num_experts_per_tok": Range(int, 1),
+}
+_LIST_FIELDS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
+                "engram_num_embeddings", "dspark_target_layer_ids")
+
+
+class DeepseekV41Config(BaseModel):
+    """The text model's settings (HF `text_config` names; defaults are the released Flash values)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    vocab_size: int = 129280
+    hidden_size: int = 5120
+    num_hidden_layers: int = 40
+    num_attention_heads: int = 64
+    head_dim: int = 512
+    qk_rope_head_dim: int = 64
+    q_lora_rank: int = 1280
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    sliding_window: int = 128
+    # CSA2: one ratio per layer (backbone layers first; entries past num_hidden_layers are DSpark's)
+    compress_ratios: tuple[int, ...] = (0, 0) + (2,) * 18 + (1,) * 20 + (0, 0, 0)
+    kv_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20)
+    index_source_layer_ids: tuple[int, ...] = (2, 8, 14, 20, 24, 28, 32, 36)
+    candidate_source_layer_id: int = 20  # -1: no two-level candidate pool
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
+    index_n_heads: int = 32
+    index_head_dim: int = 128
+    index_topk: int = 512
+    # MoE (every layer scored; no hash routing)
+    n_routed_experts: int = 384
+    num_experts_per_tok: int = 6
+    n_shared_experts: int = 1
+    moe_intermediate_size: int = 2304
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    gate_temp: float = 1.0
+    swiglu_limit: float = 10.0
+    # RoPE: ratio-0 layers use rope_theta unscaled; compressed layers compress_rope_theta + YaRN
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: YarnScaling | None = YarnScaling(factor=16, original_max_position_embeddings=65536)
+    max_position_embeddings: int = 1048576
+    # single-pass mHC
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    rms_norm_eps: float = 1e-20
+    # Engram n-gram memory before the attention of these layers
+    engram_layer_ids: tuple[int, ...] = (1, 14)
+    engram_num_embeddings: tuple[int, ...] = (384006168, 384016682)
+    engram_max_ngram_size: int = 4
+    engram_vocab_size: int = 16000000
+    engram_n_heads: int = 8
+    engram_head_dim: int = 256
+    engram_pad_token_id: int = 2
+    engram_compressed_vocab_size: int = 99092
+    # DSpark drafter (mtp.*): parsed and checked, run by the speculative-decoding plugin
+    num_nextn_predict_layers: int = 3
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (37, 38, 39)
+    dspark_markov_rank: int = 256
+    dspark_n_routed_experts: int = 128
+    dspark_num_experts_per_tok: int = 3
+    # token ids (top level of the composite config)
+    bos_token_id: int | None = 0
+    eos_token_id: int | tuple[int, ...] | None = 1
+    pad_token_id: int | None = 2
+    image_token_id: int | None = 129264
+    # checkpoint storage details, passed through for the loader
+    quantization_config: dict[str, Any] | None = None
+    expert_dtype: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_values(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            problems = range_problems(data, FIELD_RANGES)
+            for key in _LIST_FIELDS:
+                value = data.get(key)
+                if value is not None and not (isinstance(value, (list, tuple)) and all(
+                        isinstance(v, int) and not isinstance(v, bool) for v in value)):
+                    problems.append(f"{key} = {show_value(value)} has the wrong type ({type_name(value)}): must be "
+                                    f"a list of integers")
+            if problems:
+                raise ValueError("\n".join(problems))
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> DeepseekV41Config:
+        problems = self._cross_field_problems()
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _cross_field_problems(self) -> list[str]:
+        p: list[str] = []
+        L, ratios = self.num_hidden_layers, self.compress_ratios
+        if len(ratios) < L:
+            p.append(f"compress_ratios has {len(ratios)} entries but num_hidden_layers is {L}; give one per layer")
+            return p
+        if any(r < 0 for r in ratios):
+            p.append(f"compress_ratios = {show_value(list(ratios))} must hold non-negative integers")
+            return p
+        for key, ids in (("kv_source_layer_ids", self.kv_source_layer_ids),
+                         ("index_source_layer_ids", self.index_source_layer_ids),
+                         ("engram_layer_ids", self.engram_layer_ids)):
+            if list(ids) != sorted(set(ids)) or any(not 0 <= i < L for i in ids):
+                p.append(f"{key} = {list(ids)} must be strictly increasing layer ids in [0, {L})")
+        if not set(self.kv_source_layer_ids) <= set(self.index_source_layer_ids):
+            p.append(f"kv_source_layer_ids = {list(self.kv_source_layer_ids)} must all be in index_source_layer_ids "
+                     f"= {list(self.index_source_layer_ids)} (a KV source runs its own indexer)")
+        source_ratio = None
+        for i in range(L):
+            r = ratios[i]
+            if r == 0:
+                if i in self.kv_source_layer_ids or i in self.index_source_layer_ids:
+                    p.append(f"layer {i} has compress ratio 0 (sliding only) and cannot be a KV or index source")
+                continue
+            if i in self.kv_source_layer_ids:
+                source_ratio = r
+            if source_ratio != r:
+                p.append(f"compressed layer {i} (ratio {r}) has no KV source with the same ratio at or before it; "
+                         f"add one to kv_source_layer_ids")
+        c = self.candidate_source_layer_id
+        if c >= 0 and c not in self.kv_source_layer_ids:
+            p.append(f"candidate_source_layer_id = {c} must be a KV source (kv_source_layer_ids), or -1 for none")
+        if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
+            p.append(f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries but engram_layer_ids has "
+                     f"{len(self.engram_layer_ids)}; give one table size per Engram layer")
+        if any(n < 1 for n in self.engram_num_embeddings):
+            p.append("engram_num_embeddings must hold positive row counts")
+        if self.engram_layer_ids and self.engram_head_dim % 32:
+            p.append(f"engram_head_dim = {self.engram_head_dim} must be a multiple of 32 (the Engram tables keep "
+                     f"one scale per 32 channels)")
+        d, r, di = self.head_dim, self.qk_rope_head_dim, self.index_head_dim
+        if r % 2 or r > min(d, di):
+            p.append(f"qk_rope_head_dim = {r} must be even and <= head_dim ({d}) and index_head_dim ({di})")
+        if (self.num_attention_heads * d) % self.o_groups:
+            p.append(f"o_groups = {self.o_groups} must divide num_attention_heads * head_dim")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            p.append(f"num_experts_per_tok = {self.num_experts_per_tok} must be <= n_routed_experts "
+                     f"= {self.n_routed_experts}")
+        if self.scoring_func != "sqrtsoftplus":
+            p.append(f"scoring_func = {self.scoring_func!r} is not supported by DeepSeek-V4.1; use 'sqrtsoftplus'")
+        V = self.vocab_size
+        for key, value in (("bos_token_id", self.bos_token_id), ("eos_token_id", self.eos_token_id),
+                           ("engram_pad_token_id", self.engram_pad_token_id)):
+            ids = value if isinstance(value, tuple) else () if value is None else (value,)
+            if any(not 0 <= i < V for i in ids):
+                p.append(f"{key} = {show_value(value)} is out of range: token ids must be in [0, {V})")
+        return p
+
+    # ----- derived role tables -----
+    def compress_ratio(self, layer: int) -> int:
+        return self.compress_ratios[layer]
+
+    @cached_property
+    def layer_roles(self) -> tuple[str, ...]:
+        """sliding / full / reindex / reuse, per backbone layer."""
+        out = []
+        for i in range(self.num_hidden_layers):
+            if self.compress_ratios[i] == 0:
+                out.append(SLIDING)
+            elif i in self.kv_source_layer_ids:
+                out.append(FULL)
+            elif i in self.index_source_layer_ids:
+                out.append(REINDEX)
+            else:
+                out.append(REUSE)
+        return tuple(out)
+
+    @cached_property
+    def kv_owner(self) -> dict[int, int]:
+        """Compressed layer -> the KV source whose compressed KV and index keys it reads."""
+        owner, out = None, {}
+        for i in range(self.num_hidden_layers):
+            if self.compress_ratios[i]:
+                owner = i if i in self.kv_source_layer_ids else owner
+                out[i] = owner
+        return out
+
+    @cached_property
+    def topk_owner(self) -> dict[int, int]:
+        """Compressed layer -> the index source whose top-k selection it attends over."""
+        owner, out = None, {}
+        for i in range(self.num_hidden_layers):
+            if self.compress_ratios[i]:
+                owner = i if i in self.index_source_layer_ids else owner
+                out[i] = owner
+        return out
+
+    def uses_candidates(self, layer: int) -> bool:
+        """An index source after the candidate source scores only inside its candidate pool."""
+        c = self.candidate_source_layer_id
+        return layer in self.index_source_layer_ids and 0 <= c < layer
+
+    @property
+    def engram_hash_heads(self) -> int:
+        return (self.engram_max_ngram_size - 1) * self.engram_n_heads
+
+    # ----- parsing -----
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "config.json") -> DeepseekV41Config:
+        """Parse the composite release config (or a flat text config); every problem in one
+        CheckpointError naming the key as spelt in the file."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source} must hold a JSON object with the model's settings (got {type_name(d)})")
+        model_type = d.get("model_type")
+        if model_type == MODEL_TYPE:
+            text = d.get("text_config")
+            if not isinstance(text, dict):
+                raise CheckpointError(f"{source}: text_config must be an object holding the language model's "
+                                      f"settings (got {type_name(text)}); a deepseek_v41 config.json is composite")
+            prefix, top = "text_config.", d
+        elif model_type == TEXT_MODEL_TYPE:
+            text, prefix, top = d, "", d
+        else:
+            raise CheckpointError(f"{source}: model_type {model_type!r} is not a DeepSeek-V4.1 config "
+                                  f"({MODEL_TYPE!r}, or {TEXT_MODEL_TYPE!r} for a text config)")
+        fields = {k: v for k, v in text.items() if k in cls.model_fields}
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id"):
+            if key in top and key in cls.model_fields:
+                fields[key] = top[key]
+        if isinstance(fields.get("eos_token_id"), list):
+            fields["eos_token_id"] = tuple(fields["eos_token_id"])
+        rope = fields.pop("rope_scaling", cls.model_fields["rope_scaling"].default)
+        problems = []
+        if isinstance(rope, dict):
+            if rope.get("rope_type", rope.get("type", "yarn")) != "yarn":
+                problems.append(f"{prefix}rope_scaling.rope_type = {rope.get('rope_type')!r} is not supported; "
+                                f"DeepSeek-V4.1 uses 'yarn'")
+            else:
+                keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
+                try:
+                    rope = YarnScaling(**{k: rope[k] for k in keys if k in rope})
+                except ValidationError as err:
+                    problems += [f"{prefix}rope_scaling: {e['msg']}" for e in err.errors()]
+        fields["rope_scaling"] = rope
+        q = top.get("quantization_config")
+        if isinstance(q, dict):
+            fields["quantization_config"] = q
+            fields["expert_dtype"] = q.get("expert_dtype")
+        for key in _LIST_FIELDS:
+            if isinstance(fields.get(key), list):
+                fields[key] = tuple(fields[key])
+        if not problems:
+            try:
+                return cls(**fields)
+            except ValidationError as err:
+                for e in err.errors():
+                    for line in str(e["msg"]).removeprefix("Value error, ").split("\n"):
+                        loc = ".".join(str(x) for x in e["loc"])
+                        problems.append(f"{prefix}{line}" if not loc else f"{prefix}{loc}: {line}")
+        raise CheckpointError(report(source, problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The composite release config.json (what `make-model --family v41` writes)."""
+        text = self.model_dump(exclude={"bos_token_id", "eos_token_id", "pad_token_id", "image_token_id",
+                                        "quantization_config", "expert_dtype", "rope_scaling"})
+        text = {k: list(v) if isinstance(v, tuple) else v for k, v in text.items()}
+        text["model_type"] = TEXT_MODEL_TYPE
+        if self.rope_scaling is not None:
+            text["rope_scaling"] = {"rope_type": "yarn", **self.rope_scaling.model_dump()}
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        out = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": MODEL_TYPE, "dtype": "bfloat16",
+               "bos_token_id": self.bos_token_id, "eos_token_id": eos, "pad_token_id": self.pad_token_id,
+               "image_token_id": self.image_token_id, "text_config": text,
+               "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0}}
+        if self.quantization_config is not None:
+            out["quantization_config"] = dict(self.quantization_config)
+        return out

@@ -1,0 +1,257 @@
+"""Write random-weight DeepSeek-V4.1 checkpoints in the release layout (`deepinfer make-model --family v41`).
+
+The output is what `checkpoint.load_checkpoint` reads and what NeMo AutoModel's V4.1 state-dict
+adapter converts with no missing or unexpected key: the composite `config.json`
+(`DeepseekV41Config.to_dict()` with the release's `quantization_config`), safetensors shards plus
+`model.safetensors.index.json` under the official names, the tokenizer in `tokenizer/`, and
+`deepinfer_make_model.json` recording how it was made.
+
+Stored formats (as the release): FP8 e4m3 with one ue8m0 `.scale` per 32x32 block for the dense
+projections (`attn.{wq_a,wq_b,wkv,wo_a,wo_b}`, `attn.indexer.wq_b`, shared experts, `engram.wkv`);
+packed FP4 routed experts (int8 `[out, in/2]`, one scale per 32 inputs); FP8 Engram tables with one
+scale per row and 32 channels; F32 for mHC, sinks and router biases; everything else in the
+preset's storage dtype (float32 for `tiny`, bfloat16 otherwise).
+
+Random values follow DeepSeek-V4's make-model (`deepseek_v4.make_model`): linear weights
+N(0, 1/in) so activations stay O(1), norms U(0.8, 1.2), sinks, mHC bases and router biases drawn
+(not zero) so that no code path is invisible to tests. Each tensor has its own generator seeded by
+(seed, name): the same arguments always give the same checkpoint.
+
+Derived sizes: `engram_num_embeddings` is the exact row count the hashing needs (per Engram layer,
+the sum of its (N-1) x heads primes, `engram.engram_primes`), and `engram_compressed_vocab_size` is
+measured on the written tokenizer (`engram_vocab`), unless given as overrides.
+
+Sizes (`SIZES`): `tiny` (unit tests: vocab 512, hidden 64, 8 layers holding every layer role),
+`default` (the embedded default model: the real 129,280-token vocabulary, hidden 64, the release's
+schedule scaled to 12 layers), `bench` (hidden 1024, 12 layers, about DeepSeek-V4 `bench`'s cost).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer.models.common import quant
+from deepinfer.models.common.safetensors_io import DEFAULT_MAX_SHARD_BYTES, _bytes_bar, write_safetensors
+from deepinfer.models.deepseek_v4.config import YarnScaling
+from deepinfer.models.deepseek_v4.make_model import (
+    MARKER_FILE, _generator, _parse_override, _parse_size_bytes, empty_out_dir, initial_value, write_tokenizer,
+)
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.deepseek_v41.engram import engram_primes
+from deepinfer.models.deepseek_v41.engram_vocab import compressed_token_map
+from deepinfer.models.deepseek_v41.weights import expected_weight_shapes, weight_kind
+from deepinfer.models.registry import CheckpointMaker
+from deepinfer.tokenizer import TOKENIZER_DIR, TOKENIZER_FILE
+
+SPEC_VERSION = 1  # bump when a preset or the initialisation changes
+FAMILY = "v41"
+BLOCK = 32  # FP8 block size of the release
+RELEASE_QUANTIZATION: dict[str, Any] = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK],
+    "scale_fmt": "ue8m0", "expert_dtype": "fp4",
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# the release's schedule (ratio-2 layers with a KV source every 6, then ratio-1 layers with one KV
+# source and an index source every 4; Engram before layer 1 and before a KV source) at 12 layers
+_SCALED_SCHEDULE = dict(
+    num_hidden_layers=12, compress_ratios=(0, 0) + (2,) * 5 + (1,) * 5, kv_source_layer_ids=(2, 5, 7),
+    index_source_layer_ids=(2, 5, 7, 9, 11), candidate_source_layer_id=7, engram_layer_ids=(1, 5),
+    num_nextn_predict_layers=0, dspark_target_layer_ids=())
+
+SIZES: dict[str, dict[str, Any]] = {
+    # every role: 0-1 sliding, 2 Full r=2, 3 Reuse r=2, 4 Full r=1 (candidate source), 5 Reuse r=1,
+    # 6 Reindex inside the candidate pool, 7 Reuse after Reindex; Engram before a sliding and a Full
+    # layer; index_topk 4 so that prompts of a few compressed entries already select.
+    "tiny": dict(
+        vocab_size=512, hidden_size=64, num_hidden_layers=8, num_attention_heads=4, head_dim=32,
+        qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(2, 4), index_source_layer_ids=(2, 4, 6),
+        candidate_source_layer_id=4, candidate_block_size=2, candidate_topk_blocks=2,
+        index_n_heads=16, index_head_dim=16, index_topk=4,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        rope_scaling=YarnScaling(factor=16, original_max_position_embeddings=32), max_position_embeddings=512,
+        engram_layer_ids=(1, 4), engram_head_dim=32, engram_n_heads=2, engram_vocab_size=600,
+        num_nextn_predict_layers=0, dspark_target_layer_ids=(), dspark_noise_token_id=511, image_token_id=None,
+        dtype="float32"),
+    # the embedded default model: the real vocabulary, a few tens of MB, quick on two cores
+    "default": dict(
+        _SCALED_SCHEDULE, vocab_size=129280, hidden_size=64, num_attention_heads=4, head_dim=32,
+        qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=32,
+        candidate_block_size=4, candidate_topk_blocks=4, index_n_heads=16, index_head_dim=16, index_topk=16,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        rope_scaling=YarnScaling(factor=16, original_max_position_embeddings=4096), max_position_embeddings=65536,
+        engram_head_dim=32, engram_n_heads=2, engram_vocab_size=2000, dtype="bfloat16"),
+    # about DeepSeek-V4 `bench`'s size and cost, the release's window and top-k
+    "bench": dict(
+        _SCALED_SCHEDULE, vocab_size=129280, hidden_size=1024, num_attention_heads=16, head_dim=128,
+        qk_rope_head_dim=32, q_lora_rank=384, o_groups=4, o_lora_rank=256, sliding_window=128,
+        candidate_block_size=8, candidate_topk_blocks=256, index_n_heads=16, index_head_dim=64, index_topk=512,
+        n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=512,
+        rope_scaling=YarnScaling(factor=16, original_max_position_embeddings=65536),
+        max_position_embeddings=1048576, engram_head_dim=256, engram_n_heads=4, engram_vocab_size=20000,
+        dtype="bfloat16"),
+}
+# tiny is split into several shards so that tests cover the index and scales in other shards
+_SHARD_BYTES = {"tiny": 256 * 2**10}
+
+_FP8_RE = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|"
+                     r"engram\.wkv)\.weight$")
+_FP4_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_ENGRAM_TABLE_RE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
+
+
+def model_config(size: str = "tiny", **overrides: Any) -> tuple[DeepseekV41Config, torch.dtype]:
+    """The config and storage dtype of a preset with `DeepseekV41Config` field overrides (and
+    `dtype`: "float32" or "bfloat16"). `engram_num_embeddings` is derived unless overridden;
+    `engram_compressed_vocab_size` keeps its value here (`make_model` measures it on the tokenizer)."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
+    fields = {**SIZES[size], **overrides}
+    dtype_name = str(fields.pop("dtype"))
+    if dtype_name not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype_name!r}; choose from {', '.join(_DTYPES)}")
+    if isinstance(fields.get("rope_scaling"), dict):
+        fields["rope_scaling"] = YarnScaling(**fields["rope_scaling"])
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    derive_rows = "engram_num_embeddings" not in overrides
+    if derive_rows:
+        fields["engram_num_embeddings"] = (1,) * len(fields.get("engram_layer_ids", ()))
+    try:
+        config = DeepseekV41Config(**fields)
+        if derive_rows:
+            config = DeepseekV41Config(**{**fields, "engram_num_embeddings": engram_rows(config)})
+    except Exception as e:  # pydantic's message names the field; add the valid keys for typos
+        raise ValueError(f"invalid make-model settings for size {size!r}: {e}\nvalid keys: "
+                         f"{', '.join(sorted(DeepseekV41Config.model_fields))}, dtype") from None
+    return config, _DTYPES[dtype_name]
+
+
+def engram_rows(config: DeepseekV41Config) -> tuple[int, ...]:
+    """Per Engram layer, the table rows its hash buckets need: the sum of its primes."""
+    return tuple(sum(primes) for primes in engram_primes(config))
+
+
+def count_parameters(config: DeepseekV41Config) -> int:
+    return sum(math.prod(s) for s in expected_weight_shapes(config).values())
+
+
+# --- random values ---------------------------------------------------------------------------
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A random fp32 value for one official tensor: DeepSeek-V4's rules (`initial_value`), plus
+    Engram's q/k weights U(0.8, 1.2) (norm-like), its tables N(0, 1) (embedding-like) and the
+    vision-token router bias N(0, 0.1^2)."""
+    g = _generator(seed, name)
+    if name.endswith(("engram.q_weight", "engram.k_weight")):
+        return 0.8 + 0.4 * torch.rand(shape, generator=g)
+    if _ENGRAM_TABLE_RE.match(name):
+        return torch.randn(shape, generator=g)
+    if name.endswith("gate.bias_vl"):
+        return torch.randn(shape, generator=g) * 0.1
+    return initial_value(name, shape, g)
+
+
+def release_tensors(config: DeepseekV41Config, seed: int, dtype: torch.dtype, progress: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """Every stored tensor of the release layout, random and quantised (see the module docstring)."""
+    shapes = {k: v for k, v in expected_weight_shapes(config).items() if not k.endswith(".engram.embed.scale")}
+    out: dict[str, torch.Tensor] = {}
+    bar = _bytes_bar(sum(math.prod(s) for s in shapes.values()) * 4, "generating weights", progress)
+    for name, shape in shapes.items():
+        t = random_tensor(name, shape, seed)
+        base = name.removesuffix(".weight")
+        if _FP4_RE.match(name):
+            out[name], out[base + ".scale"] = quant.quantize_fp4(t)
+        elif _FP8_RE.match(name):
+            out[name], out[base + ".scale"] = quant.quantize_fp8_block(t, BLOCK)
+        elif _ENGRAM_TABLE_RE.match(name):
+            out[name], out[base + ".scale"] = quant.quantize_fp8_rows(t)
+        else:
+            out[name] = t.to(torch.float32 if weight_kind(name) == "fp32" else dtype)
+        bar.update(math.prod(shape) * 4)
+    bar.close()
+    return out
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite: bool = False,
+               max_shard_bytes: int | None = None, progress: bool | None = None, **overrides: Any) -> Path:
+    """Write a random-weight DeepSeek-V4.1 checkpoint in the release layout to `out_dir`; its path.
+
+    Args:
+        size: a preset from `SIZES` ("tiny", "default", "bench").
+        seed: random seed; the same arguments always give the same files.
+        overwrite: replace an existing non-empty `out_dir`.
+        max_shard_bytes: shard size (default: 256 KiB for tiny, so it has several shards; else 1 GiB).
+        progress: show progress bars (None: only for checkpoints over 100 MB).
+        **overrides: `DeepseekV41Config` fields and `dtype` (see `model_config`).
+    Raises ValueError for unknown sizes or invalid settings (a model with Engram layers needs a
+    vocabulary that holds at least the cut-down tokenizer) and FileExistsError for a non-empty
+    `out_dir` without `overwrite`.
+    """
+    out = empty_out_dir(out_dir, overwrite)
+    config, dtype = model_config(size, **overrides)
+    n_params = count_parameters(config)
+    if progress is None:
+        progress = n_params * dtype.itemsize > 100 * 2**20
+    (out / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
+    if not write_tokenizer(out / TOKENIZER_DIR, config.vocab_size):
+        shutil.rmtree(out)
+        raise ValueError(f"vocab_size {config.vocab_size} is too small for a tokenizer, which the Engram layers "
+                         f"need; use a larger vocab_size")
+    if "engram_compressed_vocab_size" not in overrides:
+        _, compressed = compressed_token_map(out / TOKENIZER_DIR / TOKENIZER_FILE)
+        config = config.model_copy(update={"engram_compressed_vocab_size": compressed})
+    config = config.model_copy(update={"quantization_config": dict(RELEASE_QUANTIZATION),
+                                       "expert_dtype": RELEASE_QUANTIZATION["expert_dtype"]})
+
+    tensors = release_tensors(config, seed, dtype, progress)
+    shard_bytes = max_shard_bytes or _SHARD_BYTES.get(size, DEFAULT_MAX_SHARD_BYTES)
+    write_safetensors(tensors, out, shard_bytes, progress)
+    (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    marker = {"made_by": "deepinfer make-model", "family": FAMILY, "spec_version": SPEC_VERSION, "size": size,
+              "seed": seed, "parameters": n_params,
+              "overrides": {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides.items()
+                            if not isinstance(v, YarnScaling)}}
+    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, default=str))
+    return out
+
+
+# --- command line ----------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """DeepSeek-V4.1's own `deepinfer make-model` flags (OUT_DIR, --family, --size, --seed and
+    --force are the command's); their values reach `make_checkpoint` by `dest`."""
+    parser.add_argument("--dtype", choices=list(_DTYPES), default=None, help="storage dtype of unquantised weights")
+    parser.add_argument("--set", dest="overrides", action="append", type=_parse_override, default=[],
+                        metavar="KEY=VALUE", help="override a config field (JSON value), e.g. --set sliding_window=16")
+    parser.add_argument("--max-shard-size", type=_parse_size_bytes, default=None,
+                        help="split the weights into shards of at most this size (default 1GiB; tiny 256KiB)")
+
+
+def make_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite: bool = False, *,
+                    dtype: str | None = None, overrides: list[tuple[str, Any]] | None = None,
+                    max_shard_size: int | None = None) -> str:
+    """`deepinfer make-model --family v41`: `make_model` with the command's flags; returns the
+    summary line the command prints."""
+    fields = dict(overrides or [])
+    if dtype:
+        fields["dtype"] = dtype
+    out = make_model(out_dir, size=size, seed=seed, overwrite=overwrite, max_shard_bytes=max_shard_size, **fields)
+    marker = json.loads((out / MARKER_FILE).read_text())
+    disk = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    return (f"wrote {out}: DeepSeek-V4.1 {size}, {marker['parameters']:,} parameters, {disk / 2**20:.1f} MiB of "
+            f"weights (FP8/FP4 release format)")
+
+
+#: the family's `ModelFamily.make_checkpoint` (`deepinfer make-model --family v41`)
+CHECKPOINT_MAKER = CheckpointMaker(make=make_checkpoint, sizes=tuple(SIZES), add_arguments=add_arguments)

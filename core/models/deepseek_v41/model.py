@@ -1,0 +1,223 @@
+"""DeepSeek-V4.1 causal LM on ragged batches with engine-managed state.
+
+    model = DeepseekV41ForCausalLM(config, accelerator, dtype=torch.float32, device="cpu")
+    model.load_weights(weights)        # checkpoint.load_checkpoint's tensors (+ engram.token_map)
+    model.bind_cache(allocate_cache_tensors(model.cache_layout(max_rollback=0), ...))
+    out = model.forward(batch)         # ForwardOutput(logits [L, V] fp32)
+
+Forward: Engram row ids for every Engram layer (from the step's ids and each sequence's n-gram
+history), the embedding copied into `hc_mult` streams, the layers, then the streams collapsed with
+the last FFN site's `pre`, `norm` and `head`.
+
+A layer is a `DecoderBlock` (V4's ordered list of sub-modules): `[Engram (some layers),
+Site(attention), Site(MoE)]`. `Site` is single-pass mHC: it computes its own (pre, post, comb) from
+the streams it receives, but its sub-layer reads the streams collapsed with the PREVIOUS site's
+`pre` (carried on the step; one-hot on stream 0 before the first site), then expands with its own
+post and comb. The MoE is V4's without hash routing (every layer scored with `gate.bias`).
+
+Implements the engine's `Model` protocol; its registry entry is `family.py`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.common.weights import fuse_rows, strip_prefix
+from deepinfer.models.deepseek_v4.block import ATTN, FFN, DecoderBlock
+from deepinfer.models.deepseek_v4.moe import MoE
+from deepinfer.models.deepseek_v4.rope import RotaryTables
+from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.models.deepseek_v41.attention import QR_PARTS, X_PARTS, Attention, CacheViews
+from deepinfer.models.deepseek_v41.config import FULL, DeepseekV41Config
+from deepinfer.models.deepseek_v41.engram import Engram, EngramHasher
+from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops, resolve_ops
+from deepinfer.models.deepseek_v41.state import (
+    COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
+)
+from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
+
+FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
+    "attn.fused_x.weight": X_PARTS,
+    "attn.fused_qr.weight": QR_PARTS,
+    "ffn.fused_shared.weight": ("ffn.shared_experts.w1.weight", "ffn.shared_experts.w3.weight"),
+}
+TOKEN_MAP = "engram.token_map"
+# kept in fp32 whatever the model dtype: mHC parameters, sinks, router, the ratio>1 compressor
+_FP32_SUFFIXES = ("attn_sink", "gate.weight", "gate.bias", "gate.bias_vl", "compressor.wkv.weight",
+                  "compressor.wgate.weight")
+
+
+@dataclass
+class StepInputs:
+    """What a block's sub-modules read and carry in one step (one object for every block)."""
+
+    input_ids: torch.Tensor  # [T]
+    plan: StepPlan
+    rope: RotaryTables
+    cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    pre: torch.Tensor  # [T, n] fp32: the previous mHC site's pre (single-pass mHC)
+    engram_rows: torch.Tensor | None = None  # [T, engram layers, hash heads]
+    selection: dict = field(default_factory=dict)  # attention group -> (index-source layer, picks)
+    candidates: dict = field(default_factory=dict)  # attention group -> candidate pool [B, S, E]
+
+
+class Site:
+    """One sub-layer inside single-pass mHC (reads `hc_{name}_*` and `{name}_norm.weight`)."""
+
+    def __init__(self, name: str, layer, weights: dict[str, torch.Tensor], config: DeepseekV41Config,
+                 accel: Accelerator, ops: DeepseekV41Ops):
+        self.name, self.layer, self.c, self.accel, self.ops = name, layer, config, accel, ops
+        self.fn, self.base, self.scale = weights[f"hc_{name}_fn"], weights[f"hc_{name}_base"], weights[f"hc_{name}_scale"]
+        self.norm = weights[f"{name}_norm.weight"]
+
+    def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        a, c, ops = self.accel, self.c, self.ops
+        pre, post, comb = ops.hc_mix(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
+                                     c.rms_norm_eps)
+        collapsed = ops.hc_collapse(streams, step.pre)
+        step.pre = pre
+        y = self.layer.run(a.rms_norm(collapsed, self.norm, c.rms_norm_eps), step)
+        return ops.hc_post(y, streams, post, comb)
+
+
+class DeepseekV41ForCausalLM:
+    #: why speculative decoding is refused on this model (read by the speculative-decoding feature)
+    drafter_unsupported = ("speculative decoding on DeepSeek-V4.1 needs its own DSpark draft head (mtp.0-2: three "
+                           "stages drafting blocks of 5 with Markov and confidence heads), which deepinfer does not "
+                           "run yet")
+
+    def __init__(self, config: DeepseekV41Config, accelerator: Accelerator, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", query_block: int = 256):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype {dtype} is not supported; choose torch.float32, torch.bfloat16 or torch.float16")
+        self.config, self.accel, self.dtype = config, accelerator, dtype
+        self.ops = resolve_ops(accelerator)
+        self.device = torch.device(device)
+        self.query_block = query_block
+        self.rope = RotaryTables(config, self.device)
+        self.blocks: list[DecoderBlock] = []
+        self.top: dict[str, torch.Tensor] = {}
+        self.hasher: EngramHasher | None = None
+        self._cache: CacheTensors | None = None
+        self._layout: CacheLayout | None = None
+        self._num_slots = 0
+
+    def drafter_heads(self) -> None:
+        """V4.1's DSpark head is not run yet: speculative decoding on V4.1 is refused (None)."""
+        return None
+
+    # ----- weights -----
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Tensors under official names (checkpoint.load_checkpoint): dequantised, except the
+        Engram tables (FP8 + row scales, kept as stored), plus the derived `engram.token_map`."""
+        c = self.config
+        quantised = [k for k in weights if k.endswith(".scale") and ".engram.embed." not in k]
+        if quantised:
+            raise ValueError(f"{len(quantised)} quantisation scales found (e.g. {quantised[0]!r}); dequantise the "
+                             f"checkpoint with the checkpoint loader before load_weights")
+        if c.engram_layer_ids and TOKEN_MAP not in weights:
+            raise ValueError(f"{TOKEN_MAP!r} is missing: the Engram layers need the tokenizer-derived compressed-id "
+                             f"map (load the checkpoint with deepinfer.models.deepseek_v41.checkpoint)")
+        state = {k: self._convert(k, v) for k, v in weights.items() if k.startswith(("layers.", "embed.", "norm.",
+                                                                                     "head."))}
+        self.top = {k: state[k] for k in ("embed.weight", "norm.weight", "head.weight")}
+        self.hasher = EngramHasher(c, weights[TOKEN_MAP], self.device) if c.engram_layer_ids else None
+        self.blocks = [self._build_block(i, strip_prefix(state, f"layers.{i}.")) for i in range(c.num_hidden_layers)]
+        if self._cache is not None:
+            self.bind_cache(self._cache)
+
+    def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        if ".engram.embed." in name:
+            return t  # the FP8 table stays as stored (memory-mapped); rows are dequantised per look-up
+        fp32 = name.endswith(_FP32_SUFFIXES) or ".hc_" in name
+        out = t.to(device=self.device, dtype=torch.float32 if fp32 else self.dtype)
+        return out.clone() if out.data_ptr() == t.data_ptr() else out.contiguous()
+
+    def _build_block(self, i: int, w: dict[str, torch.Tensor]) -> DecoderBlock:
+        c, a, ops = self.config, self.accel, self.ops
+        for key, names in FUSED_PROJECTIONS.items():
+            fuse_rows(w, key, names)
+        E = c.n_routed_experts
+        w["ffn.experts.w13"] = torch.stack([torch.cat((w.pop(f"ffn.experts.{e}.w1.weight"),
+                                                       w.pop(f"ffn.experts.{e}.w3.weight"))) for e in range(E)])
+        w["ffn.experts.w2"] = torch.stack([w.pop(f"ffn.experts.{e}.w2.weight") for e in range(E)])
+        if c.gate_temp != 1.0:  # router logits x W^T / gate_temp
+            w["ffn.gate.weight"] = w["ffn.gate.weight"] / c.gate_temp
+        modules = []
+        if i in c.engram_layer_ids:
+            modules.append(Engram(c, c.engram_layer_ids.index(i), strip_prefix(w, "engram."), a))
+        modules.append(Site(ATTN, Attention(c, i, strip_prefix(w, "attn."), a, ops), w, c, a, ops))
+        modules.append(Site(FFN, MoE(c, False, strip_prefix(w, "ffn."), a), w, c, a, ops))
+        return DecoderBlock(modules, w)
+
+    # ----- state -----
+    def cache_layout(self, max_rollback: int) -> CacheLayout:
+        return build_cache_layout(self.config, max_rollback)
+
+    def bind_cache(self, cache: CacheTensors) -> None:
+        """Bind preallocated state (allocate_cache_tensors of cache_layout); checked against it."""
+        c = self.config
+        if WINDOW_KV not in cache.slot:
+            raise ValueError(f"cache has no {WINDOW_KV!r} tensor; allocate it from model.cache_layout()")
+        max_rollback = cache.slot[WINDOW_KV].shape[2] - c.sliding_window
+        layout = self.cache_layout(max_rollback)
+        for t in layout.slot_tensors:
+            got = cache.slot.get(t.name)
+            if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.owners) or got.dtype != t.dtype:
+                raise ValueError(f"cache slot tensor {t.name!r} does not match the layout; allocate the cache from "
+                                 f"model.cache_layout({max_rollback})")
+        for g in layout.block_groups:
+            for t in g.tensors:
+                got = cache.blocks.get(g.name, {}).get(t.name)
+                if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.owners):
+                    raise ValueError(f"cache block tensor {g.name}/{t.name} does not match the layout; allocate "
+                                     f"the cache from model.cache_layout({max_rollback})")
+        self._cache, self._layout = cache, layout
+        self._num_slots = cache.slot[WINDOW_KV].shape[1]
+        self._rings = ring_sizes(c, max_rollback)
+
+        def slot(name: str, layer: int) -> torch.Tensor:
+            return layout.slot_tensor(name).view(cache.slot[name], layer)
+
+        def block(name: str, layer: int) -> torch.Tensor:
+            group = group_name(c.compress_ratio(layer))
+            return layout.group(group).tensor(name).view(cache.blocks[group][name], layer)
+
+        for i, blk in enumerate(self.blocks):
+            views = CacheViews(window=slot(WINDOW_KV, i))
+            if c.compress_ratio(i):
+                views.entries = block(COMPRESSED_KV, i)
+                if blk.attn.indexes:
+                    views.index_keys = block(INDEX_KEYS, i)
+                if c.layer_roles[i] == FULL and c.compress_ratio(i) > 1:
+                    views.rows = tuple(slot(n, i) for n in rows_names(c.compress_ratio(i)))
+            blk.attn.state = views
+
+    # ----- forward -----
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        if not self.blocks:
+            raise RuntimeError("no weights loaded: call load_weights() first")
+        if self._cache is None:
+            raise RuntimeError("no cache bound: call bind_cache(allocate_cache_tensors(model.cache_layout(...), ...))")
+        c = self.config
+        plan = StepPlan(batch, c, self._rings, self._cache.block_size, self._num_slots, self.query_block)
+        ids = batch.input_ids.to(self.device)
+        cos_sin = {k: self.rope.cos_sin(plan.positions, k) for k in ("main", "compress")}
+        streams = self.top["embed.weight"][ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        pre = torch.zeros((ids.shape[0], c.hc_mult), dtype=torch.float32, device=self.device)
+        pre[:, 0] = 1.0  # the first site reads stream 0
+        step = StepInputs(ids, plan, self.rope, cos_sin, pre)
+        if self.hasher is not None:
+            history = self._layout.slot_tensor(ENGRAM_HISTORY).view(self._cache.slot[ENGRAM_HISTORY],
+                                                                    c.engram_layer_ids[0])
+            step.engram_rows = self.hasher.hash(ids, plan, history)
+        for blk in self.blocks:
+            streams = blk.run(streams, step)
+        rows = batch.logits_indices.to(self.device)
+        h = self.ops.hc_collapse(streams[rows], step.pre[rows])
+        h = self.accel.rms_norm(h, self.top["norm.weight"], c.rms_norm_eps)
+        logits = self.accel.linear(h, self.top["head.weight"]).float()
+        return ForwardOutput(logits=logits, streams=streams[rows] if batch.return_streams else None)

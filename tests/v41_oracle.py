@@ -1,0 +1,69 @@
+"""NVIDIA NeMo AutoModel's DeepSeek-V4.1 as an independent oracle, on CPU in float32.
+
+`build_nemo_model(checkpoint_dir)` builds NeMo's `DeepseekV41ForCausalLM` from a checkpoint folder in
+the release layout (what `deepinfer make-model --family v41` writes) and loads its weights through
+NeMo's own state-dict adapter (its own dequantisation and renaming), strictly: a missing or
+unexpected key fails. Tests that use it skip when nemo_automodel is not installed:
+
+    nemo = pytest.importorskip("nemo_automodel", reason=...)
+    from v41_oracle import build_nemo_model
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TOKENIZER = Path("tokenizer") / "tokenizer.json"
+
+
+def nemo_config(checkpoint_dir: str | Path):
+    """NeMo's `DeepseekV41Config` from the folder's config.json: text model in float32, no vision tower."""
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+
+    data = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    data["text_config"] = {**data["text_config"], "dtype": "float32"}
+    data["vision_config"] = {"num_hidden_layers": 0}
+    data.pop("model_type", None)
+    return DeepseekV41Config(**data)
+
+
+def fast_tokenizer(tokenizer_json: str | Path):
+    """A `tokenizer.json` as the transformers fast tokenizer NeMo's Engram hashing takes."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
+
+
+def nemo_tokenizer(checkpoint_dir: str | Path):
+    """The checkpoint's own tokenizer (`tokenizer/tokenizer.json`) as a fast tokenizer."""
+    return fast_tokenizer(Path(checkpoint_dir) / TOKENIZER)
+
+
+def read_release_tensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor of the folder's safetensors files, as stored (official names)."""
+    from safetensors.torch import load_file
+
+    root = Path(checkpoint_dir)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(root.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def build_nemo_model(checkpoint_dir: str | Path) -> torch.nn.Module:
+    """NeMo's V4.1 model (eval mode, CPU, float32, torch backends) with the checkpoint's weights
+    loaded through NeMo's state-dict adapter and `load_state_dict(strict=True)`."""
+    from nemo_automodel.components.models.common import BackendConfig
+    from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
+                            experts="torch", dispatcher="torch", gate_precision="float32",
+                            enable_hf_state_dict_adapter=True)
+    model = DeepseekV41ForCausalLM(nemo_config(checkpoint_dir), backend=backend,
+                                   tokenizer=nemo_tokenizer(checkpoint_dir))
+    model.initialize_weights(dtype=torch.float32)
+    converted = model.state_dict_adapter.from_hf(read_release_tensors(checkpoint_dir))
+    model.load_state_dict(converted, strict=True)
+    return model.eval()
