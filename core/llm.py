@@ -32,8 +32,9 @@ PromptType = str | list[int] | dict[str, Any]
 class LLM:
     """An offline engine over one model.
 
-    Args: `model` (checkpoint directory or Hugging Face id in the local cache; None = the embedded
-    default model or DEEPINFER_HF_MODEL_DIR), `accelerator` (back-end name; None = auto), `dtype`
+    Args: `model` (checkpoint directory or Hugging Face id in the local cache; None = the default
+    model: DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 from the local cache,
+    else the embedded default model), `accelerator` (back-end name; None = auto), `dtype`
     ("auto", "float32", "bfloat16"), `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`,
     `seed`, `config` (a TOML file path, or an `EngineConfig`), `features` (`{name: table}`, as
     `[features.<name>]` in TOML), and any other `EngineConfig` field as a keyword

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` import
 
 from bench import accounting, results  # noqa: E402
 from bench.layout import Layout, resolve_layout  # noqa: E402
+from _speculation import NEXTN_VAR, drafter_unsupported, speculation_off_note  # noqa: E402
 
 # The seeds' defaults (sized for a node of SM100 GPUs) and a CPU preset of the same shape that a
 # 2-core machine finishes in about a minute on the `bench` model (`deepinfer make-model DIR --size bench`).
@@ -51,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_name", default=None,
-                   help="checkpoint directory or Hugging Face id in the local cache (default: the embedded "
-                        "default model, or DEEPINFER_HF_MODEL_DIR)")
+                   help="checkpoint directory or Hugging Face id in the local cache (default: "
+                        "DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if the local "
+                        "Hugging Face cache holds it, else the embedded default model)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="seeds",
                    help="defaults of the size flags below: 'seeds' (the seeds' values) or 'cpu' (%s)"
                    % ", ".join(f"{k}={v}" for k, v in PRESETS["cpu"].items()))
@@ -176,6 +178,21 @@ def _speculation_env_note() -> str | None:
     return "DEEPINFER_USE_NEXTN_DECODE=0: speculative decoding is not installed, so there is nothing to disable"
 
 
+def _speculation_model_note(model_name: str | None) -> str | None:
+    """Speculative decoding is on by default when it is installed (the seeds); a model whose family
+    cannot draft yet (DeepSeek-V4.1, see `_speculation.py`) runs without it instead: this run gets
+    DEEPINFER_USE_NEXTN_DECODE=0 and a note. A value the user set is kept (> 0 there is the engine's error),
+    and so is a configuration file's choice (DEEPINFER_CONFIG: its [features.dspark] table decides)."""
+    if NEXTN_VAR in os.environ or os.environ.get("DEEPINFER_CONFIG"):
+        return None
+    default = planned_nextn()
+    reason = drafter_unsupported(model_name) if default > 0 else None
+    if not reason:
+        return None
+    os.environ[NEXTN_VAR] = "0"
+    return speculation_off_note(str(default), reason)
+
+
 def _profiler(enabled: bool):
     if not enabled:
         return None
@@ -248,9 +265,9 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
     accelerator = _accelerator_name()
     layout: Layout = resolve_layout(args.cp, accelerator, env)
     say = print if layout.rank == 0 else (lambda *a, **k: None)
-    note = _speculation_env_note()
-    if note:
-        say(note)
+    for note in (_speculation_env_note(), _speculation_model_note(args.model_name)):
+        if note:
+            say(note)
     profile = env.get("PROFILE", "").strip() not in ("", "0")
     sequences = settings.decode_num_requests * layout.dp  # decode_num_requests is per data-parallel group
 

@@ -13,9 +13,15 @@ accept_rate is the share of speculative draft tokens accepted (n/a without specu
 decode_ppl is the perplexity of the model over its generated tokens.
 
 Model: --model_name (a checkpoint directory, or a Hugging Face id already in the local cache);
-without it DEEPINFER_HF_MODEL_DIR, else the embedded default model (random weights, created on first
-use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py); this release runs on one
-device, so they must resolve to 1.
+without it DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if the local Hugging
+Face cache holds it, else the embedded default model (a small random-weight DeepSeek-V4.1, created
+on first use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py); this release
+runs on one device, so they must resolve to 1.
+
+Speculative decoding: the seeds' default DEEPINFER_USE_NEXTN_DECODE=5 is applied when the dspark
+feature is installed, unless the model's family cannot draft yet (DeepSeek-V4.1: its DSpark head
+is not supported); then the example says so on stderr and runs without speculation. Setting
+DEEPINFER_USE_NEXTN_DECODE yourself always wins (a value > 0 on such a model is an error).
 """
 from __future__ import annotations
 
@@ -24,11 +30,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _launch import ParallelConfigError, ParallelSizes, launch_dp, resolve_parallel  # noqa: E402
 from _prompts import prepare_offline_prompts  # noqa: E402
+from _speculation import drafter_unsupported, speculation_off_note  # noqa: E402
 
 # Engine settings baked into the example (as in the seeds). max_model_len is left to the engine's
 # default, min(the model's limit, 32768): 32768 for DeepSeek-V4 checkpoints, less for tiny test models.
@@ -43,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="DeepInfer offline batch inference over sample prompts.")
     parser.add_argument("--model_name", default=None,
                         help="checkpoint directory or Hugging Face id in the local cache (default: "
-                             "DEEPINFER_HF_MODEL_DIR, else the embedded default model)")
+                             "DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if the local "
+                             "Hugging Face cache holds it, else the embedded default model)")
     parser.add_argument("--ep", type=int, default=None,
                         help="expert-parallel size (default: 8 on an accelerator node, 1 on the CPU back end)")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ep // cp, at least 1)")
@@ -101,8 +110,12 @@ SEED_ENV_DEFAULTS = [  # (variable, value, feature, accelerators it applies to o
 ]
 
 
-def apply_seed_env_defaults(accelerator: str, disable_eplb: bool) -> dict[str, str]:
-    """Set the seeds' defaults whose variable an installed feature declares; returns what was set."""
+def apply_seed_env_defaults(accelerator: str, disable_eplb: bool,
+                            cannot_draft: Callable[[], str | None] | None = None) -> dict[str, str]:
+    """Set the seeds' defaults whose variable an installed feature declares; returns what was set.
+
+    `cannot_draft` (asked only when the speculative-decoding default would be set) gives the reason
+    the model cannot draft, or None; with a reason that default is skipped, with one note on stderr."""
     from deepinfer import envs
 
     declared = envs.feature_variables()
@@ -112,6 +125,11 @@ def apply_seed_env_defaults(accelerator: str, disable_eplb: bool) -> dict[str, s
             continue
         if feature == "eplb" and disable_eplb:
             continue
+        if feature == "dspark" and cannot_draft is not None:
+            reason = cannot_draft()
+            if reason:
+                print(speculation_off_note(value, reason), file=sys.stderr, flush=True)
+                continue
         os.environ[var] = applied[var] = value
     return applied
 
@@ -127,7 +145,7 @@ def feature_tables(args: argparse.Namespace) -> dict[str, dict] | None:
 def create_llm(args: argparse.Namespace, sizes: ParallelSizes, accelerator: str):
     from deepinfer import LLM  # imported here: environment set-up must happen before the engine loads
 
-    apply_seed_env_defaults(accelerator, args.disable_eplb)
+    apply_seed_env_defaults(accelerator, args.disable_eplb, cannot_draft=lambda: drafter_unsupported(args.model_name))
     return LLM(model=args.model_name, accelerator=accelerator, features=feature_tables(args), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
                sampler_force_topk=args.sampler_force_topk, ep=sizes.ep, dp=sizes.dp, cp=sizes.cp)
@@ -147,7 +165,11 @@ def check_structured_output(llm, rank: int) -> list[str]:
 
 def run_rank(rank: int, sizes: ParallelSizes, args: argparse.Namespace, accelerator: str) -> int:
     start = time.perf_counter()
-    llm = create_llm(args, sizes, accelerator)
+    try:
+        llm = create_llm(args, sizes, accelerator)
+    except (ValueError, FileNotFoundError) as e:  # a model, setting or feature the engine refuses, in its words
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
     info = llm.build_info
     if info.is_default_model:
         print(f"Using the embedded default model (small, random weights: the text is gibberish) at "

@@ -340,6 +340,24 @@ def test_benchmark_with_speculation_reports_both_throughputs(tiny_model, tmp_pat
         f["decode_full_acceptance_tokens_per_s_per_device"]["median"] * (1 + 1e-9)
 
 
+@pytest.mark.skipif(not _dspark_installed(), reason="speculative decoding (dspark) is not installed")
+def test_benchmark_leaves_speculation_off_for_a_model_that_cannot_draft(tiny_model, tmp_path, clean_env):
+    import os
+
+    from deepinfer.models.deepseek_v41.make_model import make_model
+    from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    v41 = make_model(tmp_path / "v41", size="tiny")
+    assert benchmark._speculation_model_note(str(tiny_model)) is None  # V4 with MTP: the seeds' default stays
+    assert "DEEPINFER_USE_NEXTN_DECODE" not in os.environ
+    note = benchmark._speculation_model_note(str(v41))
+    assert note.startswith("note: speculative decoding is off for this model")
+    assert note.endswith(DeepseekV41ForCausalLM.drafter_unsupported)
+    assert os.environ["DEEPINFER_USE_NEXTN_DECODE"] == "0" and benchmark.planned_nextn() == 0
+    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")  # the user's own value is kept
+    assert benchmark._speculation_model_note(str(v41)) is None and benchmark.planned_nextn() == 3
+
+
 def test_yoco_clip_without_the_feature_is_a_clear_error(capsys, clean_env):
     from deepinfer.plugins import FEATURE_GROUP, discover
 

@@ -286,17 +286,4 @@ def test_hf_model_dir_replaces_only_the_default(tiny, tmp_path, monkeypatch):
         resolve_model(None)
 
 
-def test_default_model_is_created_once(tmp_path, monkeypatch):
-    monkeypatch.delenv("DEEPINFER_HF_MODEL_DIR", raising=False)
-    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
-    first = resolve_model(None)
-    assert first.is_default and first.path == tmp_path / "cache" / "models" / "default-v4-tiny"
-    stamp = (first.path / "model.safetensors").stat().st_mtime_ns
-    assert resolve_model(None).path == first.path
-    assert (first.path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
-    config, tensors = load_checkpoint(first.path, "auto")
-    assert config.vocab_size == 129280 and config.num_nextn_predict_layers == 1
-    assert {"sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"} <= set(config.layer_types)
-    assert "mtp.0.e_proj.weight" in tensors
-    from deepinfer.tokenizer import load_tokenizer
-    assert load_tokenizer(first.path, vocab_size=config.vocab_size).encode("<think>") == [128821]
+# the default model (no model given) and the seeds' default id: tests/test_model_resolve.py

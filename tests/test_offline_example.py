@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
@@ -53,9 +54,25 @@ def isolated():
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
+    """A tiny DeepSeek-V4 (it has an MTP block, so the seeds' speculative decoding runs on it)."""
     from deepinfer.models.deepseek_v4.make_model import make_model
 
     return str(make_model(tmp_path_factory.mktemp("tiny") / "ckpt", size="tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def v41_model(tmp_path_factory):
+    """A tiny DeepSeek-V4.1 (its DSpark head is not supported: no speculative decoding)."""
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    return str(make_model(tmp_path_factory.mktemp("v41") / "ckpt", size="tiny", seed=0))
+
+
+@pytest.fixture
+def empty_hub(tmp_path, monkeypatch):
+    """An empty local Hugging Face cache: the seeds' default id is not found, whatever the real cache holds."""
+    (tmp_path / "hub").mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
 
 
 # -------------------------------------------------------------------- --ep / --dp / --cp rules
@@ -109,13 +126,16 @@ def test_help_lists_the_seed_flags(example, capsys):
 
 def test_output_line_format(example, tiny_model, capsys):
     assert example.main(["--model_name", tiny_model]) == 0
-    out = capsys.readouterr().out.splitlines()
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
     samples = [m for m in map(LINE.match, out) if m]
     assert len(samples) == 4, out
     prompts = [s[0] for s in _load("_prompts").SAMPLES]
     for match, prompt in zip(samples, prompts):
-        assert match.group(1) == prompt  # accept_rate: n/a, or a rate when speculative decoding is on
+        assert match.group(1) == prompt
         assert 1 <= int(match.group(3)) <= 32
+        assert match.group(4) != "n/a"  # a V4 checkpoint with MTP: the seeds' speculative decoding is on
+    assert "speculative decoding is off" not in captured.err
     assert out[0].startswith("Model: ")
     # every line that starts like a sample line is one (the summary goes to stderr)
     assert [line for line in out if line.startswith("DP ")] == [m.group(0) for m in samples]
@@ -170,18 +190,73 @@ def test_seed_env_defaults_only_for_installed_features(example, fake_distributio
     assert example.apply_seed_env_defaults("nvidia", disable_eplb=False) == {}
 
 
+def test_speculation_default_is_skipped_for_a_model_that_cannot_draft(example, capsys):
+    asked = []
+
+    def cannot_draft():
+        asked.append(1)
+        return "no draft head here"
+
+    assert "DEEPINFER_USE_NEXTN_DECODE" not in example.apply_seed_env_defaults("cpu", False, cannot_draft)
+    assert "DEEPINFER_USE_NEXTN_DECODE" not in os.environ
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "speculative decoding is off for this model" in err and "no draft head here" in err
+    assert example.apply_seed_env_defaults("cpu", False, lambda: None) == {"DEEPINFER_USE_NEXTN_DECODE": "5"}
+    # the user's own setting is never second-guessed (and the model is not even looked at)
+    assert example.apply_seed_env_defaults("cpu", False, cannot_draft) == {} and len(asked) == 1
+
+
+def test_drafter_unsupported_comes_from_the_model_class(example, tiny_model, v41_model, monkeypatch):
+    from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    assert example.drafter_unsupported(v41_model) == DeepseekV41ForCausalLM.drafter_unsupported
+    assert "DSpark" in DeepseekV41ForCausalLM.drafter_unsupported
+    assert example.drafter_unsupported(tiny_model) is None
+    assert example.drafter_unsupported("/no/such/checkpoint") is None  # the engine reports that one
+    monkeypatch.setattr(DeepseekV41ForCausalLM, "drafter_unsupported", None)  # a V4.1 that could draft
+    assert example.drafter_unsupported(v41_model) is None
+
+
+def test_v41_runs_without_speculation_unless_asked(example, v41_model, capsys):
+    os.environ["DEEPINFER_USE_NEXTN_DECODE"] = "5"  # asked for explicitly: the drafter's clear error
+    assert example.main(["--model_name", v41_model]) == 1
+    captured = capsys.readouterr()
+    assert re.search(r"^error: speculative decoding on DeepSeek-V4.1 needs its own DSpark draft head.*"
+                     r"DEEPINFER_USE_NEXTN_DECODE=0\)$", captured.err, re.M), captured.err
+    assert not LINE.search(captured.out)
+
+
 def test_one_line_escapes_newlines(example):
     assert example.one_line("a\nb\\c") == "a\\nb\\\\c"
     assert example.one_line("x\x13y\u2028z\tw é中") == "x\\x13y\\u2028z\\tw é中"
     assert example.one_line("x" * 10, limit=4) == "xxxx...[6 more chars]"
 
 
-def test_default_model_is_used_and_announced(example, tmp_path, monkeypatch, capsys):
+def test_default_model_is_used_and_announced(example, tmp_path, monkeypatch, empty_hub, capsys):
+    """The embedded default (a random DeepSeek-V4.1) end to end: speculation skipped with one note."""
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     assert example.main([]) == 0
-    out = capsys.readouterr().out
-    assert "embedded default model" in out and str(tmp_path) in out
-    assert len([line for line in out.splitlines() if LINE.match(line)]) == 4
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "embedded default model" in out and str(tmp_path / "models" / "default-v41") in out
+    samples = [m for m in map(LINE.match, out.splitlines()) if m]
+    assert len(samples) == 4 and all(m.group(4) == "n/a" for m in samples)
+    assert captured.err.count("speculative decoding is off for this model") == 1
+    assert "DSpark draft head" in captured.err and "DEEPINFER_USE_NEXTN_DECODE=5 is not applied" in captured.err
+
+
+def test_the_seeds_default_id_is_used_from_the_local_cache(example, v41_model, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    snapshot = tmp_path / "hub" / "models--deepseek-ai--DeepSeek-V4.1-Flash-1017" / "snapshots" / "0123abc"
+    shutil.copytree(v41_model, snapshot)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
+    assert example.main([]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"Model: {snapshot}"
+    assert len([line for line in out if LINE.match(line)]) == 4
+    assert not (tmp_path / "cache" / "models").exists()  # the embedded default was not built
 
 
 # ----------------------------------------------------------------------------- deepinfer generate

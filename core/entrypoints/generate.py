@@ -4,7 +4,8 @@
     deepinfer generate --model /path/to/checkpoint --prompt "a" --prompt "b" --json
     echo "from stdin" | deepinfer generate --prompt -
 
-Without --model: DEEPINFER_HF_MODEL_DIR, else the embedded default model (random weights; the
+Without --model: DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if the local
+Hugging Face cache holds it, else the embedded default model (a random-weight DeepSeek-V4.1; the
 command says so). Engine settings not exposed as flags go in a TOML file (--config).
 """
 from __future__ import annotations

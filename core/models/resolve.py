@@ -7,8 +7,10 @@ Rules (the seeds' examples/_config.py behaviour, without downloads):
   (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, layout
   `models--org--name/snapshots/<revision>/`); if it is not there, the error says how to download it;
 * no model: `DEEPINFER_HF_MODEL_DIR` if set (it replaces only the *default* model, never an explicit
-  one), else the embedded default model, a small random-weight V4 checkpoint created on first use
-  in `$DEEPINFER_CACHE_DIR/models/default-v4-tiny` (default `~/.cache/deepinfer/...`) and reused.
+  one); else `deepseek-ai/DeepSeek-V4.1-Flash-1017` (`DEFAULT_HF_MODEL_ID`, the seeds' default) when
+  the local Hugging Face cache holds it; else the embedded default model, a small random-weight
+  DeepSeek-V4.1 checkpoint (make-model size `default`) created on first use in
+  `$DEEPINFER_CACHE_DIR/models/default-v41` (default `~/.cache/deepinfer/...`) and reused.
 """
 from __future__ import annotations
 
@@ -25,7 +27,10 @@ from deepinfer import envs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "default-v4-tiny"
+#: the seeds' default checkpoint, used without a model when the local Hugging Face cache holds it
+DEFAULT_HF_MODEL_ID = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
+#: the embedded default model: a random-weight DeepSeek-V4.1 checkpoint of make-model size `default`
+DEFAULT_MODEL_NAME = "default-v41"
 DEFAULT_MODEL_SIZE = "default"
 CONFIG_FILE = "config.json"
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -34,7 +39,7 @@ _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 @dataclass(frozen=True)
 class ResolvedModel:
     path: Path  # local directory holding config.json and the weights
-    source: str  # "local", "hf-cache", "env" (DEEPINFER_HF_MODEL_DIR) or "default"
+    source: str  # "local", "hf-cache" (named, or the default id found in the cache), "env" or "default"
     name: str  # what the user asked for (or the default's name)
 
     @property
@@ -65,9 +70,14 @@ def hf_hub_cache_dir() -> Path:
 
 
 def _download_hint(model_id: str) -> str:
-    return (f"deepinfer never downloads. Download it first, e.g. `huggingface-cli download {model_id}` or "
-            f"`python -c \"from huggingface_hub import snapshot_download; snapshot_download('{model_id}')\"`, "
-            f"or pass a local directory (--model_name /path/to/checkpoint).")
+    folder = "/models/" + model_id.rsplit("/", 1)[-1]
+    return (f"deepinfer never downloads. Download it first, into the Hugging Face cache (`huggingface-cli download "
+            f"{model_id}`) or into a folder of your choice (`python -c \"from huggingface_hub import "
+            f"snapshot_download; snapshot_download('{model_id}', local_dir='{folder}')\"`), then pass that "
+            f"folder (--model_name {folder})"
+            + (f" or point DEEPINFER_HF_MODEL_DIR at it (export DEEPINFER_HF_MODEL_DIR={folder}; it replaces the "
+               f"default model, so leave --model_name out)" if model_id == DEFAULT_HF_MODEL_ID else "")
+            + ".")
 
 
 def find_in_hf_cache(model_id: str, revision: str | None = None) -> Path:
@@ -108,22 +118,23 @@ def default_model_dir() -> Path:
 
 
 def _is_current_default(path: Path) -> bool:
-    from deepinfer.models.deepseek_v4.make_model import MARKER_FILE, SPEC_VERSION
+    from deepinfer.models.deepseek_v41.make_model import FAMILY, MARKER_FILE, SPEC_VERSION
 
     try:
         marker = json.loads((path / MARKER_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return marker.get("spec_version") == SPEC_VERSION and marker.get("size") == DEFAULT_MODEL_SIZE
+    return (marker.get("family") == FAMILY and marker.get("spec_version") == SPEC_VERSION
+            and marker.get("size") == DEFAULT_MODEL_SIZE)
 
 
 def ensure_default_model() -> Path:
     """The embedded default model's directory, creating it on first use (a few seconds).
 
     It is written to a temporary folder next to its final place and renamed, so concurrent
-    processes never see a half-written checkpoint; a stale one (older make-model spec) is replaced.
+    processes never see a half-written checkpoint; a stale one (an older make-model spec, another family or size) is replaced.
     """
-    from deepinfer.models.deepseek_v4.make_model import make_model
+    from deepinfer.models.deepseek_v41.make_model import make_model
 
     target = default_model_dir()
     if _is_current_default(target):
@@ -131,7 +142,7 @@ def ensure_default_model() -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
     try:
-        make_model(tmp, size=DEFAULT_MODEL_SIZE, seed=0, with_mtp=True, overwrite=True, progress=False)
+        make_model(tmp, size=DEFAULT_MODEL_SIZE, seed=0, overwrite=True, progress=False)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         if target.exists() and not _is_current_default(target):
             shutil.rmtree(target, ignore_errors=True)
@@ -164,4 +175,21 @@ def resolve_model(model_name: str | os.PathLike | None = None) -> ResolvedModel:
             raise FileNotFoundError(f"DEEPINFER_HF_MODEL_DIR={env_dir} is not a directory; point it at the "
                                     f"folder that holds config.json and the weights, or unset it")
         return ResolvedModel(_require_config(path.resolve(), "from DEEPINFER_HF_MODEL_DIR"), "env", env_dir)
+    cached = _default_from_hf_cache()
+    if cached is not None:
+        return ResolvedModel(cached, "hf-cache", DEFAULT_HF_MODEL_ID)
     return ResolvedModel(ensure_default_model(), "default", DEFAULT_MODEL_NAME)
+
+
+def _default_from_hf_cache() -> Path | None:
+    """`DEFAULT_HF_MODEL_ID`'s snapshot when the local Hugging Face cache holds a complete one (with
+    config.json), else None. A partial one (no usable snapshot) is named in a warning and skipped."""
+    repo = hf_hub_cache_dir() / ("models--" + DEFAULT_HF_MODEL_ID.replace("/", "--"))
+    if not repo.is_dir():
+        return None
+    try:
+        return find_in_hf_cache(DEFAULT_HF_MODEL_ID)
+    except FileNotFoundError as e:
+        logger.warning("the local Hugging Face cache has an unusable copy of %s, so the embedded default model is "
+                       "used instead: %s", DEFAULT_HF_MODEL_ID, e)
+        return None

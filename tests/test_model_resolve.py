@@ -1,0 +1,113 @@
+"""What runs when no model is named: DEEPINFER_HF_MODEL_DIR, else the seeds' default id from the local
+Hugging Face cache, else the embedded default model (a random DeepSeek-V4.1 built once). Never the network."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from deepinfer.models import resolve
+from deepinfer.models.resolve import DEFAULT_HF_MODEL_ID, resolve_model
+
+REPO_DIR = "models--deepseek-ai--DeepSeek-V4.1-Flash-1017"
+
+
+@pytest.fixture(scope="module")
+def v41_tiny(tmp_path_factory) -> Path:
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    return make_model(tmp_path_factory.mktemp("v41") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture
+def hub(tmp_path, clean_env):
+    """An empty local Hugging Face cache (the real one is never looked at)."""
+    path = tmp_path / "hub"
+    path.mkdir()
+    clean_env.setenv("HF_HUB_CACHE", str(path))
+    return path
+
+
+def _cache(hub: Path, checkpoint: Path, revision: str = "0123abc", ref: bool = True) -> Path:
+    """`checkpoint` as the cached snapshot of the seeds' default id (the hub's layout)."""
+    repo = hub / REPO_DIR
+    snapshot = repo / "snapshots" / revision
+    shutil.copytree(checkpoint, snapshot)
+    if ref:
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(revision)
+    return snapshot
+
+
+def test_the_default_id_is_the_seeds():
+    assert DEFAULT_HF_MODEL_ID == "deepseek-ai/DeepSeek-V4.1-Flash-1017"
+
+
+def test_no_model_uses_the_default_id_when_the_cache_holds_it(v41_tiny, hub, tmp_path, clean_env):
+    clean_env.setattr(resolve, "ensure_default_model", lambda: pytest.fail("the embedded default was built"))
+    snapshot = _cache(hub, v41_tiny)
+    resolved = resolve_model(None)
+    assert (resolved.path, resolved.source, resolved.name) == (snapshot, "hf-cache", DEFAULT_HF_MODEL_ID)
+    assert not resolved.is_default
+    assert resolve_model(DEFAULT_HF_MODEL_ID).path == snapshot  # named explicitly: the same snapshot
+    # DEEPINFER_HF_MODEL_DIR replaces the default, the cached one included; an explicit model beats both
+    other = tmp_path / "other"
+    shutil.copytree(v41_tiny, other)
+    clean_env.setenv("DEEPINFER_HF_MODEL_DIR", str(other))
+    assert (resolve_model(None).path, resolve_model(None).source) == (other.resolve(), "env")
+    assert resolve_model(str(v41_tiny)).path == v41_tiny.resolve()
+
+
+def test_a_cache_without_refs_uses_its_snapshot(v41_tiny, hub):
+    snapshot = _cache(hub, v41_tiny, revision="fedcba9", ref=False)
+    assert resolve_model(None).path == snapshot
+
+
+def test_a_partial_default_in_the_cache_falls_back_with_a_warning(hub, tmp_path, clean_env, caplog):
+    (hub / REPO_DIR / "snapshots" / "0123abc").mkdir(parents=True)  # a download that never got config.json
+    clean_env.setattr(resolve, "ensure_default_model", lambda: tmp_path)
+    with caplog.at_level(logging.WARNING, logger="deepinfer.models.resolve"):
+        resolved = resolve_model(None)
+    assert resolved.is_default and resolved.path == tmp_path
+    assert "unusable copy of deepseek-ai/DeepSeek-V4.1-Flash-1017" in caplog.text
+    assert "no snapshot has config.json" in caplog.text
+
+
+def test_the_default_id_not_in_the_cache_says_how_to_get_it(hub):
+    with pytest.raises(FileNotFoundError) as err:
+        resolve_model(DEFAULT_HF_MODEL_ID)
+    message = str(err.value)
+    assert "not in the local Hugging Face cache" in message and "never downloads" in message
+    assert "huggingface-cli download deepseek-ai/DeepSeek-V4.1-Flash-1017" in message
+    assert ("snapshot_download('deepseek-ai/DeepSeek-V4.1-Flash-1017', "
+            "local_dir='/models/DeepSeek-V4.1-Flash-1017')") in message
+    assert "DEEPINFER_HF_MODEL_DIR=/models/DeepSeek-V4.1-Flash-1017" in message
+    with pytest.raises(FileNotFoundError) as err:  # another id: DEEPINFER_HF_MODEL_DIR would not apply
+        resolve_model("org/other")
+    assert "huggingface-cli download org/other" in str(err.value) and "DEEPINFER_HF_MODEL_DIR" not in str(err.value)
+
+
+def test_default_model_is_a_v41_created_once(hub, tmp_path, clean_env):
+    from deepinfer.models.deepseek_v41.make_model import MARKER_FILE
+    from deepinfer.models.registry import load_model_checkpoint
+    from deepinfer.tokenizer import load_tokenizer
+
+    clean_env.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
+    target = tmp_path / "cache" / "models" / "default-v41"
+    target.mkdir(parents=True)  # a stale one (another family's marker) is replaced
+    (target / MARKER_FILE).write_text(json.dumps({"family": "v4", "spec_version": 1, "size": "default"}))
+    first = resolve_model(None)
+    assert first.is_default and first.path == target and first.name == "default-v41"
+    assert json.loads((target / MARKER_FILE).read_text())["family"] == "v41"
+    stamp = (first.path / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(None).path == first.path
+    assert (first.path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
+    assert not list(target.parent.glob(".default-v41-*"))  # no temporary folder left behind
+    family, config, tensors = load_model_checkpoint(first.path, "auto")
+    assert family.model_type == "deepseek_v41" and config.vocab_size == 129280
+    assert {"sliding", "full", "reindex", "reuse"} <= set(config.layer_roles) and config.engram_layer_ids
+    assert not any(name.startswith("mtp.") for name in tensors)
+    assert load_tokenizer(first.path, vocab_size=config.vocab_size).encode("<think>") == [128821]
