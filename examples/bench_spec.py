@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -186,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from _speculation import drafter_unsupported
+
+    reason = drafter_unsupported(args.model_name)
+    if reason:
+        print(f"error: {reason}; give --model_name a model that can draft (a DeepSeek-V4 checkpoint with MTP "
+              f"weights: deepinfer make-model DIR --size default)", file=sys.stderr)
+        return 2
     results = [run_batch(args, b) for b in args.batch_sizes]
     text = report(results, args)
     print(text)

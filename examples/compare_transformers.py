@@ -107,6 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     from deepinfer.models.resolve import resolve_model
 
     path = str(resolve_model(args.model_name).path)
+    model_type = read_config(path).get("model_type")
+    if model_type != "deepseek_v4":
+        print(f"error: {path} is a {model_type!r} checkpoint; transformers implements DeepSeek-V4 only "
+              f"(DeepseekV4ForCausalLM): give --model_name a V4 checkpoint (deepinfer make-model DIR --size bench)",
+              file=sys.stderr)
+        return 2
     vocab = parse_config(read_config(path)).vocab_size
     prompts = random_prompts(num, input_len, vocab, seed=args.seed)
     # the warm-up has the timed batch's shapes (first-call allocation, kernel selection and oneDNN's
