@@ -15,6 +15,8 @@ DELEGATED = {
     "make-model": ("deepinfer.entrypoints.make_model:main",
                    "write a random-weight checkpoint (--family, default v4: DeepSeek-V4)"),
     "conformance": ("deepinfer.testing.conformance:main", "run the back-end conformance kit"),
+    "audit-determinism": ("deepinfer.entrypoints.audit_determinism:main",
+                          "compare requests alone vs batched, chunked and preempted (tokens, logprobs bitwise)"),
 }
 
 

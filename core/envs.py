@@ -69,7 +69,6 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
 NOT_IN_THIS_RELEASE: dict[str, str] = {
     "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "SWA bounded replay (the swa_replay feature)",
     "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "SWA bounded replay (the swa_replay feature)",
-    "DEEPINFER_BATCH_INVARIANT": "batch-invariant kernels (the batch_invariant feature)",
     "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "expert load balancing (the eplb feature)",
 }
 

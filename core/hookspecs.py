@@ -108,6 +108,14 @@ def deepinfer_validate_config(config: EngineConfig) -> list[str] | None:
 
 
 @hookspec
+def deepinfer_engine_start(engine: EngineContext) -> None:
+    """The engine is built and about to run: configure what the feature needs before the first
+    forward (e.g. switch the back end into a mode through a generic `Accelerator` method, as the
+    batch_invariant feature does with `set_batch_invariant`). Called once, before the other start-up
+    hooks (`deepinfer_logits_processor`, `deepinfer_draft_proposer`), in feature order."""
+
+
+@hookspec
 def deepinfer_logits_processor(engine: EngineContext) -> LogitsProcessor | None:
     """Contribute a batch-level logits processor (e.g. grammar bitmasks).
 

@@ -248,6 +248,7 @@ class FeatureSet:
     def start(self, engine: EngineCore) -> None:
         """Collect the objects the features contribute to `engine`."""
         self.context = EngineContext.of(engine)
+        self.hook.deepinfer_engine_start(engine=self.context)
         self.processors = self.hook.deepinfer_logits_processor(engine=self.context)
         self.draft_proposer = self.hook.deepinfer_draft_proposer(engine=self.context)
 

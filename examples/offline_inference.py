@@ -111,11 +111,15 @@ SEED_ENV_DEFAULTS = [  # (variable, value, feature, accelerators it applies to o
 
 
 def apply_seed_env_defaults(accelerator: str, disable_eplb: bool,
-                            cannot_draft: Callable[[], str | None] | None = None) -> dict[str, str]:
+                            cannot_draft: Callable[[], str | None] | None = None,
+                            declares_batch_invariant: Callable[[], bool] | None = None) -> dict[str, str]:
     """Set the seeds' defaults whose variable an installed feature declares; returns what was set.
 
     `cannot_draft` (asked only when the speculative-decoding default would be set) gives the reason
-    the model cannot draft, or None; with a reason that default is skipped, with one note on stderr."""
+    the model cannot draft, or None; with a reason that default is skipped, with one note on stderr.
+    `declares_batch_invariant` says whether the back end declares the batch_invariant capability;
+    the batch-invariance default is applied only where it does (otherwise the feature would refuse
+    to start), with one note on stderr when skipped."""
     from deepinfer import envs
 
     declared = envs.feature_variables()
@@ -130,6 +134,10 @@ def apply_seed_env_defaults(accelerator: str, disable_eplb: bool,
             if reason:
                 print(speculation_off_note(value, reason), file=sys.stderr, flush=True)
                 continue
+        if feature == "batch_invariant" and not (declares_batch_invariant and declares_batch_invariant()):
+            print(f"note: {var}={value} (the seeds' default on {accelerator}) not applied: this back end does "
+                  f"not declare the batch_invariant capability", file=sys.stderr, flush=True)
+            continue
         os.environ[var] = applied[var] = value
     return applied
 
@@ -142,10 +150,21 @@ def feature_tables(args: argparse.Namespace) -> dict[str, dict] | None:
     return None
 
 
+def accelerator_declares_batch_invariant() -> bool:
+    """Whether the selected back end declares `Capabilities.batch_invariant` (False if it cannot start)."""
+    from deepinfer.plugins import select_accelerator
+
+    try:
+        return bool(select_accelerator(None).capabilities().batch_invariant)
+    except Exception:  # a back end that cannot start here reports that itself when the engine builds
+        return False
+
+
 def create_llm(args: argparse.Namespace, sizes: ParallelSizes, accelerator: str):
     from deepinfer import LLM  # imported here: environment set-up must happen before the engine loads
 
-    apply_seed_env_defaults(accelerator, args.disable_eplb, cannot_draft=lambda: drafter_unsupported(args.model_name))
+    apply_seed_env_defaults(accelerator, args.disable_eplb, cannot_draft=lambda: drafter_unsupported(args.model_name),
+                            declares_batch_invariant=accelerator_declares_batch_invariant)
     return LLM(model=args.model_name, accelerator=accelerator, features=feature_tables(args), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
                sampler_force_topk=args.sampler_force_topk, ep=sizes.ep, dp=sizes.dp, cp=sizes.cp)

@@ -152,10 +152,6 @@ class EplbConfig(BaseModel):
     num_extra_experts: int = 0
 
 
-class BatchInvariantConfig(BaseModel):
-    enabled: bool = False
-
-
 class Eplb:
     @staticmethod
     @deepinfer.hookimpl
@@ -163,31 +159,27 @@ class Eplb:
         return FeatureSpec(name="eplb", config_model=EplbConfig, hooks=(), env_vars=(
             EnvVar("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "redundant experts", field="num_extra_experts", kind=int),))
 
-
-class BatchInvariant:
-    @staticmethod
-    @deepinfer.hookimpl
-    def deepinfer_feature_spec():
-        return FeatureSpec(name="batch_invariant", config_model=BatchInvariantConfig, hooks=(), env_vars=(
-            EnvVar("DEEPINFER_BATCH_INVARIANT", "batch-invariant kernels", field="enabled", kind=bool),))
 """
 
 
 def test_seed_env_defaults_only_for_installed_features(example, fake_distribution, clean_env):
     import deepinfer.plugins as plugins
 
-    # the seeds' eplb and batch_invariant features, from a third party, next to the in-tree dspark
-    fake_distribution("seed-features", "1.0", {"deepinfer.features": {
-        "eplb": "seed_features:Eplb", "batch_invariant": "seed_features:BatchInvariant"}},
-        {"seed_features": SEED_FEATURES})
+    # the seeds' eplb feature, from a third party, next to the in-tree dspark and batch_invariant
+    fake_distribution("seed-features", "1.0", {"deepinfer.features": {"eplb": "seed_features:Eplb"}},
+                      {"seed_features": SEED_FEATURES})
     applied = example.apply_seed_env_defaults("cpu", disable_eplb=True)
     assert applied == {"DEEPINFER_USE_NEXTN_DECODE": "5"}  # batch_invariant: NVIDIA only; eplb disabled
     clean_env.setenv("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "8")
-    assert example.apply_seed_env_defaults("nvidia", disable_eplb=False) == {"DEEPINFER_BATCH_INVARIANT": "1"}
+    # applied only where the back end declares the capability (else the feature would refuse)
+    assert example.apply_seed_env_defaults("nvidia", disable_eplb=False, declares_batch_invariant=lambda: False) == {}
+    assert example.apply_seed_env_defaults("nvidia", disable_eplb=False) == {}
+    assert example.apply_seed_env_defaults("nvidia", disable_eplb=False,
+                                           declares_batch_invariant=lambda: True) == {"DEEPINFER_BATCH_INVARIANT": "1"}
     for var in ("DEEPINFER_USE_NEXTN_DECODE", "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "DEEPINFER_BATCH_INVARIANT"):
         clean_env.delenv(var)
     clean_env.setattr(plugins, "discover", lambda group: {})  # no feature installed: nothing declares them
-    assert example.apply_seed_env_defaults("nvidia", disable_eplb=False) == {}
+    assert example.apply_seed_env_defaults("nvidia", disable_eplb=False, declares_batch_invariant=lambda: True) == {}
 
 
 def test_speculation_default_is_skipped_for_a_model_that_cannot_draft(example, capsys):

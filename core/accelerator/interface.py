@@ -35,7 +35,8 @@ from pydantic import BaseModel, ConfigDict
 #: 2.0 moved the model-specific ops (hc_pre, hc_post, hc_head, compress_pool, indexer_topk) out of
 #: the interface into DeepSeek-V4's op table (`Accelerator.model_ops`), and removed the unused
 #: capabilities `graph_capture` and `fp8_weights`.
-INTERFACE_VERSION = "2.0"
+#: 2.1 added the capability `batch_invariant` and `Accelerator.set_batch_invariant` (default refuses).
+INTERFACE_VERSION = "2.1"
 
 
 class ProbeResult(BaseModel):
@@ -63,6 +64,9 @@ class Capabilities(BaseModel):
     # the cores, and libgomp's second thread pool throttles every parallel region (docs/engine.md).
     host_overlap: bool = True
     collectives: str = "none"  # torch.distributed backend: "gloo", "nccl", "hccl", "none"
+    # set_batch_invariant(True) is implemented: every kernel then reduces in an order that does not
+    # depend on the batch (row count, other sequences, padding, chunking); the batch_invariant feature
+    batch_invariant: bool = False
     fast_paths: tuple[str, ...] = ()  # vendor libraries active on this machine (e.g. "flash_mla")
 
 
@@ -290,6 +294,17 @@ class Accelerator(DeviceMemory, SmallOps, AttentionOps, MoEOps, SamplingOps, Col
         (for DeepSeek-V4, `deepinfer.models.deepseek_v4.ops.DeepseekV4Ops`). The model asks once,
         at construction."""
         return None
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        """Switch every kernel into (or out of) batch-invariant mode: a row's result then depends only
+        on that row's inputs, bit for bit, whatever else the call holds (row count, other sequences,
+        padding, key order, prefill chunk). Called once, before the first forward, by the
+        batch_invariant feature. Optional: a back end that implements it declares
+        `Capabilities.batch_invariant`; this default refuses to enable it."""
+        if enabled:
+            raise NotImplementedError(f"accelerator '{self.name}' has no batch-invariant mode "
+                                      f"(Capabilities.batch_invariant is false); disable the batch_invariant "
+                                      f"feature (DEEPINFER_BATCH_INVARIANT=0) or use a back end that declares it")
 
 
 def interface_compatible(plugin_version: str, core_version: str = INTERFACE_VERSION) -> bool:

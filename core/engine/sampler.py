@@ -6,7 +6,8 @@ distribution) are the accelerator's `apply_token_bitmask` and `sample` kernels.
 Batch invariance: every decision is made per row from that row's own parameters, so a row is
 processed the same way whatever else is in the batch; with a per-request `seq_seed` the draw uses
 a generator seeded from (seq_seed, output position), so a request samples the same tokens alone
-or in any batch (given the same logits).
+or in any batch, and after a preemption (the position is unchanged by recompute), given the same
+logits: the batch_invariant feature makes those the same bits (docs/batch_invariance.md).
 """
 from __future__ import annotations
 

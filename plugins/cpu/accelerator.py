@@ -45,6 +45,7 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"),
                             token_bitmask=True, rejection_sampling=True, host_overlap=False, collectives="gloo",
+                            batch_invariant=self.native_library is not None,  # its mode runs on the C kernels
                             fast_paths=("native_c",) if self.native_library is not None else ())
 
     def device(self, index: int = 0) -> torch.device:

@@ -12,7 +12,15 @@ Each method falls back to the pure-torch reference when the library is unavailab
 DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
 
 Multi-row bf16 linears run on oneDNN-packed copies of the weights (packed_weights.py) unless
-DEEPINFER_CPU_PACKED_WEIGHTS=0."""
+DEEPINFER_CPU_PACKED_WEIGHTS=0.
+
+Batch-invariant mode (`set_batch_invariant(True)`, the batch_invariant feature; needs the library):
+every product (linears, grouped projections, experts, mHC mixes, indexer scores) runs through one
+fixed-order C dot product whatever the row count (`linear_rows`), every attention call through the
+C attention with each sequence's keys in a canonical order (`sink_attention_invariant`), and the
+element-wise and per-row kernels (norms, rotary, swiglu, mHC, MoE combine, argmax/log-sum-exp)
+through the C kernels, which already reduce each row on its own. A row's result is then the same
+bits alone, in any batch, in any prefill chunk or at decode (docs/batch_invariance.md)."""
 from __future__ import annotations
 
 import ctypes
@@ -21,6 +29,8 @@ import functools
 import torch
 
 from deepinfer.accelerator.interface import MoEDispatch
+from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
+from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, DeepseekV41Ops
 from deepinfer_plugins.cpu import native, packed_weights
 from deepinfer_plugins.cpu.kernels import CpuKernels, _pad_rows
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
@@ -53,7 +63,98 @@ _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 _DECODE_QUERIES = 16
 
 
+def _lanewise(op, x: torch.Tensor) -> torch.Tensor:
+    """`op` (an element-wise torch function) of `x` with every element on torch's vector path. torch
+    computes the last `numel % 16` elements of a tensor (and of each thread's share) with the scalar
+    libm function, which may differ from the vector one in the last bit; zero padding to a multiple
+    of 64 elements per thread keeps an element's bits independent of the tensor's size."""
+    flat = x.reshape(-1)
+    pad = -flat.numel() % (64 * torch.get_num_threads())
+    if pad:
+        flat = torch.cat((flat, flat.new_zeros(pad)))
+    return op(flat)[:x.numel()].view(x.shape)
+
+
+def _row_strided(y: torch.Tensor) -> torch.Tensor:
+    """`y` (values unchanged) as a view whose rows are a multiple of 16 elements apart when its last
+    dimension is not. torch runs an element-wise op over a contiguous tensor as one flat loop whose
+    last `numel % 16` elements take the scalar libm path; over rows that cannot be merged it loops
+    row by row, so every row takes the same path whatever the row count. The model's own element-wise
+    math on narrow products (e.g. the router's softplus over 8 experts) then stays batch-invariant."""
+    width = y.shape[-1]
+    if width % 16 == 0 or y.dim() < 2:
+        return y
+    padded = y.new_empty((*y.shape[:-1], width + (-width % 16)))
+    padded[..., :width] = y
+    return padded[..., :width]
+
+
+def _sum_fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The sum over a short `dim` as one add after another, in index order (keepdim)."""
+    total = x.narrow(dim, 0, 1).clone()
+    for i in range(1, x.shape[dim]):
+        total += x.narrow(dim, i, 1)
+    return total
+
+
+class CpuDeepseekV41Ops(DeepseekV41Ops):
+    """DeepSeek-V4.1's op table on the cpu back end: the plain-torch defaults, and in batch-invariant
+    mode versions whose every reduction has a fixed order (the kernels' fixed-order products, sums one
+    add after another, transcendental functions on torch's vector path only)."""
+
+    def __init__(self, kernels: NativeCpuKernels):
+        self.kernels = kernels
+
+    def hc_mix(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not self.kernels.invariant:
+            return super().hc_mix(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+        return self.kernels._hc_coefficients_invariant(streams.float(), fn, base, scale, sinkhorn_iters, eps,
+                                                       norm_eps)
+
+    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        if not self.kernels.invariant:
+            return super().hc_collapse(streams, pre)
+        return _sum_fixed(streams.float() * pre.float().unsqueeze(-1), -2).squeeze(-2).to(streams.dtype)
+
+    def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        if not self.kernels.invariant:
+            return super().hc_post(y, streams, post, comb)
+        return self.kernels.hc_post(y, streams, post, comb)  # the C kernel: one token at a time
+
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        if not self.kernels.invariant:
+            return super().compress_pool(kv, score)
+        return self.kernels.compress_pool(kv, score)
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, k: int) -> torch.Tensor:
+        if not self.kernels.invariant:
+            return super().indexer_topk(q, weights, keys, mask, k)
+        return self.kernels.indexer_topk(q, weights, keys, mask, k)
+
+
 class NativeCpuKernels(CpuKernels):
+    invariant: bool = False  # batch-invariant mode (set_batch_invariant)
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        if enabled and self.native_library is None:
+            raise RuntimeError("the cpu back end's batch-invariant mode runs on its C kernels, which are not "
+                               "available (DEEPINFER_CPU_NATIVE=0, or no C compiler: see the warning logged at "
+                               "start-up); enable them or disable the batch_invariant feature")
+        self.invariant = enabled
+
+    def _rows(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The batch-invariant product `x @ weight^T` (batch-invariant mode only)."""
+        if weight.dtype != x.dtype and out_dtype is None:
+            weight = weight.to(x.dtype)  # rounded like the default path
+        y = native.linear_rows(self.native_library, x, weight, out_dtype)
+        if y is None:
+            raise RuntimeError(f"batch-invariant mode: no fixed-order product for x {x.dtype} {tuple(x.shape)} and "
+                               f"weight {weight.dtype} {tuple(weight.shape)} on {x.device} (fp32 or bf16 CPU "
+                               f"tensors only); disable the batch_invariant feature for this model")
+        return y
+
     @functools.cached_property
     def native_library(self) -> ctypes.CDLL | None:
         """Decided once per instance (the first kernel call): the loaded library or None."""
@@ -64,6 +165,8 @@ class NativeCpuKernels(CpuKernels):
         return PackedWeights() if packed_weights.available() else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.invariant:
+            return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
         if lib is not None and 1 < rows <= _LINEAR_AMX_MAX_ROWS and weight.numel() <= _LINEAR_AMX_MAX_ELEMENTS:
             y = native.linear_amx_bf16(lib, x.reshape(rows, x.shape[-1]), weight)  # None without AMX
@@ -89,6 +192,11 @@ class NativeCpuKernels(CpuKernels):
 
     def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.invariant:
+            streams_f = streams.float()
+            pre, post, comb = self._hc_coefficients_invariant(streams_f, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+            collapsed = _sum_fixed(streams_f * pre.unsqueeze(-1), -2).squeeze(-2).to(streams.dtype)
+            return collapsed, post, comb
         lib = self.native_library
         out = None if lib is None else native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
         return super().hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps) if out is None else out
@@ -100,19 +208,30 @@ class NativeCpuKernels(CpuKernels):
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         lib = self.native_library
-        # a few rows: torch's four ops cost less than the call (5.9 vs 6.6 us for one 512-wide row)
-        out = None if lib is None or gate.numel() < 4096 else native.swiglu(lib, gate, up, limit)
+        # a few rows: torch's four ops cost less than the call (5.9 vs 6.6 us for one 512-wide row); not
+        # in batch-invariant mode: torch computes the last few elements of a tensor with the scalar exp,
+        # the others with the vector one, so an element's bits would depend on the tensor's size
+        small = gate.numel() < 4096 and not self.invariant
+        out = None if lib is None or small else native.swiglu(lib, gate, up, limit)
         return super().swiglu(gate, up, limit) if out is None else out
 
     def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
                        sinks: torch.Tensor, scale: float) -> torch.Tensor:
         lib = self.native_library
+        if self.invariant:
+            out = native.sink_attention_invariant(lib, q, kv, mask, sinks, scale)
+            if out is None:
+                raise RuntimeError(f"batch-invariant mode: no canonical-order attention for q {q.dtype} "
+                                   f"{tuple(q.shape)}, kv {kv.dtype} {tuple(kv.shape)} (fp32 or bf16 CPU tensors)")
+            return out
         out = None
         if lib is not None and q.shape[1] <= _DECODE_QUERIES:  # prefill blocks: flash attention
             out = native.sink_attention_decode(lib, q, kv, mask, sinks, scale)
         return super().sink_attention(q, kv, mask, sinks, scale) if out is None else out
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.invariant:  # a few groups: one fixed-order product each
+            return torch.stack([self._rows(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
         lib, out = self.native_library, None
         if lib is not None and x.shape[0] == 1:
             out = native.grouped_gemv_bf16(lib, x, weight)
@@ -138,11 +257,98 @@ class NativeCpuKernels(CpuKernels):
 
     def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                     swiglu_limit: float) -> torch.Tensor:
+        if self.invariant:
+            return self._experts_invariant(rows, plan, w13, w2, swiglu_limit)
         lib = self.native_library
         out = None
         if lib is not None and rows.shape[0] <= self._native_expert_rows(w13.shape[0]):
             out = native.experts_bf16(lib, rows, plan.tokens_per_expert, w13, w2, swiglu_limit)
         return super().moe_experts(rows, plan, w13, w2, swiglu_limit) if out is None else out
+
+    def _experts_invariant(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
+                           swiglu_limit: float) -> torch.Tensor:
+        """Each expert's rows through the fixed-order product: a token's expert output does not depend
+        on which other tokens chose that expert (the combine then sums a token's k outputs in slot order)."""
+        out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
+        inter, start = w2.shape[2], 0
+        for e, count in enumerate(plan.tokens_per_expert.tolist()):
+            if count:
+                gate_up = self._rows(rows[start:start + count], w13[e])
+                out[start:start + count] = self._rows(self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit),
+                                                      w2[e])
+            start += count
+        return out
+
+    def _hc_mix(self, streams_f: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+        if not self.invariant:
+            return super()._hc_mix(streams_f, fn, norm_eps)
+        flat = streams_f.flatten(-2)
+        # the mean square as a fixed-order dot product with ones, like every other reduction here
+        ones = torch.ones((1, flat.shape[-1]), dtype=torch.float32)
+        inv = torch.rsqrt(self._rows(flat.square(), ones, torch.float32) / flat.shape[-1] + norm_eps)
+        return self._rows(flat, fn.float(), torch.float32).mul_(inv)
+
+    def _hc_coefficients_invariant(self, streams_f: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                                   scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float
+                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """mHC (pre, post, comb) with fixed-order sums and vector-path transcendentals (the math of
+        `DeepseekV4Ops._hc_coefficients`); the C hc_pre reduces a row differently once the streams are
+        wider than its 512-element chunks, depending on its row block."""
+        n = streams_f.shape[1]
+        pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+        scale = scale.float()
+        mixes = self._hc_mix(streams_f, fn, norm_eps)
+        pre = _lanewise(torch.sigmoid, mixes[:, :n] * scale[0] + pre_b) + eps
+        post = 2 * _lanewise(torch.sigmoid, mixes[:, n:2 * n] * scale[1] + post_b)
+        logits = mixes[:, 2 * n:].unflatten(-1, (n, n)) * scale[2] + comb_b.view(n, n)
+        comb = _lanewise(torch.exp, logits - logits.amax(dim=-1, keepdim=True))
+        comb = comb / _sum_fixed(comb, -1) + eps
+        comb = comb / (_sum_fixed(comb, -2) + eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (_sum_fixed(comb, -1) + eps)
+            comb = comb / (_sum_fixed(comb, -2) + eps)
+        return pre, post, comb
+
+    def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                eps: float, norm_eps: float) -> torch.Tensor:
+        if not self.invariant:
+            return super().hc_head(streams, fn, base, scale, eps, norm_eps)
+        streams_f = streams.float()
+        pre = _lanewise(torch.sigmoid, self._hc_mix(streams_f, fn, norm_eps) * scale.float() + base.float()) + eps
+        return _sum_fixed(pre.unsqueeze(-1) * streams_f, -2).squeeze(-2).to(streams.dtype)
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+                     mask: torch.Tensor, k: int) -> torch.Tensor:
+        if not self.invariant or keys.shape[1] == 0:
+            return super().indexer_topk(q, weights, keys, mask, k)
+        B, S, Hi, _ = q.shape
+        E, kk = keys.shape[1], min(k, keys.shape[1])
+        # per sequence: every (query, head, entry) score as a fixed-order dot product; the head sum in order
+        dots = torch.stack([self._rows(q[b].float(), keys[b].float(), torch.float32) for b in range(B)]).relu_()
+        w = weights.float()
+        score = dots[:, :, 0] * w[:, :, 0, None]
+        for h in range(1, Hi):
+            score += dots[:, :, h] * w[:, :, h, None]
+        score = score.masked_fill(~mask, float("-inf"))
+        # ties (common with quantised keys) go to the lower entry index: topk breaks them differently
+        # depending on the number of (padded) entries, i.e. on the batch
+        idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :kk]
+        picks = torch.where(mask.gather(-1, idx), idx, torch.full_like(idx, -1))
+        return picks if kk == k else torch.nn.functional.pad(picks, (0, k - kk), value=-1)
+
+    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
+        if not self.invariant:
+            return super().compress_pool(kv, score)
+        # the softmax over the slots and the weighted sum, one slot after another
+        score = score.float()
+        top = score.amax(dim=-2, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all slots empty: weights 0
+        e = _lanewise(torch.exp, score - top)
+        return (_sum_fixed(e * kv.float(), -2) / _sum_fixed(e, -2)).squeeze(-2)
+
+    def model_ops(self, family: str) -> DeepseekV4Ops | None:
+        """V4's table (CpuKernels), and for V4.1 one that the batch-invariant mode switches."""
+        return CpuDeepseekV41Ops(self) if family == DEEPSEEK_V41 else super().model_ops(family)
 
     def _native_expert_rows(self, num_experts: int) -> int:
         if self.native_amx:

@@ -196,8 +196,10 @@ class Attention:
         elif self.uses_candidates:
             scores = scores.masked_fill(~step.candidates[gi], float("-inf"))
         kk = min(k, E)
-        top = scores.topk(kk, dim=-1)
-        picks = torch.where(torch.isfinite(top.values), top.indices, -1)
+        # a stable sort, not topk: exact score ties (common with MXFP4 index keys) then go to the
+        # older entry, whatever the padded entry count (i.e. the batch) is
+        top = scores.sort(dim=-1, descending=True, stable=True)
+        picks = torch.where(torch.isfinite(top.values[..., :kk]), top.indices[..., :kk], -1)
         # sorted by position, the -1s last
         picks = torch.where(picks < 0, E, picks).sort(dim=-1).values
         picks = torch.where(picks >= E, -1, picks)
@@ -215,7 +217,8 @@ class Attention:
         newest = ((visible - 1) // bs).unsqueeze(-1)
         ids = torch.arange(block_scores.shape[-1], device=scores.device)
         block_scores = block_scores.masked_fill(ids == newest, float("inf"))
-        best = block_scores.topk(min(c.candidate_topk_blocks, block_scores.shape[-1]), dim=-1)
-        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best.indices,
-                                                                        best.values > float("-inf"))
+        nbest = min(c.candidate_topk_blocks, block_scores.shape[-1])
+        best = block_scores.sort(dim=-1, descending=True, stable=True)  # ties: the older block, as above
+        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best.indices[..., :nbest],
+                                                                        best.values[..., :nbest] > float("-inf"))
         return keep.repeat_interleave(bs, dim=-1)[..., :E] & allowed

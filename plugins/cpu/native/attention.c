@@ -1,4 +1,5 @@
-/* sink_attention_decode: decode attention with a per-head sink. */
+/* sink_attention_decode: decode attention with a per-head sink; sink_attention_invariant: the same
+ * with each sequence's keys in a canonical order (the batch_invariant feature). */
 #include "common.h"
 
 /* ----- sink_attention_decode: MQA with a per-head sink, for queries that see few keys (decode) -----
@@ -13,10 +14,13 @@ typedef float lanes16 __attribute__((vector_size(ATTN_LANES * sizeof(float))));
 
 static inline size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, const float *sinks, float scale,
-                           void *out, long B, long S, long H, long L, long d, int dtype, int num_threads) {
+/* The keys of batch item b are visited in the order order[b * L ..] (NULL: 0 .. L-1). */
+static void sink_attention(const void *q, const void *kv, const uint8_t *mask, const float *sinks, float scale,
+                           void *out, long B, long S, long H, long L, long d, int dtype, const long *order,
+                           int num_threads) {
     const size_t es = elem_size(dtype);
     const long head_blocks = (H + ATTN_LANES - 1) / ATTN_LANES;
+#define KEY(p) (ord ? ord[p] : (p))
 #pragma omp parallel num_threads(num_threads) if (B * S * H * L * d > PARALLEL_MIN_WORK)
     {
         lanes16 *qt = aligned_alloc(64, round64((size_t)d * sizeof(lanes16)));         /* [d], scaled */
@@ -32,6 +36,7 @@ void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, c
                 if (h < nh) load_row((const char *)q + (size_t)(bs * H + h0 + h) * d * es, dtype, row, d);
                 for (long i = 0; i < d; i++) qt[i][h] = h < nh ? row[i] * scale : 0.0f;
             }
+            const long *ord = order ? order + b * L : NULL;
             const uint8_t *visible = mask + (size_t)bs * L;
             const char *keys = (const char *)kv + (size_t)b * L * d * es;
             lanes16 sink, top, sum;
@@ -42,7 +47,7 @@ void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, c
             while (l < L) {
                 long idx[4], n = 0;
                 for (; l < L && n < 4; l++)
-                    if (visible[l]) idx[n++] = l;
+                    if (visible[KEY(l)]) idx[n++] = KEY(l);
                 for (long j = 0; j < n; j++) load_row(keys + (size_t)idx[j] * d * es, dtype, keys_f + j * d, d);
                 for (long j = n; j < 4; j++) memset(keys_f + j * d, 0, (size_t)d * sizeof(float));
                 lanes16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
@@ -61,7 +66,8 @@ void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, c
                 }
             }
             for (long h = 0; h < ATTN_LANES; h++) sum[h] = vexpf(sink[h] - top[h]);
-            for (long j = 0; j < L; j++) {
+            for (long jj = 0; jj < L; jj++) {
+                const long j = KEY(jj);
                 if (!visible[j]) continue;
                 lanes16 p;
 #pragma omp simd
@@ -75,7 +81,7 @@ void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, c
             while (l < L) {
                 long idx[4], n = 0;
                 for (; l < L && n < 4; l++)
-                    if (visible[l]) idx[n++] = l;
+                    if (visible[KEY(l)]) idx[n++] = KEY(l);
                 const lanes16 zero = {0};
                 lanes16 p[4] = {zero, zero, zero, zero};
                 for (long j = 0; j < n; j++) {
@@ -98,4 +104,52 @@ void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, c
         free(acc);
         free(qt);
     }
+#undef KEY
+}
+
+void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, const float *sinks, float scale,
+                           void *out, long B, long S, long H, long L, long d, int dtype, int num_threads) {
+    sink_attention(q, kv, mask, sinks, scale, out, B, S, H, L, d, dtype, NULL, num_threads);
+}
+
+/* ----- canonical key order: indices 0..L-1 sorted by the bytes of their rows (merge sort, stable) ----- */
+
+static void sort_rows(const char *rows, size_t row_bytes, long *idx, long *tmp, long L) {
+    for (long width = 1; width < L; width *= 2) {
+        for (long lo = 0; lo < L; lo += 2 * width) {
+            const long mid = lo + width < L ? lo + width : L, hi = lo + 2 * width < L ? lo + 2 * width : L;
+            long i = lo, j = mid, o = lo;
+            while (i < mid && j < hi)
+                tmp[o++] = memcmp(rows + idx[j] * row_bytes, rows + idx[i] * row_bytes, row_bytes) < 0 ? idx[j++]
+                                                                                                       : idx[i++];
+            while (i < mid) tmp[o++] = idx[i++];
+            while (j < hi) tmp[o++] = idx[j++];
+        }
+        memcpy(idx, tmp, (size_t)L * sizeof(long));
+    }
+}
+
+/* ----- sink_attention_invariant: the batch-invariant attention (the batch_invariant feature) -----
+ * The same contract and arithmetic, for any number of queries, with each sequence's keys visited in
+ * a canonical order: sorted by their bytes. A query's softmax sum and weighted value sum then do not
+ * depend on where its keys sit in kv (window ring order at decode, positional order in a prefill
+ * block, the indexer's pick order, padding to the longest sequence). Identical keys contribute
+ * identically, so their relative order cannot matter. */
+void sink_attention_invariant(const void *q, const void *kv, const uint8_t *mask, const float *sinks, float scale,
+                              void *out, long B, long S, long H, long L, long d, int dtype, int num_threads) {
+    const size_t row_bytes = (size_t)d * elem_size(dtype);
+    long *order = malloc((size_t)(B * L + 1) * sizeof(long));
+#pragma omp parallel num_threads(num_threads) if (B * L * d > PARALLEL_MIN_WORK && B > 1)
+    {
+        long *tmp = malloc((size_t)(L + 1) * sizeof(long));
+#pragma omp for schedule(static)
+        for (long b = 0; b < B; b++) {
+            long *idx = order + b * L;
+            for (long l = 0; l < L; l++) idx[l] = l;
+            sort_rows((const char *)kv + (size_t)b * L * row_bytes, row_bytes, idx, tmp, L);
+        }
+        free(tmp);
+    }
+    sink_attention(q, kv, mask, sinks, scale, out, B, S, H, L, d, dtype, order, num_threads);
+    free(order);
 }

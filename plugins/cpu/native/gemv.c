@@ -1,4 +1,5 @@
-/* The bf16 decode products: gemv_bf16, grouped_gemv_bf16, grouped_amx_bf16 (and amx_usable). */
+/* The bf16 decode products: gemv_bf16, grouped_gemv_bf16, grouped_amx_bf16 (and amx_usable); the
+ * batch-invariant product linear_rows. */
 #include "gemv.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -59,4 +60,58 @@ void grouped_amx_bf16(const uint16_t *W, long G, long N, long K, const uint16_t 
     free(groups);
     free(first_chunk);
     free(offsets);
+}
+
+/* ----- linear_rows: the batch-invariant product (the batch_invariant feature) -----
+ * Y [M, N] (y_dtype) = X [M, K] (x_dtype) W [N, K]^T (w_dtype), every output a dot product of fixed
+ * order over K: 8 fp32 lanes, lane i holding the k = i mod 8 terms in increasing k, the lanes summed
+ * in a fixed tree, then the tail. Explicit vector types and unaligned loads, so no alignment peeling
+ * shifts the lanes with a row's address: one row or a thousand, decode or prefill, any thread count,
+ * a row's outputs have the same bits. */
+#define INV_LANES 8
+typedef float lanes8 __attribute__((vector_size(INV_LANES * sizeof(float))));
+
+static inline float dot_fixed(const float *restrict a, const float *restrict b, long K) {
+    lanes8 acc = {0};
+    long k = 0;
+    for (; k + INV_LANES <= K; k += INV_LANES) {
+        lanes8 va, vb;
+        memcpy(&va, a + k, sizeof va);
+        memcpy(&vb, b + k, sizeof vb);
+        acc += va * vb;
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; k < K; k++) s += a[k] * b[k];
+    return s;
+}
+
+/* Blocks of 16 weight rows are widened to fp32 once and applied to every token while they sit in
+ * cache; the blocks are split over the threads (each output is computed by one thread, always by the
+ * same code). */
+void linear_rows(const void *W, int w_dtype, const void *X, int x_dtype, void *Y, int y_dtype, long M, long N,
+                 long K, int num_threads) {
+    const size_t wes = elem_size(w_dtype), xes = elem_size(x_dtype), yes = elem_size(y_dtype);
+    float *xf = malloc((size_t)M * K * sizeof(float));
+    const long blocks = (N + 15) / 16;
+#pragma omp parallel num_threads(num_threads) if (M * N * K > PARALLEL_MIN_WORK)
+    {
+        float *wf = malloc((size_t)16 * K * sizeof(float));
+        float *y = malloc((size_t)16 * sizeof(float));
+#pragma omp for schedule(static)
+        for (long m = 0; m < M; m++) load_row((const char *)X + (size_t)m * K * xes, x_dtype, xf + (size_t)m * K, K);
+#pragma omp for schedule(static)
+        for (long b = 0; b < blocks; b++) {
+            const long n0 = b * 16, nb = N - n0 < 16 ? N - n0 : 16;
+            for (long r = 0; r < nb; r++)
+                load_row((const char *)W + (size_t)(n0 + r) * K * wes, w_dtype, wf + (size_t)r * K, K);
+            for (long m = 0; m < M; m++) {
+                const float *x = xf + (size_t)m * K;
+                for (long r = 0; r < nb; r++) y[r] = dot_fixed(wf + (size_t)r * K, x, K);
+                store_row(y, (char *)Y + ((size_t)m * N + n0) * yes, y_dtype, nb);
+            }
+        }
+        free(y);
+        free(wf);
+    }
+    free(xf);
 }

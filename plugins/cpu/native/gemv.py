@@ -1,5 +1,5 @@
 """The bf16 decode products (gemv.c): gemv_bf16, grouped_gemv_bf16, and, where the CPU has AMX,
-grouped_amx_bf16 and linear_amx_bf16 on its tiles."""
+grouped_amx_bf16 and linear_amx_bf16 on its tiles; linear_rows, the batch-invariant product."""
 from __future__ import annotations
 
 import ctypes
@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Kernel, dtype_code, int_, long_, ptr, threads
 
 _AMX_USABLE = Kernel("amx_usable", restype=ctypes.c_int)
 _GEMV_BF16 = Kernel("gemv_bf16", W=ptr, x=ptr, y=ptr, N=long_, K=long_, num_threads=int_)
@@ -82,3 +82,26 @@ def linear_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> 
     _GROUPED_AMX_BF16(lib, W=weight.data_ptr(), G=1, N=weight.shape[0], K=weight.shape[1], X=xc.data_ptr(),
                       T=x.shape[0], Y=out.data_ptr(), num_threads=threads())
     return out
+
+
+_LINEAR_ROWS = Kernel("linear_rows", W=ptr, w_dtype=int_, X=ptr, x_dtype=int_, Y=ptr, y_dtype=int_, M=long_, N=long_,
+                      K=long_, num_threads=int_)
+
+
+def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None
+                ) -> torch.Tensor | None:
+    """`x [..., K] @ weight [N, K]^T` with every output reduced in one fixed order over K whatever the
+    number of rows (the batch-invariant product); fp32 or bf16 operands, the result in `out_dtype`
+    (default x's). None for input the C code does not handle."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    x_code, w_code, y_code = dtype_code(x), dtype_code(weight), DTYPE_CODES.get(out_dtype)
+    if (x_code is None or w_code is None or y_code is None or weight.dim() != 2 or x.shape[-1] != weight.shape[1]
+            or x.dim() < 1):
+        return None
+    K, N = weight.shape[1], weight.shape[0]
+    xc, wc = x.reshape(-1, K).contiguous(), weight.contiguous()
+    out = torch.empty((xc.shape[0], N), dtype=out_dtype)
+    if xc.shape[0] and N:
+        _LINEAR_ROWS(lib, W=wc.data_ptr(), w_dtype=w_code, X=xc.data_ptr(), x_dtype=x_code, Y=out.data_ptr(),
+                     y_dtype=y_code, M=xc.shape[0], N=N, K=K, num_threads=threads())
+    return out.view(*x.shape[:-1], N)
