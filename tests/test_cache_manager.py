@@ -158,3 +158,24 @@ def test_v4_layout_memory_is_every_layer_owning_its_state():
     hca = 2 * (16 + R) * 32 * 4 * 2
     assert layout.bytes_per_slot() == window + csa + hca
     assert {g.name: g.bytes_per_entry() for g in layout.block_groups} == {"c4": (32 + 16) * 4 * 2, "c16": 32 * 4 * 2}
+
+
+def test_bind_cache_refuses_tensors_that_do_not_match_the_layout():
+    from deepinfer.models.interface import allocate_cache_tensors
+    from model_harness import build_hf_model, build_our_model
+
+    model = build_our_model(build_hf_model())
+    layout = model.cache_layout(0)
+    groups = {g.name: 8 for g in layout.block_groups}
+    model.bind_cache(allocate_cache_tensors(layout, 2, groups, 4, "cpu"))  # the matching one binds
+    name = next(t.name for t in layout.slot_tensors if t.dtype == torch.float32)
+    bad = allocate_cache_tensors(layout, 2, groups, 4, "cpu")
+    bad.slot[name] = bad.slot[name].to(torch.float64)
+    with pytest.raises(ValueError, match=rf"cache slot tensor '{name}' does not match the layout.*model\.cache_layout\(0\)"):
+        model.bind_cache(bad)
+    bad = allocate_cache_tensors(layout, 2, groups, 4, "cpu")
+    group = layout.block_groups[0]
+    tensor = group.tensors[0].name
+    bad.blocks[group.name][tensor] = bad.blocks[group.name][tensor][:, :, :1]
+    with pytest.raises(ValueError, match=rf"cache block tensor {group.name}/{tensor} does not match the layout"):
+        model.bind_cache(bad)

@@ -157,6 +157,22 @@ class CacheLayout:
                 return g
         raise KeyError(f"the layout has no block group {name!r}; it has {[g.name for g in self.block_groups]}")
 
+    def check(self, cache: CacheTensors, allocate_hint: str) -> None:
+        """Refuse (ValueError) allocated tensors that do not match this layout: the model would read
+        the wrong bytes. `allocate_hint` names the call that allocates a matching cache."""
+        for t in self.slot_tensors:
+            got = cache.slot.get(t.name)
+            if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.owners) or got.dtype != t.dtype:
+                raise ValueError(f"cache slot tensor {t.name!r} does not match the layout (expected "
+                                 f"[{len(t.owners)}, slots, {', '.join(map(str, t.shape))}] {t.dtype}); allocate "
+                                 f"the cache from {allocate_hint}")
+        for g in self.block_groups:
+            for t in g.tensors:
+                got = cache.blocks.get(g.name, {}).get(t.name)
+                if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.owners):
+                    raise ValueError(f"cache block tensor {g.name}/{t.name} does not match the layout; allocate "
+                                     f"the cache from {allocate_hint}")
+
 
 @dataclass
 class CacheTensors:

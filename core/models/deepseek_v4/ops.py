@@ -11,10 +11,10 @@ construction (`resolve_ops`).
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
+
+from deepinfer.models.common.op_table import check_op_signatures, resolve_op_table
 
 #: the family name a back end's `model_ops(family)` is asked with
 FAMILY = "deepseek_v4"
@@ -33,13 +33,7 @@ class DeepseekV4Ops:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name in OPS:
-            want = [(p.name, p.kind) for p in inspect.signature(getattr(DeepseekV4Ops, name)).parameters.values()]
-            got = [(p.name, p.kind) for p in inspect.signature(getattr(cls, name)).parameters.values()]
-            if want != got:
-                raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} has signature "
-                                f"({', '.join(n for n, _ in got)}) but DeepseekV4Ops.{name} requires "
-                                f"({', '.join(n for n, _ in want)})")
+        check_op_signatures(DeepseekV4Ops, cls, OPS)
 
     def _hc_mix(self, streams_f: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
         """RMS-normalised flattened streams times fn (the norm factor applied to the product)."""
@@ -125,12 +119,4 @@ class DeepseekV4Ops:
 
 def resolve_ops(accelerator: object) -> DeepseekV4Ops:
     """The back end's V4 op table if it declares one (`model_ops("deepseek_v4")`), else the defaults."""
-    declare = getattr(accelerator, "model_ops", None)
-    table = declare(FAMILY) if callable(declare) else None
-    if table is None:
-        return DeepseekV4Ops()
-    if not isinstance(table, DeepseekV4Ops):
-        name = getattr(accelerator, "name", type(accelerator).__name__)
-        raise TypeError(f"back end {name!r} returned a {type(table).__name__} from model_ops({FAMILY!r}); it must "
-                        f"be an instance of a subclass of deepinfer.models.deepseek_v4.ops.DeepseekV4Ops")
-    return table
+    return resolve_op_table(accelerator, FAMILY, DeepseekV4Ops)

@@ -248,20 +248,19 @@ class DeepseekV41Config(BaseModel):
     @cached_property
     def kv_owner(self) -> dict[int, int]:
         """Compressed layer -> the KV source whose compressed KV and index keys it reads."""
-        owner, out = None, {}
-        for i in range(self.num_hidden_layers):
-            if self.compress_ratios[i]:
-                owner = i if i in self.kv_source_layer_ids else owner
-                out[i] = owner
-        return out
+        return self._latest_source(self.kv_source_layer_ids)
 
     @cached_property
     def topk_owner(self) -> dict[int, int]:
         """Compressed layer -> the index source whose top-k selection it attends over."""
+        return self._latest_source(self.index_source_layer_ids)
+
+    def _latest_source(self, sources) -> dict[int, int]:
+        """Compressed layer -> the latest layer of `sources` at or before it."""
         owner, out = None, {}
         for i in range(self.num_hidden_layers):
             if self.compress_ratios[i]:
-                owner = i if i in self.index_source_layer_ids else owner
+                owner = i if i in sources else owner
                 out[i] = owner
         return out
 

@@ -163,17 +163,7 @@ class DeepseekV41ForCausalLM:
             raise ValueError(f"cache has no {WINDOW_KV!r} tensor; allocate it from model.cache_layout()")
         max_rollback = cache.slot[WINDOW_KV].shape[2] - c.sliding_window
         layout = self.cache_layout(max_rollback)
-        for t in layout.slot_tensors:
-            got = cache.slot.get(t.name)
-            if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.owners) or got.dtype != t.dtype:
-                raise ValueError(f"cache slot tensor {t.name!r} does not match the layout; allocate the cache from "
-                                 f"model.cache_layout({max_rollback})")
-        for g in layout.block_groups:
-            for t in g.tensors:
-                got = cache.blocks.get(g.name, {}).get(t.name)
-                if got is None or tuple(got.shape[2:]) != t.shape or got.shape[0] != len(t.owners):
-                    raise ValueError(f"cache block tensor {g.name}/{t.name} does not match the layout; allocate "
-                                     f"the cache from model.cache_layout({max_rollback})")
+        layout.check(cache, f"model.cache_layout({max_rollback})")
         self._cache, self._layout = cache, layout
         self._num_slots = cache.slot[WINDOW_KV].shape[1]
         self._rings = ring_sizes(c, max_rollback)

@@ -11,10 +11,9 @@ instance from `Accelerator.model_ops("deepseek_v41")`.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
+from deepinfer.models.common.op_table import check_op_signatures, resolve_op_table
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 
 FAMILY = "deepseek_v41"
@@ -26,13 +25,7 @@ class DeepseekV41Ops(DeepseekV4Ops):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        for name in OPS:
-            want = [(p.name, p.kind) for p in inspect.signature(getattr(DeepseekV41Ops, name)).parameters.values()]
-            got = [(p.name, p.kind) for p in inspect.signature(getattr(cls, name)).parameters.values()]
-            if want != got:
-                raise TypeError(f"{cls.__module__}.{cls.__qualname__}.{name} has signature "
-                                f"({', '.join(n for n, _ in got)}) but DeepseekV41Ops.{name} requires "
-                                f"({', '.join(n for n, _ in want)})")
+        check_op_signatures(DeepseekV41Ops, cls, OPS)
 
     def hc_mix(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,12 +40,4 @@ class DeepseekV41Ops(DeepseekV4Ops):
 
 def resolve_ops(accelerator: object) -> DeepseekV41Ops:
     """The back end's V4.1 op table if it declares one (`model_ops("deepseek_v41")`), else the defaults."""
-    declare = getattr(accelerator, "model_ops", None)
-    table = declare(FAMILY) if callable(declare) else None
-    if table is None:
-        return DeepseekV41Ops()
-    if not isinstance(table, DeepseekV41Ops):
-        name = getattr(accelerator, "name", type(accelerator).__name__)
-        raise TypeError(f"back end {name!r} returned a {type(table).__name__} from model_ops({FAMILY!r}); it must "
-                        f"be an instance of a subclass of deepinfer.models.deepseek_v41.ops.DeepseekV41Ops")
-    return table
+    return resolve_op_table(accelerator, FAMILY, DeepseekV41Ops)
