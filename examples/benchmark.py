@@ -15,8 +15,9 @@ Rank 0 prints three numbers (plus the true accepted-token throughput beside the 
   accepted throughput  tokens actually emitted per second per device in the same window
 
 Method: `examples/bench/workloads.py`. Accounting: `examples/bench/accounting.py`. Roofline
-(`--roofline`): `examples/bench/roofline.py` and `model_cost.py`. Environment: WORLD_SIZE, RANK,
-CUDA_VISIBLE_DEVICES (parallel scale = WORLD_SIZE x devices per node, 1 on the CPU back end);
+(`--roofline`): `examples/bench/roofline.py` and `model_cost.py` (per family: `cost_v4.py`,
+`cost_v41.py`). Environment: WORLD_SIZE, RANK, CUDA_VISIBLE_DEVICES (parallel scale = WORLD_SIZE x
+devices per node, 1 on the CPU back end);
 DEEPINFER_USE_NEXTN_DECODE (speculative draft length nextn, default 5 when speculative decoding is
 installed; 0 disables it); PROFILE=1 writes a torch profiler trace of the timed phases (timings
 then include profiler overhead: use the trace to see which kernels run, not to measure speed).
@@ -112,8 +113,9 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 
 def check_prompt_mode(mode: str) -> None:
     if mode == "image":
-        raise ValueError("--prompt_mode image is not supported by this model: DeepSeek-V4 (model_type deepseek_v4) "
-                         "takes text only and has no vision encoder. Use --prompt_mode text.")
+        raise ValueError("--prompt_mode image is not supported by this model: deepinfer runs DeepSeek-V4 and V4.1 "
+                         "on text only (V4 has no vision encoder; V4.1's vision tower is not run). "
+                         "Use --prompt_mode text.")
 
 
 def engine_nextn(llm: Any) -> int:
@@ -246,14 +248,19 @@ def format_figures(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _model_config(llm: Any, model_name: str | None):
+def _model_config(llm: Any, model_name: str | None) -> tuple[Any, str, str]:
+    """(parsed config, dtype name, model_type) of the engine's model, or, without an engine
+    (`--phase none`), of the checkpoint, parsed by the family its config.json names."""
     if llm is not None:
-        return llm.engine.model.config, str(llm.build_info.dtype).replace("torch.", "")
-    from deepinfer.models.deepseek_v4.checkpoint import parse_config, read_config
+        info = llm.build_info
+        return llm.engine.model.config, str(info.dtype).replace("torch.", ""), info.model_type
+    from deepinfer.models.registry import checkpoint_family
     from deepinfer.models.resolve import resolve_model
 
-    raw = read_config(resolve_model(model_name).path)
-    return parse_config(raw), raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    path = resolve_model(model_name).path
+    family, raw = checkpoint_family(path)
+    config = family.parse_config(raw, str(path / "config.json"))
+    return config, raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", family.model_type
 
 
 def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -280,7 +287,9 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
         llm = LLM(**_engine_kwargs(args, settings, layout, sequences, planned_nextn()))
         prefill_runs, decode_runs = _timed_phases(llm, args, settings, sequences, profile, layout.rank, say)
 
-    config, dtype = _model_config(llm, args.model_name)
+    config, dtype, model_type = _model_config(llm, args.model_name)
+    if llm is None and args.dtype != "auto":
+        dtype = args.dtype  # what the engine would have run
     record: dict[str, Any] = {
         "schema": results.SCHEMA,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -292,6 +301,7 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
                    "scale": layout.scale, "cp": layout.cp, "dp": layout.dp, "ep": layout.ep,
                    "accelerator": accelerator},
         "model": {"name": args.model_name, "path": llm.build_info.model_path if llm else None, "dtype": dtype,
+                  "model_type": model_type,
                   "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
                   "n_routed_experts": config.n_routed_experts, "num_experts_per_tok": config.num_experts_per_tok,
                   "vocab_size": config.vocab_size},

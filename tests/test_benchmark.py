@@ -14,9 +14,10 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import accounting, model_cost, results, roofline  # noqa: E402
+from bench import accounting, cost_v41, model_cost, results, roofline  # noqa: E402
 from bench.layout import devices_per_node, resolve_layout, validate_cp  # noqa: E402
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
 
 
 def _load(path: Path, name: str):
@@ -178,7 +179,7 @@ def test_bf16_bytes_keep_fp32_tensors_at_four_bytes():
 def test_cache_bytes_and_attention_flops_counted_by_hand():
     cfg = _small_config()
     # context 16, window 4, d=8: sliding 4*8; CSA 4*8 + min(2, 4 entries)*8 + 4 indexer keys*4; HCA 4*8 + 2*8
-    assert model_cost.cache_bytes_per_token(cfg, 16, cache_bytes=2) == 2 * (32 + (32 + 16 + 16) + (32 + 16))
+    assert model_cost.cache_bytes_per_token(cfg, 16, float_bytes=2) == 2 * (32 + (32 + 16 + 16) + (32 + 16))
     # query at position 15: 4*H*d = 64 FLOPs per key; indexer 2*Hi*(di+1) = 20 per scored entry
     assert model_cost.attention_flops(cfg, 15) == 64 * 4 + (64 * 6 + 20 * 4) + 64 * 6
     # one-token prompt: trunk matmuls + head + 3 layers x 1 key
@@ -190,11 +191,11 @@ def test_decode_step_bytes_share_weights_across_the_batch():
     cfg = _small_config()
     assert model_cost.expected_distinct_experts(4, 2, 1) == pytest.approx(2.0)
     assert model_cost.expected_distinct_experts(4, 2, 2) == pytest.approx(3.0)
-    one = model_cost.decode_step_bytes(cfg, 1, 16, float_bytes=4, cache_bytes=2)
-    assert one == pytest.approx(7905 * 4 + 288)  # batch 1: active weights + its cache
-    two = model_cost.decode_step_bytes(cfg, 2, 16, float_bytes=4, cache_bytes=2)
+    one = model_cost.decode_step_bytes(cfg, 1, 16, float_bytes=4)
+    assert one == pytest.approx(7905 * 4 + 576)  # batch 1: active weights + its cache (model dtype, 4 bytes)
+    two = model_cost.decode_step_bytes(cfg, 2, 16, float_bytes=4)
     expert = 3 * 3 * 16 * 4
-    assert two - one == pytest.approx(1 * expert * 3 + 16 * 4 + 288)  # one more expert per layer + one sequence
+    assert two - one == pytest.approx(1 * expert * 3 + 16 * 4 + 576)  # one more expert per layer + one sequence
 
 
 def test_real_v4_flash_config_has_13b_active_parameters():
@@ -208,11 +209,108 @@ def test_roofline_bounds_from_a_given_machine():
     cost = roofline.workload_cost(cfg, prefill_len=1, decode_batch=1, decode_context=16, float_bytes=4)
     sps, bound_by = roofline.decode_bound(cost, machine)
     assert bound_by == "memory"
-    assert sps == pytest.approx(10e9 / (7905 * 4 + 288))
+    assert sps == pytest.approx(10e9 / (7905 * 4 + 576))
     tps = roofline.prefill_bound(cost, machine)
     assert tps == pytest.approx(100e9 / model_cost.prefill_flops_per_token(cfg, 1))
     text = roofline.report(cost, [machine], prefill=[(tps / 2, machine)], decode=[(sps / 4, machine)])
     assert "50.0 % of the matmul bound" in text and "25.0 % of the memory bound" in text
+
+
+# --- model cost of DeepSeek-V4.1: a small config counted by hand ---------------------------------
+
+def _small_v41_config() -> DeepseekV41Config:
+    # roles: 0 sliding, 1 Full r=2 (Engram before it), 2 Reuse r=2, 3 Full r=1 (candidate source),
+    # 4 Reindex inside the candidate pool, 5 Reuse of 4's top-k
+    return DeepseekV41Config(
+        vocab_size=100, hidden_size=16, num_hidden_layers=6, num_attention_heads=2, head_dim=32, qk_rope_head_dim=8,
+        q_lora_rank=6, o_groups=2, o_lora_rank=5, sliding_window=4, compress_ratios=(0, 2, 2, 1, 1, 1),
+        kv_source_layer_ids=(1, 3), index_source_layer_ids=(1, 3, 4), candidate_source_layer_id=3,
+        candidate_block_size=2, candidate_topk_blocks=2, index_n_heads=2, index_head_dim=32, index_topk=2,
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=3, hc_mult=2,
+        engram_layer_ids=(1,), engram_num_embeddings=(1000,), engram_max_ngram_size=3, engram_n_heads=2,
+        engram_head_dim=32, num_nextn_predict_layers=0, dspark_target_layer_ids=(), image_token_id=None)
+
+
+def test_v41_active_parameters_of_a_small_config_counted_by_hand():
+    # D=16, n=2 streams (nD=32, mix=8), H=2, d=32, q_lora=6, g=2, o_lora=5, Hi=2, di=32, E=4, k=2, I=3
+    attention = 16 + 96 + 6 + 384 + 512 + 32 + 320 + 160 + 2  # attn_norm wq_a q_norm wq_b wkv kv_norm wo_a wo_b sink
+    mhc = 2 * (8 * 32 + 8 + 3)  # hc_attn and hc_ffn: fn, base, scale (single-pass: no hc_head)
+    router = 4 * 16 + 4  # gate weight and bias (bias_vl: image tokens only)
+    shared = 3 * 3 * 16 + 16  # w1 w2 w3 + ffn_norm
+    routed = 2 * 3 * 3 * 16  # top-2 experts
+    common = attention + mhc + router + shared + routed
+    full_r2 = 512 + 512 + 32 + 1024 + 32 + 384 + 32  # compressor wkv wgate norm, indexer wk k_norm wq_b weights_proj
+    full_r1 = 512 + 32 + 1024 + 32 + 384 + 32  # ratio 1: no wgate
+    reindex = 384 + 32  # indexer query side only; Reuse and sliding layers own none
+    engram = 48 * 128 + 32 + 32  # wkv [D(n+1), 4 hash heads x 32], q_weight, k_weight
+    engram_rows = 4 * 32  # (3 - 1) x 2 hash heads gather one 32-wide row each
+    head = 100 * 16 + 16  # head + final norm
+    total = 6 * common + full_r2 + full_r1 + reindex + engram + head + 16 + engram_rows  # + one embedding row
+    assert total == 28396
+
+    cost = model_cost.token_cost(_small_v41_config(), float_bytes=2)
+    assert cost.active_params == total
+    assert cost.params_by_group["compressor_indexer"] == full_r2 + full_r1 + reindex
+    assert cost.params_by_group["engram"] == engram and cost.params_by_group["engram_rows"] == engram_rows
+    # bytes at bf16: fp32 for mHC, sinks, router weight + bias and the compressor's wkv / wgate
+    assert cost.bytes_by_group["mhc"] == 4 * 6 * mhc
+    assert cost.bytes_by_group["router"] == 4 * 6 * router
+    assert cost.bytes_by_group["attention"] == 6 * (2 * (attention - 2) + 4 * 2)
+    assert cost.bytes_by_group["compressor_indexer"] == 4 * (512 + 512 + 512) + 2 * (2 * (32 + 1024 + 32 + 384 + 32)
+                                                                                      + reindex)
+    assert cost.bytes_by_group["engram_rows"] == 4 * (32 + 1)  # FP8 codes + one ue8m0 scale per 32, a byte each
+    assert cost.sequence_bytes == 4 * 33 + 2 * 16  # Engram rows + embedding row: read by every sequence
+    # matrices per token: indexer.wk of the ratio-2 KV source runs once per 2 tokens; the Engram
+    # gate's q_weight / k_weight are element-wise
+    per_layer = 2 * 8 * 32 + (96 + 384 + 512 + 320 + 160) + 4 * 16 + 3 * 3 * 16 + routed
+    compressed = (512 + 512 + 1024 / 2 + 384 + 32) + (512 + 1024 + 384 + 32) + 416
+    assert cost.matmul_params == 6 * per_layer + compressed + 48 * 128
+    assert cost.head_matmul_params == 100 * 16
+
+
+def test_v41_cache_reads_and_attention_flops_counted_by_hand():
+    cfg = _small_v41_config()
+    # context 12, window 4; FP8 window key 32 + 1 bytes, NVFP4 entry 16 + 2, MXFP4 index key 16 + 1.
+    # Ratio 2: 6 entries, ratio 1: 12; layer 4 scores only the candidate pool of 2 blocks of 2,
+    # the newest kept: 2 + 2 = 4 entries. Top-2 everywhere.
+    window = 4 * 33
+    reads = [window, window + 2 * 18 + 6 * 17, window + 2 * 18, window + 2 * 18 + 12 * 17,
+             window + 2 * 18 + 4 * 17, window + 2 * 18]
+    assert model_cost.cache_bytes_per_token(cfg, 12) == sum(reads) == 1346
+    # 13 ratio-1 entries: 7 blocks, the newest holding one entry -> layer 4 scores 2 + 1; the
+    # candidate source itself scores all 13
+    assert [cost_v41.scored_entries(cfg, layer, 13) for layer in (3, 4)] == [13, 3]
+    assert model_cost.cache_bytes_per_token(cfg, 13) == sum(reads) + 17 - 17  # layer 3 reads one more key, 4 one less
+    # stored per token of context: the ratio-2 source (18 + 17) / 2, the ratio-1 source 18 + 17
+    assert model_cost.context_bytes_per_token(cfg) == 35 / 2 + 35
+    # query at position 11: 4*H*d = 256 FLOPs per key (window + selected), 2*Hi*(di+1) = 132 per scored entry
+    assert model_cost.attention_flops(cfg, 11) == (256 * 4 + (256 * 6 + 132 * 6) + 256 * 6 + (256 * 6 + 132 * 12)
+                                                    + (256 * 6 + 132 * 4) + 256 * 6)
+    # position 0: one window key per layer, no complete ratio-2 entry yet, one ratio-1 entry
+    assert model_cost.attention_flops(cfg, 0) == 6 * 256 + 3 * 256 + 2 * 132
+
+
+def test_v41_decode_step_bytes_read_engram_rows_per_sequence():
+    cfg = _small_v41_config()
+    cost = model_cost.token_cost(cfg, float_bytes=2)
+    one = model_cost.decode_step_bytes(cfg, 1, 12, float_bytes=2)
+    assert one == pytest.approx(cost.active_bytes + 1346)
+    two = model_cost.decode_step_bytes(cfg, 2, 12, float_bytes=2)
+    expert = 3 * 3 * 16 * 2
+    assert two - one == pytest.approx(1 * expert * 6 + (4 * 33 + 2 * 16) + 1346)
+
+
+def test_real_v41_flash_config_active_parameters_and_cache():
+    cfg = DeepseekV41Config()
+    cost = model_cost.token_cost(cfg)
+    assert 15.5e9 < cost.active_params < 16.5e9  # V4.1-Flash: about 16 B active per decode token
+    assert cost.bytes_by_group["engram_rows"] == 2 * 24 * 264  # 24 rows of 264 B per Engram layer
+    assert model_cost.context_bytes_per_token(cfg) == 890  # the release's 890 B per token of context
+
+
+def test_cost_model_refuses_a_family_it_does_not_count():
+    with pytest.raises(ValueError, match=r"does not know dict configs; it counts deepseek_v4 .*deepseek_v41"):
+        model_cost.token_cost({"hidden_size": 16})
 
 
 def test_measured_machine_figures_are_positive():
@@ -283,6 +381,15 @@ def tiny_model(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_v41(tmp_path_factory):
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    out = tmp_path_factory.mktemp("bench") / "tiny-v41"
+    make_model(out, size="tiny")
+    return out
+
+
 TINY_ARGS = ["--decode_num_requests", "3", "--context_length", "20", "--non_cached_tokens", "24",
              "--prefill_batch_size", "48", "--decode_tokens", "5", "--prefill_batches", "2"]
 
@@ -310,6 +417,48 @@ def test_benchmark_end_to_end_writes_a_valid_record(tiny_model, tmp_path, capsys
     assert f["decode_full_acceptance_tokens_per_s_per_device"]["median"] == pytest.approx(
         f["decode_accepted_tokens_per_s_per_device"]["median"])
     json.dumps(record)  # plain JSON all the way down
+
+
+def test_roofline_without_the_engine_on_a_v4_checkpoint(tiny_model, capsys, clean_env):
+    argv = ["--model_name", str(tiny_model), *TINY_ARGS, "--phase", "none", "--roofline"]
+    assert benchmark.main(argv) == 0
+    assert "roofline (one device, deepseek_v4;" in capsys.readouterr().out
+
+
+def test_roofline_without_the_engine_on_a_v41_checkpoint(tiny_v41, tmp_path, capsys, clean_env):
+    from deepinfer.models.deepseek_v41.checkpoint import parse_config
+    from deepinfer.models.deepseek_v41.state import build_cache_layout, context_bytes_per_token
+
+    out = tmp_path / "none.jsonl"
+    argv = ["--model_name", str(tiny_v41), *TINY_ARGS, "--phase", "none", "--roofline", "--dtype", "float32",
+            "--result_jsonl", str(out)]
+    assert benchmark.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "roofline (one device, deepseek_v41;" in printed and "steps/s" in printed and "measured" not in printed
+    [record] = results.read_jsonl(out)
+    assert record["model"]["model_type"] == "deepseek_v41" and record["model"]["dtype"] == "float32"
+    assert record["prefill"] == [] and record["decode"] == []
+    cost = record["roofline"]["cost"]
+    config = parse_config(json.loads((tiny_v41 / "config.json").read_text()))
+    expected = roofline.workload_cost(config, prefill_len=24, decode_batch=3, decode_context=20, float_bytes=4)
+    assert cost == expected.to_json()
+    assert cost["model_type"] == "deepseek_v41" and "engram_rows" in cost["bytes_by_group"]
+    assert cost["cache_bytes_per_context_token"] == context_bytes_per_token(build_cache_layout(config, 0))
+
+
+def test_benchmark_roofline_on_a_timed_v41_run(tiny_v41, tmp_path, capsys, clean_env):
+    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    out = tmp_path / "v41.jsonl"
+    argv = ["--model_name", str(tiny_v41), *TINY_ARGS, "--roofline", "--dtype", "float32", "--no_warmup",
+            "--result_jsonl", str(out)]
+    assert benchmark.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "% of the matmul bound" in printed and "% of the memory bound" in printed
+    [record] = results.read_jsonl(out)
+    assert record["roofline"]["cost"]["model_type"] == "deepseek_v41" == record["model"]["model_type"]
+    assert all(r["machine"] is not None for r in record["prefill"] + record["decode"])
+    f = results.figures(record)
+    assert 0 < f["prefill_fraction_of_matmul_bound"]["median"] and 0 < f["decode_fraction_of_bound"]["median"]
 
 
 def _dspark_installed() -> bool:
@@ -341,13 +490,12 @@ def test_benchmark_with_speculation_reports_both_throughputs(tiny_model, tmp_pat
 
 
 @pytest.mark.skipif(not _dspark_installed(), reason="speculative decoding (dspark) is not installed")
-def test_benchmark_leaves_speculation_off_for_a_model_that_cannot_draft(tiny_model, tmp_path, clean_env):
+def test_benchmark_leaves_speculation_off_for_a_model_that_cannot_draft(tiny_model, tiny_v41, clean_env):
     import os
 
-    from deepinfer.models.deepseek_v41.make_model import make_model
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
-    v41 = make_model(tmp_path / "v41", size="tiny")
+    v41 = tiny_v41
     assert benchmark._speculation_model_note(str(tiny_model)) is None  # V4 with MTP: the seeds' default stays
     assert "DEEPINFER_USE_NEXTN_DECODE" not in os.environ
     note = benchmark._speculation_model_note(str(v41))

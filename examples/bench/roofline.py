@@ -17,12 +17,12 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from bench import model_cost
-from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 
 
 @dataclass(frozen=True)
@@ -101,19 +101,28 @@ class WorkloadCost:
     active_bytes_per_token: int
     active_params_per_token: int
     bytes_by_group: dict[str, int]
+    # (defaults: records written before these were counted still load)
+    model_type: str = ""
+    cache_read_bytes_per_sequence: int = 0  # one decode token at the decode context
+    cache_bytes_per_context_token: float = 0.0  # what the model stores per token of context
 
     def to_json(self) -> dict:
         return asdict(self)
 
 
-def workload_cost(config: DeepseekV4Config, *, prefill_len: int, decode_batch: int, decode_context: int,
-                  float_bytes: int = 2, cache_bytes: int = 2) -> WorkloadCost:
+def workload_cost(config: Any, *, prefill_len: int, decode_batch: int, decode_context: int,
+                  float_bytes: int = 2) -> WorkloadCost:
+    """The workload's cost from a parsed config of any family `model_cost` counts (`float_bytes`:
+    the model dtype's size; caches in that dtype or in the family's fixed formats)."""
+    family = model_cost.family_cost(config)
     cost = model_cost.token_cost(config, float_bytes)
     return WorkloadCost(
         model_cost.prefill_flops_per_token(config, prefill_len),
-        model_cost.decode_step_bytes(config, decode_batch, decode_context, float_bytes, cache_bytes),
+        model_cost.decode_step_bytes(config, decode_batch, decode_context, float_bytes),
         model_cost.decode_step_flops(config, decode_batch, decode_context),
-        cost.active_bytes, cost.active_params, dict(cost.bytes_by_group))
+        cost.active_bytes, cost.active_params, dict(cost.bytes_by_group), family.model_type,
+        model_cost.cache_bytes_per_token(config, decode_context, float_bytes),
+        model_cost.context_bytes_per_token(config, float_bytes))
 
 
 def prefill_bound(cost: WorkloadCost, machine: Machine) -> float:
@@ -140,13 +149,15 @@ def report(cost: WorkloadCost, machines: list[Machine], prefill: list[tuple[floa
     m0 = machines[0]
     groups = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in cost.bytes_by_group.items())
     lines = [
-        "roofline (one device; what is counted: examples/bench/model_cost.py)",
+        f"roofline (one device, {cost.model_type or 'model'}; what is counted: examples/bench/model_cost.py)",
         f"  memory bandwidth (copy {m0.copy_mib} MiB, read+write): "
         f"{_spread([m.bandwidth_gbs for m in machines], '.1f')} GB/s",
         f"  bf16 matmul [{m0.matmul_shape[0]}x{m0.matmul_shape[2]}] x [{m0.matmul_shape[2]}x{m0.matmul_shape[1]}]: "
         f"{_spread([m.matmul_gflops for m in machines], '.0f')} GFLOP/s, {m0.threads} threads",
         f"  active weights per decode token: {cost.active_params_per_token / 1e6:.1f} M parameters, "
         f"{cost.active_bytes_per_token / 1e6:.1f} MB ({groups} MB)",
+        f"  cache: {cost.cache_read_bytes_per_sequence / 1e6:.3f} MB read per sequence per decode step; "
+        f"{cost.cache_bytes_per_context_token:,.1f} B stored per token of context",
         f"  decode step: {cost.decode_bytes_per_step / 1e6:.1f} MB read (weights + caches), "
         f"{cost.decode_flops_per_step / 1e9:.2f} GFLOP -> bound "
         f"{_spread([decode_bound(cost, m)[0] for m in machines], '.1f')} steps/s "
