@@ -15,6 +15,7 @@ DELEGATED = {
     "make-model": ("deepinfer.entrypoints.make_model:main",
                    "write a random-weight checkpoint (--family, default v4: DeepSeek-V4)"),
     "conformance": ("deepinfer.testing.conformance:main", "run the back-end conformance kit"),
+    "serve": ("deepinfer.entrypoints.serve:main", "OpenAI-compatible HTTP server (chat, completions, metrics)"),
     "audit-determinism": ("deepinfer.entrypoints.audit_determinism:main",
                           "compare requests alone vs batched, chunked and preempted (tokens, logprobs bitwise)"),
 }
@@ -59,6 +60,27 @@ def cmd_doctor(args) -> int:
         return 1
     how = "DEEPINFER_ACCELERATOR" if chosen else "auto-selected"
     print(f"\nselected: {cls.name} ({how})")
+    return _print_layout(args, cls.name)
+
+
+def _print_layout(args, accelerator: str) -> int:
+    """The parallel layout `--ep/--dp/--cp` (and RANK/WORLD_SIZE) would give, each rank's devices and
+    threads, and whether this release runs it."""
+    from deepinfer.parallel.launch import default_threads, rank_environment
+    from deepinfer.parallel.layout import ParallelConfigError, check_runnable, resolve_layout
+
+    try:
+        layout = resolve_layout(args.ep, args.dp, args.cp, accelerator)
+        check_runnable(layout)
+    except ParallelConfigError as exc:
+        print(f"\nlayout: refused: {exc}", file=sys.stderr)
+        return 1
+    threads = default_threads(layout)
+    print(f"\nlayout: {layout.describe()}; this node runs ranks {list(layout.local_ranks())}")
+    for local, rank in enumerate(layout.local_ranks()):
+        devices = rank_environment(accelerator, layout, local)
+        seen = ", ".join(f"{k}={v}" for k, v in devices.items()) or "host CPU"
+        print(f"  rank {rank}: {seen}, {threads} threads (--threads_per_rank)")
     return 0
 
 
@@ -81,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("plugins", help="list installed accelerator, feature and model-family plugins (without "
                                        "importing them)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    sub.add_parser("doctor", help="probe every accelerator and show which one would be used")
+    p = sub.add_parser("doctor", help="probe every accelerator and show which one and which parallel layout "
+                                      "would be used")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel size to check (default: the back end's)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel size to check (default: ep // cp)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size to check (default 1)")
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)

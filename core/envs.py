@@ -60,15 +60,20 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "cpu back end: 1 (default) keeps a oneDNN-blocked copy of each bf16 weight that a "
            "multi-row linear reads (made at its second such use; 1.3x faster from 2 rows up, "
            "costs the weights' size again in RAM); 0 uses the plain weights only.", kind=bool),
+    EnvVar("DEEPINFER_CPU_QUANTIZED_WEIGHTS",
+           "cpu back end: 1 keeps a checkpoint's FP8/FP4 linear and expert weights quantised in memory "
+           "(about the checkpoint's bytes; dequantised tile by tile at each use, slower); 0 (default) "
+           "dequantises them at load (fastest on CPU).", kind=bool),
     EnvVar("DEEPINFER_LOG_LEVEL", "Logging level of the `deepinfer` logger (default WARNING)."),
+    EnvVar("DEEPINFER_API_KEY",
+           "deepinfer serve: the API key every route but /health requires (`Authorization: Bearer "
+           "<key>`), when --api-key is not given. Unset: no key."),
 ]}
 
 #: Variables the seeds' deployments set for features this release does not implement, with what
 #: they would configure. No installed feature declares them, so setting one is refused with an
 #: error that says so (a plugin that provides the feature declares the variable and takes it over).
 NOT_IN_THIS_RELEASE: dict[str, str] = {
-    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "SWA bounded replay (the swa_replay feature)",
-    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "SWA bounded replay (the swa_replay feature)",
     "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "expert load balancing (the eplb feature)",
 }
 

@@ -164,6 +164,10 @@ def check_yoco_clip(enabled: bool) -> None:
     if enabled and "swa_replay" not in discover(FEATURE_GROUP):
         raise ValueError("--yoco_clip needs SWA bounded replay (the swa_replay feature), which is not installed "
                          "in this deepinfer; run without --yoco_clip")
+    # the variable would win over the feature table --yoco_clip adds (and switch replay off)
+    if enabled and os.environ.get("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "").strip() == "off":
+        raise ValueError("--yoco_clip turns SWA bounded replay on, but DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=off "
+                         "turns it off; unset the variable (or set it to compact), or run without --yoco_clip")
 
 
 def _speculation_env_note() -> str | None:

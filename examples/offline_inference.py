@@ -15,8 +15,9 @@ decode_ppl is the perplexity of the model over its generated tokens.
 Model: --model_name (a checkpoint directory, or a Hugging Face id already in the local cache);
 without it DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if the local Hugging
 Face cache holds it, else the embedded default model (a small random-weight DeepSeek-V4.1, created
-on first use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py); this release
-runs on one device, so they must resolve to 1.
+on first use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py and
+docs/parallelism.md): one process per rank; the samples are dealt round-robin over the DP ranks
+and printed in their original order. --dtype float32 runs the model in fp32 (to compare layouts).
 
 Speculative decoding: the seeds' default DEEPINFER_USE_NEXTN_DECODE=5 is applied when the dspark
 feature is installed, unless the model's family cannot draft yet (DeepSeek-V4.1: its DSpark head
@@ -34,7 +35,7 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import ParallelConfigError, ParallelSizes, launch_dp, resolve_parallel  # noqa: E402
+from _launch import ParallelConfigError, ParallelSizes, RankContext, RankFailed, launch_dp, resolve_parallel  # noqa: E402
 from _prompts import prepare_offline_prompts  # noqa: E402
 from _speculation import drafter_unsupported, speculation_off_note  # noqa: E402
 
@@ -57,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="expert-parallel size (default: 8 on an accelerator node, 1 on the CPU back end)")
     parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: ep // cp, at least 1)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (default 1)")
+    parser.add_argument("--threads_per_rank", type=int, default=None,
+                        help="CPU threads of each rank's process (default: cores // ranks on this node)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                        help="compute dtype (default: the checkpoint's); float32 to compare layouts exactly")
     parser.add_argument("--long_context", action="store_true",
                         help="16,389 input tokens and 4,096 output tokens per sample")
     parser.add_argument("--check_structured_output", action="store_true",
@@ -165,54 +170,91 @@ def create_llm(args: argparse.Namespace, sizes: ParallelSizes, accelerator: str)
 
     apply_seed_env_defaults(accelerator, args.disable_eplb, cannot_draft=lambda: drafter_unsupported(args.model_name),
                             declares_batch_invariant=accelerator_declares_batch_invariant)
-    return LLM(model=args.model_name, accelerator=accelerator, features=feature_tables(args), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+    return LLM(model=args.model_name, accelerator=accelerator, dtype=args.dtype, features=feature_tables(args), max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                max_num_seqs=MAX_NUM_SEQS, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
                sampler_force_topk=args.sampler_force_topk, ep=sizes.ep, dp=sizes.dp, cp=sizes.cp)
 
 
-def check_structured_output(llm, rank: int) -> list[str]:
+def my_share(items: list, ctx: RankContext) -> list[int]:
+    """The indices this DP rank serves: round-robin over the DP ranks."""
+    return [i for i in range(len(items)) if i % ctx.layout.dp == ctx.dp_rank]
+
+
+def generate_share(llm, ctx: RankContext, prompts: list, params: list, use_tqdm: bool) -> dict[int, object]:
+    """This rank's share of `prompts`, then the expert-parallel lockstep: a rank that is done keeps
+    serving its experts until every rank is (deepinfer.parallel.expert_parallel)."""
+    from deepinfer.parallel.expert_parallel import idle_until_peers_done
+
+    mine = my_share(prompts, ctx)
+    outputs = llm.generate([prompts[i] for i in mine], [params[i] for i in mine], use_tqdm=use_tqdm) if mine else []
+    idle_until_peers_done()
+    return dict(zip(mine, outputs))
+
+
+def check_structured_output(llm, ctx: RankContext) -> tuple[dict[int, str], list[str]]:
     from _structured_output import check_outputs, sample_requests
 
     prompts, params = sample_requests()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        print(format_result(rank, prompt, out), flush=True)
+    outputs = generate_share(llm, ctx, prompts, params, use_tqdm=False)
+    lines = {i: format_result(ctx.dp_rank, prompts[i], out) for i, out in outputs.items()}
     tok = llm.tokenizer
     eos = getattr(tok, "eos_token_id", None)
-    return check_outputs(params, outputs, eos, tok.decode([eos]) if eos is not None else "")
+    mine = sorted(outputs)
+    return lines, check_outputs([params[i] for i in mine], [outputs[i] for i in mine], eos,
+                                tok.decode([eos]) if eos is not None else "")
 
 
-def run_rank(rank: int, sizes: ParallelSizes, args: argparse.Namespace, accelerator: str) -> int:
+def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> dict:
+    """One rank's work; returns what the first process prints (sample lines keyed by sample index)."""
     start = time.perf_counter()
+    rank = ctx.dp_rank
+    result: dict = {"status": 0, "header": [], "lines": {}, "checked": {}, "errors": []}
     try:
-        llm = create_llm(args, sizes, accelerator)
+        llm = create_llm(args, ctx.layout, accelerator)
     except (ValueError, FileNotFoundError) as e:  # a model, setting or feature the engine refuses, in its words
+        if not ctx.layout.is_single:
+            raise  # the other ranks would wait for this one in a collective: end the launch
         print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
+        return {**result, "status": 1}
     info = llm.build_info
     if info.is_default_model:
-        print(f"Using the embedded default model (small, random weights: the text is gibberish) at "
-              f"{info.model_path}. Pass --model_name to use a real checkpoint.", flush=True)
+        result["header"].append(f"Using the embedded default model (small, random weights: the text is gibberish) "
+                                f"at {info.model_path}. Pass --model_name to use a real checkpoint.")
     else:
-        print(f"Model: {info.model_path}", flush=True)
+        result["header"].append(f"Model: {info.model_path}")
     prompts, params = prepare_offline_prompts(llm.tokenizer, args.long_context)
-    outputs = llm.generate(prompts, params, use_tqdm=True)
-    for prompt, out in zip(prompts, outputs):
+    outputs = generate_share(llm, ctx, prompts, params, use_tqdm=ctx.is_first)
+    for i, out in outputs.items():
+        prompt = prompts[i]
         text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        print(format_result(rank, text, out), flush=True)
-    status = 0
+        result["lines"][i] = format_result(rank, text, out)
     if args.check_structured_output:
-        problems = check_structured_output(llm, rank)
+        result["checked"], problems = check_structured_output(llm, ctx)
         if problems:
-            print("structured output check FAILED:\n  " + "\n  ".join(problems), file=sys.stderr)
-            status = 1
-        else:
-            print(f"[rank {rank}] structured output check passed", file=sys.stderr, flush=True)
-    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+            result["errors"].append(f"[rank {rank}] structured output check FAILED:\n  " + "\n  ".join(problems))
+            result["status"] = 1
+    total = sum(len(o.outputs[0].token_ids) for o in outputs.values())
     # a summary, not a sample: only sample lines start with "DP <rank>;" (scripts parse them)
-    print(f"[rank {rank}] {len(outputs)} samples, {total} output tokens in {time.perf_counter() - start:.1f} s",
-          file=sys.stderr, flush=True)
+    result["errors"].append(f"[rank {rank}] {len(outputs)} samples, {total} output tokens in "
+                            f"{time.perf_counter() - start:.1f} s")
     llm.shutdown()
+    return result
+
+
+def print_results(results: list[dict], check_structured: bool) -> int:
+    """Print the ranks' sample lines in the samples' original order (as one process would)."""
+    for line in results[0]["header"] if results else []:
+        print(line, flush=True)
+    for key in ("lines", "checked"):
+        merged = {i: line for r in results for i, line in r[key].items()}
+        for i in sorted(merged):
+            print(merged[i], flush=True)
+    for r in results:
+        for line in r["errors"]:
+            print(line, file=sys.stderr, flush=True)
+    status = max((r["status"] for r in results), default=0)
+    if check_structured and status == 0:
+        print("structured output check passed", file=sys.stderr, flush=True)
     return status
 
 
@@ -224,12 +266,20 @@ def main(argv: list[str] | None = None) -> int:
     except ParallelConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    statuses: list[int] = []
+    from deepinfer.plugins import select_accelerator_class
+
     try:
-        launch_dp(lambda rank, s: statuses.append(run_rank(rank, s, args, accelerator)), sizes)
+        results = launch_dp(run_rank, sizes, select_accelerator_class(accelerator), (args, accelerator),
+                            threads_per_rank=args.threads_per_rank)
     except KeyboardInterrupt:
         exit_now_on_interrupt()
-    return max(statuses, default=0)
+    except ParallelConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RankFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return print_results(results, args.check_structured_output)
 
 
 def exit_now_on_interrupt() -> None:

@@ -39,6 +39,17 @@ def test_doctor_cpu_usable_others_with_reasons():
     assert "selected: cpu" in out.stdout
 
 
+def test_doctor_shows_the_layout_a_command_would_use():
+    out = run("doctor", "--ep", "4", env={"DEEPINFER_ACCELERATOR": "cpu", "WORLD_SIZE": "2", "RANK": "1"})
+    assert out.returncode == 0, out.stderr
+    assert "layout: ep=4 dp=4 cp=1 (world size 4, 2 nodes); this node runs ranks [2, 3]" in out.stdout
+    assert "  rank 3: host CPU, " in out.stdout
+    out = run("doctor", "--ep", "3", "--dp", "2", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 1 and "layout: refused" in out.stderr and "divisible by --ep 3" in out.stderr
+    out = run("doctor", "--ep", "2", "--dp", "4", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 1 and "several EP groups" in out.stderr
+
+
 def test_doctor_ascend_fails_with_reason_and_fix():
     out = run("doctor", env={"DEEPINFER_ACCELERATOR": "ascend"})
     assert out.returncode != 0

@@ -362,6 +362,41 @@ def test_deep_gemm_fp8_path_is_close_to_reference(fake_libraries):
         deep_gemm_experts.DeepGemmExperts(REF.swiglu, precision="fp4")
 
 
+def test_deep_gemm_fp8_path_runs_checkpoint_fp8_experts_as_stored(fake_libraries):
+    from deepinfer.accelerator.quantized_weight import QuantizedWeight, stack
+    from deepinfer.models.common.quant import quantize_fp8_block
+
+    rows, plan, w13, w2 = _moe_inputs()
+
+    def fp8(w):  # the checkpoint format: 128x128 blocks, ue8m0 scales, one expert at a time
+        return stack([QuantizedWeight(*quantize_fp8_block(w[e].float()), 128, torch.bfloat16)
+                      for e in range(w.shape[0])])
+
+    q13, q2 = fp8(w13), fp8(w2)
+    experts = deep_gemm_experts.DeepGemmExperts(REF.swiglu, precision="fp8")
+    got = experts(rows, plan, q13, q2, 7.0).float()
+    want = REF.moe_experts(rows, plan, q13, q2, 7.0).float()  # the reference path on the same weights
+    assert fake_libraries["deep_gemm"].calls == ["fp8", "fp8"] and not experts._fp8_cache  # no re-quantisation
+    assert (got - want).norm() / want.norm() < 0.05  # only the activations are quantised here
+    cuda_rows = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, shape=rows.shape)
+    assert deep_gemm_experts.eligible(cuda_rows, q13, q2, "fp8")
+    assert not deep_gemm_experts.eligible(cuda_rows, q13, q2, "bf16")  # the bf16 GEMM takes no FP8 weights
+    assert not deep_gemm_experts.eligible(cuda_rows, q13, w2, "fp8")
+
+
+def test_keep_fp8_weights_declares_fp8_block128(fake_cuda_machine, fake_libraries, monkeypatch):
+    from deepinfer_plugins.nvidia_sm100 import NvidiaAccelerator
+
+    fake_cuda_machine(SMI["b200"], installed=("flash_mla", "deep_gemm"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert NvidiaAccelerator().capabilities().weight_formats == ()
+    caps = NvidiaAccelerator(expert_precision="fp8", keep_fp8_weights=True).capabilities()
+    assert caps.weight_formats == ("fp8_block128",)
+    with pytest.raises(ValueError, match="keep_fp8_weights=True needs expert_precision='fp8'"):
+        NvidiaAccelerator(keep_fp8_weights=True)
+
+
 # --------------------------------------------------------------------- generic kernels, any device
 
 

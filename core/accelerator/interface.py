@@ -27,7 +27,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeight, is_weight_format
 
 #: Version of this contract. A plugin built against another *major* version is refused at
 #: selection with both versions in the message; a newer minor on the core side is accepted.
@@ -36,7 +38,9 @@ from pydantic import BaseModel, ConfigDict
 #: the interface into DeepSeek-V4's op table (`Accelerator.model_ops`), and removed the unused
 #: capabilities `graph_capture` and `fp8_weights`.
 #: 2.1 added the capability `batch_invariant` and `Accelerator.set_batch_invariant` (default refuses).
-INTERFACE_VERSION = "2.1"
+#: 2.2 added the capability `weight_formats`: quantised weights (`QuantizedWeight`) reach linear,
+#: grouped_linear and moe_experts in the formats a back end declares (default none: all dequantised).
+INTERFACE_VERSION = "2.2"
 
 
 class ProbeResult(BaseModel):
@@ -68,6 +72,19 @@ class Capabilities(BaseModel):
     # depend on the batch (row count, other sequences, padding, chunking); the batch_invariant feature
     batch_invariant: bool = False
     fast_paths: tuple[str, ...] = ()  # vendor libraries active on this machine (e.g. "flash_mla")
+    # quantised weight formats (`quantized_weight.WEIGHT_FORMATS`: fp8_block128, fp8_block32,
+    # fp4_e2m1) this back end computes on directly: the loader then keeps such weights quantised and
+    # linear / grouped_linear / moe_experts receive them as QuantizedWeight; others arrive dequantised
+    weight_formats: tuple[str, ...] = ()
+
+    @field_validator("weight_formats")
+    @classmethod
+    def _known_formats(cls, formats: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [f for f in formats if not is_weight_format(f)]
+        if bad:
+            raise ValueError(f"unknown weight formats {bad}; use names like {', '.join(WEIGHT_FORMATS)} "
+                             f"(fp8_block<B> for other FP8 block sizes)")
+        return formats
 
 
 @dataclass(frozen=True)
@@ -132,13 +149,17 @@ class SmallOps(_Interface):
     """Dense linear algebra and element-wise ops."""
 
     @abstractmethod
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`x @ weight.T`; x `[..., in]`, weight `[out, in]`; result in x's dtype."""
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        """`x @ weight.T`; x `[..., in]`, weight `[out, in]`; result in x's dtype.
 
-    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        `weight` is a `QuantizedWeight` only in a format the back end declares in
+        `Capabilities.weight_formats` (then the product is that of `weight.dequantize(x.dtype)`)."""
+
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         """Per-group `x[:, g] @ weight[g].T`; x `[T, G, in]`, weight `[G, out, in]` -> `[T, G, out]`
-        (the attention output's grouped low-rank projection). Optional: this default runs one
-        `linear` per group; a back end overrides it with one batched product."""
+        (the attention output's grouped low-rank projection); a `QuantizedWeight` only in a declared
+        format (as for `linear`). Optional: this default runs one `linear` per group; a back end
+        overrides it with one batched product."""
         return torch.stack([self.linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
 
     @abstractmethod
@@ -190,10 +211,12 @@ class MoEOps(_Interface):
         """Group the (token, choice) pairs by expert. Returns (rows `[N, D]`, plan)."""
 
     @abstractmethod
-    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
-                    swiglu_limit: float) -> torch.Tensor:
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                    w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
         """Clamped-SwiGLU experts on grouped rows. w13 `[E, 2I, D]` (gate rows first, then up),
-        w2 `[E, D, I]`. Returns `[N, D]` in rows' dtype."""
+        w2 `[E, D, I]`. Returns `[N, D]` in rows' dtype. Either weight may be a stacked
+        `QuantizedWeight` in a format the back end declares (`Capabilities.weight_formats`); the two
+        need not be in the same form."""
 
     @abstractmethod
     def moe_combine(self, out_rows: torch.Tensor, plan: MoEDispatch, weights: torch.Tensor) -> torch.Tensor:

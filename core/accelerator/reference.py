@@ -9,6 +9,13 @@ and overrides the kernels it has faster versions of. `TorchCollectives` is the `
 sub-interface over the default torch.distributed process group; a back end sets
 `collective_backend` ("gloo", "nccl", "hccl").
 
+Quantised weights (`QuantizedWeight`, in the formats a back end declares in
+`Capabilities.weight_formats`) are computed on by dequantising tile by tile: `quantized_linear` takes
+row tiles of at most `QUANT_TILE_ELEMENTS` elements (so the transient memory is bounded, never the
+whole matrix), `moe_experts` dequantises only the experts that have rows, one at a time. Each tile
+goes through the kernel object's own plain-weight `linear`, so a back end's fast path (and its
+batch-invariant mode) applies to the dequantised tiles too.
+
 Model-specific fused ops (DeepSeek-V4's mHC, compressor pooling, indexer) are not here: they live in
 the model's op table (`deepinfer.models.deepseek_v4.ops`)."""
 from __future__ import annotations
@@ -17,10 +24,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from collections.abc import Callable
+
 from deepinfer.accelerator.interface import AttentionOps, Collectives, MoEDispatch, MoEOps, SamplingOps, SmallOps
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
 
 # Upper bound on elements of one attention score block, ~256 MB of fp32.
 _MAX_SCORE_ELEMENTS = 1 << 26
+# Upper bound on logical elements of one dequantised weight tile (8 MiB of bf16).
+QUANT_TILE_ELEMENTS = 1 << 22
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def row_chunks(rows: int, per_row: int) -> int:
@@ -36,14 +50,33 @@ def check_generators(generators: list[torch.Generator | None], device: torch.dev
                              f"{device}; create it with torch.Generator(device='{device.type}')")
 
 
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, linear: Linear,
+                     max_elements: int = QUANT_TILE_ELEMENTS) -> torch.Tensor:
+    """`x @ weight.T` for a quantised `weight` `[out, in]`: each row tile dequantised to x's dtype
+    (exactly the values a dequantise-at-load weight holds) and multiplied with `linear(x, tile)`."""
+    out = x.new_empty((*x.shape[:-1], weight.shape[0]))
+    for start, stop in weight.row_tiles(max_elements):
+        out[..., start:stop] = linear(x, weight.rows(start, stop).dequantize(x.dtype))
+    return out
+
+
+def expert_weight(w: torch.Tensor | QuantizedWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert `e` of a stacked expert weight as a plain `dtype` tensor (dequantised if quantised)."""
+    return w[e].dequantize(dtype) if isinstance(w, QuantizedWeight) else w[e].to(dtype)
+
+
 class TorchKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
     """The generic kernels in plain torch (see the module docstring)."""
 
     # ----- small ops -----
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return quantized_linear(x, weight, self.linear)
         return F.linear(x, weight.to(x.dtype))
 
-    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):  # one group at a time, each tiled
+            return torch.stack([self.linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
         return torch.bmm(x.transpose(0, 1), weight.to(x.dtype).transpose(1, 2)).transpose(0, 1)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -111,8 +144,10 @@ class TorchKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
         plan = MoEDispatch(tokens_per_expert=counts, source_token=order // k, source_slot=order % k, num_tokens=T)
         return x.index_select(0, plan.source_token), plan
 
-    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
-                    swiglu_limit: float) -> torch.Tensor:
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                    w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
+        if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+            return self.quantized_experts(rows, plan, w13, w2, swiglu_limit)
         # one GEMM pair per expert over its grouped rows
         out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
         inter = w2.shape[2]
@@ -122,6 +157,22 @@ class TorchKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
                 gate_up = F.linear(rows[start:start + count], w13[e].to(rows.dtype))
                 h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
                 out[start:start + count] = F.linear(h, w2[e].to(rows.dtype))
+            start += count
+        return out
+
+    def quantized_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                          w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
+        """`moe_experts` with quantised expert weights: only the experts that have rows are
+        dequantised, one at a time (the transient memory is one expert's matrices), and run through
+        this object's own `linear` and `swiglu`."""
+        out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
+        inter = w2.shape[2]
+        start = 0
+        for e, count in enumerate(plan.tokens_per_expert.tolist()):
+            if count:
+                gate_up = self.linear(rows[start:start + count], expert_weight(w13, e, rows.dtype))
+                h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+                out[start:start + count] = self.linear(h, expert_weight(w2, e, rows.dtype))
             start += count
         return out
 

@@ -15,16 +15,24 @@ that says how much is needed.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepinfer import envs
+from deepinfer.accelerator.quantized_weight import weight_nbytes
 from deepinfer.config import EngineConfig
 from deepinfer.engine.cache_manager import GiB, CacheManager, PoolSize, size_pool
 from deepinfer.engine.engine_core import EngineCore
+from deepinfer.parallel.expert_parallel import current_expert_parallel, current_layout
+
+if TYPE_CHECKING:
+    from deepinfer.models.registry import ModelFamily
 
 logger = logging.getLogger("deepinfer")
 
@@ -67,6 +75,30 @@ def cache_budget(config: EngineConfig, free_bytes: int, weight_bytes: int, reser
     return budget
 
 
+def load_family_checkpoint(family: ModelFamily, path: str | Path, dtype: str | torch.dtype | None, config_dict: dict,
+                           weight_formats: tuple[str, ...]) -> tuple[Any, dict[str, Any]]:
+    """`family.load_checkpoint(path, dtype, config_dict)`, passing the back end's quantised weight
+    formats (`Capabilities.weight_formats`) on as `weight_formats=` when there are any and the loader
+    takes that keyword (the in-tree families do); a loader without it dequantises everything, which
+    every back end accepts."""
+    if weight_formats and "weight_formats" in inspect.signature(family.load_checkpoint).parameters:
+        return family.load_checkpoint(path, dtype, config_dict, weight_formats=tuple(weight_formats))
+    return family.load_checkpoint(path, dtype, config_dict)
+
+
+def check_parallel_layout(config: EngineConfig) -> None:
+    """ep/dp/cp other than 1 need the process this engine runs in to be a rank of that launch
+    (`deepinfer.parallel.launch`), which installs the groups the model shards over."""
+    if config.ep * config.dp * config.cp == 1:
+        return
+    layout = current_layout()
+    if layout is None or (layout.ep, layout.dp, layout.cp) != (config.ep, config.dp, config.cp):
+        where = "outside a parallel launch" if layout is None else f"in a launch of {layout.describe()}"
+        raise ValueError(f"ep={config.ep}, dp={config.dp}, cp={config.cp} requested {where}: start one process per "
+                         f"rank with deepinfer.parallel.launch (examples/offline_inference.py --ep/--dp does), or "
+                         f"use ep = dp = cp = 1 in a single process")
+
+
 def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     """Build the engine for `config`. Settings left on auto are resolved here; the returned engine's
     `config` holds the resolved values."""
@@ -77,11 +109,12 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     from deepinfer.tokenizer import load_tokenizer
 
     envs.warn_unknown()
-    if config.ep * config.dp * config.cp != 1:
-        raise ValueError(f"ep={config.ep}, dp={config.dp}, cp={config.cp}: this engine runs on one device "
-                         f"(ep = dp = cp = 1) until expert/data/context parallelism lands")
+    check_parallel_layout(config)
     accelerator = select_accelerator(config.accelerator)
     device = accelerator.device(0)
+    if current_expert_parallel() is not None:
+        # the MoE collectives must come from one thread: the idle lockstep runs on the caller's
+        config = config.model_copy(update={"async_pipeline": False})
     if config.async_pipeline is None:
         config = config.model_copy(update={"async_pipeline": accelerator.capabilities().host_overlap})
     free_bytes = accelerator.memory_info().free_bytes  # before the weights are loaded
@@ -91,11 +124,13 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     family, config_dict = checkpoint_family(resolved.path)  # config.json's model_type -> the registry entry
     family.check_accelerator(accelerator)  # every kernel the model calls, before any weight is read
     model_options = family.model_options(config.model_options)  # unknown keys fail before loading too
-    model_config, weights = family.load_checkpoint(resolved.path, _dtype(config), config_dict)
-    # the compute dtype: the half-precision weights' (tables kept quantised, e.g. FP8, do not count)
+    model_config, weights = load_family_checkpoint(family, resolved.path, _dtype(config), config_dict,
+                                                   accelerator.capabilities().weight_formats)
+    # the compute dtype: the half-precision weights' (tables kept quantised, e.g. FP8, do not count;
+    # a QuantizedWeight's dtype is the one it stands for)
     float_dtypes = [t.dtype for t in weights.values() if t.dtype in (torch.bfloat16, torch.float16)]
     dtype = float_dtypes[0] if float_dtypes else torch.float32
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    weight_bytes = sum(weight_nbytes(t) for t in weights.values())
     model = family.build_model(model_config, accelerator, dtype, device, **model_options)
     model.load_weights(weights)
     del weights

@@ -192,6 +192,16 @@ class EngineCore:
         self.executor.drop_in_flight()
         self._announce_finished(self.scheduler.abort_all())
 
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        """Finish these unfinished requests with "abort" (a server client went away or timed out),
+        freeing their cache and processor state; unknown or finished ids are ignored. Returns the
+        requests it finished. Call it between steps, on the thread that steps the engine: a step in
+        flight for them is discarded when it comes back (`update_from_output` skips finished
+        requests), as for any request that finishes while the next step runs."""
+        done = self.scheduler.apply_failures({rid: ("abort", "aborted") for rid in request_ids})
+        self._announce_finished(done)
+        return done
+
     # -- lifecycle --------------------------------------------------------------------------------
 
     def stats(self) -> CacheStats:

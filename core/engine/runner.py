@@ -118,6 +118,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
             return_streams=bool(stream_indices),
             stream_indices=torch.tensor(stream_indices, dtype=torch.int64, device=self.device) if stream_indices else None,
+            prompt_lens=[s.request.num_prompt_tokens for s in sched.scheduled],
         )
         step = PreparedStep(sched=sched, batch=batch,
                             sampling=self._sampling_metadata([(s, i) for s in sample_rows

@@ -24,6 +24,9 @@ class ForwardBatch:
     logits_indices: torch.Tensor  # [L] int64 rows of T whose logits are returned
     return_streams: bool = False  # also return the final residual streams (for MTP drafting)
     stream_indices: torch.Tensor | None = None  # [S] int64 rows whose streams are returned; None: logits_indices
+    #: prompt tokens of each sequence's request (a model's prefill plan may depend on it: V4.1's
+    #: bounded replay keeps the last rows of the prompt); None where the caller does not know them
+    prompt_lens: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -405,8 +405,9 @@ def _collective_worker(rank, world, name, init, queue):
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.level(4)
-def test_collectives_two_ranks(acc, accelerator_name, tmp_path):
+def _run_two_ranks(acc, accelerator_name: str, tmp_path, worker) -> list:
+    """`worker(rank, 2, name, init, queue)` in two spawned processes; what each put on the queue.
+    Skips when the back end declares no collectives or has fewer than 2 devices."""
     caps = acc.capabilities()
     if caps.collectives == "none":
         pytest.skip("no collectives declared")
@@ -416,19 +417,71 @@ def test_collectives_two_ranks(acc, accelerator_name, tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=_collective_worker, args=(r, 2, accelerator_name, init, queue)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, 2, accelerator_name, init, queue)) for r in range(2)]
     for p in procs:
         p.start()
-    results = sorted(queue.get(timeout=120) for _ in procs)
+    results = [queue.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=60)
     assert all(p.exitcode == 0 for p in procs)
+    return results
+
+
+@pytest.mark.level(4)
+def test_collectives_two_ranks(acc, accelerator_name, tmp_path):
+    results = sorted(_run_two_ranks(acc, accelerator_name, tmp_path, _collective_worker))
     for rank, reduced, gathered, received, identity in results:
         assert reduced == [3.0, 3.0, 3.0]
         assert gathered == [0, 0, 1, 1]
         expected = [float(src * 10 + rank) for src in range(2) for _ in range(src + rank + 1)]
         assert received == expected, "uneven all_to_all delivered the wrong rows"
         assert identity, "dispatch -> combine did not return the original rows"
+
+
+def _expert_parallel_worker(rank, world, name, init, queue):
+    """Two EP ranks with uneven token counts, then rank 1 idle while rank 0 makes one more MoE
+    call; every result is compared with all experts run locally."""
+    from deepinfer.parallel.expert_parallel import ExpertParallel
+    from deepinfer.plugins import load_accelerator_class
+    acc = load_accelerator_class(name)()
+    torch.set_num_threads(1)
+    acc.init_process_group(rank, world, init)
+    dev = acc.device(rank if acc.capabilities().device_type != "cpu" else 0)
+    E, D, I, k = 8, 16, 8, 2
+    g = torch.Generator().manual_seed(0)  # the same full weights on every rank
+    w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dev)
+    w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dev)
+    ep = ExpertParallel(acc, rank, world, dev)
+    mine13, mine2 = ep.local_experts(w13), ep.local_experts(w2)
+    key = ep.register(lambda rows, plan: acc.moe_experts(rows, plan, mine13, mine2, 10.0), D, E)
+    errors = []
+
+    def call(T, seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, D, generator=gen).to(dev)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(dev)
+        weights = torch.rand(T, k, generator=gen).to(dev)
+        rows, plan = acc.moe_dispatch(x, ids, E)
+        got = acc.moe_combine(ep.experts(key, rows, plan), plan, weights)
+        want = acc.moe_combine(acc.moe_experts(rows, plan, w13, w2, 10.0), plan, weights)
+        errors.append(float((got - want).abs().max()) if T else 0.0)
+
+    call(5 + 2 * rank, 10 + rank)  # uneven counts in both directions
+    if rank == 0:
+        call(4, 99)  # rank 1 has no work: it must still serve its experts
+    ep.idle_until_peers_done()
+    queue.put((rank, errors))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.level(4)
+def test_expert_parallel_dispatch_combine_two_ranks(acc, accelerator_name, tmp_path):
+    """deepinfer.parallel's EP exchange on this back end's collectives and MoE kernels equals
+    running every expert locally, including a call an idle rank serves."""
+    results = dict(_run_two_ranks(acc, accelerator_name, tmp_path, _expert_parallel_worker))
+    assert len(results[0]) == 2 and len(results[1]) == 1
+    for rank, errors in results.items():
+        assert max(errors) < 1e-4, f"rank {rank}: expert-parallel MoE differs from local experts by {errors}"
 
 
 # ------------------------------------------------------------------------------------ level 5

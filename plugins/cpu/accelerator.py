@@ -8,7 +8,9 @@ import os
 
 import torch
 
+from deepinfer import envs
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
+from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS
 from deepinfer.accelerator.reference import TorchCollectives
 from deepinfer_plugins.cpu.host_memory import retain_freed_memory
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
@@ -34,6 +36,9 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
 
     def __init__(self) -> None:
         retain_freed_memory()  # activations reuse freed memory instead of faulting in new pages
+        # FP8/FP4 weights kept quantised (memory) or dequantised at load (speed, the default): the
+        # kernels compute on quantised weights tile by tile through the reference path
+        self.weight_formats = WEIGHT_FORMATS if envs.get_bool("DEEPINFER_CPU_QUANTIZED_WEIGHTS", False) else ()
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -46,7 +51,8 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
         return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"),
                             token_bitmask=True, rejection_sampling=True, host_overlap=False, collectives="gloo",
                             batch_invariant=self.native_library is not None,  # its mode runs on the C kernels
-                            fast_paths=("native_c",) if self.native_library is not None else ())
+                            fast_paths=("native_c",) if self.native_library is not None else (),
+                            weight_formats=self.weight_formats)
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

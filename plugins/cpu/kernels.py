@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.accelerator.interface import MoEDispatch
-from deepinfer.accelerator.reference import TorchKernels, row_chunks
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
+from deepinfer.accelerator.reference import TorchKernels, quantized_linear, row_chunks
 from deepinfer.models.deepseek_v4.ops import FAMILY as DEEPSEEK_V4, DeepseekV4Ops
 
 # Inputs of at most this many rows take the weight-streaming GEMV path of `linear` (measured faster
@@ -104,7 +105,9 @@ class CpuKernels(TorchKernels):
         return CpuDeepseekV4Ops(self) if family == DEEPSEEK_V4 else None
 
     # ----- small ops -----
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):  # dequantised tile by tile, each tile through this linear
+            return quantized_linear(x, weight, self.linear)
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         rows = x.numel() // max(x.shape[-1], 1)
@@ -123,7 +126,9 @@ class CpuKernels(TorchKernels):
         """`weight @ x` for one token (`[N, K]` x `[K]`), the decode GEMV every linear reduces to."""
         return torch.mv(weight, x)
 
-    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            return TorchKernels.grouped_linear(self, x, weight)
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         rows = x.shape[0]
@@ -292,8 +297,10 @@ class CpuKernels(TorchKernels):
         )
         return x.index_select(0, plan.source_token), plan
 
-    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
-                    swiglu_limit: float) -> torch.Tensor:
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                    w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
+        if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+            return self.quantized_experts(rows, plan, w13, w2, swiglu_limit)
         counts = plan.tokens_per_expert.tolist()
         if w13.dtype != rows.dtype:
             w13, w2 = w13.to(rows.dtype), w2.to(rows.dtype)

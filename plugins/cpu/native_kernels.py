@@ -29,6 +29,7 @@ import functools
 import torch
 
 from deepinfer.accelerator.interface import MoEDispatch
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, DeepseekV41Ops
 from deepinfer_plugins.cpu import native, packed_weights
@@ -164,7 +165,9 @@ class NativeCpuKernels(CpuKernels):
     def packed_weights(self) -> PackedWeights | None:
         return PackedWeights() if packed_weights.available() else None
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):  # CpuKernels tiles it; each tile comes back here
+            return super().linear(x, weight)
         if self.invariant:
             return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
@@ -229,7 +232,9 @@ class NativeCpuKernels(CpuKernels):
             out = native.sink_attention_decode(lib, q, kv, mask, sinks, scale)
         return super().sink_attention(q, kv, mask, sinks, scale) if out is None else out
 
-    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):  # one (tiled) linear per group, see CpuKernels
+            return super().grouped_linear(x, weight)
         if self.invariant:  # a few groups: one fixed-order product each
             return torch.stack([self._rows(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
         lib, out = self.native_library, None
@@ -255,8 +260,10 @@ class NativeCpuKernels(CpuKernels):
                                                                weights)
         return super().moe_combine(out_rows, plan, weights) if out is None else out
 
-    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
-                    swiglu_limit: float) -> torch.Tensor:
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                    w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
+        if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
+            return super().moe_experts(rows, plan, w13, w2, swiglu_limit)  # per expert, through this linear
         if self.invariant:
             return self._experts_invariant(rows, plan, w13, w2, swiglu_limit)
         lib = self.native_library

@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
+from deepinfer.accelerator.quantized_weight import FP8_BLOCK128
 from deepinfer.accelerator.reference import TorchCollectives
 from deepinfer_plugins.nvidia_sm100 import probe as _probe
 from deepinfer_plugins.nvidia_sm100.kernels import CudaKernels, build_fast_paths
@@ -25,9 +26,14 @@ class NvidiaAccelerator(TorchCollectives, CudaKernels, Accelerator):
     def probe(cls) -> ProbeResult:
         return _probe.probe()
 
-    def __init__(self, expert_precision: str = "bf16", fast_paths: Iterable[str] | None = None) -> None:
+    def __init__(self, expert_precision: str = "bf16", fast_paths: Iterable[str] | None = None,
+                 keep_fp8_weights: bool = False) -> None:
         """`expert_precision`: "bf16" or "fp8" (lossy, DeepGEMM only). `fast_paths`: None = every
-        installed library the GPU supports; an explicit tuple (e.g. `()`) overrides that choice."""
+        installed library the GPU supports; an explicit tuple (e.g. `()`) overrides that choice.
+        `keep_fp8_weights` (needs expert_precision="fp8"): declare `fp8_block128`, so that a
+        checkpoint's 128x128-block FP8 weights stay FP8 in GPU memory; FP8 experts (V4-Flash-Base)
+        then run on DeepGEMM's FP8 GEMM as stored, and FP8 dense projections take the reference
+        path (dequantised tile by tile: less memory, slower)."""
         if not torch.cuda.is_available():
             raise RuntimeError("the NVIDIA back end needs a visible CUDA GPU (torch.cuda.is_available() is False); "
                                "run `deepinfer doctor` to see why")
@@ -39,13 +45,17 @@ class NvidiaAccelerator(TorchCollectives, CudaKernels, Accelerator):
             raise ValueError("expert_precision='fp8' needs the DeepGEMM fast path (deep_gemm installed and an "
                              f"SM100/SM103 GPU; this GPU is sm_{self._capability[0]}{self._capability[1]}, "
                              f"fast paths {names or 'none'})")
+        if keep_fp8_weights and expert_precision != "fp8":
+            raise ValueError("keep_fp8_weights=True needs expert_precision='fp8' (DeepGEMM's FP8 expert GEMM is the "
+                             "only kernel here that computes on FP8 weights)")
         self.fast = build_fast_paths(names, self, expert_precision)
         self.expert_precision = expert_precision
+        self.weight_formats = (FP8_BLOCK128,) if keep_fp8_weights else ()
 
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="cuda", dtypes=("float32", "bfloat16"),
                             token_bitmask=True, rejection_sampling=True, collectives="nccl",
-                            fast_paths=self.fast.names)
+                            fast_paths=self.fast.names, weight_formats=self.weight_formats)
 
     # ----- device and memory -----
     def device(self, index: int = 0) -> torch.device:

@@ -17,7 +17,10 @@ Two precisions:
 - "fp8": `m_grouped_fp8_gemm_nt_contiguous` with weights quantised once to 128x128-block FP8
   (cached per weight tensor) and activations per token in 1x128 groups; scales are powers of two so
   SM100's UE8M0 scale format represents them exactly. Faster, lossy: opt-in only
-  (`NvidiaAccelerator(expert_precision="fp8")`).
+  (`NvidiaAccelerator(expert_precision="fp8")`). Experts that arrive as FP8 `QuantizedWeight`s
+  (128x128 blocks, the checkpoint's own values: V4-Flash-Base's experts, with
+  `NvidiaAccelerator(keep_fp8_weights=True)`) go to the FP8 GEMM as stored, scales as fp32, with no
+  re-quantisation.
 
 `deep_gemm` is imported only in `DeepGemmExperts.__init__`; the layout and quantisation helpers
 are plain torch and tested on CPU.
@@ -29,6 +32,7 @@ from typing import Callable
 import torch
 
 from deepinfer.accelerator.interface import MoEDispatch
+from deepinfer.accelerator.quantized_weight import FP8_BLOCK128, QuantizedWeight
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANT_BLOCK = 128  # DeepGEMM's scale granularity along K (and along N for weights)
@@ -88,11 +92,19 @@ def quantize_per_block(w: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch
     return q.view(G, N, K), scale
 
 
-def eligible(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """bf16 CUDA tensors with 128-aligned dims (the FP8 scale blocks and GEMM tiles need it)."""
-    return (rows.is_cuda and rows.dtype == w13.dtype == w2.dtype == torch.bfloat16
-            and w13.is_contiguous() and w2.is_contiguous()
-            and rows.shape[-1] % QUANT_BLOCK == 0 and w2.shape[-1] % QUANT_BLOCK == 0)
+def eligible(rows: torch.Tensor, w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
+             precision: str = "bf16") -> bool:
+    """bf16 CUDA rows with 128-aligned dims (the FP8 scale blocks and GEMM tiles need it), and either
+    bf16 contiguous weights, or (FP8 precision only) both weights FP8 `QuantizedWeight`s in 128x128
+    blocks, which the FP8 GEMM reads as stored."""
+    if not (rows.is_cuda and rows.dtype == torch.bfloat16
+            and rows.shape[-1] % QUANT_BLOCK == 0 and w2.shape[-1] % QUANT_BLOCK == 0):
+        return False
+    quantised = [isinstance(w, QuantizedWeight) for w in (w13, w2)]
+    if any(quantised):
+        return precision == "fp8" and all(quantised) and all(
+            w.format == FP8_BLOCK128 and w.data.is_contiguous() and w.shape[-2] % QUANT_BLOCK == 0 for w in (w13, w2))
+    return w13.dtype == w2.dtype == torch.bfloat16 and w13.is_contiguous() and w2.is_contiguous()
 
 
 class DeepGemmExperts:
@@ -113,13 +125,16 @@ class DeepGemmExperts:
         self.alignment = int(deep_gemm.get_mk_alignment_for_contiguous_layout())
         self._fp8_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _fp8_weight(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _fp8_weight(self, w: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(w, QuantizedWeight):  # the checkpoint's FP8 blocks, as stored
+            return w.data, w.scale.float()
         key = (w.data_ptr(), tuple(w.shape), w._version)
         if key not in self._fp8_cache:
             self._fp8_cache[key] = quantize_per_block(w, self.pow2_scales)
         return self._fp8_cache[key]
 
-    def _grouped_gemm(self, a: torch.Tensor, w: torch.Tensor, layout: torch.Tensor) -> torch.Tensor:
+    def _grouped_gemm(self, a: torch.Tensor, w: torch.Tensor | QuantizedWeight, layout: torch.Tensor
+                      ) -> torch.Tensor:
         d = torch.empty((a.shape[0], w.shape[1]), dtype=torch.bfloat16, device=a.device)
         if self.precision == "fp8":
             self._dg.m_grouped_fp8_gemm_nt_contiguous(quantize_per_token(a, self.pow2_scales),
@@ -128,8 +143,8 @@ class DeepGemmExperts:
             self._dg.m_grouped_bf16_gemm_nt_contiguous(a, w, d, layout)
         return d
 
-    def __call__(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
-                 swiglu_limit: float) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                 w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
         N, D = rows.shape
         E, inter = w2.shape[0], w2.shape[2]
         capturing = rows.is_cuda and torch.cuda.is_current_stream_capturing()

@@ -8,7 +8,11 @@ model's plain-torch defaults (no override is declared). Two kernels have fast pa
 only for inputs its library supports (otherwise the generic kernel runs):
 
 - `sink_attention` -> FlashMLA sparse MQA (`flash_mla_attention.py`): bf16, 64/128 heads, d = 512;
-- `moe_experts` -> DeepGEMM M-grouped GEMM (`deep_gemm_experts.py`): bf16, 128-aligned dims.
+- `moe_experts` -> DeepGEMM M-grouped GEMM (`deep_gemm_experts.py`): bf16, 128-aligned dims; with
+  FP8 precision also FP8 `QuantizedWeight` experts in 128x128 blocks (`keep_fp8_weights`).
+
+Quantised weights (only `fp8_block128`, and only when the accelerator declares it) otherwise take
+the reference path: dequantised tile by tile on the GPU.
 
 `sample` and `rejection_sample` are the reference ones, which check that every per-row generator
 is on the probabilities' device; the reference `moe_dispatch` counts rows per expert without a
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 from deepinfer.accelerator.interface import MoEDispatch
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.accelerator.reference import TorchKernels
 from deepinfer_plugins.nvidia_sm100 import deep_gemm_experts, flash_mla_attention
 from deepinfer_plugins.nvidia_sm100.probe import FAST_PATH_MODULES
@@ -65,9 +70,9 @@ class CudaKernels(TorchKernels):
             return self.fast.attention(q, kv, mask, sinks, scale)
         return super().sink_attention(q, kv, mask, sinks, scale)
 
-    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
-                    swiglu_limit: float) -> torch.Tensor:
-        if self.fast.experts is not None and deep_gemm_experts.eligible(rows, w13, w2):
+    def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                    w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
+        if self.fast.experts is not None and deep_gemm_experts.eligible(rows, w13, w2, self.fast.experts.precision):
             return self.fast.experts(rows, plan, w13, w2, swiglu_limit)
         return super().moe_experts(rows, plan, w13, w2, swiglu_limit)
 

@@ -15,6 +15,14 @@
 5. `load(units, rename, target_dtype, dtype)` reads memory-mapped tensors one at a time,
    dequantises (fp32, exact, then one rounding), canonicalises and converts them.
 
+`keep_quantized(formats, quantizable)` (before steps 2-5) keeps a quantised weight quantised instead:
+when its format (`fp8_block<B>`, `fp4_e2m1`) is one of `formats` (the back end's
+`Capabilities.weight_formats`) and every canonical piece it becomes is a name `quantizable` accepts
+(the family's weights read only through linear / grouped_linear / moe_experts), it is loaded as a
+`QuantizedWeight` per piece (weight and scale canonicalised alike, checked to fit each other; a
+piece that does not fit, e.g. an FP8 fused expert split off a block boundary, dequantises the whole
+stored tensor as before). Its size in the memory check is then its stored bytes.
+
 `rename` is the family's canonicalisation `{stored name: tensor} -> {canonical name: tensor}` and
 `target_dtype(name, dtype)` the dtype one canonical tensor is kept in.
 """
@@ -28,6 +36,7 @@ from typing import TypeVar
 
 import torch
 
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.common import quant
 from deepinfer.models.common.errors import CheckpointError, CheckpointTooLargeError
 from deepinfer.models.common.safetensors_io import (
@@ -41,6 +50,7 @@ DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torc
 Rename = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 TargetDtype = Callable[[str, torch.dtype], torch.dtype]
 KeepStored = Callable[[str], bool]
+Quantizable = Callable[[str], bool]  # canonical name -> may this weight stay quantised
 ConfigT = TypeVar("ConfigT")
 
 
@@ -177,7 +187,8 @@ def check_memory(loaded_bytes: int, disk_bytes: int, dtype: torch.dtype, path: P
     if loaded_bytes > available:
         raise CheckpointTooLargeError(
             f"checkpoint {path} needs about {format_bytes(loaded_bytes)} of RAM once loaded as {dtype_name(dtype)} "
-            f"({format_bytes(disk_bytes)} on disk; quantised FP8/FP4 weights are dequantised on load), but only "
+            f"({format_bytes(disk_bytes)} on disk; quantised FP8/FP4 weights the back end does not compute on are "
+            f"dequantised on load), but only "
             f"{format_bytes(available)} is available. Fix: free memory or use a machine with more RAM, load in "
             f"bfloat16 if you asked for float32, or use {smaller}.")
 
@@ -228,6 +239,33 @@ class SafetensorsCheckpoint:
         self.files = safetensors_files(self.root)
         self.entries = read_headers(self.files)
         self.problems = LoadProblems()
+        self.weight_formats: tuple[str, ...] = ()  # formats kept quantised (keep_quantized)
+        self.quantizable: Quantizable | None = None
+
+    def keep_quantized(self, formats: tuple[str, ...], quantizable: Quantizable) -> None:
+        """Keep the quantised weights of `formats` whose canonical names `quantizable` accepts as
+        `QuantizedWeight`s (see the module docstring); call before `loaded_shapes` and `load`."""
+        self.weight_formats, self.quantizable = tuple(formats), quantizable
+
+    def _kept(self, unit: LoadUnit, weight: torch.Tensor, scale: torch.Tensor, rename: Rename,
+              target_dtype: TargetDtype, dtype: torch.dtype) -> dict[str, QuantizedWeight] | None:
+        """The unit's canonical pieces as QuantizedWeights, or None when it is to be dequantised (its
+        format not kept, a piece not quantizable, or a piece's scale not fitting it). Works on meta
+        tensors too (the shapes pass)."""
+        if (unit.scale_name is None or self.quantizable is None
+                or quant.format_name(weight.dtype, self.block_size) not in self.weight_formats):
+            return None
+        pieces, scales = rename({unit.name: weight}), rename({unit.scale_name: scale})
+        out: dict[str, QuantizedWeight] = {}
+        for name, piece in pieces.items():
+            scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+            if scale_name not in scales or not self.quantizable(name):
+                return None
+            try:
+                out[name] = QuantizedWeight(piece, scales[scale_name], self.block_size, target_dtype(name, dtype))
+            except ValueError:
+                return None
+        return out if len(out) == len(scales) else None
 
     @property
     def disk_bytes(self) -> int:
@@ -251,7 +289,12 @@ class SafetensorsCheckpoint:
         sources: dict[str, str] = {}
         for unit in units:
             try:
-                pieces = rename({unit.name: self._meta(unit)})
+                kept = None
+                if unit.scale_name is not None:
+                    w, s = (self.entries[n] for n in (unit.name, unit.scale_name))
+                    kept = self._kept(unit, torch.empty(w.shape, dtype=w.dtype, device="meta"),
+                                      torch.empty(s.shape, dtype=s.dtype, device="meta"), rename, target_dtype, dtype)
+                pieces = kept if kept is not None else rename({unit.name: self._meta(unit)})
             except ValueError as e:
                 self.problems.duplicate.append(f"{unit.name}: {e}")
                 continue
@@ -260,7 +303,7 @@ class SafetensorsCheckpoint:
                     self.problems.duplicate.append(f"{name}: from {sources[name]} and {unit.name}")
                     continue
                 shapes[name], sources[name] = tuple(t.shape), unit.name
-                sizes[name] = t.numel() * target_dtype(name, dtype).itemsize
+                sizes[name] = t.nbytes if kept is not None else t.numel() * target_dtype(name, dtype).itemsize
         return shapes, sizes
 
     def validate(self, expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]],
@@ -271,7 +314,7 @@ class SafetensorsCheckpoint:
         check_memory(loaded_bytes, self.disk_bytes, dtype, self.root, smaller)
 
     def iter_loaded(self, units: list[LoadUnit], rename: Rename, target_dtype: TargetDtype, dtype: torch.dtype
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+                    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         """(canonical name, tensor) for every unit, reading files through memory maps."""
         entries = self.entries
         by_file: dict[Path, list[LoadUnit]] = {}
@@ -288,11 +331,15 @@ class SafetensorsCheckpoint:
                         else:
                             with open_safetensors(scale_file) as g:
                                 scale = get_tensor(g, scale_file, u.scale_name)
+                        kept = self._kept(u, tensor, scale, rename, target_dtype, dtype)
+                        if kept is not None:  # memory-mapped views; the model copies them
+                            yield from kept.items()
+                            continue
                         # dequantise in fp32 (exact), then round once to the target dtype below
                         tensor = quant.dequantize(tensor, scale, torch.float32, self.block_size)
                     for name, piece in rename({u.name: tensor}).items():
                         yield name, piece.to(target_dtype(name, dtype)).contiguous()
 
     def load(self, units: list[LoadUnit], rename: Rename, target_dtype: TargetDtype, dtype: torch.dtype
-             ) -> dict[str, torch.Tensor]:
+             ) -> dict[str, torch.Tensor | QuantizedWeight]:
         return dict(self.iter_loaded(units, rename, target_dtype, dtype))

@@ -1,5 +1,8 @@
 """Quantised weight formats: dequantise on load, quantise for test checkpoints.
 
+The formats, their dequantisation and `QuantizedWeight` (a weight kept quantised in memory) live in
+`deepinfer.accelerator.quantized_weight` and are re-exported here; this module adds the quantisers.
+
 Two block-scaled formats, as DeepSeek's official checkpoints ship them (V4 and later):
 
 * **FP8 block**: weight in float8 e4m3 `[out, in]`, one scale per BxB block, scale shape
@@ -20,107 +23,16 @@ dequantiser applied to packed FP4 bytes (two codes per byte) silently loses half
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-FP8_BLOCK = 128  # rows and columns per FP8 scale block (V4; V4.1 uses 32)
-FP4_GROUP = 32  # inputs per FP4 scale
-FP8_ROW_GROUP = 32  # columns per scale of a row-scaled FP8 table
-
-# e2m1 magnitudes indexed by the low three bits of a code; bit 3 is the sign.
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-_FP4_TABLE = torch.tensor(list(FP4_E2M1_VALUES) + [-v for v in FP4_E2M1_VALUES], dtype=torch.float32)
-
-FP8_DTYPES = (torch.float8_e4m3fn,)
-FP4_DTYPES = (torch.int8, torch.uint8, torch.float4_e2m1fn_x2)
-
-
-def quant_format(weight_dtype: torch.dtype) -> str:
-    """'fp8' or 'fp4' for a quantised weight's storage dtype; ValueError for anything else."""
-    if weight_dtype in FP8_DTYPES:
-        return "fp8"
-    if weight_dtype in FP4_DTYPES:
-        return "fp4"
-    raise ValueError(
-        f"a weight with a scale tensor must be float8_e4m3fn (FP8 block) or int8/uint8/float4_e2m1fn_x2 "
-        f"(packed FP4); got {weight_dtype}")
-
-
-def expected_scale_shape(weight_shape: tuple[int, ...], weight_dtype: torch.dtype, block: int = FP8_BLOCK
-                         ) -> tuple[int, ...]:
-    """The scale shape a quantised weight of this storage shape/dtype must come with (`block`: the
-    FP8 block size)."""
-    *lead, rows, cols = weight_shape
-    if quant_format(weight_dtype) == "fp8":
-        return (*lead, math.ceil(rows / block), math.ceil(cols / block))
-    return (*lead, rows, cols * 2 // FP4_GROUP)
-
-
-def dequantized_shape(weight_shape: tuple[int, ...], weight_dtype: torch.dtype) -> tuple[int, ...]:
-    """The logical (unpacked) shape of a quantised weight."""
-    *lead, rows, cols = weight_shape
-    return tuple(weight_shape) if quant_format(weight_dtype) == "fp8" else (*lead, rows, cols * 2)
-
-
-def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    """Scale factors as fp32; ue8m0 bytes become exact powers of two."""
-    return scale.to(torch.float32)
-
-
-def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-                         block: int = FP8_BLOCK) -> torch.Tensor:
-    """FP8 e4m3 `[..., out, in]` with `block` x `block` scales -> `dtype` (computed in fp32, exact)."""
-    _check_scale(weight, scale, block)
-    rows, cols = weight.shape[-2:]
-    s = scale_to_float(scale)
-    s = s.repeat_interleave(block, dim=-2)[..., :rows, :].repeat_interleave(block, dim=-1)[..., :cols]
-    return (weight.to(torch.float32) * s).to(dtype)
-
-
-def dequantize_fp8_rows(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-                        ) -> torch.Tensor:
-    """Row-scaled FP8 e4m3 `[..., rows, cols]` with scales `[..., rows, cols/32]` -> `dtype`."""
-    want = (*weight.shape[:-1], weight.shape[-1] // FP8_ROW_GROUP)
-    if weight.dtype not in FP8_DTYPES or weight.shape[-1] % FP8_ROW_GROUP or tuple(scale.shape) != want:
-        raise ValueError(f"a row-scaled FP8 table must be float8_e4m3fn with a multiple of {FP8_ROW_GROUP} "
-                         f"columns and scales of shape {want}; got {weight.dtype} {tuple(weight.shape)} and "
-                         f"scales {tuple(scale.shape)}")
-    s = scale_to_float(scale).repeat_interleave(FP8_ROW_GROUP, dim=-1)
-    return (weight.to(torch.float32) * s).to(dtype)
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 bytes `[..., n]` -> fp32 values `[..., 2n]`; the low nibble is the even element."""
-    if packed.dtype == torch.float4_e2m1fn_x2:
-        packed = packed.view(torch.uint8)
-    b = packed.view(torch.uint8).to(torch.int64)
-    codes = torch.stack((b & 0x0F, b >> 4), dim=-1)  # (even, odd) per byte
-    return _FP4_TABLE[codes].flatten(-2)
-
-
-def dequantize_fp4(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
-                   ) -> torch.Tensor:
-    """Packed FP4 `[..., out, in/2]` with one scale per 32 inputs `[..., out, in/32]` -> `dtype`."""
-    _check_scale(weight, scale)
-    values = unpack_fp4(weight)
-    s = scale_to_float(scale).repeat_interleave(FP4_GROUP, dim=-1)
-    return (values * s).to(dtype)
-
-
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-               block: int = FP8_BLOCK) -> torch.Tensor:
-    """Dispatch on the weight's storage dtype (FP8 block of size `block`, or packed FP4)."""
-    if quant_format(weight.dtype) == "fp8":
-        return dequantize_fp8_block(weight, scale, dtype, block)
-    return dequantize_fp4(weight, scale, dtype)
-
-
-def _check_scale(weight: torch.Tensor, scale: torch.Tensor, block: int = FP8_BLOCK) -> None:
-    want = expected_scale_shape(tuple(weight.shape), weight.dtype, block)
-    if tuple(scale.shape) != want:
-        raise ValueError(f"scale shape {tuple(scale.shape)} does not fit a {quant_format(weight.dtype)} weight "
-                         f"of shape {tuple(weight.shape)}; expected {want}")
+# the formats and their exact dequantisation are part of the accelerator contract (back ends that
+# declare a format receive `QuantizedWeight`s); re-exported here for the loaders and make-model
+from deepinfer.accelerator.quantized_weight import (  # noqa: F401  (re-exported)
+    _FP4_TABLE, FP4_DTYPES, FP4_E2M1_VALUES, FP4_GROUP, FP8_BLOCK, FP8_DTYPES, FP8_ROW_GROUP, QuantizedWeight,
+    dequantize, dequantize_fp4, dequantize_fp8_block, dequantize_fp8_rows, dequantized_shape, expected_scale_shape,
+    format_name, quant_format, scale_to_float, unpack_fp4,
+)
+from deepinfer.accelerator.quantized_weight import check_scale as _check_scale  # noqa: F401  (re-exported)
 
 
 # --- quantisation (writes the official format; used by make_model for loader tests) ---------------

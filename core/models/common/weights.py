@@ -10,7 +10,18 @@ family's `canonicalize` is built from these pieces:
 - `canonicalize_blocks`: the loop over stored names (prefix, top-level renames, per-block handler);
 - `strip_prefix(weights, prefix)`: a sub-module's tensors, named relative to it;
 - `fuse_rows` / `fused_parts` / `split_fused`: matrices that read the same input concatenated into
-  one at load time (one GEMM instead of several), and the output split back by name.
+  one at load time (one GEMM instead of several), and the output split back by name;
+- `fuse_experts`: the routed experts stacked into `w13 [E, 2I, D]` and `w2 [E, D, I]`;
+- `group_rows` / `ensure_row_groups`: a `[G * R, in]` weight seen as `[G, R, in]` (grouped_linear).
+
+Any of these weights may be a `QuantizedWeight` (kept quantised for a back end that declares its
+format). Quantised parts are concatenated / stacked quantised when they can be: the same format and
+input size, and, for FP8, every part but the last a whole number of scale blocks (so that the scale
+rows concatenate too). Otherwise the quantised parts are dequantised (to the dtype they stand for)
+and fused as plain tensors: keeping them apart would cost a GEMM per part on every step. In
+DeepSeek-V4's and V4.1's released checkpoints this happens only for the attention input projection
+`fused_x`, whose FP8 parts (`wq_a`, `wkv`) sit beside BF16 ones (compressor, `indexer.weights_proj`):
+about 1.5k x hidden FP8 values per layer, a fraction of a percent of the model.
 """
 from __future__ import annotations
 
@@ -19,6 +30,9 @@ from collections.abc import Callable
 
 import torch
 
+from deepinfer.accelerator.quantized_weight import QuantizedWeight, can_cat_rows, cat_rows, stack
+
+Weight = torch.Tensor | QuantizedWeight
 
 def drop_prefix(name: str, prefix: str = "model.") -> str:
     return name[len(prefix):] if name.startswith(prefix) else name
@@ -74,21 +88,72 @@ def strip_prefix(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
     return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
-def fuse_rows(w: dict[str, torch.Tensor], key: str, names: tuple[str, ...]) -> None:
+def _plain(t: Weight) -> torch.Tensor:
+    return t.dequantize() if isinstance(t, QuantizedWeight) else t
+
+
+def concat_rows(parts: list[Weight]) -> Weight:
+    """The parts' rows concatenated: quantised when `can_cat_rows`, else as plain tensors (quantised
+    parts dequantised to the dtype they stand for)."""
+    if any(isinstance(p, QuantizedWeight) for p in parts) and can_cat_rows(parts):
+        return cat_rows(parts)
+    return torch.cat([_plain(p) for p in parts])
+
+
+def _row_view(fused: Weight, start: int, stop: int) -> Weight:
+    return fused.rows(start, stop) if isinstance(fused, QuantizedWeight) else fused[start:stop]
+
+
+def fuse_rows(w: dict[str, Weight], key: str, names: tuple[str, ...]) -> None:
     """Concatenate the present `names` (matrices with the same input) into `w[key]`, in place; each
-    part is then a row view of the fused tensor, so no memory is added. Idempotent."""
+    part is then a row view of the fused weight, so no memory is added (`concat_rows` for quantised
+    parts). Idempotent."""
     present = [n for n in names if n in w]
     if key in w or not present:
         return
-    if len({(w[n].dtype, w[n].shape[1:]) for n in present}) != 1:
+    if len({(w[n].dtype, tuple(w[n].shape[1:])) for n in present}) != 1:
         raise ValueError(f"cannot fuse {present}: their dtypes or input sizes differ")
-    fused = torch.cat([w[n] for n in present])
+    fused = concat_rows([w[n] for n in present])
     start = 0
     for n in present:
         rows = w[n].shape[0]
-        w[n] = fused[start:start + rows]
+        w[n] = _row_view(fused, start, start + rows)
         start += rows
     w[key] = fused
+
+
+def stack_weights(parts: list[Weight]) -> Weight:
+    """Equal-shaped weights stacked along a new leading dim: quantised when all are, of one format."""
+    if all(isinstance(p, QuantizedWeight) for p in parts):
+        try:
+            return stack(parts)
+        except ValueError:
+            pass  # formats differ between experts: dequantised below
+    return torch.stack([_plain(p) for p in parts])
+
+
+def fuse_experts(w: dict[str, Weight], num_experts: int, prefix: str = "ffn.experts.") -> None:
+    """Pop the routed experts `{prefix}{e}.w1/w2/w3.weight` and store them stacked, in place:
+    `{prefix}w13` `[E, 2I, D]` (each expert's w1 rows then its w3 rows) and `{prefix}w2` `[E, D, I]`."""
+    pop = [{k: w.pop(f"{prefix}{e}.{k}.weight") for k in ("w1", "w3", "w2")} for e in range(num_experts)]
+    w[f"{prefix}w13"] = stack_weights([concat_rows([p["w1"], p["w3"]]) for p in pop])
+    w[f"{prefix}w2"] = stack_weights([p["w2"] for p in pop])
+
+
+def group_rows(weight: Weight, groups: int) -> Weight:
+    """A `[groups * R, in]` weight as `[groups, R, in]` (a view; see `ensure_row_groups`)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.unflatten_rows(groups)
+    return weight.view(groups, -1, weight.shape[-1])
+
+
+def ensure_row_groups(w: dict[str, Weight], name: str, groups: int) -> None:
+    """In place: dequantise `w[name]` when it is quantised but cannot be split into `groups` row
+    groups of whole scale blocks (FP8 groups of rows off a block boundary), so that `group_rows`
+    holds for it."""
+    t = w.get(name)
+    if isinstance(t, QuantizedWeight) and not t.can_unflatten_rows(groups):
+        w[name] = t.dequantize()
 
 
 def fused_parts(w: dict[str, torch.Tensor], names: tuple[str, ...], prefix: str) -> tuple[list[str], list[int]]:

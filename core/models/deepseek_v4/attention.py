@@ -15,7 +15,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
-from deepinfer.models.common.weights import fused_parts, split_fused, strip_prefix
+from deepinfer.models.common.weights import fused_parts, group_rows, split_fused, strip_prefix
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
@@ -46,6 +46,7 @@ class Attention:
         self.w = weights
         self.x_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_x.weight"], "attn.")
         self.qr_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_qr.weight"], "attn.")
+        self.wo_a = group_rows(weights["wo_a.weight"], config.o_groups)  # [G, R, in] for grouped_linear
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
         self.rate = config.compress_ratio_for(layer_type)
         eps = config.rms_norm_eps
@@ -119,7 +120,7 @@ class Attention:
             window_flat[write.ring_row] = kv[write.rows]
 
         o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
-        grouped = a.grouped_linear(o, w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1))
+        grouped = a.grouped_linear(o, self.wo_a)
         return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
 
     def _selected_entries(self, g, ev, index_q: torch.Tensor, index_w: torch.Tensor

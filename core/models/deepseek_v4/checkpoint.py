@@ -6,6 +6,8 @@ transformers-internal, transformers' save_pretrained hybrid; see `weights.canoni
 dequantises quantised weights on the way (`common/quant.py`): FP8 e4m3 with 128x128 block scales
 stored as `<w>.scale` (official) or `<w>.weight_scale_inv` / `<fused>_scale_inv` (transformers), and
 packed FP4 e2m1 experts with one scale per 32 inputs. The format is chosen by the weight's dtype.
+`load_checkpoint(..., weight_formats=...)` keeps the linear weights (`weights.is_quantizable`) of
+the formats the back end declares quantised instead (`QuantizedWeight`, docs/checkpoints.md).
 
 Everything is checked before any tensor data is read, each problem a `CheckpointError`: every
 config.json value's type and range (`config.FIELD_RANGES`); each safetensors file's layout
@@ -44,7 +46,9 @@ from deepinfer.models.common.safetensors_io import (  # noqa: F401  (re-exported
     read_safetensors_header, safetensors_files,
 )
 from deepinfer.models.deepseek_v4.config import SUPPORTED_MODEL_TYPES, CheckpointError, DeepseekV4Config
-from deepinfer.models.deepseek_v4.weights import canonicalize, check_hash_tables, expected_weight_shapes, weight_kind
+from deepinfer.models.deepseek_v4.weights import (
+    canonicalize, check_hash_tables, expected_weight_shapes, is_quantizable, weight_kind,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -81,12 +85,16 @@ def target_dtype(official_name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bfloat16,
-                    config_dict: dict | None = None) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
+                    config_dict: dict | None = None, weight_formats: tuple[str, ...] = ()
+                    ) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
     """Load a DeepSeek-V4 checkpoint directory: (config, {official name: tensor}).
 
     `dtype` is the dtype of ordinary float weights ("auto": the checkpoint's). `config_dict`: the
     folder's config.json when the caller has read it already (the model registry does), else it is
-    read here. Raises FileNotFoundError (no config.json / no weights) and CheckpointError (a
+    read here. `weight_formats`: the quantised formats the back end computes on
+    (`Capabilities.weight_formats`, e.g. `fp8_block128`, `fp4_e2m1`): the weights of those formats
+    that `weights.is_quantizable` accepts stay quantised (`QuantizedWeight`); all others are
+    dequantised. Raises FileNotFoundError (no config.json / no weights) and CheckpointError (a
     ValueError) for: a config.json that is not a JSON object, an unsupported model_type or any value
     of the wrong type or out of range (`config.FIELD_RANGES`); a truncated or corrupt safetensors
     file (`read_safetensors_header`); index entries outside the folder; missing, unexpected,
@@ -102,6 +110,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
         if name.endswith("tid2eid") and (entry.dtype.is_floating_point or entry.dtype == torch.bool):
             ckpt.problems.dtype.append(f"{name}: dtype {entry.dtype}, expected an integer dtype (expert ids)")
     units = ckpt.plan(config.expert_dtype)
+    ckpt.keep_quantized(weight_formats, is_quantizable)
     shapes, sizes = ckpt.loaded_shapes(units, canonicalize, target_dtype, dtype)
 
     if config.num_nextn_predict_layers and not any(n.startswith("mtp.") for n in shapes):

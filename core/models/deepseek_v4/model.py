@@ -15,8 +15,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.attention import AttentionState
-from deepinfer.models.common.weights import fuse_rows, strip_prefix
+from deepinfer.models.common.weights import ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
 from deepinfer.models.deepseek_v4.block import DecoderBlock, StepInputs, build_decoder_block
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.ops import resolve_ops
@@ -57,8 +58,9 @@ class DeepseekV4ForCausalLM:
 
     # ----- weights -----
     def load_weights(self, canonical: dict[str, torch.Tensor]) -> None:
-        """Load dequantised tensors under official names (see weights.canonicalize). The MTP block
-        (`mtp.0.*`) is loaded when present; it is optional."""
+        """Load tensors under official names (see weights.canonicalize): dequantised, except the
+        linear weights the loader kept quantised (`QuantizedWeight`, only in formats the back end
+        declares). The MTP block (`mtp.0.*`) is loaded when present; it is optional."""
         quantised = [k for k in canonical if k.endswith(".scale")]
         if quantised:
             raise ValueError(f"{len(quantised)} quantisation scales found (e.g. {quantised[0]!r}); dequantise the "
@@ -97,7 +99,9 @@ class DeepseekV4ForCausalLM:
             other.mtp_block = build_decoder_block(c, SLIDING, "moe", self.mtp_block.w, self.accel, ops=self.ops)
         return other
 
-    def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _convert(self, name: str, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        if isinstance(t, QuantizedWeight):  # own memory on the device, standing for the model dtype
+            return t.copy_to(self.device, self.dtype)
         kind = weight_kind(name)
         dtype = torch.long if kind == "int" else torch.float32 if kind == "fp32" else self.dtype
         out = t.to(device=self.device, dtype=dtype)
@@ -112,14 +116,8 @@ class DeepseekV4ForCausalLM:
         input concatenated (see `fuse_rows`)."""
         for key, names in FUSED_PROJECTIONS.items():
             fuse_rows(w, key, names)
-        return self._fuse_experts(w)
-
-    def _fuse_experts(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        E = self.config.n_routed_experts
-        w13 = torch.stack([torch.cat((w.pop(f"ffn.experts.{e}.w1.weight"), w.pop(f"ffn.experts.{e}.w3.weight")))
-                           for e in range(E)])
-        w2 = torch.stack([w.pop(f"ffn.experts.{e}.w2.weight") for e in range(E)])
-        w["ffn.experts.w13"], w["ffn.experts.w2"] = w13, w2
+        ensure_row_groups(w, "attn.wo_a.weight", self.config.o_groups)  # read as [G, R, in]
+        fuse_experts(w, self.config.n_routed_experts)
         return w
 
     # ----- state -----

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from deepinfer.accelerator.interface import Accelerator
+from deepinfer.accelerator.interface import Accelerator, MoEDispatch
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.parallel.expert_parallel import current_expert_parallel
 
 
 def routing_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -31,10 +32,18 @@ class MoE:
         self.bias = None if is_hash else weights["gate.bias"]
         self.tid2eid = weights["gate.tid2eid"] if is_hash else None
         self.w13, self.w2 = weights["experts.w13"], weights["experts.w2"]
+        # expert parallelism: keep only this rank's experts; the others are reached by all-to-all
+        self.ep = current_expert_parallel()
+        if self.ep is not None:
+            self.w13, self.w2 = self.ep.local_experts(self.w13), self.ep.local_experts(self.w2)
+            self.ep_key = self.ep.register(self._local_experts, config.hidden_size, config.n_routed_experts)
         self.shared = None
         if config.n_shared_experts:
             # w1 and w3 fused into one [2I, D] matrix at load (weights.FUSED_PROJECTIONS)
             self.shared = (weights["fused_shared.weight"], weights["shared_experts.w2.weight"])
+
+    def _local_experts(self, rows: torch.Tensor, plan: MoEDispatch) -> torch.Tensor:
+        return self.accel.moe_experts(rows, plan, self.w13, self.w2, self.c.swiglu_limit)
 
     def run(self, x: torch.Tensor, step) -> torch.Tensor:
         """The block's sub-layer call (`block.StepInputs`): routing reads the step's token ids."""
@@ -46,7 +55,8 @@ class MoE:
         hash_ids = self.tid2eid[input_ids] if self.is_hash else None
         weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor, hash_ids)
         rows, dispatch = a.moe_dispatch(x, ids, c.n_routed_experts)
-        y = a.moe_combine(a.moe_experts(rows, dispatch, self.w13, self.w2, c.swiglu_limit), dispatch, weights)
+        out = self.ep.experts(self.ep_key, rows, dispatch) if self.ep is not None else self._local_experts(rows, dispatch)
+        y = a.moe_combine(out, dispatch, weights)
         if self.shared is not None:
             w13, w2 = self.shared
             gate_up = a.linear(x, w13)

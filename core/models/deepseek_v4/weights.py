@@ -5,6 +5,8 @@ The canonical naming is the OFFICIAL one, without prefix: `embed.weight`,
 
 - `expected_weight_shapes(config)`: every logical (dequantised) tensor the model needs, with shape;
 - `weight_kind(name)`: "int" (tid2eid), "fp32" (kept in fp32: sinks, ape, hc_*, gate bias) or "float";
+- `is_quantizable(name)`: the weights the model reads only through linear / grouped_linear /
+  moe_experts, which may stay quantised for a back end that declares their format;
 - `canonicalize(state)`: accepts official names, transformers-internal names
   (`model.layers.i.self_attn.q_a_proj.weight`, fused `mlp.experts.gate_up_proj [E,2I,D]` /
   `down_proj [E,D,I]`) and the hybrid written by transformers' `save_pretrained`, and returns
@@ -85,6 +87,10 @@ _TOP_RENAMES = {
 _BLOCK_RE = re.compile(r"^((?:layers|mtp)\.\d+)\.(.+)$")
 _FUSED_RE = re.compile(r"^mlp\.experts\.(gate_up_proj|down_proj)(_scale_inv|_scale)?$")
 _EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+# read only through linear / grouped_linear / moe_experts (never indexed, sliced by value or cast)
+_QUANTIZABLE_RE = re.compile(
+    r"^(head|mtp\.\d+\.(e_proj|h_proj)|(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|compressor\.(wkv|wgate)"
+    r"|indexer\.(wq_b|weights_proj|compressor\.(wkv|wgate)))|ffn\.(shared_experts|experts\.\d+)\.w[123]))\.weight$")
 _FP32_RE = re.compile(r"(attn_sink|\.ape|(^|\.)hc_[a-z_]+|(^|\.)gate\.bias|(^|\.)gate\.weight|norm\.weight)$")
 
 
@@ -107,6 +113,13 @@ def weight_kind(name: str) -> str:
     if name.endswith("tid2eid"):
         return "int"
     return "fp32" if _FP32_RE.search(name) else "float"
+
+
+def is_quantizable(name: str) -> bool:
+    """Whether the canonical weight `name` may be kept quantised (a `QuantizedWeight`): it is read
+    only as the weight of linear, grouped_linear (`wo_a`) or moe_experts. The embedding, norms, the
+    router, mHC and everything indexed are never quantised."""
+    return _QUANTIZABLE_RE.match(name) is not None
 
 
 def _block_shapes(cfg: DeepseekV4Config, prefix: str, layer_type: str, mlp_type: str) -> dict[str, tuple[int, ...]]:

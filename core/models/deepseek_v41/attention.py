@@ -38,7 +38,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
-from deepinfer.models.common.weights import fused_parts, split_fused
+from deepinfer.models.common.weights import fused_parts, group_rows, split_fused
 from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, DeepseekV41Config
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops
@@ -76,6 +76,7 @@ class Attention:
         self.uses_candidates = config.uses_candidates(layer)
         self.x_parts = fused_parts(weights, X_PARTS, "attn.")
         self.qr_parts = fused_parts(weights, QR_PARTS, "attn.")
+        self.wo_a = group_rows(weights["wo_a.weight"], config.o_groups)  # [G, R, in] for grouped_linear
         self.state: CacheViews | None = None
 
     @property
@@ -98,7 +99,7 @@ class Attention:
         kv_codes = encode(kv, FP8_WINDOW)
         kv = decode(kv_codes, FP8_WINDOW, d, kv.dtype)  # the FP8 window key, as every reader sees it
 
-        if self.role == FULL:
+        if self.role == FULL and not step.kv_published:  # bounded replay ran it on every row (replay.py)
             self._compress(x, step)
         index_q = index_w = None
         if self.indexes:
@@ -134,7 +135,7 @@ class Attention:
             window_flat[write.ring_row] = kv_codes[write.rows]
 
         o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
-        grouped = a.grouped_linear(o, w["wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1))
+        grouped = a.grouped_linear(o, self.wo_a)
         return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
 
     def _read_entries(self, rows: torch.Tensor) -> torch.Tensor:
@@ -143,6 +144,12 @@ class Attention:
                       self.w["wo_b.weight"].dtype)
 
     # ----- compressor (Full layers) -----
+    def publish_kv(self, x: torch.Tensor, step) -> None:
+        """Only this KV source's compressor and index keys over `x` `[T, D]` (bounded replay's prepass)."""
+        if self.role != FULL:
+            raise ValueError(f"layer {self.layer} is a {self.role} layer, not a KV source: it has no compressor")
+        self._compress(x, step)
+
     def _compress(self, x: torch.Tensor, step) -> None:
         """Write the entries of the groups completed in this step (compressed KV and index keys)."""
         a, c, w, st, plan = self.accel, self.c, self.w, self.state, step.plan

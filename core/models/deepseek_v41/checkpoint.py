@@ -11,7 +11,8 @@ Stored formats (`quantization_config`): dense projections FP8 e4m3 with one ue8m
 FP4 (int8 `[out, in/2]`, one scale per 32 inputs); the Engram tables FP8 `[rows, engram_head_dim]`
 with one scale per row and 32 channels; the rest BF16 or F32. Quantised weights are dequantised on
 load (fp32, exact, then rounded once to `dtype`; `weights.weight_kind` "fp32" tensors stay
-float32), except the Engram tables and their scales: those are returned exactly as stored
+float32) unless the back end declares their format (`weight_formats`: then the linear weights stay
+`QuantizedWeight`s), except the Engram tables and their scales: those are returned exactly as stored
 (float8_e4m3fn / float8_e8m0fnu) and memory-mapped from the shard file (the release's are about
 200 GB), so they take no RAM until rows are read, and the memory check leaves them out.
 
@@ -43,7 +44,7 @@ from deepinfer.models.common.safetensors_io import CONFIG_FILE
 from deepinfer.models.deepseek_v41.config import MODEL_TYPE, TEXT_MODEL_TYPE, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram_vocab import compressed_token_map
 from deepinfer.models.deepseek_v41.weights import (
-    SKIPPED_PREFIXES, canonicalize, expected_weight_shapes, is_engram_table, is_skipped, weight_kind,
+    SKIPPED_PREFIXES, canonicalize, expected_weight_shapes, is_engram_table, is_quantizable, is_skipped, weight_kind,
 )
 from deepinfer.tokenizer import checkpoint_tokenizer_file
 
@@ -148,12 +149,16 @@ def _check_engram_dtypes(ckpt: SafetensorsCheckpoint) -> None:
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bfloat16,
-                    config_dict: dict | None = None) -> tuple[DeepseekV41Config, dict[str, torch.Tensor]]:
+                    config_dict: dict | None = None, weight_formats: tuple[str, ...] = ()
+                    ) -> tuple[DeepseekV41Config, dict[str, torch.Tensor]]:
     """Load a DeepSeek-V4.1 checkpoint folder: (config, {official name: tensor}) plus the derived
     `engram.token_map` when the model has Engram layers.
 
     `dtype` is the dtype of ordinary float weights ("auto": the checkpoint's). `config_dict`: the
-    folder's config.json when the caller has read it already, else it is read here. Raises
+    folder's config.json when the caller has read it already, else it is read here.
+    `weight_formats`: the quantised formats the back end computes on (`Capabilities.weight_formats`,
+    e.g. `fp8_block32`, `fp4_e2m1`): the weights of those formats that `weights.is_quantizable`
+    accepts stay quantised (`QuantizedWeight`); the others are dequantised. Raises
     FileNotFoundError (no config.json / no weights); CheckpointError (a ValueError) for a config
     value of the wrong type or out of range, a corrupt file, index entries outside the folder,
     missing / unexpected / mis-shaped / wrongly typed / badly quantised tensors (all listed at once),
@@ -167,6 +172,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     dtype = _common.resolve_dtype(dtype, ckpt.entries, DTYPE_REFERENCE_NAMES)
     _check_engram_dtypes(ckpt)
     units = ckpt.plan(config.expert_dtype, keep_stored=is_engram_table)
+    ckpt.keep_quantized(weight_formats, is_quantizable)
     shapes, sizes = ckpt.loaded_shapes(units, canonicalize, target_dtype, dtype)
     ckpt.validate(expected_weight_shapes(config), shapes, naming="official")
     token_map = engram_token_map(root, config) if config.engram_layer_ids else None

@@ -15,6 +15,9 @@ the streams it receives, but its sub-layer reads the streams collapsed with the 
 `pre` (carried on the step; one-hot on stream 0 before the first site), then expands with its own
 post and comb. The MoE is V4's without hash routing (every layer scored with `gate.bias`).
 
+With `set_bounded_replay(k)` (the swa_replay feature) prefill runs the decoder layers only on the
+last k prompt rows of each sequence (SWA bounded replay, approximate; replay.py); exact by default.
+
 Implements the engine's `Model` protocol; its registry entry is `family.py`.
 """
 from __future__ import annotations
@@ -24,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
-from deepinfer.models.common.weights import fuse_rows, strip_prefix
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
+from deepinfer.models.common.weights import ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
 from deepinfer.models.deepseek_v4.block import ATTN, FFN, DecoderBlock
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.rope import RotaryTables
@@ -33,6 +37,7 @@ from deepinfer.models.deepseek_v41.attention import QR_PARTS, X_PARTS, Attention
 from deepinfer.models.deepseek_v41.config import FULL, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import Engram, EngramHasher
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops, resolve_ops
+from deepinfer.models.deepseek_v41.replay import decoder_rows, decoder_start, minimum_keep_tokens
 from deepinfer.models.deepseek_v41.state import (
     COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
 )
@@ -61,6 +66,7 @@ class StepInputs:
     engram_rows: torch.Tensor | None = None  # [T, engram layers, hash heads]
     selection: dict = field(default_factory=dict)  # attention group -> (index-source layer, picks)
     candidates: dict = field(default_factory=dict)  # attention group -> candidate pool [B, S, E]
+    kv_published: bool = False  # bounded replay: the decoder KV source already ran its compressor (replay.py)
 
 
 class Site:
@@ -103,6 +109,20 @@ class DeepseekV41ForCausalLM:
         self._cache: CacheTensors | None = None
         self._layout: CacheLayout | None = None
         self._num_slots = 0
+        self.replay_keep_tokens: int | None = None  # SWA bounded replay (replay.py); None: exact prefill
+
+    def set_bounded_replay(self, keep_tokens: int | None) -> None:
+        """Run prefill with decoder-side SWA bounded replay keeping the last `keep_tokens` prompt
+        rows per sequence (replay.py), or exactly (None, the default). Call after bind_cache."""
+        if keep_tokens is not None:
+            decoder_start(self.config)  # refuses a schedule without an encoder/decoder split
+            rollback = self._rings.window - self.config.sliding_window if self._cache is not None else 0
+            minimum = minimum_keep_tokens(self.config, rollback)
+            if keep_tokens < minimum:
+                raise ValueError(f"bounded replay keeps {keep_tokens} prompt rows, fewer than the minimum {minimum} "
+                                 f"(sliding_window {self.config.sliding_window} + 2 x max_rollback {rollback}); "
+                                 f"keep at least {minimum}")
+        self.replay_keep_tokens = keep_tokens
 
     def drafter_heads(self) -> None:
         """V4.1's DSpark head is not run yet: speculative decoding on V4.1 is refused (None)."""
@@ -111,7 +131,9 @@ class DeepseekV41ForCausalLM:
     # ----- weights -----
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Tensors under official names (checkpoint.load_checkpoint): dequantised, except the
-        Engram tables (FP8 + row scales, kept as stored), plus the derived `engram.token_map`."""
+        Engram tables (FP8 + row scales, kept as stored) and the linear weights the loader kept
+        quantised (`QuantizedWeight`, in formats the back end declares), plus the derived
+        `engram.token_map`."""
         c = self.config
         quantised = [k for k in weights if k.endswith(".scale") and ".engram.embed." not in k]
         if quantised:
@@ -128,7 +150,9 @@ class DeepseekV41ForCausalLM:
         if self._cache is not None:
             self.bind_cache(self._cache)
 
-    def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _convert(self, name: str, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
+        if isinstance(t, QuantizedWeight):  # a linear weight kept quantised: own memory on the device
+            return t.copy_to(self.device, self.dtype)
         if ".engram.embed." in name:
             return t  # the FP8 table stays as stored (memory-mapped); rows are dequantised per look-up
         fp32 = name.endswith(_FP32_SUFFIXES) or ".hc_" in name
@@ -139,10 +163,8 @@ class DeepseekV41ForCausalLM:
         c, a, ops = self.config, self.accel, self.ops
         for key, names in FUSED_PROJECTIONS.items():
             fuse_rows(w, key, names)
-        E = c.n_routed_experts
-        w["ffn.experts.w13"] = torch.stack([torch.cat((w.pop(f"ffn.experts.{e}.w1.weight"),
-                                                       w.pop(f"ffn.experts.{e}.w3.weight"))) for e in range(E)])
-        w["ffn.experts.w2"] = torch.stack([w.pop(f"ffn.experts.{e}.w2.weight") for e in range(E)])
+        ensure_row_groups(w, "attn.wo_a.weight", c.o_groups)  # read as [G, R, in]
+        fuse_experts(w, c.n_routed_experts)
         if c.gate_temp != 1.0:  # router logits x W^T / gate_temp
             w["ffn.gate.weight"] = w["ffn.gate.weight"] / c.gate_temp
         modules = []
@@ -204,9 +226,16 @@ class DeepseekV41ForCausalLM:
             history = self._layout.slot_tensor(ENGRAM_HISTORY).view(self._cache.slot[ENGRAM_HISTORY],
                                                                     c.engram_layer_ids[0])
             step.engram_rows = self.hasher.hash(ids, plan, history)
-        for blk in self.blocks:
+        split = decoder_rows(batch, c, self.replay_keep_tokens)
+        for blk in self.blocks if split is None else self.blocks[:split.layer]:
             streams = blk.run(streams, step)
         rows = batch.logits_indices.to(self.device)
+        if split is not None:  # bounded replay: the decoder runs only the kept rows
+            rows = split.kept(rows, "logits")
+            streams, kept_step = split.run_decoder(self, streams, step)
+            if kept_step is None:
+                return ForwardOutput(logits=torch.zeros((0, c.vocab_size), dtype=torch.float32, device=self.device))
+            step = kept_step
         h = self.ops.hc_collapse(streams[rows], step.pre[rows])
         h = self.accel.rms_norm(h, self.top["norm.weight"], c.rms_norm_eps)
         logits = self.accel.linear(h, self.top["head.weight"]).float()

@@ -5,6 +5,8 @@
   entries are the stored shapes (FP8 `[rows, engram_head_dim]`, one ue8m0 scale per 32 channels).
 - `weight_kind(name)`: "fp32" (mHC `hc_*`, `attn_sink`, router `gate.bias` / `gate.bias_vl`),
   "quantized" (an Engram table or its scale: kept as stored) or "float" (the model dtype).
+- `is_quantizable(name)`: the weights the model reads only through linear / grouped_linear /
+  moe_experts, which may stay quantised for a back end that declares their format.
 - `canonicalize(state)`: official names, the same with a `model.` prefix, transformers' scale
   spelling (`<w>.weight_scale_inv`) and NeMo AutoModel's native names (`model.embed_tokens.weight`,
   `lm_head.weight`, `model.layers.{i}.attn_hc.fn`, `attn.sinks_param.weight`,
@@ -34,6 +36,11 @@ from deepinfer.models.deepseek_v41.config import FULL, REINDEX, DeepseekV41Confi
 ENGRAM_GROUP = 32  # channels per ue8m0 scale of an Engram table row
 SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
 
+# read only through linear / grouped_linear / moe_experts; not the compressor's (kept in fp32 by the
+# model), the router, norms, the embedding or the Engram tables
+_QUANTIZABLE_RE = re.compile(
+    r"^(head|layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.(wq_b|weights_proj|wk))"
+    r"|ffn\.(shared_experts|experts\.\d+)\.w[123]|engram\.wkv))\.weight$")
 _FP32_RE = re.compile(r"(^|\.)(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias|ffn\.gate\.bias_vl)$")
 _ENGRAM_TABLE_RE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
 _BLOCK_RE = re.compile(r"^(layers\.\d+)\.(.+)$")
@@ -57,6 +64,11 @@ def weight_kind(name: str) -> str:
     if _ENGRAM_TABLE_RE.match(name):
         return "quantized"
     return "fp32" if _FP32_RE.search(name) else "float"
+
+
+def is_quantizable(name: str) -> bool:
+    """Whether the canonical weight `name` may be kept quantised (a `QuantizedWeight`)."""
+    return _QUANTIZABLE_RE.match(name) is not None
 
 
 def is_engram_table(name: str) -> bool:

@@ -1,0 +1,9 @@
+"""Multi-process layouts: expert parallelism (EP) and data-parallel attention (DP) over torch.distributed.
+
+- `layout`: the --ep/--dp/--cp rules and a rank's place in the layout;
+- `launch`: one process per rank, device visibility, rendezvous, failure propagation;
+- `expert_parallel`: experts sharded across the EP group, tokens exchanged by all-to-all through
+  the back end's `Collectives`, and the lockstep that keeps idle ranks in every collective.
+
+See docs/parallelism.md.
+"""

@@ -1,0 +1,207 @@
+"""Start one process per rank, wire up the rendezvous, and end the whole launch when one rank fails.
+
+Each rank is a `spawn`ed process. Its environment is set in the parent right before it starts, so
+device visibility (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES: `cp` consecutive devices from
+DEVICE_OFFSET) holds before the child imports torch or any back end. In the child the back end
+joins the process group (`Collectives.init_process_group`: gloo, nccl or hccl) at
+tcp://MASTER_ADDR:MASTER_PORT, sets `torch.set_num_threads(threads_per_rank)` and, with ep > 1,
+installs the expert-parallel group before `target` builds its engine.
+
+Failure: a rank that raises reports its traceback to the parent, which stops every other rank of
+this node and raises `RankFailed` with that rank's error; a rank that dies without a word (killed,
+out of memory) is reported by its exit code. No rank is left waiting in a collective.
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+from pydantic import BaseModel, ConfigDict
+
+from deepinfer.accelerator.interface import Accelerator
+from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout, check_runnable, env_int
+
+#: Device-visibility variable of each back end with devices (by entry-point name).
+VISIBLE_DEVICES_VAR = {"nvidia": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
+POLL_SECONDS = 0.2
+STOP_GRACE_SECONDS = 5.0
+
+
+class RankFailed(RuntimeError):
+    """One rank of a launch failed; `rank` and its `error` (traceback text or exit code)."""
+
+    def __init__(self, rank: int, error: str):
+        super().__init__(f"rank {rank} failed:\n{error}")
+        self.rank, self.error = rank, error
+
+
+class RankContext(BaseModel):
+    """What a rank's `target` is told about its place in the launch."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rank: int  # global rank in the world (dp x cp)
+    local_rank: int  # index among this node's ranks
+    layout: ParallelLayout
+    threads: int
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.layout.cp
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def rendezvous(layout: ParallelLayout, env: dict[str, str] | None = None) -> tuple[str, int]:
+    """MASTER_ADDR/MASTER_PORT; on one node they default to 127.0.0.1 and a free port."""
+    env = dict(os.environ) if env is None else env
+    addr = env.get("MASTER_ADDR", "").strip()
+    port = env.get("MASTER_PORT", "").strip()
+    if layout.nodes > 1 and not (addr and port):
+        raise ParallelConfigError(f"{layout.nodes} nodes (WORLD_SIZE={layout.nodes}) need MASTER_ADDR and "
+                                  f"MASTER_PORT set to node 0's address and a free port on every node")
+    return addr or "127.0.0.1", env_int(env, "MASTER_PORT", 0, 1) if port else free_port()
+
+
+def default_threads(layout: ParallelLayout) -> int:
+    """Cores divided among this node's ranks (at least 1)."""
+    return max((os.cpu_count() or 1) // len(layout.local_ranks()), 1)
+
+
+def rank_environment(accelerator: str, layout: ParallelLayout, local_rank: int,
+                     env: dict[str, str] | None = None) -> dict[str, str]:
+    """Variables a rank's process starts with: its `cp` devices from DEVICE_OFFSET, and one OpenMP
+    thread pool size (set again through torch in the child)."""
+    env = dict(os.environ) if env is None else env
+    out: dict[str, str] = {}
+    var = VISIBLE_DEVICES_VAR.get(accelerator)
+    if var:
+        offset = env_int(env, "DEVICE_OFFSET", 0, 0)
+        first = offset + local_rank * layout.cp
+        out[var] = ",".join(str(d) for d in range(first, first + layout.cp))
+    return out
+
+
+@contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rank_main(ctx: RankContext, accelerator: type[Accelerator], init_method: str, target: Callable[..., Any],
+               args: tuple, results) -> None:
+    try:
+        import torch
+
+        torch.set_num_threads(ctx.threads)
+        from deepinfer.parallel.expert_parallel import join_world
+
+        join_world(accelerator(), ctx.rank, ctx.layout, init_method)
+        value = target(ctx, *args)
+        results.put((ctx.rank, "ok", value))
+    except BaseException as e:  # noqa: BLE001 - everything goes to the parent, which ends the launch
+        results.put((ctx.rank, "error", "".join(traceback.format_exception(type(e), e, e.__traceback__))))
+        raise SystemExit(1) from None
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - the result is already reported; a teardown hiccup is not a failure
+        pass
+
+
+def launch(target: Callable[..., Any], args: tuple, layout: ParallelLayout, accelerator: type[Accelerator],
+           threads_per_rank: int | None = None) -> list[Any]:
+    """Run `target(RankContext, *args)` once per rank of this node; returns their values in rank order.
+
+    One rank (world size 1) runs in this process. Otherwise every rank is a spawned process and
+    `target` and `args` must be picklable (a module-level function); `accelerator` is the back
+    end's class (`deepinfer.plugins.select_accelerator_class`), instantiated in each rank. Raises `RankFailed` as soon as
+    a rank fails, after stopping the others."""
+    check_runnable(layout)
+    if threads_per_rank is not None and threads_per_rank < 1:
+        raise ParallelConfigError(f"--threads_per_rank {threads_per_rank} must be >= 1")
+    threads = threads_per_rank or default_threads(layout)
+    if layout.is_single:
+        return [target(RankContext(rank=0, local_rank=0, layout=layout, threads=threads), *args)]
+    addr, port = rendezvous(layout)
+    init_method = f"tcp://{addr}:{port}"
+
+    import torch.multiprocessing as mp
+
+    mp_ctx = mp.get_context("spawn")
+    results = mp_ctx.Queue()
+    procs: dict[int, Any] = {}
+    try:
+        for local_rank, rank in enumerate(layout.local_ranks()):
+            ctx = RankContext(rank=rank, local_rank=local_rank, layout=layout, threads=threads)
+            proc = mp_ctx.Process(target=_rank_main, args=(ctx, accelerator, init_method, target, args, results),
+                                  name=f"deepinfer-rank{rank}", daemon=False)
+            with _environ(rank_environment(accelerator.name, layout, local_rank)):
+                proc.start()  # a spawned child takes the environment as it is now
+            procs[rank] = proc
+        return _collect(procs, results)
+    finally:
+        _stop(procs.values())
+
+
+def _collect(procs: dict[int, Any], results) -> list[Any]:
+    values: dict[int, Any] = {}
+    while len(values) < len(procs):
+        try:
+            rank, status, value = results.get(timeout=POLL_SECONDS)
+        except queue_module.Empty:
+            for rank, proc in procs.items():  # died without reporting (killed, segfault, out of memory)
+                if rank not in values and proc.exitcode is not None and not _reported_late(results, values):
+                    raise RankFailed(rank, f"process exited with code {proc.exitcode} without reporting a result")
+            continue
+        if status == "error":
+            raise RankFailed(rank, value)
+        values[rank] = value
+    for proc in procs.values():
+        proc.join(STOP_GRACE_SECONDS)
+    return [values[r] for r in sorted(values)]
+
+
+def _reported_late(results, values: dict[int, Any]) -> bool:
+    """A rank may exit right after putting its result: drain what arrived before calling it lost."""
+    try:
+        rank, status, value = results.get(timeout=POLL_SECONDS)
+    except queue_module.Empty:
+        return False
+    if status == "error":
+        raise RankFailed(rank, value)
+    values[rank] = value
+    return True
+
+
+def _stop(procs) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(STOP_GRACE_SECONDS)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

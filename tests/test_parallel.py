@@ -1,0 +1,177 @@
+"""Multi-process layouts on the CPU back end (gloo, 2 processes, fp32): expert parallelism and
+data-parallel attention give the single-process tokens; failures end the launch; bad layouts are
+refused before any process starts. (The EP exchange itself is also checked by the conformance
+kit's collective level: core/testing/conformance_tests.py.)"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deepinfer.parallel.launch import RankFailed, launch, rank_environment
+from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout, check_runnable, resolve_layout
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "offline_inference.py"
+
+
+@pytest.fixture(scope="module")
+def v4_checkpoint(tmp_path_factory) -> str:
+    from deepinfer.models.deepseek_v4.make_model import make_model
+    return str(make_model(tmp_path_factory.mktemp("par") / "v4", "tiny", seed=0))
+
+
+@pytest.fixture(scope="module")
+def v41_checkpoint(tmp_path_factory) -> str:
+    from deepinfer.models.deepseek_v41.make_model import make_model
+    return str(make_model(tmp_path_factory.mktemp("par") / "v41", "tiny", seed=0))
+
+
+def _cpu():
+    from deepinfer.plugins import load_accelerator_class
+    return load_accelerator_class("cpu")
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env.update(OMP_NUM_THREADS="1", DEEPINFER_ACCELERATOR="cpu", TOKENIZERS_PARALLELISM="false")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def sample_lines(checkpoint: str, *flags: str) -> list[str]:
+    """The example's sample lines without their 'DP <rank>; ' prefix (which rank served a sample
+    is the one thing a layout may change)."""
+    out = subprocess.run([sys.executable, str(EXAMPLE), "--model_name", checkpoint, "--dtype", "float32",
+                          "--threads_per_rank", "1", *flags], capture_output=True, text=True, env=_env(),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line.split("; ", 1)[1] for line in out.stdout.splitlines() if line.startswith("DP ")]
+    assert lines, out.stdout
+    return lines
+
+
+# ----------------------------------------------------------------------- the example, end to end
+
+
+def test_ep2_prints_the_single_process_samples(v4_checkpoint):
+    """DeepSeek-V4 (hash and routed MoE layers, MTP drafting on): --ep 2 (dp 2 by default)."""
+    assert sample_lines(v4_checkpoint, "--ep", "2") == sample_lines(v4_checkpoint, "--ep", "1")
+
+
+def test_ep2_dp2_prints_the_single_process_samples_v41(v41_checkpoint):
+    assert sample_lines(v41_checkpoint, "--ep", "2", "--dp", "2") == sample_lines(v41_checkpoint, "--ep", "1")
+
+
+# --------------------------------------------------------------- lockstep: a rank with no requests
+
+
+def generate_tokens(ctx, checkpoint: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Rank target: rank 0 serves every prompt, the others none (they only serve their experts)."""
+    from deepinfer import LLM
+    from deepinfer.parallel.expert_parallel import idle_until_peers_done
+    from deepinfer.sampling_params import SamplingParams
+
+    layout = ctx.layout
+    llm = LLM(model=checkpoint, accelerator="cpu", dtype="float32", max_num_seqs=4, cache_memory_gb=0.05,
+              ep=layout.ep, dp=layout.dp, cp=layout.cp)
+    mine = prompts if ctx.rank == 0 else []
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    outs = llm.generate(mine, [params] * len(mine), use_tqdm=False) if mine else []
+    idle_until_peers_done()
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_a_rank_without_requests_keeps_serving_its_experts(v4_checkpoint):
+    prompts = ["The capital of France is", "1 2 3 4 5 6 7 8"]
+    single = launch(generate_tokens, (v4_checkpoint, prompts, 8), ParallelLayout(), _cpu())[0]
+    results = launch(generate_tokens, (v4_checkpoint, prompts, 8), ParallelLayout(ep=2, dp=2), _cpu(),
+                     threads_per_rank=1)
+    assert results[1] == [] and results[0] == single
+    assert all(len(t) == 8 for t in single)
+
+
+# --------------------------------------------------------------------------------- failures
+
+
+def fail_on_rank_one(ctx) -> int:
+    """Rank 1 raises; rank 0 meanwhile waits in a collective that rank 1 never joins."""
+    from deepinfer.parallel.expert_parallel import current_expert_parallel
+
+    if ctx.rank == 1:
+        raise ValueError("rank one cannot load its shard")
+    current_expert_parallel().idle_until_peers_done()
+    return 0
+
+
+def die_on_rank_one(ctx) -> int:
+    if ctx.rank == 1:
+        os._exit(3)
+    time.sleep(60)
+    return 0
+
+
+def test_a_failing_rank_ends_the_launch_with_its_error():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1 failed") as failed:
+        launch(fail_on_rank_one, (), ParallelLayout(ep=2, dp=2), _cpu(), threads_per_rank=1)
+    assert failed.value.rank == 1 and "ValueError: rank one cannot load its shard" in failed.value.error
+    assert time.monotonic() - start < 60
+
+
+def test_a_rank_that_dies_silently_is_reported():
+    with pytest.raises(RankFailed, match=r"exited with code 3"):
+        launch(die_on_rank_one, (), ParallelLayout(ep=1, dp=2), _cpu(), threads_per_rank=1)
+
+
+# ------------------------------------------------------------------------------ layout rules
+
+
+def record_start(ctx, marker: str) -> None:
+    Path(marker).write_text("started")
+
+
+@pytest.mark.parametrize("layout, message", [
+    (ParallelLayout(ep=2, dp=2, cp=2), r"context parallelism \(--cp > 1\) is not implemented"),
+    (ParallelLayout(ep=2, dp=4), r"must be 1 rank or span the whole world"),
+])
+def test_unrunnable_layouts_are_refused_before_any_process_starts(tmp_path, layout, message):
+    marker = tmp_path / "started"
+    with pytest.raises(ParallelConfigError, match=message):
+        launch(record_start, (str(marker),), layout, _cpu())
+    assert not marker.exists()
+
+
+def test_layout_rules():
+    assert resolve_layout(2, None, 1, "cpu", env={}) == ParallelLayout(ep=2, dp=2, cp=1)
+    assert resolve_layout(None, None, 1, "nvidia", env={}).world_size == 8
+    with pytest.raises(ParallelConfigError, match=r"3 x 1 = 3 must be divisible by --ep 2"):
+        resolve_layout(2, 3, 1, "cpu", env={})
+    two_nodes = resolve_layout(4, None, 1, "nvidia", env={"WORLD_SIZE": "2", "RANK": "1"})
+    assert list(two_nodes.local_ranks()) == [2, 3]
+    check_runnable(two_nodes)
+    with pytest.raises(ParallelConfigError, match="threads_per_rank 0 must be >= 1"):
+        launch(record_start, ("unused",), ParallelLayout(ep=2, dp=2), _cpu(), threads_per_rank=0)
+
+
+def test_each_rank_sees_its_own_devices():
+    layout = ParallelLayout(ep=4, dp=4)
+    assert rank_environment("nvidia", layout, 1, env={"DEVICE_OFFSET": "2"}) == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert rank_environment("ascend", ParallelLayout(ep=2, dp=2, cp=2), 1, env={}) == \
+        {"ASCEND_RT_VISIBLE_DEVICES": "2,3"}
+    assert rank_environment("cpu", layout, 1, env={}) == {}
+
+
+def test_the_engine_refuses_a_layout_outside_a_launch():
+    from deepinfer.config import EngineConfig
+    from deepinfer.engine.builder import check_parallel_layout
+
+    with pytest.raises(ValueError, match=r"outside a parallel launch.*deepinfer.parallel.launch"):
+        check_parallel_layout(EngineConfig(ep=2, dp=2))
+    check_parallel_layout(EngineConfig())

@@ -1,0 +1,393 @@
+"""`deepinfer serve` through the real `openai` client against a server on 127.0.0.1 (one per module):
+chat, streaming, JSON schema, a parsed tool call, stop sequences, structured-output extensions, bad
+requests, the API key, disconnects, concurrency against the offline engine, back-pressure, timeouts.
+
+The model is a tiny random DeepSeek-V4 (its cut-down real tokenizer keeps the chat control tokens),
+so the text is gibberish; what is checked is the protocol, the constraints and the engine's
+bookkeeping.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("deepseek_recipe")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx2")  # the HTTP client the openai package is built on
+
+KEY = "test-key-1234"
+ENGINE = dict(accelerator="cpu", dtype="float32", max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=512)
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                   "required": ["city", "days"]}}}]
+
+
+class Server:
+    def __init__(self, url: str, app, front, settings, model: str, path: str):
+        self.url, self.app, self.front, self.settings, self.model, self.path = url, app, front, settings, model, path
+
+    def client(self, key: str = KEY, **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=120, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                out[name] = float(value)
+        return out
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    import uvicorn
+
+    from deepinfer.entrypoints.serve import build_server
+    from deepinfer.models.deepseek_v4.make_model import make_model
+    from deepinfer.server.protocol import ServerSettings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = str(make_model(tmp_path_factory.mktemp("serve") / "tiny-v4", "tiny", seed=0, with_mtp=False,
+                          max_position_embeddings=2048))
+    settings = ServerSettings(api_key=KEY, default_thinking=False, max_pending=128, max_body_bytes=64 * 1024)
+    app, front = build_server(settings, model=path, **ENGINE)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield Server(f"http://127.0.0.1:{port}", app, front, settings, "tiny-v4", path)
+    srv.should_exit = True
+    thread.join(timeout=30)
+    front.shutdown()
+    torch.set_num_threads(threads)
+
+
+def _idle(server: Server, timeout: float = 20.0) -> dict[str, float]:
+    """Metrics once no request is pending, running or holding cache."""
+    end = time.monotonic() + timeout
+    while True:
+        m = server.metrics()
+        if m["deepinfer_requests_pending"] == 0 and m["deepinfer_requests_running"] == 0 \
+                and m["deepinfer_cache_slots_used"] == 0:
+            return m
+        assert time.monotonic() < end, f"requests still held: {m}"
+        time.sleep(0.05)
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+# -- chat -----------------------------------------------------------------------------------------
+
+def test_chat_completion_counts_usage_and_streams_the_same_text(server):
+    client = server.client()
+    out = client.chat.completions.create(model=server.model, messages=_user("Hello there"), max_tokens=8,
+                                         temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and isinstance(choice.message.content, str)
+    prepared = server.app.state.chat.prepare({"model": server.model, "messages": _user("Hello there"),
+                                              "max_tokens": 8})
+    assert out.usage.prompt_tokens == len(prepared.prompt_token_ids)
+    assert out.usage.completion_tokens == 8 and out.usage.total_tokens == out.usage.prompt_tokens + 8
+
+    chunks = list(client.chat.completions.create(model=server.model, messages=_user("Hello there"), max_tokens=8,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    with_usage = list(client.chat.completions.create(model=server.model, messages=_user("Hello there"),
+                                                     max_tokens=8, temperature=0, stream=True,
+                                                     stream_options={"include_usage": True}))
+    assert [c.usage for c in with_usage if c.usage][-1].completion_tokens == 8
+
+
+def test_json_schema_response_format_is_valid(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["color", "count"], "additionalProperties": False}
+    out = server.client().chat.completions.create(
+        model=server.model, messages=_user("Pick a colour, as JSON"), max_tokens=96, temperature=1, seed=5,
+        response_format={"type": "json_schema", "json_schema": {"name": "pick", "schema": schema}})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    free = server.client().chat.completions.create(
+        model=server.model, messages=_user("Any JSON object"), max_tokens=96, temperature=1, seed=5,
+        response_format={"type": "json_object"})
+    assert isinstance(json.loads(free.choices[0].message.content), dict)
+
+
+def test_a_missing_deepseek_recipe_is_a_clear_start_up_error(monkeypatch):
+    import sys
+
+    from deepinfer.server.chat_format import import_recipe
+
+    monkeypatch.setitem(sys.modules, "deepseek_recipe", None)  # what an uninstalled package looks like
+    with pytest.raises(RuntimeError, match=r"deepseek-recipe.*pip install 'deepinfer\[serve\]'"):
+        import_recipe()
+
+
+def test_required_tool_call_is_parsed(server):
+    out = server.client().chat.completions.create(
+        model=server.model, messages=_user("What is the weather in Paris?"), tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=400, temperature=1, seed=3)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    args = json.loads(call.function.arguments)
+    assert args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
+
+
+def test_structured_outputs_extension_regex_and_grammar(server):
+    client = server.client()
+    out = client.completions.create(model=server.model, prompt="code:", max_tokens=16, temperature=1, seed=1,
+                                    extra_body={"structured_outputs": {"regex": "[a-c]{2}-[0-9]{2}"}})
+    assert re.fullmatch("[a-c]{2}-[0-9]{2}", out.choices[0].text), out.choices[0].text
+    chat = client.chat.completions.create(model=server.model, messages=_user("yes or no?"), max_tokens=16,
+                                          temperature=1, seed=2,
+                                          extra_body={"structured_outputs": {"grammar": 'root ::= "yes" | "no"'}})
+    assert chat.choices[0].message.content in ("yes", "no")
+
+
+# -- stop sequences ---------------------------------------------------------------------------------
+
+def _ascii_stop(text: str) -> tuple[str, int]:
+    """A two-letter piece of `text` and where it first occurs (not at the very start)."""
+    for k in range(1, len(text) - 1):
+        piece = text[k:k + 2]
+        if re.fullmatch("[A-Za-z]{2}", piece) and text.index(piece) == k:
+            return piece, k
+    raise AssertionError(f"no two-letter piece in {text!r}")
+
+
+def test_stop_sequences_cut_the_text(server):
+    client = server.client()
+    free = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=24, temperature=0)
+    stop, k = _ascii_stop(free.choices[0].text)
+    cut = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=24, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == free.choices[0].text[:k]
+    streamed = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=24,
+                                         temperature=0, stop=[stop], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == free.choices[0].text[:k]
+
+    chat_free = client.chat.completions.create(model=server.model, messages=_user("Tell a story"), max_tokens=24,
+                                               temperature=0).choices[0].message.content
+    stop, k = _ascii_stop(chat_free)
+    chat_cut = client.chat.completions.create(model=server.model, messages=_user("Tell a story"), max_tokens=24,
+                                              temperature=0, stop=stop).choices[0]
+    assert chat_cut.finish_reason == "stop" and chat_cut.message.content == chat_free[:k]
+
+
+# -- bad requests and security -----------------------------------------------------------------------
+
+def test_invalid_requests_get_a_4xx_naming_the_problem(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=server.model, messages=_user("hi"), temperature=7)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=server.model, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="regex"):  # refused at admission by the constraint
+        client.completions.create(model=server.model, prompt="hi", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "([a-"}})
+    with pytest.raises(openai.NotFoundError, match="not served"):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="prompt has .* tokens"):
+        client.completions.create(model=server.model, prompt=[5] * 3000, max_tokens=4)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    bad_json = httpx.post(server.url + "/v1/chat/completions", content=b"{oops", headers=auth)
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    big = httpx.post(server.url + "/v1/completions", headers=auth,
+                     json={"model": server.model, "prompt": "x" * 70_000})
+    assert big.status_code == 413 and "limit" in big.json()["error"]["message"]
+    # the others are undisturbed, and nothing is left behind
+    ok = client.completions.create(model=server.model, prompt="hi", max_tokens=3, temperature=0)
+    assert ok.choices[0].finish_reason == "length"
+    _idle(server)
+
+
+def test_api_key_is_required_except_on_health(server):
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        server.client(key="wrong-key").models.list()
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer"}).status_code == 401
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert [m.id for m in server.client().models.list().data] == [server.model]
+
+
+def test_an_internal_error_has_no_stack_trace(server, monkeypatch):
+    chat = server.app.state.chat
+
+    def broken(body):
+        raise KeyError("secret internal detail")
+
+    monkeypatch.setattr(chat, "prepare", broken)
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                   json={"model": server.model, "messages": _user("hi")})
+    assert r.status_code == 500
+    assert r.json() == {"error": {"message": "internal server error", "type": "internal_error", "param": None,
+                                  "code": "internal_error"}}
+
+
+# -- the async front end ------------------------------------------------------------------------------
+
+def test_disconnect_mid_stream_aborts_and_frees_the_request(server):
+    before = server.metrics().get('deepinfer_request_finish_total{reason="abort"}', 0)
+    stream = server.client().chat.completions.create(model=server.model, messages=_user("Talk"), max_tokens=1500,
+                                                     temperature=0, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert server.metrics()["deepinfer_requests_running"] == 1
+    stream.close()
+    m = _idle(server, timeout=5)
+    assert m['deepinfer_request_finish_total{reason="abort"}'] == before + 1
+
+
+def test_50_concurrent_clients_match_the_offline_engine(server):
+    from deepinfer import LLM, SamplingParams
+
+    prompts = [f"Request number {i}: " + "abc " * (i % 7) for i in range(50)]
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+
+    async def one(p: str, i: int) -> tuple[str, int]:
+        if i % 2:
+            chunks = [c async for c in await client.completions.create(
+                model=server.model, prompt=p, max_tokens=5, temperature=0, stream=True,
+                stream_options={"include_usage": True})]
+            return "".join(c.choices[0].text for c in chunks), chunks[-1].usage.completion_tokens
+        out = await client.completions.create(model=server.model, prompt=p, max_tokens=5, temperature=0)
+        return out.choices[0].text, out.usage.completion_tokens
+
+    async def all_of_them() -> list[tuple[str, int]]:
+        try:
+            return await asyncio.gather(*(one(p, i) for i, p in enumerate(prompts)))
+        finally:
+            await client.close()
+
+    served = asyncio.run(all_of_them())
+    llm = LLM(model=server.path, **ENGINE)
+    offline = [(o.outputs[0].text, len(o.outputs[0].token_ids))
+               for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)]
+    llm.shutdown()
+    assert served == offline
+    _idle(server)
+
+
+def test_queue_full_gets_429_with_retry_after(server, monkeypatch):
+    monkeypatch.setattr(server.front, "max_pending", 1)
+    client = server.client()
+    stream = client.chat.completions.create(model=server.model, messages=_user("Talk"), max_tokens=1500,
+                                            temperature=0, stream=True)
+    next(iter(stream))
+    with pytest.raises(openai.RateLimitError) as info:
+        client.completions.create(model=server.model, prompt="hi", max_tokens=2)
+    assert int(info.value.response.headers["Retry-After"]) >= 1
+    stream.close()
+    _idle(server)
+    assert client.completions.create(model=server.model, prompt="hi", max_tokens=2).choices[0].text is not None
+
+
+def test_request_timeout_aborts_with_504(server, monkeypatch):
+    monkeypatch.setattr(server.settings, "request_timeout_s", 0.5)
+    with pytest.raises(openai.APIStatusError) as info:
+        server.client().completions.create(model=server.model, prompt="hi", max_tokens=1500, temperature=0)
+    assert info.value.status_code == 504 and "did not finish" in info.value.message
+    _idle(server)
+
+
+# -- the chat-format adapter -------------------------------------------------------------------------
+
+def test_v41_encoding_over_a_tokenizer_without_its_tokens_is_reported(server):
+    from deepinfer.server.chat_format import ChatFormat, RequestError
+
+    chat = ChatFormat(model_type="deepseek_v41", tokenizer_file=server.path + "/tokenizer.json",
+                      served_model_name="m", max_model_len=512)
+    assert chat.unavailable is not None and "<｜System｜>" in chat.unavailable
+    with pytest.raises(RequestError) as info:
+        chat.prepare({"model": "m", "messages": _user("hi")})
+    assert info.value.status == 503
+    other = ChatFormat(model_type="toy", tokenizer_file=None, served_model_name="m", max_model_len=512)
+    assert "DeepSeek-V4 or V4.1" in other.unavailable
+
+
+@pytest.fixture(scope="module")
+def v41_with_system_token(tmp_path_factory):
+    """A tiny DeepSeek-V4.1 whose cut-down tokenizer also holds `<｜System｜>`, as the V4.1 release's
+    does (the V4 tokenizer that make-model cuts down lacks it): an unused FIM token is renamed."""
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    path = make_model(tmp_path_factory.mktemp("v41chat") / "tiny", "tiny", seed=0, max_position_embeddings=2048)
+    file = path / "tokenizer" / "tokenizer.json"
+    data = json.loads(file.read_text(encoding="utf-8"))
+    (fim,) = [t for t in data["added_tokens"] if t["content"] == "<｜fim▁hole｜>"]
+    fim["content"] = "<｜System｜>"
+    file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    return str(path)
+
+
+def test_v41_chat_renders_constrains_and_parses_a_tool_call(v41_with_system_token):
+    """V4.1's encoding and xgrammar's deepseek_v4_1 tag through the offline engine, no server."""
+    from deepinfer import LLM
+    from deepinfer.server.chat_format import ChatFormat
+
+    llm = LLM(model=v41_with_system_token, **{**ENGINE, "max_model_len": 2048})
+    chat = ChatFormat(model_type=llm.build_info.model_type, tokenizer_file=llm.tokenizer.source,
+                      served_model_name="v41", max_model_len=2048, default_thinking=False)
+    assert chat.unavailable is None
+    body = {"model": "v41", "messages": _user("Weather in Rome?"), "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 400, "temperature": 1, "seed": 4}
+    prepared = chat.prepare(body)
+    assert prepared.params.so_args["schema_type"] == "ebnf"
+    (result,) = llm.generate({"prompt_token_ids": prepared.prompt_token_ids}, prepared.params, use_tqdm=False)
+    llm.shutdown()
+    # the prompt opened the calls block; the constrained output goes on with the first invoke
+    text = llm.tokenizer.decode(result.outputs[0].token_ids)
+    assert text.startswith('<｜DSML｜ invoke name="get_weather">'), text
+    out = chat.output(prepared, "chatcmpl-v41", llm.tokenizer)
+    out.push(result.outputs[0].token_ids)
+    out.finish(result.outputs[0].finish_reason)
+    message = json.loads(out.response_json())["choices"][0]
+    assert message["finish_reason"] == "tool_calls", message
+    (call,) = message["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather"
+    args = json.loads(call["function"]["arguments"])
+    assert args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
+
+
+def test_thinking_mode_constrains_the_answer_after_the_reasoning(server):
+    """With thinking on, a JSON schema applies after `</think>`: reasoning text is free."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    chat = server.app.state.chat
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    prepared = chat.prepare({"model": server.model, "messages": _user("a number, as JSON"),
+                             "thinking": {"type": "enabled"},
+                             "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}})
+    grammar = Grammar.from_ebnf(prepared.params.so_args["schema"])
+    assert _is_grammar_accept_string(grammar, 'let me think, 3 is fine</think>{"n": 3}')
+    assert not _is_grammar_accept_string(grammar, '{"n": 3}')  # the reasoning block comes first
+    assert not _is_grammar_accept_string(grammar, 'hmm</think>{"n": "three"}')
