@@ -475,7 +475,7 @@ def _expert_parallel_worker(rank, world, name, init, queue):
 
 
 @pytest.mark.level(4)
-def test_expert_parallel_dispatch_combine_two_ranks(acc, accelerator_name, tmp_path):
+def test_collectives_expert_parallel_dispatch_combine_two_ranks(acc, accelerator_name, tmp_path):
     """deepinfer.parallel's EP exchange on this back end's collectives and MoE kernels equals
     running every expert locally, including a call an idle rank serves."""
     results = dict(_run_two_ranks(acc, accelerator_name, tmp_path, _expert_parallel_worker))
