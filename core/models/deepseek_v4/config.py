@@ -416,6 +416,32 @@ class DeepseekV4Config(BaseModel):
             d["quantization_config"] = dict(self.quantization_config)
         return d
 
+    def to_hub_dict(self) -> dict[str, Any]:
+        """The released checkpoint's `config.json` keys (`compress_ratios`, `num_hash_layers`,
+        `qk_rope_head_dim`, `rope_scaling`), which other engines' converters (llama.cpp's) require.
+        Raises ValueError for a schedule those keys cannot express (hash layers not a prefix; a CSA
+        rate other than 4, which the official format implies by ratio 4)."""
+        n_hash = sum(t == "hash_moe" for t in self.mlp_layer_types)
+        if any(t != "hash_moe" for t in self.mlp_layer_types[:n_hash]):
+            raise ValueError(f"mlp_layer_types = {list(self.mlp_layer_types)} cannot be written as num_hash_layers: "
+                             f"the hash layers must come first")
+        if CSA in self.layer_types and self.csa_compress_rate != 4:
+            raise ValueError(f"csa_compress_rate = {self.csa_compress_rate} cannot be written as compress_ratios: "
+                             f"the official format reads ratio 4 as CSA")
+        d = {k: v for k, v in self.to_hf_dict().items()
+             if k not in ("layer_types", "compress_rates", "mlp_layer_types", "rope_parameters",
+                          "partial_rotary_factor")}
+        d.update(qk_rope_head_dim=self.qk_rope_head_dim, compress_ratios=list(self.compress_ratios),
+                 num_hash_layers=n_hash, topk_method="noaux_tc")
+        if self.rope_scaling is not None:
+            y = self.rope_scaling
+            d["rope_scaling"] = {"type": "yarn", "factor": y.factor, "beta_fast": y.beta_fast,
+                                 "beta_slow": y.beta_slow,
+                                 "original_max_position_embeddings": y.original_max_position_embeddings}
+        if self.expert_dtype is not None:
+            d["expert_dtype"] = self.expert_dtype
+        return d
+
 
 class _KeyReader:
     """Reads a key under any of its aliases and checks its type and range; two aliases with
