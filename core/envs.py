@@ -73,9 +73,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
 #: Variables the seeds' deployments set for features this release does not implement, with what
 #: they would configure. No installed feature declares them, so setting one is refused with an
 #: error that says so (a plugin that provides the feature declares the variable and takes it over).
-NOT_IN_THIS_RELEASE: dict[str, str] = {
-    "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "expert load balancing (the eplb feature)",
-}
+#: (DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS was one until the eplb feature declared it.)
+NOT_IN_THIS_RELEASE: dict[str, str] = {}
 
 
 def feature_variables() -> dict[str, tuple[str, EnvVar]]:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from deepinfer.features import FeatureSpec
     from deepinfer.logits_processor import LogitsProcessor
     from deepinfer.models.protocol import Model
+    from deepinfer.parallel.expert_placement import ExpertPlacement
     from deepinfer.tokenizer import NoTokenizer, Tokenizer
 
 PROJECT = "deepinfer"
@@ -73,6 +74,10 @@ class EngineContext:
     cache: CacheManager  # cache slots and blocks (`layout`, `block_size`, `allocate`, `free`)
     generator: torch.Generator  # the sampler's random stream (drafts sample from the same stream)
     runner: ModelRunner  # runs model batches; `dummy_run` times synthetic ones
+    # the engine's hook relay (`pm.hook`): a feature that offers a hook to other features calls it
+    # here (the eplb feature asks `deepinfer_expert_placement` for each re-placement); None when
+    # the engine has no features
+    hook: Any = None
 
     @classmethod
     def of(cls, engine: EngineCore) -> EngineContext:
@@ -82,7 +87,8 @@ class EngineContext:
                    eos_token_ids=frozenset(engine.eos_token_ids), max_model_len=engine.max_model_len,
                    max_num_seqs=engine.scheduler.max_num_seqs,
                    max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, cache=engine.cache,
-                   generator=engine.sampler.generator, runner=engine.runner)
+                   generator=engine.sampler.generator, runner=engine.runner,
+                   hook=getattr(getattr(engine, "features", None), "hook", None))
 
 
 @hookspec(historic=True)
@@ -112,7 +118,12 @@ def deepinfer_engine_start(engine: EngineContext) -> None:
     """The engine is built and about to run: configure what the feature needs before the first
     forward (e.g. switch the back end into a mode through a generic `Accelerator` method, as the
     batch_invariant feature does with `set_batch_invariant`). Called once, before the other start-up
-    hooks (`deepinfer_logits_processor`, `deepinfer_draft_proposer`), in feature order."""
+    hooks (`deepinfer_logits_processor`, `deepinfer_draft_proposer`), in feature order.
+
+    A prefix cache attaches here: `engine.cache.attach_prefix_cache(store)` with an object of the
+    `deepinfer.engine.cache_manager.PrefixCache` protocol (lookup, capture, record_admission,
+    stats); the scheduler then consults it per admission and block boundary, and the executor runs
+    its copies in step order (the prefix_cache feature; `engine.cache.tensors` is the pool)."""
 
 
 @hookspec
@@ -133,6 +144,23 @@ def deepinfer_draft_proposer(engine: EngineContext) -> Any:
     that both declare the slot in their FeatureSpec. Returns a `deepinfer.engine.speculative.Speculation` (a `Drafter`,
     `num_draft_tokens`, an optional `VerifyPolicy`); the core verifies, accepts, rolls back and
     keeps the statistics.
+    """
+
+
+@hookspec(firstresult=True)
+def deepinfer_expert_placement(load: torch.Tensor, num_slots: int, ep_size: int, layer: int) -> ExpertPlacement | None:
+    """Place one MoE layer's routed experts on the expert-parallel ranks (the eplb feature's policy).
+
+    `load` `[E]` float64: rows routed to each logical expert since the last placement (all zeros
+    for the first one); `num_slots`: physical expert slots of the whole group (E plus the
+    redundant experts, a multiple of `ep_size`); `layer`: the MoE layer's key (construction
+    order). Return a `deepinfer.parallel.expert_placement.ExpertPlacement` with `num_slots` slots
+    (each rank holds `num_slots // ep_size` consecutive ones; every expert at least one), or None
+    to leave the choice to the next implementation. Called by the eplb feature at engine start and
+    at every rebalance, on every rank with the same counts: the result must depend on the
+    arguments only (every rank must install the same placement; a mismatch is an error). The
+    eplb feature's default is greedy bin-packing; a third-party feature ordered before it
+    (`FeatureSpec.before=("eplb",)`) that returns a placement replaces it. firstresult.
     """
 
 

@@ -141,14 +141,16 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         """Cache-pool usage and scheduler counters since the engine started (and speculative-decoding
-        totals under "spec_decode" when the dspark feature is on)."""
+        totals under "spec_decode" when the dspark feature is on, prefix-cache counters under
+        "prefix_cache" when the prefix_cache feature is on)."""
         cache = self.engine.stats()
         return {"cache_usage": cache.usage, "peak_cache_usage": cache.peak_usage,
                 "slots_used": cache.slots_used, "slots_total": cache.slots_total,
                 "blocks_used": cache.blocks_used, "blocks_total": cache.blocks_total,
                 "cache_bytes": self.build_info.pool.total_bytes,
                 "num_preemptions": self.engine.scheduler.num_preemptions, "num_steps": self.engine.num_steps,
-                "spec_decode": None if self.engine.spec_stats is None else self.engine.spec_stats.as_dict()}
+                "spec_decode": None if self.engine.spec_stats is None else self.engine.spec_stats.as_dict(),
+                "prefix_cache": None if cache.prefix_cache is None else cache.prefix_cache.model_dump()}
 
     def shutdown(self, wait: bool = True) -> None:
         """Stop the engine's worker thread and wait for it (a forward already running finishes

@@ -1,11 +1,12 @@
 """Whether the examples' model can run speculative decoding (the seeds turn it on by default).
 
 The answer comes from the model registry, not from the model's name: the checkpoint's config.json
-gives its family (`deepinfer.models.registry.checkpoint_family`), and a family whose model class
-carries `drafter_unsupported` (a reason string; DeepSeek-V4.1 today, whose DSpark head deepinfer
-does not run yet) cannot draft. The examples then leave the seeds' DEEPINFER_USE_NEXTN_DECODE
-default out and say why; a value the user sets is never changed (> 0 on such a model is the
-engine's error, which names the reason).
+gives its family (`deepinfer.models.registry.checkpoint_family`); a model class with
+`drafter_unsupported_for(checkpoint)` answers for that checkpoint (DeepSeek-V4.1: whether it brings
+the DSpark drafter's weights), else its `drafter_unsupported` (a reason string, or None) does. A
+model that cannot draft makes the examples leave the seeds' DEEPINFER_USE_NEXTN_DECODE default out
+and say why; a value the user sets is never changed (> 0 on such a model is the engine's error,
+which names the reason).
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ def drafter_unsupported(model_name: str | None) -> str | None:
     from deepinfer.models.resolve import resolve_model
 
     try:
-        family, _ = checkpoint_family(resolve_model(model_name).path)
+        path = resolve_model(model_name).path
+        family, _ = checkpoint_family(path)
+        for_checkpoint = getattr(family.model_class, "drafter_unsupported_for", None)
+        if for_checkpoint is not None:
+            return for_checkpoint(path) or None
     except (OSError, ValueError, RuntimeError):
         return None
     return getattr(family.model_class, "drafter_unsupported", None) or None

@@ -19,8 +19,9 @@ Method: `examples/bench/workloads.py`. Accounting: `examples/bench/accounting.py
 `cost_v41.py`). Environment: WORLD_SIZE, RANK, CUDA_VISIBLE_DEVICES (parallel scale = WORLD_SIZE x
 devices per node, 1 on the CPU back end);
 DEEPINFER_USE_NEXTN_DECODE (speculative draft length nextn, default 5 when speculative decoding is
-installed; 0 disables it); PROFILE=1 writes a torch profiler trace of the timed phases (timings
-then include profiler overhead: use the trace to see which kernels run, not to measure speed).
+installed; 0 disables it); PROFILE=1 writes a torch profiler trace of the timed phases and prints
+the 20 costliest operators (timings then include profiler overhead: use the trace to see which
+kernels run, not to measure speed).
 """
 from __future__ import annotations
 
@@ -411,6 +412,8 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         out.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(out))
         say(f"PROFILE=1: trace written to {out} (timings below include profiler overhead)")
+        say("where the time went (operators by self CPU time, every thread):")
+        say(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=48))
     return prefill_runs, decode_runs
 
 

@@ -70,7 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sampler_force_topk", type=int, default=4096,
                         help="restrict sampling to the top-k logits first (default 4096)")
     parser.add_argument("--disable_eplb", action="store_true",
-                        help="turn off expert-parallel load balancing (nothing to balance on one device)")
+                        help="turn off expert-parallel load balancing (the eplb feature: redundant hot experts, "
+                             "re-placed periodically; on by default with the seeds' 32 extra experts; nothing to "
+                             "balance with --ep 1)")
     args = parser.parse_args(argv)
     if args.sampler_force_topk < 1:
         parser.error(f"--sampler_force_topk {args.sampler_force_topk} must be >= 1")

@@ -157,11 +157,13 @@ def test_env_var_of_a_feature_outside_the_installed_ones_is_rejected(level_featu
 
 
 def test_env_var_of_a_feature_not_in_this_release_is_rejected(clean_env):
-    clean_env.setenv("DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS", "32")
+    # (the eplb feature took DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS over; the mechanism stays for the next one)
+    clean_env.setitem(envs.NOT_IN_THIS_RELEASE, "DEEPINFER_FUTURE_KNOB", "a future feature")
+    clean_env.setenv("DEEPINFER_FUTURE_KNOB", "32")
     with pytest.raises(ValueError) as e:
         resolve_feature_configs(load_config(), {})
     msg = str(e.value)
-    assert "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS" in msg and "eplb" in msg and "not available in this release" in msg
+    assert "DEEPINFER_FUTURE_KNOB" in msg and "a future feature" in msg and "not available in this release" in msg
     clean_env.setattr(envs, "_warned", set())
     assert envs.warn_unknown() == []  # refused, not merely warned about
 

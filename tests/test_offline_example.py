@@ -207,12 +207,19 @@ def test_drafter_unsupported_comes_from_the_model_class(example, tiny_model, v41
     assert example.drafter_unsupported(v41_model) is None
 
 
+def test_a_v41_checkpoint_with_its_dspark_drafter_can_draft(example, tmp_path):
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    with_head = make_model(tmp_path / "with-head", size="tiny", seed=0, with_dspark=True)
+    assert example.drafter_unsupported(str(with_head)) is None
+
+
 def test_v41_runs_without_speculation_unless_asked(example, v41_model, capsys):
     os.environ["DEEPINFER_USE_NEXTN_DECODE"] = "5"  # asked for explicitly: the drafter's clear error
     assert example.main(["--model_name", v41_model]) == 1
     captured = capsys.readouterr()
     assert re.search(r"^error: speculative decoding on DeepSeek-V4.1 needs its own DSpark draft head.*"
-                     r"DEEPINFER_USE_NEXTN_DECODE=0\)$", captured.err, re.M), captured.err
+                     r"this checkpoint has none", captured.err, re.M), captured.err
     assert not LINE.search(captured.out)
 
 
@@ -223,16 +230,16 @@ def test_one_line_escapes_newlines(example):
 
 
 def test_default_model_is_used_and_announced(example, tmp_path, monkeypatch, empty_hub, capsys):
-    """The embedded default (a random DeepSeek-V4.1) end to end: speculation skipped with one note."""
+    """The embedded default (a random DeepSeek-V4.1 with its DSpark drafter) end to end, speculating
+    as the seeds' default says."""
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     assert example.main([]) == 0
     captured = capsys.readouterr()
     out = captured.out
     assert "embedded default model" in out and str(tmp_path / "models" / "default-v41") in out
     samples = [m for m in map(LINE.match, out.splitlines()) if m]
-    assert len(samples) == 4 and all(m.group(4) == "n/a" for m in samples)
-    assert captured.err.count("speculative decoding is off for this model") == 1
-    assert "DSpark draft head" in captured.err and "DEEPINFER_USE_NEXTN_DECODE=5 is not applied" in captured.err
+    assert len(samples) == 4 and all(m.group(4) != "n/a" for m in samples)
+    assert "speculative decoding is off" not in captured.err
 
 
 def test_the_seeds_default_id_is_used_from_the_local_cache(example, v41_model, tmp_path, monkeypatch, capsys):

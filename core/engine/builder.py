@@ -161,7 +161,7 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
                      max_num_seqs=config.max_num_seqs, block_size=config.block_size)
     tensors = allocate_cache_tensors(layout, pool.num_slots, pool.num_blocks, pool.block_size, device)
     model.bind_cache(tensors)
-    cache = CacheManager(layout, pool.num_slots, pool.num_blocks, pool.block_size)
+    cache = CacheManager(layout, pool.num_slots, pool.num_blocks, pool.block_size, tensors=tensors)
     cache_seconds = time.perf_counter() - t1
     logger.info("cache pool: %d slots, blocks %s (%.3f GiB) in %.2f s", pool.num_slots, pool.num_blocks,
                 pool.total_bytes / GiB, cache_seconds)

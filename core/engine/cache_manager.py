@@ -7,14 +7,24 @@ group. The pool is sized once from the memory budget and preallocated once (firs
 costs ~0.3 s/GB on the CPU machine); after that this class only hands out and takes back indices.
 Sizing counts each state tensor's owner layers only: a layer that reads another layer's copy
 (`StateTensor.readers`) takes no memory (`StateTensor.bytes_per_unit`).
+
+A prefix cache (the `prefix_cache` feature) attaches here (`attach_prefix_cache`, from its
+`deepinfer_engine_start` hook): the scheduler then asks it for the longest cached prefix of a
+request it admits and for snapshots at block boundaries; the copies themselves run on the step's
+executor, in step order (`PrefixHit.restore`, `PrefixCapture.copy`), so they never race a step in
+flight. The protocols below are the whole contract; the core never imports the feature.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel
 
 from deepinfer.engine.request import Request
-from deepinfer.models.interface import CacheLayout
+from deepinfer.models.interface import CacheLayout, CacheTensors
 
 GiB = 1 << 30
 
@@ -75,6 +85,63 @@ def size_pool(layout: CacheLayout, *, budget_bytes: int, max_model_len: int, max
                     total_bytes=total, bytes_per_max_request=one_request)
 
 
+class PrefixCacheStats(BaseModel):
+    """A prefix cache's counters (`LLM.stats().prefix_cache`, the server's /metrics)."""
+
+    hits: int = 0  # admissions that restored a cached prefix
+    misses: int = 0  # admissions that found none
+    evictions: int = 0  # cached blocks dropped to stay within the capacity
+    prefill_tokens_saved: int = 0  # prompt tokens restored instead of computed
+    prefill_tokens_total: int = 0  # tokens admissions had to bring into the cache (saved included)
+    blocks: int = 0  # cached blocks now
+    bytes_used: int = 0
+    bytes_capacity: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / max(self.hits + self.misses, 1)
+
+
+class PrefixHit(Protocol):
+    """What the cache knows of a request's prefix: the length it can restore, the copy that puts it
+    into the request's cache, and a longer prefix that other requests shared but whose state was
+    never snapshotted (the first chunk then ends there, so that the next request sharing it hits)."""
+
+    num_tokens: int  # restorable tokens, a multiple of the cache's block_tokens (0: none)
+    split_at: int  # 0, or a block boundary past num_tokens worth a snapshot
+
+    def restore(self, tensors: CacheTensors, slot: int, block_ids: dict[str, list[int]]) -> None:
+        """Write the prefix's state into `slot` and the entries of `block_ids` (runs before the forward)."""
+
+
+class PrefixCapture(Protocol):
+    """A snapshot of a request's state at a block boundary: copied after the step's forward on
+    the executor, then committed (keyed by the request's tokens) on the engine thread."""
+
+    end: int  # the prefix length the snapshot holds
+
+    def copy(self, tensors: CacheTensors, slot: int, block_ids: dict[str, list[int]]) -> None: ...
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        """`token_ids`: the request's first `end` tokens (all known by the time the step is applied)."""
+
+
+class PrefixCache(Protocol):
+    block_tokens: int  # snapshots sit at multiples of this many tokens
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> PrefixHit | None:
+        """The longest cached prefix of `token_ids` of at most `max_tokens` tokens (None: nothing known)."""
+
+    def capture(self, token_ids: Sequence[int], end: int) -> PrefixCapture | None:
+        """A snapshot at `end` (a multiple of block_tokens) of a request whose known tokens are
+        `token_ids` (the last of the first `end` may not be known yet); None if already cached."""
+
+    def record_admission(self, num_tokens: int, hit_tokens: int) -> None:
+        """Count an admission of `num_tokens` tokens of which `hit_tokens` came from the cache."""
+
+    def stats(self) -> PrefixCacheStats: ...
+
+
 @dataclass
 class CacheStats:
     slots_used: int
@@ -82,6 +149,7 @@ class CacheStats:
     blocks_used: dict[str, int]
     blocks_total: dict[str, int]
     peak_usage: float  # highest `usage` seen so far
+    prefix_cache: PrefixCacheStats | None = None  # None: no prefix cache
 
     @property
     def usage(self) -> float:
@@ -94,8 +162,13 @@ class CacheStats:
 class CacheManager:
     """Hands out slots and blocks to requests; all-or-nothing, so a failed allocation changes nothing."""
 
-    def __init__(self, layout: CacheLayout, num_slots: int, num_blocks: dict[str, int], block_size: int):
+    def __init__(self, layout: CacheLayout, num_slots: int, num_blocks: dict[str, int], block_size: int,
+                 tensors: CacheTensors | None = None):
         self.layout = layout
+        #: the preallocated state the pool indexes (None for pools built without one, e.g. in tests)
+        self.tensors = tensors
+        #: the prefix cache a feature attached (None: off)
+        self.prefix_cache: PrefixCache | None = None
         self.block_size = block_size
         self.groups = {g.name: g for g in layout.block_groups}
         self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest first
@@ -128,7 +201,7 @@ class CacheManager:
             table = request.block_ids.setdefault(name, [])
             for _ in range(k):
                 table.append(self._free_blocks[name].pop())
-        self._peak = max(self._peak, self.stats().usage)
+        self._peak = max(self._peak, self._stats(with_prefix=False).usage)
         return True
 
     def free(self, request: Request) -> None:
@@ -140,12 +213,26 @@ class CacheManager:
             self._free_blocks[name].extend(reversed(table))
         request.block_ids = {}
 
+    def attach_prefix_cache(self, prefix_cache: PrefixCache) -> None:
+        """Let the scheduler reuse cached prefixes (called by the prefix_cache feature at engine start)."""
+        if self.tensors is None:
+            raise ValueError("a prefix cache needs the pool's cache tensors; build the CacheManager with tensors=")
+        for g in self.layout.block_groups:
+            if prefix_cache.block_tokens % g.tokens_per_entry:
+                raise ValueError(f"prefix cache block_tokens={prefix_cache.block_tokens} is not a multiple of block "
+                                 f"group {g.name!r}'s {g.tokens_per_entry} tokens per entry")
+        self.prefix_cache = prefix_cache
+
     @property
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
     def stats(self) -> CacheStats:
+        return self._stats(with_prefix=True)
+
+    def _stats(self, with_prefix: bool) -> CacheStats:
         return CacheStats(
             slots_used=self.num_slots - len(self._free_slots), slots_total=self.num_slots,
             blocks_used={n: self.num_blocks[n] - len(f) for n, f in self._free_blocks.items()},
-            blocks_total=dict(self.num_blocks), peak_usage=self._peak)
+            blocks_total=dict(self.num_blocks), peak_usage=self._peak,
+            prefix_cache=self.prefix_cache.stats() if with_prefix and self.prefix_cache is not None else None)

@@ -183,6 +183,7 @@ class ModelRunner:
             # A row that sampled nothing (dead end, -1) belongs to a finished request: feed token 0.
             batch.input_ids[rows] = prev_tokens[src].clamp(min=0)
             step.prev = None  # do not keep a chain of finished steps alive
+        step.sched.restore_prefixes()  # prefix-cache hits: their cached state, before the forward
         forward = self.model.forward(batch)
         logits = forward.logits
         bitmask = step.bitmask.result()  # the engine thread fills it while the forward runs
@@ -194,6 +195,7 @@ class ModelRunner:
         else:
             out = self.speculator.verify(logits, step, bitmask)
             drafts = self.speculator.propose(step, forward.streams, out)
+        step.sched.capture_prefixes()  # snapshots at block boundaries, after every model call of the step
         step.sampled = out
         return ModelRunnerOutput(sampled=self._per_request(step, out), drafts=drafts)
 

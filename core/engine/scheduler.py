@@ -17,6 +17,16 @@ The scheduler is the only writer of request state. Two calls per step:
 It works with steps in flight (async pipeline): a token sampled by a step whose result has not
 been applied yet is counted in `num_pending_tokens` and scheduled as a placeholder input.
 
+Prefix cache (`cache.prefix_cache`, attached by the prefix_cache feature): a request admitted
+from the waiting queue starts after the longest cached prefix of its tokens (at most all but the
+last, so that it still computes the logits it samples from); the step restores that state before
+its forward (`ScheduledRequest.prefix_hit`). Prefill chunks then end on multiples of the cache's
+`block_tokens` when they cross one (only the last, shorter chunk of a prompt does not); when
+earlier requests shared a longer prefix whose state was never snapshotted (it fell inside one of
+their chunks), the first chunk ends there instead. Every chunk or decode that ends on such a
+multiple snapshots the state after its forward (`ScheduledRequest.prefix_capture`), committed
+under the request's tokens when the step is applied.
+
 Speculative decoding (`speculator`): a decode carries its drafts (at most what the budget,
 max_tokens and max_model_len leave room for) and is scheduled as 1 + m query tokens; the drafts'
 positions count as computed until the update rolls back the rejected ones. A request whose step
@@ -32,11 +42,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.cache_manager import CacheManager
+from deepinfer.engine.cache_manager import CacheManager, PrefixCapture, PrefixHit
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.speculative import Drafts, SpeculativeDecoder
 from deepinfer.engine.structured_masks import StructuredMasks
+from deepinfer.models.interface import CacheTensors
 from deepinfer.sampling_params import SamplingParams
 
 DEAD_END = "grammar_dead_end"
@@ -59,6 +70,10 @@ class ScheduledRequest:
     draft_probs: torch.Tensor | None = None
     draft_confidence: list[float] = field(default_factory=list)
     draft_limit: int = 0  # the most drafts to propose for the request's next step
+    #: prefix cache: the cached prefix to restore before the forward (context_len is its length), and
+    #: the snapshot to take after it (this chunk ends on a block boundary)
+    prefix_hit: PrefixHit | None = None
+    prefix_capture: PrefixCapture | None = None
     slot: int | None = field(init=False)
     block_ids: dict[str, list[int]] = field(init=False)
     num_known_tokens: int = field(init=False)  # prompt + generated tokens known when scheduled
@@ -103,6 +118,20 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     num_waiting: int = 0
     num_running: int = 0
+    cache_tensors: CacheTensors | None = None  # what prefix_hit / prefix_capture copy from and to
+
+    def restore_prefixes(self) -> None:
+        """Write the cached prefixes of this step's prefix hits into their cache (before the forward;
+        the executor runs it, in step order, so no step in flight can overwrite it)."""
+        for s in self.scheduled:
+            if s.prefix_hit is not None:
+                s.prefix_hit.restore(self.cache_tensors, s.slot, s.block_ids)
+
+    def capture_prefixes(self) -> None:
+        """Copy the state of the chunks that end on a block boundary (after the step's model calls)."""
+        for s in self.scheduled:
+            if s.prefix_capture is not None:
+                s.prefix_capture.copy(self.cache_tensors, s.slot, s.block_ids)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -233,6 +262,7 @@ class Scheduler:
         plan: dict[Request, int] = {}  # request -> new tokens this step (applied at the end)
         drafts: dict[Request, int] = {}  # request -> drafts among them
         preempted: list[str] = []  # its cache was just freed for lack of room: not readmitted now
+        hits: dict[Request, PrefixHit] = {}  # admitted after a cached prefix, restored by the step
 
         def remaining(r: Request) -> int:
             return r.num_tokens_with_pending - r.num_computed_tokens
@@ -246,7 +276,7 @@ class Scheduler:
             if self.speculator is not None and req.num_pending_tokens:
                 continue
             m = self._num_drafts(req, remaining(req), budget)
-            n = min(remaining(req), budget) + m
+            n = self._align(req.num_computed_tokens, min(remaining(req), budget)) + m
             while not self.cache.allocate(req, req.num_computed_tokens + n):
                 if self.running == [req]:
                     raise RuntimeError(
@@ -270,19 +300,47 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_tokens or req.request_id in preempted:
                 break  # its last token is still being sampled, or it was just preempted
-            n = min(remaining(req), budget)
-            if not self.cache.allocate(req, req.num_computed_tokens + n):
+            hit = self._lookup_prefix(req)
+            start = hit.num_tokens if hit is not None else req.num_computed_tokens
+            n = self._align(start, min(req.num_tokens_with_pending - start, budget))
+            if hit is not None and hit.split_at > start:
+                n = min(n, hit.split_at - start)  # snapshot the prefix other requests share
+            if not self.cache.allocate(req, start + n):
                 break
+            if self.cache.prefix_cache is not None and req.num_computed_tokens == 0:
+                self.cache.prefix_cache.record_admission(req.num_tokens, start)
+            if hit is not None and hit.num_tokens:
+                req.num_computed_tokens = start
+                hits[req] = hit
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan[req] = n
             budget -= n
 
-        scheduled = [self._commit(req, n, drafts.get(req, 0)) for req, n in plan.items()]
+        scheduled = [self._commit(req, n, drafts.get(req, 0), hits.get(req)) for req, n in plan.items()]
         self._step += 1
         return SchedulerOutput(step_id=self._step, scheduled=scheduled, preempted=preempted,
-                               num_waiting=len(self.waiting), num_running=len(self.running))
+                               num_waiting=len(self.waiting), num_running=len(self.running),
+                               cache_tensors=self.cache.tensors if self.cache.prefix_cache is not None else None)
+
+    def _lookup_prefix(self, req: Request) -> PrefixHit | None:
+        """The longest cached prefix a request starting from scratch can reuse (None: none, or off)."""
+        prefix = self.cache.prefix_cache
+        if prefix is None or req.num_computed_tokens:
+            return None
+        # at most all but the last token: the step must still compute the logits it samples from
+        return prefix.lookup(req.tokens(0, req.num_tokens), req.num_tokens - 1)
+
+    def _align(self, start: int, n: int) -> int:
+        """With a prefix cache, a chunk [start, start + n) that crosses a multiple of block_tokens
+        ends on the last one it crosses, so that its state there can be snapshotted."""
+        prefix = self.cache.prefix_cache
+        if prefix is None or n <= 1:
+            return n
+        end = start + n
+        aligned = end - end % prefix.block_tokens
+        return aligned - start if aligned > start else n
 
     def _plan_drafts(self) -> None:
         """Speculative decoding with a verification policy: keep, per decode, the drafts it verifies."""
@@ -302,14 +360,18 @@ class Scheduler:
         return max(0, min(len(r.draft_token_ids), budget - 1, r.params.max_tokens - r.num_outputs_with_pending - 1,
                           self.max_model_len - r.num_tokens_with_pending - 1))
 
-    def _commit(self, req: Request, n: int, num_drafts: int = 0) -> ScheduledRequest:
+    def _commit(self, req: Request, n: int, num_drafts: int = 0, hit: PrefixHit | None = None) -> ScheduledRequest:
         start = req.num_computed_tokens
         end = start + n - num_drafts
         known_end = min(end, req.num_tokens)
         sample = end == req.num_tokens_with_pending
         out = ScheduledRequest(
             request=req, context_len=start, token_ids=req.tokens(start, known_end),
-            num_placeholders=end - known_end, sample=sample, output_index=req.num_outputs_with_pending)
+            num_placeholders=end - known_end, sample=sample, output_index=req.num_outputs_with_pending,
+            prefix_hit=hit)
+        prefix = self.cache.prefix_cache
+        if prefix is not None and not num_drafts and end % prefix.block_tokens == 0:
+            out.prefix_capture = prefix.capture(req.tokens(0, known_end), end)
         if self.speculator is not None:
             if num_drafts:
                 chosen = req.drafts.truncate(num_drafts)
@@ -328,6 +390,11 @@ class Scheduler:
         """Apply a finished step's results; returns the requests that finished."""
         finished: list[Request] = []
         outcomes: list[tuple[int, int]] = []  # (drafts verified, drafts accepted) per verification
+        for s in scheduler_output.scheduled:
+            capture = s.prefix_capture
+            # a request finished before this step was applied may have had its last token discarded
+            if capture is not None and not s.request.is_finished and s.request.num_tokens >= capture.end:
+                capture.commit(s.request.tokens(0, capture.end))
         for s in scheduler_output.sampled:
             req = s.request
             result = output.sampled[s.request_id]

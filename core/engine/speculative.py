@@ -97,7 +97,9 @@ class Drafter(Protocol):
     pipeline), once per step; `forget` on the engine thread when a request finishes."""
 
     #: which target features the drafter reads: "final_streams" (the trunk's final residual streams
-    #: `[n, D]` per row, before hc_head: V4 MTP) or None (tokens only)
+    #: `[n, D]` per row, before hc_head: V4 MTP), "dspark_target" (per row, the stream means entering
+    #: the attention of each DSpark target layer, concatenated: V4.1 DSpark) or None (tokens only);
+    #: the model returns them in `ForwardOutput.streams`
     features: str | None
     #: how many trailing committed positions of a sequence the drafter needs features for (the
     #: window of its own attention); earlier positions are never handed to it

@@ -3,6 +3,7 @@
     deepinfer serve --model /ckpt                       # http://127.0.0.1:8000/v1
     deepinfer serve --model /ckpt --api-key "$KEY"      # or DEEPINFER_API_KEY=...
     deepinfer serve --model /ckpt --host 0.0.0.0 --port 9000 --max-pending 64
+    deepinfer serve --model /ckpt --prefix-cache --prefix-cache-dir ~/.cache/deepinfer/prefix
 
 Binds to 127.0.0.1 unless --host says otherwise (with a warning when that is not loopback and no
 API key is set). Engine settings not exposed as flags go in a TOML file (--config). See
@@ -45,7 +46,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--no-async", action="store_true", help="disable the async batch pipeline")
     p.add_argument("--config", default=None, help="TOML engine configuration file")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="reuse the model state of prompt prefixes seen before (the prefix_cache feature)")
+    p.add_argument("--prefix-cache-dir", default=None,
+                   help="persist the prefix cache in this directory (loaded at start, written at shutdown; "
+                        "implies --prefix-cache)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None,
+                   help="host memory for the prefix cache in MiB (default 1024; implies --prefix-cache)")
     return p
+
+
+def prefix_cache_features(args: argparse.Namespace) -> dict[str, dict] | None:
+    """The `features` table the --prefix-cache flags ask for (None: no flag given)."""
+    if not (args.prefix_cache or args.prefix_cache_dir or args.prefix_cache_mb is not None):
+        return None
+    table: dict[str, Any] = {}
+    if args.prefix_cache_dir:
+        table["dir"] = str(Path(args.prefix_cache_dir).expanduser())
+    if args.prefix_cache_mb is not None:
+        table["capacity_mb"] = args.prefix_cache_mb
+    return {"prefix_cache": table}
 
 
 def _import_web() -> tuple[Any, Any]:
@@ -113,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_args = dict(model=args.model, accelerator=args.accelerator, dtype=args.dtype,
                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, config=args.config,
-                       async_pipeline=False if args.no_async else None)
+                       async_pipeline=False if args.no_async else None, features=prefix_cache_features(args))
     try:
         app, front = build_server(settings, **engine_args)
     except (RuntimeError, ValueError, FileNotFoundError) as e:

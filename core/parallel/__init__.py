@@ -4,6 +4,8 @@
 - `launch`: one process per rank, device visibility, rendezvous, failure propagation;
 - `expert_parallel`: experts sharded across the EP group, tokens exchanged by all-to-all through
   the back end's `Collectives`, and the lockstep that keeps idle ranks in every collective.
+- `expert_placement`: physical expert slots per MoE layer (redundant experts), routing a token to
+  a replica, and the load counters (used by the eplb feature).
 
 See docs/parallelism.md.
 """

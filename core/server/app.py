@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from deepinfer.engine.cache_manager import PrefixCacheStats
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.async_engine import AsyncEngine, Delta, EngineDead, QueueFull, RequestStream
 from deepinfer.server.chat_format import ChatFormat, RequestError
@@ -248,6 +249,8 @@ def build_app(front: AsyncEngine, chat: ChatFormat, settings: ServerSettings, *,
                   "deepinfer_cache_slots_used": (s.slots_used, "cache slots in use"),
                   "deepinfer_preemptions": (s.num_preemptions, "requests preempted since start"),
                   "deepinfer_engine_steps": (s.num_steps, "engine steps that ran a batch since start")}
+        if s.prefix_cache is not None:
+            gauges.update(prefix_cache_gauges(s.prefix_cache))
         return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
@@ -341,6 +344,20 @@ def build_app(front: AsyncEngine, chat: ChatFormat, settings: ServerSettings, *,
                                  media_type="text/event-stream")
 
     return app
+
+
+def prefix_cache_gauges(p: PrefixCacheStats) -> dict[str, tuple[float, str]]:
+    """The prefix cache's counters for /metrics (`deepinfer serve --prefix-cache`)."""
+    return {"deepinfer_prefix_cache_hits": (p.hits, "admissions that restored a cached prefix since start"),
+            "deepinfer_prefix_cache_misses": (p.misses, "admissions that found no cached prefix since start"),
+            "deepinfer_prefix_cache_hit_rate": (p.hit_rate, "hits / (hits + misses)"),
+            "deepinfer_prefix_cache_evictions": (p.evictions, "cached blocks evicted since start (LRU)"),
+            "deepinfer_prefix_cache_prefill_tokens_saved": (p.prefill_tokens_saved,
+                                                            "prompt tokens restored instead of computed"),
+            "deepinfer_prefix_cache_prefill_tokens": (p.prefill_tokens_total, "prompt tokens of admissions"),
+            "deepinfer_prefix_cache_blocks": (p.blocks, "cached blocks"),
+            "deepinfer_prefix_cache_bytes": (p.bytes_used, "host bytes the cached blocks hold"),
+            "deepinfer_prefix_cache_capacity_bytes": (p.bytes_capacity, "the prefix cache's capacity")}
 
 
 def _validation_message(e: ValidationError) -> str:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer.engine.cache_manager import PrefixCacheStats
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.request import Request
 from deepinfer.sampling_params import SamplingParams
@@ -65,6 +66,7 @@ class EngineSnapshot:
     slots_used: int = 0
     num_steps: int = 0
     num_preemptions: int = 0
+    prefix_cache: PrefixCacheStats | None = None  # the prefix_cache feature's counters (None: off)
     step_seconds: Histogram = field(default_factory=Histogram)
 
 
@@ -235,3 +237,4 @@ class AsyncEngine:
         s.waiting, s.running = len(engine.scheduler.waiting), len(engine.scheduler.running)
         s.cache_usage, s.slots_used = stats.usage, stats.slots_used
         s.num_steps, s.num_preemptions = engine.num_steps, engine.scheduler.num_preemptions
+        s.prefix_cache = stats.prefix_cache

@@ -32,18 +32,21 @@ class MoE:
         self.bias = None if is_hash else weights["gate.bias"]
         self.tid2eid = weights["gate.tid2eid"] if is_hash else None
         self.w13, self.w2 = weights["experts.w13"], weights["experts.w2"]
-        # expert parallelism: keep only this rank's experts; the others are reached by all-to-all
+        # expert parallelism: keep only this rank's experts (the EP group holds them, so a load
+        # balancer can re-place them); the others are reached by all-to-all
         self.ep = current_expert_parallel()
         if self.ep is not None:
-            self.w13, self.w2 = self.ep.local_experts(self.w13), self.ep.local_experts(self.w2)
-            self.ep_key = self.ep.register(self._local_experts, config.hidden_size, config.n_routed_experts)
+            shards = [self.ep.local_experts(self.w13), self.ep.local_experts(self.w2)]
+            self.w13 = self.w2 = None
+            self.ep_key = self.ep.register(self._local_experts, config.hidden_size, config.n_routed_experts, shards)
         self.shared = None
         if config.n_shared_experts:
             # w1 and w3 fused into one [2I, D] matrix at load (weights.FUSED_PROJECTIONS)
             self.shared = (weights["fused_shared.weight"], weights["shared_experts.w2.weight"])
 
     def _local_experts(self, rows: torch.Tensor, plan: MoEDispatch) -> torch.Tensor:
-        return self.accel.moe_experts(rows, plan, self.w13, self.w2, self.c.swiglu_limit)
+        w13, w2 = self.ep.weights(self.ep_key) if self.ep is not None else (self.w13, self.w2)
+        return self.accel.moe_experts(rows, plan, w13, w2, self.c.swiglu_limit)
 
     def run(self, x: torch.Tensor, step) -> torch.Tensor:
         """The block's sub-layer call (`block.StepInputs`): routing reads the step's token ids."""
@@ -54,8 +57,12 @@ class MoE:
         scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
         hash_ids = self.tid2eid[input_ids] if self.is_hash else None
         weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor, hash_ids)
-        rows, dispatch = a.moe_dispatch(x, ids, c.n_routed_experts)
-        out = self.ep.experts(self.ep_key, rows, dispatch) if self.ep is not None else self._local_experts(rows, dispatch)
+        if self.ep is not None:  # logical experts -> physical slots (replicas under load balancing)
+            rows, dispatch = a.moe_dispatch(x, self.ep.route(self.ep_key, ids), self.ep.num_slots(self.ep_key))
+            out = self.ep.experts(self.ep_key, rows, dispatch)
+        else:
+            rows, dispatch = a.moe_dispatch(x, ids, c.n_routed_experts)
+            out = self._local_experts(rows, dispatch)
         y = a.moe_combine(out, dispatch, weights)
         if self.shared is not None:
             w13, w2 = self.shared

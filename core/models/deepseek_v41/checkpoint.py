@@ -16,8 +16,10 @@ float32) unless the back end declares their format (`weight_formats`: then the l
 (float8_e4m3fn / float8_e8m0fnu) and memory-mapped from the shard file (the release's are about
 200 GB), so they take no RAM until rows are read, and the memory check leaves them out.
 
-`mtp.*` (the DSpark drafter), `vision.*`, `aligner.*` and `image_{start,end,newline}` tensors are
-left out of the backbone load (logged at info level).
+`vision.*`, `aligner.*` and `image_{start,end,newline}` tensors are left out of the load (logged at
+info level). The DSpark drafter's `mtp.*` tensors are loaded (dequantised, checked against
+`weights.dspark_weight_shapes`) when `text_config.num_nextn_predict_layers` > 0 and the checkpoint
+holds them; otherwise they are left out too.
 
 Everything is checked before tensor data is read, each problem a `CheckpointError` (the shared
 checks of `deepinfer.models.common.checkpoint`: file layouts, shard index, one error listing every
@@ -44,7 +46,8 @@ from deepinfer.models.common.safetensors_io import CONFIG_FILE
 from deepinfer.models.deepseek_v41.config import MODEL_TYPE, TEXT_MODEL_TYPE, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram_vocab import compressed_token_map
 from deepinfer.models.deepseek_v41.weights import (
-    SKIPPED_PREFIXES, canonicalize, expected_weight_shapes, is_engram_table, is_quantizable, is_skipped, weight_kind,
+    DSPARK_PREFIX, SKIPPED_PREFIXES, canonicalize, dspark_weight_shapes, expected_weight_shapes, is_engram_table,
+    is_quantizable, is_skipped, weight_kind,
 )
 from deepinfer.tokenizer import checkpoint_tokenizer_file
 
@@ -127,8 +130,33 @@ def engram_token_map(root: Path, config: DeepseekV41Config) -> torch.Tensor:
     return torch.tensor(token_map + [pad] * (V - len(token_map)), dtype=torch.int64)
 
 
-def _skip_non_backbone(ckpt: SafetensorsCheckpoint, root: Path) -> None:
-    skipped = [name for name in ckpt.entries if is_skipped(name)]
+def _with_dspark(ckpt: SafetensorsCheckpoint, root: Path, config: DeepseekV41Config) -> bool:
+    """Whether to load the DSpark drafter: the config has stages and the checkpoint holds `mtp.*`
+    tensors (a checkpoint without them loads the backbone only, with a warning; speculative
+    decoding is then refused by the dspark feature)."""
+    if not config.num_nextn_predict_layers:
+        return False
+    if any(name.removeprefix("model.").startswith(DSPARK_PREFIX) for name in ckpt.entries):
+        return True
+    logger.warning("checkpoint %s has no DSpark drafter (mtp.*) weights although config.json sets "
+                   "num_nextn_predict_layers = %d; speculative decoding will not be available",
+                   root, config.num_nextn_predict_layers)
+    return False
+
+
+def has_dspark_drafter(path: str | Path) -> bool:
+    """Whether the checkpoint folder brings a DSpark drafter the engine can run: its config sets
+    `num_nextn_predict_layers > 0` and its safetensors hold `mtp.*` tensors (headers only: no
+    tensor data is read). Raises like `load_checkpoint` on a missing or invalid folder."""
+    root, config = _common.checkpoint_config(path, None, parse_config)
+    if not config.num_nextn_predict_layers:
+        return False
+    entries = SafetensorsCheckpoint(root, block_size=block_size(config)).entries
+    return any(name.removeprefix("model.").startswith(DSPARK_PREFIX) for name in entries)
+
+
+def _skip_non_backbone(ckpt: SafetensorsCheckpoint, root: Path, keep_dspark: bool = False) -> None:
+    skipped = [name for name in ckpt.entries if is_skipped(name, keep_dspark)]
     if not skipped:
         return
     counts = Counter(next(p for p in SKIPPED_PREFIXES if name.removeprefix("model.").startswith(p))
@@ -168,13 +196,15 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     """
     root, config = _common.checkpoint_config(path, config_dict, parse_config)
     ckpt = SafetensorsCheckpoint(root, block_size=block_size(config))
-    _skip_non_backbone(ckpt, root)
+    dspark = _with_dspark(ckpt, root, config)
+    _skip_non_backbone(ckpt, root, dspark)
     dtype = _common.resolve_dtype(dtype, ckpt.entries, DTYPE_REFERENCE_NAMES)
     _check_engram_dtypes(ckpt)
     units = ckpt.plan(config.expert_dtype, keep_stored=is_engram_table)
     ckpt.keep_quantized(weight_formats, is_quantizable)
     shapes, sizes = ckpt.loaded_shapes(units, canonicalize, target_dtype, dtype)
-    ckpt.validate(expected_weight_shapes(config), shapes, naming="official")
+    expected = expected_weight_shapes(config) | (dspark_weight_shapes(config) if dspark else {})
+    ckpt.validate(expected, shapes, naming="official")
     token_map = engram_token_map(root, config) if config.engram_layer_ids else None
 
     in_ram = sum(n for name, n in sizes.items() if weight_kind(name) != "quantized")

@@ -224,6 +224,26 @@ class DeepseekV41Config(BaseModel):
             ids = value if isinstance(value, tuple) else () if value is None else (value,)
             if any(not 0 <= i < V for i in ids):
                 p.append(f"{key} = {show_value(value)} is out of range: token ids must be in [0, {V})")
+        return p + self._dspark_problems()
+
+    def _dspark_problems(self) -> list[str]:
+        """The DSpark drafter's settings, checked only when it has stages."""
+        if not self.num_nextn_predict_layers:
+            return []
+        p: list[str] = []
+        ids, L = list(self.dspark_target_layer_ids), self.num_hidden_layers
+        if not ids or ids != sorted(set(ids)) or any(not 0 <= i < L for i in ids):
+            p.append(f"dspark_target_layer_ids = {ids} must be strictly increasing layer ids in [0, {L}) (the DSpark "
+                     f"drafter reads the attention inputs of these layers); give at least one, or set "
+                     f"num_nextn_predict_layers = 0")
+        if self.dspark_block_size < 1:
+            p.append(f"dspark_block_size = {self.dspark_block_size} must be >= 1")
+        if not 0 <= self.dspark_noise_token_id < self.vocab_size:
+            p.append(f"dspark_noise_token_id = {self.dspark_noise_token_id} is out of range: token ids must be in "
+                     f"[0, {self.vocab_size})")
+        if self.dspark_num_experts_per_tok > self.dspark_n_routed_experts:
+            p.append(f"dspark_num_experts_per_tok = {self.dspark_num_experts_per_tok} must be <= "
+                     f"dspark_n_routed_experts = {self.dspark_n_routed_experts}")
         return p
 
     # ----- derived role tables -----

@@ -24,6 +24,9 @@ measured on the written tokenizer (`engram_vocab`), unless given as overrides.
 Sizes (`SIZES`): `tiny` (unit tests: vocab 512, hidden 64, 8 layers holding every layer role),
 `default` (the embedded default model: the real 129,280-token vocabulary, hidden 64, the release's
 schedule scaled to 12 layers), `bench` (hidden 1024, 12 layers, about DeepSeek-V4 `bench`'s cost).
+`default` and `bench` include the DSpark drafter (`mtp.0-2`, stored like the release: FP8 attention
+projections, `main_proj` and shared experts, FP4 routed experts, fp32 confidence head); tiny only
+with `with_dspark=True` (`--dspark`).
 """
 from __future__ import annotations
 
@@ -46,11 +49,11 @@ from deepinfer.models.deepseek_v4.make_model import (
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import engram_primes
 from deepinfer.models.deepseek_v41.engram_vocab import compressed_token_map
-from deepinfer.models.deepseek_v41.weights import expected_weight_shapes, weight_kind
+from deepinfer.models.deepseek_v41.weights import dspark_weight_shapes, expected_weight_shapes, weight_kind
 from deepinfer.models.registry import CheckpointMaker
 from deepinfer.tokenizer import TOKENIZER_DIR, TOKENIZER_FILE
 
-SPEC_VERSION = 1  # bump when a preset or the initialisation changes
+SPEC_VERSION = 2  # bump when a preset or the initialisation changes (2: the DSpark drafter)
 FAMILY = "v41"
 BLOCK = 32  # FP8 block size of the release
 RELEASE_QUANTIZATION: dict[str, Any] = {
@@ -99,22 +102,40 @@ SIZES: dict[str, dict[str, Any]] = {
         max_position_embeddings=1048576, engram_head_dim=256, engram_n_heads=4, engram_vocab_size=20000,
         dtype="bfloat16"),
 }
+# the DSpark drafter (mtp.0-2) of each preset, written unless with_dspark=False (tiny: only when asked);
+# like the release it reads the attention inputs of the last three layers
+DSPARK: dict[str, dict[str, Any]] = {
+    "tiny": dict(num_nextn_predict_layers=3, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=8,
+                 dspark_n_routed_experts=8, dspark_num_experts_per_tok=3),
+    "default": dict(num_nextn_predict_layers=3, dspark_target_layer_ids=(9, 10, 11), dspark_markov_rank=16,
+                    dspark_n_routed_experts=8, dspark_num_experts_per_tok=3),
+    "bench": dict(num_nextn_predict_layers=3, dspark_target_layer_ids=(9, 10, 11), dspark_markov_rank=64,
+                  dspark_n_routed_experts=16, dspark_num_experts_per_tok=3),
+}
+_DSPARK_BY_DEFAULT = {"tiny": False, "default": True, "bench": True}
 # tiny is split into several shards so that tests cover the index and scales in other shards
 _SHARD_BYTES = {"tiny": 256 * 2**10}
 
-_FP8_RE = re.compile(r"^layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|"
-                     r"engram\.wkv)\.weight$")
-_FP4_RE = re.compile(r"^layers\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
+_FP8_RE = re.compile(r"^(layers|mtp)\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123]|"
+                     r"engram\.wkv|main_proj)\.weight$")
+_FP4_RE = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 _ENGRAM_TABLE_RE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
 
 
-def model_config(size: str = "tiny", **overrides: Any) -> tuple[DeepseekV41Config, torch.dtype]:
+def model_config(size: str = "tiny", with_dspark: bool | None = None, **overrides: Any
+                 ) -> tuple[DeepseekV41Config, torch.dtype]:
     """The config and storage dtype of a preset with `DeepseekV41Config` field overrides (and
-    `dtype`: "float32" or "bfloat16"). `engram_num_embeddings` is derived unless overridden;
-    `engram_compressed_vocab_size` keeps its value here (`make_model` measures it on the tokenizer)."""
+    `dtype`: "float32" or "bfloat16"). `with_dspark`: add the preset's DSpark drafter (`DSPARK`; its
+    three stages get compress ratio 0); None: the preset's default (not for tiny).
+    `engram_num_embeddings` is derived unless overridden; `engram_compressed_vocab_size` keeps its
+    value here (`make_model` measures it on the tokenizer)."""
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
-    fields = {**SIZES[size], **overrides}
+    fields = dict(SIZES[size])
+    if _DSPARK_BY_DEFAULT[size] if with_dspark is None else with_dspark:
+        fields.update(DSPARK[size])
+        fields["compress_ratios"] = tuple(fields["compress_ratios"]) + (0,) * fields["num_nextn_predict_layers"]
+    fields.update(overrides)
     dtype_name = str(fields.pop("dtype"))
     if dtype_name not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype_name!r}; choose from {', '.join(_DTYPES)}")
@@ -140,7 +161,12 @@ def engram_rows(config: DeepseekV41Config) -> tuple[int, ...]:
 
 
 def count_parameters(config: DeepseekV41Config) -> int:
-    return sum(math.prod(s) for s in expected_weight_shapes(config).values())
+    """Backbone and DSpark drafter parameters."""
+    return sum(math.prod(s) for s in all_weight_shapes(config).values())
+
+
+def all_weight_shapes(config: DeepseekV41Config) -> dict[str, tuple[int, ...]]:
+    return expected_weight_shapes(config) | dspark_weight_shapes(config)
 
 
 # --- random values ---------------------------------------------------------------------------
@@ -162,7 +188,7 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
 def release_tensors(config: DeepseekV41Config, seed: int, dtype: torch.dtype, progress: bool = False
                     ) -> dict[str, torch.Tensor]:
     """Every stored tensor of the release layout, random and quantised (see the module docstring)."""
-    shapes = {k: v for k, v in expected_weight_shapes(config).items() if not k.endswith(".engram.embed.scale")}
+    shapes = {k: v for k, v in all_weight_shapes(config).items() if not k.endswith(".engram.embed.scale")}
     out: dict[str, torch.Tensor] = {}
     bar = _bytes_bar(sum(math.prod(s) for s in shapes.values()) * 4, "generating weights", progress)
     for name, shape in shapes.items():
@@ -184,7 +210,8 @@ def release_tensors(config: DeepseekV41Config, seed: int, dtype: torch.dtype, pr
 # --- writing ---------------------------------------------------------------------------------
 
 def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite: bool = False,
-               max_shard_bytes: int | None = None, progress: bool | None = None, **overrides: Any) -> Path:
+               max_shard_bytes: int | None = None, progress: bool | None = None, with_dspark: bool | None = None,
+               **overrides: Any) -> Path:
     """Write a random-weight DeepSeek-V4.1 checkpoint in the release layout to `out_dir`; its path.
 
     Args:
@@ -193,13 +220,15 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
         overwrite: replace an existing non-empty `out_dir`.
         max_shard_bytes: shard size (default: 256 KiB for tiny, so it has several shards; else 1 GiB).
         progress: show progress bars (None: only for checkpoints over 100 MB).
+        with_dspark: write the DSpark drafter (`mtp.0-2`, the preset's `DSPARK` settings); None: the
+            preset's default (default and bench: yes, tiny: no).
         **overrides: `DeepseekV41Config` fields and `dtype` (see `model_config`).
     Raises ValueError for unknown sizes or invalid settings (a model with Engram layers needs a
     vocabulary that holds at least the cut-down tokenizer) and FileExistsError for a non-empty
     `out_dir` without `overwrite`.
     """
     out = empty_out_dir(out_dir, overwrite)
-    config, dtype = model_config(size, **overrides)
+    config, dtype = model_config(size, with_dspark, **overrides)
     n_params = count_parameters(config)
     if progress is None:
         progress = n_params * dtype.itemsize > 100 * 2**20
@@ -219,7 +248,7 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
     write_safetensors(tensors, out, shard_bytes, progress)
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     marker = {"made_by": "deepinfer make-model", "family": FAMILY, "spec_version": SPEC_VERSION, "size": size,
-              "seed": seed, "parameters": n_params,
+              "seed": seed, "parameters": n_params, "dspark": config.num_nextn_predict_layers > 0,
               "overrides": {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides.items()
                             if not isinstance(v, YarnScaling)}}
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, default=str))
@@ -234,19 +263,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(_DTYPES), default=None, help="storage dtype of unquantised weights")
     parser.add_argument("--set", dest="overrides", action="append", type=_parse_override, default=[],
                         metavar="KEY=VALUE", help="override a config field (JSON value), e.g. --set sliding_window=16")
+    parser.add_argument("--dspark", dest="with_dspark", action=argparse.BooleanOptionalAction, default=None,
+                        help="write the DSpark drafter mtp.0-2 (default: yes for default and bench, no for tiny)")
     parser.add_argument("--max-shard-size", type=_parse_size_bytes, default=None,
                         help="split the weights into shards of at most this size (default 1GiB; tiny 256KiB)")
 
 
 def make_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite: bool = False, *,
                     dtype: str | None = None, overrides: list[tuple[str, Any]] | None = None,
-                    max_shard_size: int | None = None) -> str:
+                    max_shard_size: int | None = None, with_dspark: bool | None = None) -> str:
     """`deepinfer make-model --family v41`: `make_model` with the command's flags; returns the
     summary line the command prints."""
     fields = dict(overrides or [])
     if dtype:
         fields["dtype"] = dtype
-    out = make_model(out_dir, size=size, seed=seed, overwrite=overwrite, max_shard_bytes=max_shard_size, **fields)
+    out = make_model(out_dir, size=size, seed=seed, overwrite=overwrite, max_shard_bytes=max_shard_size,
+                     with_dspark=with_dspark, **fields)
     marker = json.loads((out / MARKER_FILE).read_text())
     disk = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     return (f"wrote {out}: DeepSeek-V4.1 {size}, {marker['parameters']:,} parameters, {disk / 2**20:.1f} MiB of "

@@ -15,6 +15,12 @@ the streams it receives, but its sub-layer reads the streams collapsed with the 
 `pre` (carried on the step; one-hot on stream 0 before the first site), then expands with its own
 post and comb. The MoE is V4's without hash routing (every layer scored with `gate.bias`).
 
+With the DSpark drafter's weights (`mtp.*`) loaded, `self.dspark` is its `DSparkHead`
+(dspark_head.py) and a batch with `return_streams` gets the DSpark target features of the asked
+rows in `ForwardOutput.streams` (the stream means entering the attention of each
+`dspark_target_layer_ids` layer, captured by `Site`). `twin()` gives a second model over the same
+weights for the self-drafting test mode.
+
 With `set_bounded_replay(k)` (the swa_replay feature) prefill runs the decoder layers only on the
 last k prompt rows of each sequence (SWA bounded replay, approximate; replay.py); exact by default.
 
@@ -22,7 +28,10 @@ Implements the engine's `Model` protocol; its registry entry is `family.py`.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,6 +52,9 @@ from deepinfer.models.deepseek_v41.state import (
 )
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
 
+if TYPE_CHECKING:
+    from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
+
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
     "attn.fused_x.weight": X_PARTS,
     "attn.fused_qr.weight": QR_PARTS,
@@ -51,7 +63,7 @@ FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
 TOKEN_MAP = "engram.token_map"
 # kept in fp32 whatever the model dtype: mHC parameters, sinks, router, the ratio>1 compressor
 _FP32_SUFFIXES = ("attn_sink", "gate.weight", "gate.bias", "gate.bias_vl", "compressor.wkv.weight",
-                  "compressor.wgate.weight")
+                  "compressor.wgate.weight", "confidence_head.proj.weight")
 
 
 @dataclass
@@ -67,6 +79,7 @@ class StepInputs:
     selection: dict = field(default_factory=dict)  # attention group -> (index-source layer, picks)
     candidates: dict = field(default_factory=dict)  # attention group -> candidate pool [B, S, E]
     kv_published: bool = False  # bounded replay: the decoder KV source already ran its compressor (replay.py)
+    capture: dict[int, torch.Tensor | None] | None = None  # DSpark target layer -> its attention input's stream mean
 
 
 class Site:
@@ -80,6 +93,9 @@ class Site:
 
     def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
         a, c, ops = self.accel, self.c, self.ops
+        if step.capture is not None and self.name == ATTN and self.layer.layer in step.capture:
+            # DSpark's target feature: the streams entering this attention (after Engram), averaged
+            step.capture[self.layer.layer] = streams.float().mean(dim=1)
         pre, post, comb = ops.hc_mix(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
                                      c.rms_norm_eps)
         collapsed = ops.hc_collapse(streams, step.pre)
@@ -88,11 +104,31 @@ class Site:
         return ops.hc_post(y, streams, post, comb)
 
 
+def _twin_module(m):
+    """A block sub-module for a twin model: attention sites get their own attention object (it
+    holds the cache views), the rest is shared."""
+    if isinstance(m, Site) and isinstance(m.layer, Attention):
+        m = copy.copy(m)
+        m.layer = copy.copy(m.layer)
+        m.layer.state = None
+    return m
+
+
 class DeepseekV41ForCausalLM:
-    #: why speculative decoding is refused on this model (read by the speculative-decoding feature)
-    drafter_unsupported = ("speculative decoding on DeepSeek-V4.1 needs its own DSpark draft head (mtp.0-2: three "
-                           "stages drafting blocks of 5 with Markov and confidence heads), which deepinfer does not "
-                           "run yet")
+    #: why speculative decoding is refused on this model (read by the speculative-decoding feature);
+    #: None on an instance whose checkpoint brought the DSpark drafter (`load_weights`)
+    drafter_unsupported: str | None = (
+        "speculative decoding on DeepSeek-V4.1 needs its own DSpark draft head (mtp.0-2 weights with "
+        "text_config.num_nextn_predict_layers > 0, which `deepinfer make-model --family v41 --dspark` writes), and "
+        "this checkpoint has none")
+
+    @classmethod
+    def drafter_unsupported_for(cls, checkpoint: str | Path) -> str | None:
+        """`drafter_unsupported` of the model `checkpoint` would load, from its config and tensor
+        names alone (what the examples ask before they apply the seeds' speculation default)."""
+        from deepinfer.models.deepseek_v41.checkpoint import has_dspark_drafter
+
+        return None if has_dspark_drafter(checkpoint) else cls.drafter_unsupported
 
     def __init__(self, config: DeepseekV41Config, accelerator: Accelerator, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", query_block: int = 256):
@@ -110,6 +146,7 @@ class DeepseekV41ForCausalLM:
         self._layout: CacheLayout | None = None
         self._num_slots = 0
         self.replay_keep_tokens: int | None = None  # SWA bounded replay (replay.py); None: exact prefill
+        self.dspark: DSparkHead | None = None  # the DSpark drafter, when the checkpoint has it
 
     def set_bounded_replay(self, keep_tokens: int | None) -> None:
         """Run prefill with decoder-side SWA bounded replay keeping the last `keep_tokens` prompt
@@ -124,9 +161,17 @@ class DeepseekV41ForCausalLM:
                                  f"keep at least {minimum}")
         self.replay_keep_tokens = keep_tokens
 
-    def drafter_heads(self) -> None:
-        """V4.1's DSpark head is not run yet: speculative decoding on V4.1 is refused (None)."""
-        return None
+    def drafter_heads(self) -> tuple[DSparkHead] | None:
+        """The DSpark drafter (`mtp.*`, run by the dspark feature) when its weights are loaded, else None."""
+        return None if self.dspark is None else (self.dspark,)
+
+    def twin(self) -> DeepseekV41ForCausalLM:
+        """A second model over the same weight tensors with no cache bound (the dspark feature's
+        self-drafting test mode binds a cache of its own to it); it has no drafter."""
+        other = copy.copy(self)
+        other.blocks = [DecoderBlock([_twin_module(m) for m in blk.modules], blk.w) for blk in self.blocks]
+        other._cache, other._layout, other._num_slots, other.dspark = None, None, 0, None
+        return other
 
     # ----- weights -----
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
@@ -143,10 +188,18 @@ class DeepseekV41ForCausalLM:
             raise ValueError(f"{TOKEN_MAP!r} is missing: the Engram layers need the tokenizer-derived compressed-id "
                              f"map (load the checkpoint with deepinfer.models.deepseek_v41.checkpoint)")
         state = {k: self._convert(k, v) for k, v in weights.items() if k.startswith(("layers.", "embed.", "norm.",
-                                                                                     "head."))}
+                                                                                     "head.", "mtp."))}
         self.top = {k: state[k] for k in ("embed.weight", "norm.weight", "head.weight")}
         self.hasher = EngramHasher(c, weights[TOKEN_MAP], self.device) if c.engram_layer_ids else None
         self.blocks = [self._build_block(i, strip_prefix(state, f"layers.{i}.")) for i in range(c.num_hidden_layers)]
+        self.dspark = None
+        self.__dict__.pop("drafter_unsupported", None)
+        if c.num_nextn_predict_layers and any(k.startswith("mtp.") for k in state):
+            from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
+
+            self.dspark = DSparkHead(c, {k: v for k, v in state.items() if k.startswith("mtp.")}, self.top,
+                                     self.rope, self.accel, self.ops)
+            self.drafter_unsupported = None
         if self._cache is not None:
             self.bind_cache(self._cache)
 
@@ -189,6 +242,8 @@ class DeepseekV41ForCausalLM:
         self._cache, self._layout = cache, layout
         self._num_slots = cache.slot[WINDOW_KV].shape[1]
         self._rings = ring_sizes(c, max_rollback)
+        if self.dspark is not None:
+            self.dspark.bind(self._num_slots)
 
         def slot(name: str, layer: int) -> torch.Tensor:
             return layout.slot_tensor(name).view(cache.slot[name], layer)
@@ -227,16 +282,46 @@ class DeepseekV41ForCausalLM:
                                                                     c.engram_layer_ids[0])
             step.engram_rows = self.hasher.hash(ids, plan, history)
         split = decoder_rows(batch, c, self.replay_keep_tokens)
+        features = batch.return_streams and self.dspark is not None
+        if features:
+            step.capture = dict.fromkeys(c.dspark_target_layer_ids)
         for blk in self.blocks if split is None else self.blocks[:split.layer]:
             streams = blk.run(streams, step)
-        rows = batch.logits_indices.to(self.device)
+        rows = logits_rows = batch.logits_indices.to(self.device)
+        capture = step.capture
         if split is not None:  # bounded replay: the decoder runs only the kept rows
             rows = split.kept(rows, "logits")
             streams, kept_step = split.run_decoder(self, streams, step)
             if kept_step is None:
-                return ForwardOutput(logits=torch.zeros((0, c.vocab_size), dtype=torch.float32, device=self.device))
+                return ForwardOutput(logits=torch.zeros((0, c.vocab_size), dtype=torch.float32, device=self.device),
+                                     streams=self._target_features(capture, batch, logits_rows, split)
+                                     if features else None)
             step = kept_step
         h = self.ops.hc_collapse(streams[rows], step.pre[rows])
         h = self.accel.rms_norm(h, self.top["norm.weight"], c.rms_norm_eps)
         logits = self.accel.linear(h, self.top["head.weight"]).float()
-        return ForwardOutput(logits=logits, streams=streams[rows] if batch.return_streams else None)
+        out = streams[rows] if batch.return_streams else None
+        if features:
+            out = self._target_features(capture, batch, logits_rows, split)
+        return ForwardOutput(logits=logits, streams=out)
+
+    def _target_features(self, capture: dict[int, torch.Tensor | None], batch: ForwardBatch, logits_rows: torch.Tensor,
+                         split) -> torch.Tensor:
+        """The DSpark target features `[S, len(ids) * D]` of the asked rows (stream_indices, else the
+        logits rows). Under bounded replay a decoder layer ran only the kept rows; a dropped row's
+        feature is 0. The drafter never reads it: it attends to the `sliding_window` positions
+        before its anchor, which lie in the kept suffix (keep_tokens >= sliding_window) and are
+        seeded after the dropped rows of the same ring slots."""
+        picked = logits_rows if batch.stream_indices is None else batch.stream_indices.to(self.device)
+        parts = []
+        for layer in self.config.dspark_target_layer_ids:
+            f = capture[layer]
+            if split is None or layer < split.layer:
+                parts.append(f[picked])
+                continue
+            where = split.row_of[picked]
+            part = torch.zeros((picked.numel(), self.config.hidden_size), dtype=torch.float32, device=self.device)
+            if f is not None and f.shape[0]:
+                part = torch.where((where >= 0).unsqueeze(-1), f[where.clamp(min=0)], part)
+            parts.append(part)
+        return torch.cat(parts, dim=-1)

@@ -15,7 +15,10 @@
   expert) -> official names. Unknown names pass through with `model.` dropped, so that the loader
   reports them.
 - `is_skipped(name)`: tensors the backbone loader leaves out (`SKIPPED_PREFIXES`: the DSpark drafter
-  `mtp.*`, the vision tower `vision.*` / `aligner.*`, the image delimiters).
+  `mtp.*` unless the config has DSpark stages, the vision tower `vision.*` / `aligner.*`, the image
+  delimiters).
+- `dspark_weight_shapes(config)`: the DSpark drafter's tensors (`mtp.{0..S-1}.*`), loaded with the
+  backbone when `num_nextn_predict_layers` > 0 and the checkpoint holds them.
 
 Which tensors a layer owns follows its role (`config.layer_roles`): a Full layer (KV source) owns the
 compressor (`wgate` only when its compress ratio is above 1) and the indexer with its key projection
@@ -31,17 +34,19 @@ import torch
 from deepinfer.models.common.weights import (
     CanonicalNames, canonicalize_blocks, drop_prefix, hf_scale_to_official, rename_prefix,
 )
-from deepinfer.models.deepseek_v41.config import FULL, REINDEX, DeepseekV41Config
+from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, DeepseekV41Config
 
 ENGRAM_GROUP = 32  # channels per ue8m0 scale of an Engram table row
-SKIPPED_PREFIXES = ("mtp.", "vision.", "aligner.", "image_start", "image_end", "image_newline")
+DSPARK_PREFIX = "mtp."
+SKIPPED_PREFIXES = (DSPARK_PREFIX, "vision.", "aligner.", "image_start", "image_end", "image_newline")
 
 # read only through linear / grouped_linear / moe_experts; not the compressor's (kept in fp32 by the
 # model), the router, norms, the embedding or the Engram tables
 _QUANTIZABLE_RE = re.compile(
     r"^(head|layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.(wq_b|weights_proj|wk))"
     r"|ffn\.(shared_experts|experts\.\d+)\.w[123]|engram\.wkv))\.weight$")
-_FP32_RE = re.compile(r"(^|\.)(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias|ffn\.gate\.bias_vl)$")
+_FP32_RE = re.compile(r"(^|\.)(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias|ffn\.gate\.bias_vl"
+                      r"|confidence_head\.proj\.weight)$")
 _ENGRAM_TABLE_RE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
 _BLOCK_RE = re.compile(r"^(layers\.\d+)\.(.+)$")
 _GROUPED_RE = re.compile(r"^ffn\.experts\.(gate_and_up_projs|down_projs)$")
@@ -76,14 +81,28 @@ def is_engram_table(name: str) -> bool:
     return _ENGRAM_TABLE_RE.match(drop_prefix(name, "model.")) is not None
 
 
-def is_skipped(name: str) -> bool:
-    """Whether the backbone loader leaves this stored tensor out (`SKIPPED_PREFIXES`)."""
-    return drop_prefix(name, "model.").startswith(SKIPPED_PREFIXES)
+def is_skipped(name: str, keep_dspark: bool = False) -> bool:
+    """Whether the loader leaves this stored tensor out (`SKIPPED_PREFIXES`; with `keep_dspark`,
+    the DSpark drafter's `mtp.*` tensors are loaded)."""
+    name = drop_prefix(name, "model.")
+    return name.startswith(SKIPPED_PREFIXES) and not (keep_dspark and name.startswith(DSPARK_PREFIX))
 
 
 def _layer_shapes(cfg: DeepseekV41Config, i: int) -> dict[str, tuple[int, ...]]:
+    s = _block_shapes(cfg, cfg.layer_roles[i], cfg.compress_ratio(i), cfg.n_routed_experts)
+    if i in cfg.engram_layer_ids:
+        D, n = cfg.hidden_size, cfg.hc_mult
+        rows, hd = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)], cfg.engram_head_dim
+        s["engram.embed.weight"], s["engram.embed.scale"] = (rows, hd), (rows, hd // ENGRAM_GROUP)
+        s["engram.wkv.weight"] = (D * (n + 1), cfg.engram_hash_heads * hd)
+        s["engram.q_weight"] = s["engram.k_weight"] = (n, D)
+    return {f"layers.{i}.{k}": v for k, v in s.items()}
+
+
+def _block_shapes(cfg: DeepseekV41Config, role: str, ratio: int, num_experts: int) -> dict[str, tuple[int, ...]]:
+    """A block's attention, mHC and MoE tensors (relative names) for a layer of `role` and compress `ratio`."""
     D, H, d, n = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.hc_mult
-    mix, E, I = (2 + n) * n, cfg.n_routed_experts, cfg.moe_intermediate_size
+    mix, E, I = (2 + n) * n, num_experts, cfg.moe_intermediate_size
     Hi, di, q = cfg.index_n_heads, cfg.index_head_dim, cfg.q_lora_rank
     s: dict[str, tuple[int, ...]] = {"attn_norm.weight": (D,), "ffn_norm.weight": (D,)}
     for unit in ("attn", "ffn"):
@@ -94,10 +113,9 @@ def _layer_shapes(cfg: DeepseekV41Config, i: int) -> dict[str, tuple[int, ...]]:
         "attn.wo_a.weight": (cfg.o_groups * cfg.o_lora_rank, H * d // cfg.o_groups),
         "attn.wo_b.weight": (D, cfg.o_groups * cfg.o_lora_rank), "attn.attn_sink": (H,),
     })
-    role = cfg.layer_roles[i]
     if role == FULL:
         s["attn.compressor.wkv.weight"] = (d, D)
-        if cfg.compress_ratio(i) > 1:
+        if ratio > 1:
             s["attn.compressor.wgate.weight"] = (d, D)
         s["attn.compressor.norm.weight"] = (d,)
         s["attn.indexer.wk.weight"] = (di, d)
@@ -111,12 +129,29 @@ def _layer_shapes(cfg: DeepseekV41Config, i: int) -> dict[str, tuple[int, ...]]:
     for e in range(E):
         s[f"ffn.experts.{e}.w1.weight"] = s[f"ffn.experts.{e}.w3.weight"] = (I, D)
         s[f"ffn.experts.{e}.w2.weight"] = (D, I)
-    if i in cfg.engram_layer_ids:
-        rows, hd = cfg.engram_num_embeddings[cfg.engram_layer_ids.index(i)], cfg.engram_head_dim
-        s["engram.embed.weight"], s["engram.embed.scale"] = (rows, hd), (rows, hd // ENGRAM_GROUP)
-        s["engram.wkv.weight"] = (D * (n + 1), cfg.engram_hash_heads * hd)
-        s["engram.q_weight"] = s["engram.k_weight"] = (n, D)
-    return {f"layers.{i}.{k}": v for k, v in s.items()}
+    return s
+
+
+def dspark_weight_shapes(config: DeepseekV41Config) -> dict[str, tuple[int, ...]]:
+    """Official name -> shape of every DSpark drafter tensor (`mtp.{j}.*`, dequantised); empty when
+    `num_nextn_predict_layers` is 0. Each stage is a sliding-only block with a
+    `dspark_n_routed_experts` MoE; `mtp.0` adds the target-feature projection `main_proj`
+    (`len(dspark_target_layer_ids) * D -> D`) and `main_norm`; the last stage the final `norm`, the
+    Markov head (`markov_head.embed` / `.head`, `[V, dspark_markov_rank]` each) and the fp32
+    confidence head (`confidence_head.proj`, `[1, D + rank]`)."""
+    V, D, r, S = config.vocab_size, config.hidden_size, config.dspark_markov_rank, config.num_nextn_predict_layers
+    shapes: dict[str, tuple[int, ...]] = {}
+    for j in range(S):
+        s = _block_shapes(config, SLIDING, 0, config.dspark_n_routed_experts)
+        if j == 0:
+            s["main_proj.weight"] = (D, D * len(config.dspark_target_layer_ids))
+            s["main_norm.weight"] = (D,)
+        if j == S - 1:
+            s["norm.weight"] = (D,)
+            s["markov_head.embed.weight"] = s["markov_head.head.weight"] = (V, r)
+            s["confidence_head.proj.weight"] = (1, D + r)
+        shapes.update({f"mtp.{j}.{k}": v for k, v in s.items()})
+    return shapes
 
 
 def expected_weight_shapes(config: DeepseekV41Config) -> dict[str, tuple[int, ...]]:

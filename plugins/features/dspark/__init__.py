@@ -4,8 +4,9 @@ target forward, keep the longest accepted prefix plus one target token (docs/spe
 Enable it with a `[features.dspark]` table (`LLM(features={"dspark": {...}})`) or the environment
 variables its FeatureSpec declares: DEEPINFER_USE_NEXTN_DECODE=<k> (maximum drafts per step; 0
 disables speculation) and DEEPINFER_ENABLE_MTP_VARLEN=1 (confidence-scheduled variable-length
-verification). The drafter is the checkpoint's MTP block (`mtp.0.*`, V4); `drafter = "self"` is a
-test mode in which the target drafts for itself. Greedy outputs are identical to decoding without
+verification). The drafter is the checkpoint's own: V4's MTP block (`mtp.0.*`, one token per pass)
+or V4.1's DSpark head (`mtp.0-2`, a block of up to 5 per pass with Markov and confidence heads);
+`drafter = "self"` is a test mode in which the target drafts for itself. Greedy outputs are identical to decoding without
 speculation; sampled outputs keep their distribution (speculative rejection sampling).
 
 This module stays import-light: the entry point imports it to read the FeatureSpec.
@@ -91,6 +92,11 @@ class DSparkPlugin:
                                   max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
                                   block_size=engine.cache.block_size, error_rate=config.self_draft_error_rate,
                                   shared_generator=engine.generator)
+        elif getattr(engine.model, "dspark", None) is not None:  # DeepSeek-V4.1 with its DSpark head
+            from .dspark_drafter import DSparkDrafter
+
+            drafter = DSparkDrafter(engine.model, engine.accelerator, config.num_draft_tokens,
+                                    config.confidence_input, engine.generator)
         else:
             drafter = MtpDrafter(engine.model, engine.accelerator, engine.generator)
         cost = None

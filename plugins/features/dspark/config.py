@@ -24,8 +24,13 @@ class DSparkConfig(BaseModel):
         False, description="confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN): per step, verify per "
                            "request only the drafts whose expected gain pays for their verify cost")
     drafter: Literal["mtp", "self"] = Field(
-        "mtp", description="'mtp': the checkpoint's MTP block (mtp.0.*) drafts; 'self': test mode, the target model "
-                           "drafts for itself (100% greedy acceptance, about (1 + num_draft_tokens) times the cost)")
+        "mtp", description="'mtp': the checkpoint's own drafter drafts (DeepSeek-V4: the MTP block mtp.0.*; "
+                           "DeepSeek-V4.1: the DSpark head mtp.0-2); 'self': test mode, the target model drafts for "
+                           "itself (100% greedy acceptance, about (1 + num_draft_tokens) times the cost)")
+    confidence_input: Literal["normed", "residual"] = Field(
+        "normed", description="DeepSeek-V4.1 DSpark: what the confidence head reads with the Markov embedding: the "
+                              "final norm's output ('normed', as NVIDIA NeMo AutoModel trains it) or the residual "
+                              "before it ('residual', as DeepSeek's released reference reads it)")
     self_draft_error_rate: float = Field(
         0.0, ge=0.0, le=1.0,
         description="test mode, with drafter='self': replace this share of the drafted tokens by a wrong token "

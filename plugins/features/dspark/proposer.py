@@ -4,10 +4,10 @@ A drafter implements the core's `Drafter` protocol (`deepinfer.engine.speculativ
 target step it gets, per request, the committed rows (positions, the token after each, their
 target features) and proposes up to `num_drafts` tokens with a confidence each. The drafters here:
 the V4 MTP block (`mtp_drafter.py`: one sliding-window block fed with the trunk's final residual
-streams, one token per pass) and the self-drafting test mode (`self_drafter.py`: the target model
-drafting for itself, fed with tokens only). The V4.1 DSpark head (three blocks fed with features
-of target layers 37-39, a whole block per pass, a Markov head and a confidence head) fits the
-same protocol and is not implemented.
+streams, one token per pass), the V4.1 DSpark head (`dspark_drafter.py`: three stages fed with the
+features of the target layers `dspark_target_layer_ids`, a whole block per pass, a Markov head and
+a confidence head) and the self-drafting test mode (`self_drafter.py`: the target model drafting
+for itself, fed with tokens only).
 """
 from __future__ import annotations
 

@@ -1,0 +1,236 @@
+"""The prefix store: model state at block boundaries, keyed by a chained hash of the tokens.
+
+A *node* stands for block k of some token sequence (tokens [(k-1)B, kB)); its key hashes its
+parent's key with the block's tokens, so one key names a whole prefix. A node holds
+
+- the block's entries of every block group (its B/m compressed entries and indexer keys of each
+  rate m; B is a multiple of every m, so a block boundary is also an entry boundary), and
+- optionally the slot state (window rings, compressor raw rows, n-gram history) at length kB.
+
+A cached prefix is a chain of nodes from the first block whose last node has slot state: restoring
+it copies the slot state into the request's slot and the chain's entries into its blocks, which is
+exactly the state a prefill of those kB tokens leaves (the model's state is a pure function of the
+tokens: rings are indexed by absolute position and the compressor's pending window is empty at a
+multiple of every ratio). Nothing here depends on the model family: it copies the tensors of the
+`CacheLayout` as they are (quantised bytes included).
+
+Eviction is least-recently-used by bytes; a lookup or insert refreshes a chain leaf first, so an
+ancestor is always more recent than its descendants, and evicting a node drops its descendants
+(they could no longer be reached). All of this runs on the engine thread; the copies run on the
+executor through `Hit.restore` and `Capture.copy`, which hold their tensors themselves.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.engine.cache_manager import PrefixCacheStats
+from deepinfer.models.interface import CacheLayout, CacheTensors
+
+Entries = dict[str, dict[str, torch.Tensor]]  # group -> tensor -> [owners, entries, *shape]
+Slot = dict[str, torch.Tensor]  # slot tensor -> [owners, *shape]
+HOST = torch.device("cpu")
+
+
+@dataclass
+class Node:
+    key: bytes
+    parent: bytes | None  # None: the first block
+    depth: int  # k: the node covers tokens [(k-1)B, kB)
+    entries: Entries
+    slot: Slot | None = None
+    children: set[bytes] = field(default_factory=set)
+    dirty: bool = True  # not yet written to the persistence directory
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for g in self.entries.values() for t in g.values()] + list((self.slot or {}).values())
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def chain_keys(token_ids: Sequence[int], num_blocks: int, block_tokens: int, seed: bytes) -> list[bytes]:
+    """Keys of the first `num_blocks` blocks of `token_ids`: key_k = H(key_{k-1} || block k)."""
+    keys, prev = [], seed
+    for k in range(num_blocks):
+        block = token_ids[k * block_tokens:(k + 1) * block_tokens]
+        prev = hashlib.sha256(prev + array("q", block).tobytes()).digest()
+        keys.append(prev)
+    return keys
+
+
+def entry_rows(block_ids: list[int], block_size: int, first: int, last: int, device: torch.device) -> torch.Tensor:
+    """Rows of entries [first, last) of a sequence in its block group's tensor."""
+    e = torch.arange(first, last)
+    table = torch.tensor(block_ids, dtype=torch.int64)
+    return (table[e // block_size] * block_size + e % block_size).to(device)
+
+
+class Hit:
+    """A cached prefix found by `lookup`: it keeps its own references to the chain's tensors, so an
+    eviction before the step runs changes nothing."""
+
+    def __init__(self, store: PrefixStore, chain: list[Node], split_at: int):
+        self.num_tokens = len(chain) * store.block_tokens
+        self.split_at = split_at
+        self._store = store
+        self._entries = [n.entries for n in chain]
+        self._slot = chain[-1].slot if chain else None
+
+    def restore(self, tensors: CacheTensors, slot: int, block_ids: dict[str, list[int]]) -> None:
+        for name, value in self._slot.items():
+            tensors.slot[name][:, slot].copy_(value)
+        for group in self._store.layout.block_groups:
+            n = self._store.entries_per_block[group.name] * len(self._entries)
+            rows = entry_rows(block_ids[group.name], tensors.block_size, 0, n, tensors.blocks[group.name][
+                group.tensors[0].name].device)
+            for t in group.tensors:
+                src = torch.cat([e[group.name][t.name] for e in self._entries], dim=1)
+                tensors.blocks[group.name][t.name].index_copy_(1, rows, src.to(rows.device))
+
+
+class Capture:
+    """A snapshot at `end` of a request whose blocks before `first_block` are already cached: `copy`
+    takes the new blocks' entries and the slot state (after the step's forward), `commit` stores them
+    under the request's tokens."""
+
+    def __init__(self, store: PrefixStore, first_block: int, end: int):
+        self.end = end
+        self._store = store
+        self._first = first_block
+        self._entries: Entries | None = None
+        self._slot: Slot | None = None
+
+    def copy(self, tensors: CacheTensors, slot: int, block_ids: dict[str, list[int]]) -> None:
+        store, k = self._store, self.end // self._store.block_tokens
+        self._slot = {name: t[:, slot].to(HOST, copy=True) for name, t in tensors.slot.items()}
+        self._entries = {}
+        for group in store.layout.block_groups:
+            per = store.entries_per_block[group.name]
+            rows = entry_rows(block_ids[group.name], tensors.block_size, self._first * per, k * per,
+                              tensors.blocks[group.name][group.tensors[0].name].device)
+            self._entries[group.name] = {t.name: tensors.blocks[group.name][t.name].index_select(1, rows).to(HOST)
+                                         for t in group.tensors}
+
+    def commit(self, token_ids: Sequence[int]) -> None:
+        if self._slot is not None:  # None: the step failed before copying
+            self._store.insert(token_ids, self._first, self.end, self._entries, self._slot)
+
+
+class PrefixStore:
+    def __init__(self, layout: CacheLayout, block_tokens: int, capacity_bytes: int, seed: bytes = b""):
+        bad = [g.name for g in layout.block_groups if block_tokens % g.tokens_per_entry]
+        if bad:
+            rates = sorted({g.tokens_per_entry for g in layout.block_groups})
+            raise ValueError(f"prefix cache block_tokens={block_tokens} is not a multiple of the compression ratios "
+                             f"{rates} (block groups {bad}); choose a multiple of all of them")
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self.capacity_bytes = capacity_bytes
+        self.entries_per_block = {g.name: block_tokens // g.tokens_per_entry for g in layout.block_groups}
+        self._seed = seed
+        self.nodes: OrderedDict[bytes, Node] = OrderedDict()  # least recently used first
+        self.bytes_used = 0
+        self._counts = PrefixCacheStats(bytes_capacity=capacity_bytes)
+        self._lock = threading.Lock()  # counters: read by the server's /metrics thread
+
+    # -- the PrefixCache protocol (cache_manager.py) ----------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], max_tokens: int) -> Hit | None:
+        chain = self._chain(chain_keys(token_ids, max_tokens // self.block_tokens, self.block_tokens, self._seed))
+        shared = len(chain) * self.block_tokens  # tokens other requests had in common with this one
+        while chain and chain[-1].slot is None:
+            chain.pop()
+        if not shared:
+            return None
+        self._touch(chain)
+        return Hit(self, chain, split_at=shared if shared > len(chain) * self.block_tokens else 0)
+
+    def capture(self, token_ids: Sequence[int], end: int) -> Capture | None:
+        k = end // self.block_tokens
+        known = min(len(token_ids) // self.block_tokens, k)
+        chain = self._chain(chain_keys(token_ids, known, self.block_tokens, self._seed))
+        if len(chain) == k and chain[-1].slot is not None:
+            self._touch(chain)
+            return None  # already cached
+        return Capture(self, len(chain), end)  # the blocks before len(chain) are cached already
+
+    def record_admission(self, num_tokens: int, hit_tokens: int) -> None:
+        with self._lock:
+            c = self._counts
+            c.hits += bool(hit_tokens)
+            c.misses += not hit_tokens
+            c.prefill_tokens_saved += hit_tokens
+            c.prefill_tokens_total += num_tokens
+
+    def stats(self) -> PrefixCacheStats:
+        with self._lock:
+            return self._counts.model_copy(update={"blocks": len(self.nodes), "bytes_used": self.bytes_used})
+
+    # -- the store --------------------------------------------------------------------------------
+
+    def _chain(self, keys: list[bytes]) -> list[Node]:
+        """The cached nodes of the longest prefix of `keys`."""
+        chain = []
+        for key in keys:
+            node = self.nodes.get(key)
+            if node is None:
+                break
+            chain.append(node)
+        return chain
+
+    def _touch(self, chain: list[Node]) -> None:
+        for node in reversed(chain):  # the leaf first: ancestors end up more recent
+            self.nodes.move_to_end(node.key)
+
+    def insert(self, token_ids: Sequence[int], first_block: int, end: int, entries: Entries, slot: Slot) -> None:
+        """Store blocks [first_block, end // B) of `token_ids` (their entries, laid end to end in
+        `entries`) and the slot state at `end`; blocks before first_block must still be cached."""
+        k = end // self.block_tokens
+        keys = chain_keys(token_ids, k, self.block_tokens, self._seed)
+        if len(self._chain(keys[:first_block])) < first_block:
+            return  # an ancestor was evicted since the snapshot was planned: it cannot be reached
+        for depth in range(first_block + 1, k + 1):
+            key = keys[depth - 1]
+            if key in self.nodes:
+                continue  # cached meanwhile by another request (the same tokens give the same state)
+            i = depth - 1 - first_block
+            block = {g: {t: v[:, i * self.entries_per_block[g]:(i + 1) * self.entries_per_block[g]].clone()
+                         for t, v in ts.items()} for g, ts in entries.items()}
+            self.add(Node(key, keys[depth - 2] if depth > 1 else None, depth, block))
+        leaf = self.nodes[keys[k - 1]]
+        if leaf.slot is None:
+            leaf.slot = slot
+            leaf.dirty = True
+            self.bytes_used += sum(t.numel() * t.element_size() for t in slot.values())
+        self._touch(self._chain(keys))
+        self.trim()
+
+    def add(self, node: Node) -> None:
+        """Add a node whose parent is cached (or that has none)."""
+        if node.parent is not None:
+            self.nodes[node.parent].children.add(node.key)
+        self.nodes[node.key] = node
+        self.bytes_used += node.nbytes
+
+    def trim(self) -> None:
+        """Evict least recently used blocks until the store fits its capacity."""
+        while self.bytes_used > self.capacity_bytes and self.nodes:
+            self._drop(next(iter(self.nodes)))
+
+    def _drop(self, key: bytes) -> None:
+        node = self.nodes.pop(key)
+        self.bytes_used -= node.nbytes
+        with self._lock:
+            self._counts.evictions += 1
+        for child in list(node.children):
+            if child in self.nodes:
+                self._drop(child)
+        parent = self.nodes.get(node.parent) if node.parent is not None else None
+        if parent is not None:
+            parent.children.discard(key)
