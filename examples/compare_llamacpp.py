@@ -62,7 +62,8 @@ def write_hub_checkpoint(model: Path, out: Path) -> Path:
     if config.expert_dtype != "fp4":
         raise CompareError(f"{model} does not hold FP4 routed experts in the official layout, the only expert "
                            f"format llama.cpp's converter reads; write one with `deepinfer make-model OUT "
-                           f"--family v4 --quantize fp4-experts --dtype bfloat16 --set hca_compress_rate=128`")
+                           f"--family v4 --quantize fp4-experts --dtype bfloat16 --set hca_compress_rate=128` (docs/performance.md "
+                           f"gives the sizes llama.cpp's graph accepts)")
     if bad := sorted(set(config.compress_ratios) - SUPPORTED_RATIOS):
         raise CompareError(f"{model}: compress ratios {bad} cannot be converted (llama.cpp accepts "
                            f"{sorted(SUPPORTED_RATIOS)}); make the checkpoint with --set hca_compress_rate=128")
