@@ -41,6 +41,18 @@ def fake_distribution(tmp_path, monkeypatch):
 
 
 @pytest.fixture
+def one_thread():
+    """One torch thread for the test: tiny ops gain nothing from two threads on two busy cores, and
+    can be several times slower with them."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture
 def clean_env(monkeypatch):
     """No DEEPINFER_* variable from the outer environment leaks into a test."""
     import os

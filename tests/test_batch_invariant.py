@@ -30,14 +30,6 @@ def tiny_v41(tmp_path_factory):
     return str(make_model(tmp_path_factory.mktemp("bi") / "v41", "tiny", seed=0))
 
 
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 PROMPTS = [[random.Random(i).randrange(3, VOCAB) for _ in range(3 + 5 * i)] for i in range(12)]
 
 

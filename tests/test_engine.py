@@ -272,15 +272,6 @@ def tiny_model(tmp_path_factory):
     return str(make_model(tmp_path_factory.mktemp("tiny") / "ckpt", size="tiny", seed=0))
 
 
-@pytest.fixture
-def one_thread():
-    """Two torch threads on two busy cores can be 10x slower; these tests measure nothing."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _llm(path, **kw):
     from deepinfer import LLM
 

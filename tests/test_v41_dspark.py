@@ -29,12 +29,7 @@ def loaded(checkpoint):
     return load_checkpoint(checkpoint, torch.float32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:

@@ -114,6 +114,9 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     device = accelerator.device(0)
     if current_expert_parallel() is not None:
         # the MoE collectives must come from one thread: the idle lockstep runs on the caller's
+        if config.async_pipeline:
+            logger.warning("async_pipeline = true is ignored under expert parallelism (ep=%d): the MoE "
+                           "collectives must be issued from one thread, so steps run synchronously", config.ep)
         config = config.model_copy(update={"async_pipeline": False})
     if config.async_pipeline is None:
         config = config.model_copy(update={"async_pipeline": accelerator.capabilities().host_overlap})
