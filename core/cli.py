@@ -60,18 +60,20 @@ def cmd_doctor(args) -> int:
         return 1
     how = "DEEPINFER_ACCELERATOR" if chosen else "auto-selected"
     print(f"\nselected: {cls.name} ({how})")
-    return _print_layout(args, cls.name)
+    return _print_layout(args, cls)
 
 
-def _print_layout(args, accelerator: str) -> int:
+def _print_layout(args, accelerator_cls) -> int:
     """The parallel layout `--ep/--dp/--cp` (and RANK/WORLD_SIZE) would give, each rank's devices and
     threads, and whether this release runs it."""
-    from deepinfer.parallel.launch import default_threads, rank_environment
+    from deepinfer.parallel.launch import check_devices, default_threads, device_count, rank_environment
     from deepinfer.parallel.layout import ParallelConfigError, check_runnable, resolve_layout
 
+    accelerator = accelerator_cls.name
     try:
         layout = resolve_layout(args.ep, args.dp, args.cp, accelerator)
         check_runnable(layout)
+        check_devices(layout, accelerator, device_count(accelerator_cls))
     except ParallelConfigError as exc:
         print(f"\nlayout: refused: {exc}", file=sys.stderr)
         return 1

@@ -34,12 +34,18 @@ step doctor 60 "$PY" -m deepinfer.cli doctor
 step tests 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_nvidia_gpu.py tests/test_nvidia_backend.py
 step conformance 180 "$PY" -m deepinfer.cli conformance nvidia --conformance-report "$OUT/conformance.json"
 
+# the benchmark's parallel scale is the length of CUDA_VISIBLE_DEVICES (one device unless set)
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 models=$(mktemp -d)
 for family in v4 v41; do
     step "make-$family" 120 "$PY" -m deepinfer.cli make-model "$models/$family" --family "$family" --size default
     DEEPINFER_USE_NEXTN_DECODE=0 step "bench-$family" 150 "$PY" examples/benchmark.py --preset cpu \
         --model_name "$models/$family" --dtype bfloat16 --decode_num_requests 32
 done
+DEEPINFER_USE_NEXTN_DECODE=5 step bench-v4-nextn5 150 "$PY" examples/benchmark.py --preset cpu \
+    --model_name "$models/v4" --dtype bfloat16 --decode_num_requests 32
+DEEPINFER_USE_NEXTN_DECODE=0 PROFILE=1 step profile-v4 150 "$PY" examples/benchmark.py --preset cpu \
+    --model_name "$models/v4" --dtype bfloat16 --decode_num_requests 32 --profile_dir "$models/profiles"
 step make-v4-bench 180 "$PY" -m deepinfer.cli make-model "$models/v4-bench" --family v4 --size bench
 DEEPINFER_USE_NEXTN_DECODE=0 step bench-v4-bench 180 "$PY" examples/benchmark.py --preset cpu \
     --model_name "$models/v4-bench" --dtype bfloat16 --decode_num_requests 64 --context_length 1024

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.parallel.launch import RankFailed, launch, rank_environment
+from deepinfer.parallel.launch import RankFailed, check_devices, launch, rank_environment
 from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout, check_runnable, resolve_layout
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,6 +166,19 @@ def test_each_rank_sees_its_own_devices():
     assert rank_environment("ascend", ParallelLayout(ep=2, dp=2, cp=2), 1, env={}) == \
         {"ASCEND_RT_VISIBLE_DEVICES": "2,3"}
     assert rank_environment("cpu", layout, 1, env={}) == {}
+
+
+def test_a_layout_needing_more_devices_than_the_node_has_is_refused():
+    # the seeds' default --ep 8 on a one-GPU machine: refused with the fix, before any process starts
+    with pytest.raises(ParallelConfigError, match=r"need devices 0\.\.7.*sees 1.*--ep 1"):
+        check_devices(ParallelLayout(ep=8, dp=8), "nvidia", 1, env={})
+    with pytest.raises(ParallelConfigError, match=r"devices 4\.\.11 \(DEVICE_OFFSET=4\)"):
+        check_devices(ParallelLayout(ep=8, dp=8), "ascend", 8, env={"DEVICE_OFFSET": "4"})
+    check_devices(ParallelLayout(ep=8, dp=8), "nvidia", 8, env={})
+    check_devices(ParallelLayout(ep=4, dp=4), "nvidia", 8, env={"DEVICE_OFFSET": "4"})
+    check_devices(ParallelLayout(ep=1, dp=1), "nvidia", 1, env={"DEVICE_OFFSET": "3"})  # one process: no launch
+    check_devices(ParallelLayout(ep=2, dp=2), "cpu", None, env={})  # the host has no device count
+    check_devices(ParallelLayout(ep=2, dp=2), "nvidia", None, env={})  # the probe did not say
 
 
 def test_the_engine_refuses_a_layout_outside_a_launch():

@@ -50,6 +50,8 @@ class ProbeResult(BaseModel):
 
     usable: bool
     reason: str = ""  # why not usable (or a one-line description when usable)
+    #: free-form facts for `deepinfer doctor`; by convention "devices" is the number of devices this
+    #: process may use (the parallel launcher refuses a layout that needs more)
     details: dict[str, str] = {}
 
 

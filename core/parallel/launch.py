@@ -75,6 +75,28 @@ def rendezvous(layout: ParallelLayout, env: dict[str, str] | None = None) -> tup
     return addr or "127.0.0.1", env_int(env, "MASTER_PORT", 0, 1) if port else free_port()
 
 
+def device_count(accelerator: type[Accelerator]) -> int | None:
+    """Devices the back end's probe says this process may use; None when it does not say (the CPU)."""
+    devices = accelerator.probe().details.get("devices", "")
+    return int(devices) if devices.isdigit() else None
+
+
+def check_devices(layout: ParallelLayout, accelerator: str, available: int | None,
+                  env: dict[str, str] | None = None) -> None:
+    """Refuse, before any process starts, a layout whose ranks need more devices than this node has
+    (each of this node's DP ranks takes `cp` devices from DEVICE_OFFSET)."""
+    if accelerator not in VISIBLE_DEVICES_VAR or available is None or layout.is_single:
+        return
+    env = dict(os.environ) if env is None else env
+    offset = env_int(env, "DEVICE_OFFSET", 0, 0)
+    needed = offset + layout.dp_per_node * layout.cp
+    if needed > available:
+        raise ParallelConfigError(
+            f"{layout.describe()}: this node's {layout.dp_per_node} rank(s) x cp {layout.cp} need devices "
+            f"{offset}..{needed - 1} (DEVICE_OFFSET={offset}), but the {accelerator} back end sees {available}; "
+            f"choose a smaller layout (--ep/--dp/--cp; --ep 1 runs one process on one device) or more devices")
+
+
 def default_threads(layout: ParallelLayout) -> int:
     """Cores divided among this node's ranks (at least 1)."""
     return max((os.cpu_count() or 1) // len(layout.local_ranks()), 1)
@@ -140,6 +162,7 @@ def launch(target: Callable[..., Any], args: tuple, layout: ParallelLayout, acce
     end's class (`deepinfer.plugins.select_accelerator_class`), instantiated in each rank. Raises `RankFailed` as soon as
     a rank fails, after stopping the others."""
     check_runnable(layout)
+    check_devices(layout, accelerator.name, device_count(accelerator))
     if threads_per_rank is not None and threads_per_rank < 1:
         raise ParallelConfigError(f"--threads_per_rank {threads_per_rank} must be >= 1")
     threads = threads_per_rank or default_threads(layout)

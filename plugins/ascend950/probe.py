@@ -45,5 +45,5 @@ def probe() -> ProbeResult:
     shown = f", {devices.VISIBLE_DEVICES_VAR}={visible_var}" if visible_var is not None else ""
     return ProbeResult(usable=True, reason=f"{len(visible)}x {visible[0].soc}, CANN at {cann}{shown} "
                                            f"(logical->chip {mapping})",
-                       details={"cann": str(cann), "soc": visible[0].soc, "visible": mapping,
+                       details={"cann": str(cann), "soc": visible[0].soc, "visible": mapping, "devices": str(len(visible)),
                                 "cann_kernels_for": ",".join(sorted(installed))})

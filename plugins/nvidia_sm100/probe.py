@@ -125,7 +125,8 @@ def probe() -> ProbeResult:
                                                     "CUDA_VISIBLE_DEVICES")
         return ProbeResult(usable=True, reason=f"{count} GPU(s) visible (compute capability unknown without "
                                                "nvidia-smi; generic torch-CUDA kernels)",
-                           details={"cuda": str(torch.version.cuda), "gpus": str(count), "fast_paths": ""})
+                           details={"cuda": str(torch.version.cuda), "gpus": str(count), "devices": str(count),
+                                    "fast_paths": ""})
     if not all_gpus:
         return ProbeResult(usable=False, reason="nvidia-smi lists no GPU (or failed); check the driver")
     cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -147,5 +148,5 @@ def probe() -> ProbeResult:
     return ProbeResult(usable=True,
                        reason=f"{names} ({first.sm}), CUDA {torch.version.cuda}; {fast_path_report(first.capability)}",
                        details={"gpu": first.name, "compute_capability": f"{first.capability[0]}.{first.capability[1]}",
-                                "cuda": str(torch.version.cuda), "gpus": str(len(gpus)),
+                                "cuda": str(torch.version.cuda), "gpus": str(len(gpus)), "devices": str(len(gpus)),
                                 "fast_paths": ",".join(paths)})

@@ -141,9 +141,13 @@ class Engram:
         self.qk = (weights["q_weight"].float() * weights["k_weight"].float())  # [n, D]
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantised table rows `[*ids.shape, hd]` (only the gathered rows are read)."""
-        codes = take_rows(self.table, ids).view(torch.float8_e4m3fn).float()
-        scales = take_rows(self.scale, ids).view(torch.float8_e8m0fnu).float()
+        """Dequantised table rows `[*ids.shape, hd]` on `ids`' device (only the gathered rows are read).
+
+        The table stays where the loader mapped it (host memory, also under an accelerator): the
+        rows are gathered there and only their FP8 bytes travel to the compute device."""
+        table_ids = ids.to(self.table.device)
+        codes = take_rows(self.table, table_ids).to(ids.device).view(torch.float8_e4m3fn).float()
+        scales = take_rows(self.scale, table_ids).to(ids.device).view(torch.float8_e8m0fnu).float()
         return (codes * scales.repeat_interleave(SCALE_BLOCK, dim=-1)).to(dtype)
 
     def forward(self, streams: torch.Tensor, step) -> torch.Tensor:
