@@ -335,16 +335,13 @@ def test_v41_encoding_over_a_tokenizer_without_its_tokens_is_reported(server):
 
 @pytest.fixture(scope="module")
 def v41_with_system_token(tmp_path_factory):
-    """A tiny DeepSeek-V4.1 whose cut-down tokenizer also holds `<｜System｜>`, as the V4.1 release's
-    does (the V4 tokenizer that make-model cuts down lacks it): an unused FIM token is renamed."""
+    """A tiny DeepSeek-V4.1; make-model gives its cut-down tokenizer `<｜System｜>`, as the V4.1
+    release's tokenizer has (the V4 tokenizer it starts from lacks it)."""
     from deepinfer.models.deepseek_v41.make_model import make_model
 
     path = make_model(tmp_path_factory.mktemp("v41chat") / "tiny", "tiny", seed=0, max_position_embeddings=2048)
-    file = path / "tokenizer" / "tokenizer.json"
-    data = json.loads(file.read_text(encoding="utf-8"))
-    (fim,) = [t for t in data["added_tokens"] if t["content"] == "<｜fim▁hole｜>"]
-    fim["content"] = "<｜System｜>"
-    file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+    data = json.loads((path / "tokenizer" / "tokenizer.json").read_text(encoding="utf-8"))
+    assert "<｜System｜>" in {t["content"] for t in data["added_tokens"]}
     return str(path)
 
 

@@ -53,7 +53,7 @@ from deepinfer.models.deepseek_v41.weights import dspark_weight_shapes, expected
 from deepinfer.models.registry import CheckpointMaker
 from deepinfer.tokenizer import TOKENIZER_DIR, TOKENIZER_FILE
 
-SPEC_VERSION = 2  # bump when a preset or the initialisation changes (2: the DSpark drafter)
+SPEC_VERSION = 3  # bump when a preset or the initialisation changes (2: the DSpark drafter; 3: <｜System｜>)
 FAMILY = "v41"
 BLOCK = 32  # FP8 block size of the release
 RELEASE_QUANTIZATION: dict[str, Any] = {
@@ -237,6 +237,7 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
         shutil.rmtree(out)
         raise ValueError(f"vocab_size {config.vocab_size} is too small for a tokenizer, which the Engram layers "
                          f"need; use a larger vocab_size")
+    add_release_chat_tokens(out / TOKENIZER_DIR / TOKENIZER_FILE)
     if "engram_compressed_vocab_size" not in overrides:
         _, compressed = compressed_token_map(out / TOKENIZER_DIR / TOKENIZER_FILE)
         config = config.model_copy(update={"engram_compressed_vocab_size": compressed})
@@ -253,6 +254,27 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
                             if not isinstance(v, YarnScaling)}}
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, default=str))
     return out
+
+
+def add_release_chat_tokens(tokenizer_file: Path) -> None:
+    """Give the tokenizer the special tokens V4.1's chat format adds to V4's: `<｜System｜>`.
+
+    make-model starts from the DeepSeek-V4 tokenizer (the one installed here); V4.1's release
+    tokenizer also has `<｜System｜>`, without which its chat encoding cannot render a conversation.
+    The token takes the id of V4's `<｜fim▁hole｜>`, which V4.1's chat format does not use (a
+    random-weight model has no trained embedding to lose); a real checkpoint brings its own tokenizer."""
+    data = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    contents = {t["content"] for t in data["added_tokens"]}
+    for token, replaced in V41_CHAT_TOKENS.items():
+        if token in contents:
+            continue
+        (entry,) = [t for t in data["added_tokens"] if t["content"] == replaced]
+        entry["content"] = token
+    tokenizer_file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+#: V4.1 chat tokens missing from the V4 tokenizer -> the unused V4 special token whose id each takes
+V41_CHAT_TOKENS = {"<｜System｜>": "<｜fim▁hole｜>"}
 
 
 # --- command line ----------------------------------------------------------------------------
