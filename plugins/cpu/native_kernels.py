@@ -62,6 +62,9 @@ _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
 _DECODE_QUERIES = 16
+# Rows up to which a product on FP4/FP8 weights runs on the codes (quant_gemv.c): each weight group is
+# decoded once per 4 rows, so beyond a few dozen rows dequantising a tile for a GEMM is cheaper.
+_QUANT_MAX_ROWS = 32
 
 
 def _lanewise(op, x: torch.Tensor) -> torch.Tensor:
@@ -166,8 +169,9 @@ class NativeCpuKernels(CpuKernels):
         return PackedWeights() if packed_weights.available() else None
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):  # CpuKernels tiles it; each tile comes back here
-            return super().linear(x, weight)
+        if isinstance(weight, QuantizedWeight):
+            y = self._quant_linear(x, weight)  # decode sizes: straight from the stored bytes
+            return super().linear(x, weight) if y is None else y  # else CpuKernels tiles it through here
         if self.invariant:
             return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
@@ -182,6 +186,33 @@ class NativeCpuKernels(CpuKernels):
         # oneDNN compiles a kernel per row count: bucket them as the plain GEMM path does
         y = packed_weights.linear(_pad_rows(x.reshape(rows, x.shape[-1])), packed)
         return y[:rows].view(*x.shape[:-1], weight.shape[0])
+
+    def _quant_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor | None:
+        """`x @ weight^T` computed on the FP4/FP8 codes (quant_gemv.c) for up to _QUANT_MAX_ROWS rows,
+        rounded once to x's dtype; None: the dequantising tile path (more rows, batch-invariant mode,
+        no library)."""
+        rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
+        if lib is None or self.invariant or rows > _QUANT_MAX_ROWS or weight.dim() != 2:
+            return None
+        y = native.quant_linear(lib, x.reshape(rows, x.shape[-1]), weight)
+        return None if y is None else y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+    def quantized_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                          w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
+        """Each expert with rows through `linear` on its stored weights (the codes kernel for a few
+        rows, the tile path for more) instead of dequantising it whole first."""
+        if self.native_library is None or self.invariant:
+            return super().quantized_experts(rows, plan, w13, w2, swiglu_limit)
+        out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
+        inter = w2.shape[2]
+        start = 0
+        for e, count in enumerate(plan.tokens_per_expert.tolist()):
+            if count:
+                gate_up = self.linear(rows[start:start + count], w13[e])
+                h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+                out[start:start + count] = self.linear(h, w2[e])
+            start += count
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         lib = self.native_library

@@ -11,6 +11,7 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     attention.c / .py   sink_attention_decode, sink_attention_invariant (batch-invariant)
     moe_rows.c / .py    moe_dispatch_rows, moe_combine_rows
     sampling.c / .py    argmax_logsumexp
+    quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored), quant_simd
     isa.c               build_isa (its wrapper is in build.py)
     common.h, gemv.h    what the C files share (bf16 conversions, ISA checks, the bf16 products)
 
@@ -30,12 +31,14 @@ from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, grouped_am
 from deepinfer_plugins.cpu.native.mhc import hc_post, hc_pre
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
 from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rotary
+from deepinfer_plugins.cpu.native.quant_gemv import quant_linear, quant_simd
 from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
 
 __all__ = [
     "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "CacheError", "CompilerError", "active_library",
     "amx_usable", "argmax_logsumexp", "build_flags", "build_isa", "build_variant", "cache_dir", "cache_root",
     "enabled", "experts_bf16", "gemv_bf16", "grouped_amx_bf16", "grouped_gemv_bf16", "hc_post", "hc_pre",
-    "library", "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "rms_norm", "rotary",
+    "library", "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "quant_linear",
+    "quant_simd", "rms_norm", "rotary",
     "sink_attention_decode", "sink_attention_invariant", "swiglu",
 ]
