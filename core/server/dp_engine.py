@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,12 +32,13 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.async_engine import EngineDead, FrontEnd
 from deepinfer.server.dp_worker import RankReady, RankStatus, serve_rank
 from deepinfer.server.engine_loop import UNAVAILABLE, Delta
-from deepinfer.server.router import NoRankAvailable, RankLoad, Router, RouterConfig
+from deepinfer.server.router import NoRankAvailable, RankLoad, Route, Router, RouterConfig
 
 logger = logging.getLogger("deepinfer")
 
 START_POLL_S = 0.5
 STOP_WAIT_S = 30.0
+RECENT_ROUTES = 1024
 
 
 class DataParallelServe(BaseModel):
@@ -96,6 +98,8 @@ class DPEngine(FrontEnd):
         self.ranks = [Rank(i, parent) for i, (parent, _) in enumerate(pipes)]
         self._lock = threading.Lock()
         self._owner: dict[str, Rank] = {}
+        #: where the last requests went (request id -> Route), for the debug log and tests
+        self.recent_routes: OrderedDict[str, Route] = OrderedDict()
         self._stopping = False
         try:
             readies = [self._wait_ready(r, start_timeout_s) for r in self.ranks]
@@ -143,10 +147,14 @@ class DPEngine(FrontEnd):
                 route = self.router.route(tokens, [r.load() for r in self.ranks])
             except NoRankAvailable:
                 raise EngineDead(self.dead or "every data-parallel rank is down") from None
+            self.recent_routes[rid] = route
+            if len(self.recent_routes) > RECENT_ROUTES:
+                self.recent_routes.popitem(last=False)
             rank = self.ranks[route.rank]
             rank.in_flight[rid] = (tokens, len(tokens) + (params.max_tokens or 0))
             rank.outputs[rid] = []
             self._owner[rid] = rank
+        logger.debug("request %s -> rank %d (%s, %d blocks matched)", rid, *route)
         rank.outbox.put(("add", (rid, prompt, params)))
 
     def _send_abort(self, rid: str) -> None:
@@ -250,7 +258,7 @@ class DPEngine(FrontEnd):
         with self._lock:
             loads = [r.load() for r in self.ranks]
             statuses = [r.status for r in self.ranks]
-            counts = dict(self.router.counts)
+            counts, per_rank_total = dict(self.router.counts), dict(self.router.per_rank)
 
         def per_rank(value) -> dict[str, float]:
             return {f'rank="{i}"': value(i) for i in range(len(self.ranks))}
@@ -266,6 +274,8 @@ class DPEngine(FrontEnd):
                                                 per_rank(lambda i: statuses[i].running if statuses[i] else 0)),
             "deepinfer_rank_cache_slots_used": ("cache slots in use on the rank",
                                                 per_rank(lambda i: statuses[i].slots_used if statuses[i] else 0)),
+            "deepinfer_rank_requests_total": ("requests routed to the rank since start",
+                                              per_rank(lambda i: per_rank_total.get(i, 0))),
             "deepinfer_route_total": ("requests routed, by reason: affinity (to the rank that saw the longest "
                                       "prefix), overloaded (that rank was too busy: least loaded), load (no "
                                       "prefix seen: least loaded), round_robin",

@@ -90,7 +90,8 @@ class Router:
         self.block_tokens = block_tokens
         self._known: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_ranks)]
         self._next = 0  # round robin
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()  # by reason
+        self.per_rank: Counter[int] = Counter()  # requests routed to each rank
 
     @property
     def num_ranks(self) -> int:
@@ -122,6 +123,7 @@ class Router:
         else:
             route = choose_rank(self.matches(self.keys(token_ids, lookup=True)), loads, self.config.slack)
         self.counts[route.reason] += 1
+        self.per_rank[route.rank] += 1
         self.remember(route.rank, token_ids)
         return route
 
