@@ -232,6 +232,11 @@ def test_layouts_serve_cannot_run_are_refused_before_anything_starts(ckpt, capsy
         assert main(["--model", ckpt, "--accelerator", "cpu", *flags]) == 2
         assert message in capsys.readouterr().err
     assert data_parallel(build_parser().parse_args(["--accelerator", "cpu"])) is None
+    # a rank that cannot build its engine stops the start with its error, not a hang
+    assert main(["--model", str(tmp_path / "missing"), "--accelerator", "cpu", "--dp", "2",
+                 "--threads-per-rank", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "data-parallel rank 0 failed to start" in err and "missing" in err, err[-2000:]
     dp = data_parallel(build_parser().parse_args(["--accelerator", "cpu", "--dp", "2", "--threads_per_rank", "1",
                                                   "--dp-routing", "round_robin", "--dp-affinity-slack", "9"]))
     assert (dp.layout.dp, dp.layout.ep, dp.threads_per_rank, dp.routing.policy, dp.routing.slack) == \

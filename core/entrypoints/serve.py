@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                        "server; set --api-key or DEEPINFER_API_KEY", settings.host)
     try:
         dp = data_parallel(args)
-    except ValueError as e:  # ParallelConfigError is one
+    except (ValueError, RuntimeError) as e:  # ParallelConfigError; PluginError for an unusable --accelerator
         print(f"error: {e}", file=sys.stderr)
         return 2
     if dp is None and args.threads_per_rank is not None:

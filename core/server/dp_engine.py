@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -84,8 +85,7 @@ class Rank:
 
 
 class DPEngine(FrontEnd):
-    def __init__(self, engine_args: dict[str, Any], dp: DataParallelServe, *, max_pending: int = 256,
-                 start_timeout_s: float | None = None):
+    def __init__(self, engine_args: dict[str, Any], dp: DataParallelServe, *, max_pending: int = 256):
         super().__init__(max_pending)
         import torch.multiprocessing as mp
 
@@ -102,7 +102,7 @@ class DPEngine(FrontEnd):
         self.recent_routes: OrderedDict[str, Route] = OrderedDict()
         self._stopping = False
         try:
-            readies = [self._wait_ready(r, start_timeout_s) for r in self.ranks]
+            readies = [self._wait_ready(r) for r in self.ranks]
         except BaseException:
             self.group.stop()
             raise
@@ -119,24 +119,21 @@ class DPEngine(FrontEnd):
     def pids(self) -> list[int]:
         return [self.group.procs[r].pid for r in sorted(self.group.procs)]
 
-    def _wait_ready(self, rank: Rank, timeout_s: float | None) -> RankReady:
-        import time
-
-        end = None if timeout_s is None else time.monotonic() + timeout_s
+    def _wait_ready(self, rank: Rank) -> RankReady:
+        """The rank's "ready" message, once its engine is built; RuntimeError with its error if it failed."""
         proc = self.group.procs[rank.index]  # one node: local index = global rank
         while not rank.conn.poll(START_POLL_S):
             if not proc.is_alive():
-                raise RuntimeError(f"data-parallel rank {rank.index} failed to start:\n"
-                                   f"{self.group.failure(rank.index)}")
-            if end is not None and time.monotonic() > end:
-                raise RuntimeError(f"data-parallel rank {rank.index} did not start within {timeout_s:g} s")
+                break
         try:
             kind, ready = rank.conn.recv()
+            assert kind == "ready", kind
+            return ready
         except (EOFError, OSError):
-            raise RuntimeError(f"data-parallel rank {rank.index} failed to start:\n"
-                               f"{self.group.failure(rank.index)}") from None
-        assert kind == "ready", kind
-        return ready
+            reason = self.group.failure(rank.index)
+        logger.error("data-parallel rank %d failed to start:\n%s", rank.index, reason)
+        last = reason.strip().splitlines()[-1] if reason.strip() else "no error reported"
+        raise RuntimeError(f"data-parallel rank {rank.index} failed to start: {last}")
 
     # -- event loop side ------------------------------------------------------------------------
 
@@ -226,7 +223,7 @@ class DPEngine(FrontEnd):
         for rid in lost:
             self._post(rid, Delta([], finished=True, finish_reason=UNAVAILABLE, error=message))
         reason = self.group.failure(rank.index)
-        rank.down = reason.strip().splitlines()[-1] if reason.strip() else "went down"
+        rank.down = reason.strip().splitlines()[-1] if reason.strip() else "went down"  # for /health
         logger.error("data-parallel rank %d went down (%d open requests failed with 503):\n%s", rank.index,
                      len(lost), reason)
 
