@@ -4,6 +4,7 @@
     deepinfer serve --model /ckpt --api-key "$KEY"      # or DEEPINFER_API_KEY=...
     deepinfer serve --model /ckpt --host 0.0.0.0 --port 9000 --max-pending 64
     deepinfer serve --model /ckpt --prefix-cache --prefix-cache-dir ~/.cache/deepinfer/prefix
+    deepinfer serve --model /ckpt --dp 2 --threads-per-rank 1 --prefix-cache   # one engine per rank, routed
 
 Binds to 127.0.0.1 unless --host says otherwise (with a warning when that is not loopback and no
 API key is set). Engine settings not exposed as flags go in a TOML file (--config). See
@@ -53,7 +54,40 @@ def build_parser() -> argparse.ArgumentParser:
                         "implies --prefix-cache)")
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="host memory for the prefix cache in MiB (default 1024; implies --prefix-cache)")
+    par = p.add_argument_group("data parallelism (docs/parallelism.md, docs/server.md)")
+    par.add_argument("--dp", type=int, default=None,
+                     help="data-parallel ranks: one engine process each behind this front end (default 1)")
+    par.add_argument("--ep", type=int, default=1, help="expert parallelism; deepinfer serve runs --ep 1 only")
+    par.add_argument("--threads-per-rank", "--threads_per_rank", dest="threads_per_rank", type=int, default=None,
+                     help="CPU threads of each rank (default: the cores divided among the ranks)")
+    par.add_argument("--dp-routing", choices=["affinity", "round_robin"], default="affinity",
+                     help="affinity (default): the rank that has seen the longest prefix of the prompt, unless it "
+                          "is busier than the least loaded rank by more than --dp-affinity-slack; round_robin")
+    par.add_argument("--dp-affinity-slack", type=int, default=None,
+                     help="requests in flight the affinity rank may have beyond the least loaded one (default 4)")
     return p
+
+
+def data_parallel(args: argparse.Namespace) -> Any:
+    """The `DataParallelServe` the --dp/--ep flags ask for, None for one in-process engine;
+    ParallelConfigError names a layout that cannot be served."""
+    from deepinfer.parallel.layout import ParallelConfigError, check_runnable, resolve_layout
+    from deepinfer.plugins import select_accelerator_class
+    from deepinfer.server.dp_engine import DataParallelServe, check_servable
+    from deepinfer.server.router import RouterConfig
+
+    accelerator = select_accelerator_class(args.accelerator)
+    layout = resolve_layout(args.ep, args.dp, 1, accelerator.name)
+    check_runnable(layout)
+    check_servable(layout)
+    if args.threads_per_rank is not None and args.threads_per_rank < 1:
+        raise ParallelConfigError(f"--threads-per-rank {args.threads_per_rank} must be >= 1")
+    if layout.is_single:
+        return None
+    routing = RouterConfig(policy=args.dp_routing, **({} if args.dp_affinity_slack is None
+                                                      else {"slack": args.dp_affinity_slack}))
+    return DataParallelServe(layout=layout, accelerator=accelerator, threads_per_rank=args.threads_per_rank,
+                             routing=routing)
 
 
 def prefix_cache_features(args: argparse.Namespace) -> dict[str, dict] | None:
@@ -78,28 +112,40 @@ def _import_web() -> tuple[Any, Any]:
     return fastapi, uvicorn
 
 
-def build_server(settings: Any, **engine_args: Any) -> tuple[Any, Any]:
-    """(FastAPI app, AsyncEngine) for `settings` (a `ServerSettings`) and `LLM(...)` keyword
-    arguments. The caller runs the app and calls `front.shutdown()` afterwards."""
+def build_server(settings: Any, dp: Any = None, **engine_args: Any) -> tuple[Any, Any]:
+    """(FastAPI app, front end) for `settings` (a `ServerSettings`) and `LLM(...)` keyword
+    arguments: an `AsyncEngine` over one engine in this process, or with `dp` (a
+    `DataParallelServe`) a `DPEngine` over one engine process per rank. The caller runs the app and
+    calls `front.shutdown()` afterwards."""
     _import_web()
-    from deepinfer.llm import LLM
     from deepinfer.server.app import build_app
-    from deepinfer.server.async_engine import AsyncEngine
     from deepinfer.server.chat_format import ChatFormat, import_recipe
 
     import_recipe()  # before the model loads: a missing package is a start-up error
-    llm = LLM(**engine_args)
-    engine, info = llm.engine, llm.build_info
-    name = settings.served_model_name or Path(info.model_path).name
-    tokenizer = engine.tokenizer
-    chat = ChatFormat(model_type=info.model_type, tokenizer_file=getattr(tokenizer, "source", None)
+    llm = None
+    if dp is None:
+        from deepinfer.llm import LLM
+        from deepinfer.server.async_engine import AsyncEngine
+
+        llm = LLM(**engine_args)
+        engine = llm.engine
+        model_path, model_type, max_model_len, tokenizer = (llm.build_info.model_path, llm.build_info.model_type,
+                                                            engine.max_model_len, engine.tokenizer)
+        front = AsyncEngine(engine, max_pending=settings.max_pending)
+    else:
+        from deepinfer.server.dp_engine import DPEngine
+
+        front = DPEngine(engine_args, dp, max_pending=settings.max_pending)
+        info = front.info
+        model_path, model_type, max_model_len, tokenizer = (info.model_path, info.model_type, info.max_model_len,
+                                                            info.tokenizer)
+    name = settings.served_model_name or Path(model_path).name
+    chat = ChatFormat(model_type=model_type, tokenizer_file=getattr(tokenizer, "source", None)
                       if getattr(tokenizer, "has_text", False) else None, served_model_name=name,
-                      max_model_len=engine.max_model_len, default_thinking=settings.default_thinking)
+                      max_model_len=max_model_len, default_thinking=settings.default_thinking)
     if chat.unavailable is not None:
         logger.warning("chat completions are unavailable: %s", chat.unavailable)
-    front = AsyncEngine(engine, max_pending=settings.max_pending)
-    app = build_app(front, chat, settings, served_model_name=name, max_model_len=engine.max_model_len,
-                    tokenizer=tokenizer)
+    app = build_app(front, chat, settings, served_model_name=name, max_model_len=max_model_len, tokenizer=tokenizer)
     app.state.llm = llm  # an LLM shuts its engine down when it is garbage-collected
     return app, front
 
@@ -130,12 +176,21 @@ def main(argv: list[str] | None = None) -> int:
     if settings.api_key is None and not _is_loopback(settings.host):
         logger.warning("binding to %s without an API key: anyone who can reach this address can use the "
                        "server; set --api-key or DEEPINFER_API_KEY", settings.host)
+    try:
+        dp = data_parallel(args)
+    except (ValueError, RuntimeError) as e:  # ParallelConfigError; PluginError for an unusable --accelerator
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if dp is None and args.threads_per_rank is not None:
+        import torch
+
+        torch.set_num_threads(args.threads_per_rank)
     engine_args = dict(model=args.model, accelerator=args.accelerator, dtype=args.dtype,
                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, config=args.config,
                        async_pipeline=False if args.no_async else None, features=prefix_cache_features(args))
     try:
-        app, front = build_server(settings, **engine_args)
+        app, front = build_server(settings, dp, **engine_args)
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -18,7 +18,7 @@ import queue as queue_module
 import socket
 import traceback
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -153,6 +153,75 @@ def _rank_main(ctx: RankContext, accelerator: type[Accelerator], init_method: st
         pass
 
 
+class RankGroup:
+    """This node's rank processes, started by `start_ranks`: `procs` by global rank, and the queue
+    on which each reports (rank, "ok", value) or (rank, "error", traceback text) when it ends."""
+
+    def __init__(self, procs: dict[int, Any], results: Any):
+        self.procs, self.results = procs, results
+
+    def collect(self) -> list[Any]:
+        """Wait for every rank's value (rank order); RankFailed as soon as one fails."""
+        return _collect(self.procs, self.results)
+
+    def failure(self, rank: int, wait_s: float = STOP_GRACE_SECONDS) -> str:
+        """Why `rank` ended: its traceback if it reported one within `wait_s`, else its exit code."""
+        proc = self.procs[rank]
+        proc.join(wait_s)
+        try:
+            while True:
+                who, status, value = self.results.get(timeout=POLL_SECONDS)
+                if who == rank and status == "error":
+                    return value
+        except queue_module.Empty:
+            pass
+        return f"process exited with code {proc.exitcode} without reporting an error" if proc.exitcode is not None \
+            else "process stopped answering"
+
+    def stop(self) -> None:
+        _stop(self.procs.values())
+
+
+def start_ranks(target: Callable[..., Any], args: tuple, layout: ParallelLayout, accelerator: type[Accelerator],
+                threads_per_rank: int | None = None, per_rank: Sequence[tuple] | None = None) -> RankGroup:
+    """Spawn one process per rank of this node running `target(RankContext, *args, *per_rank[i])`
+    (i: the local rank) and return without waiting. `target`, `args` and `per_rank` must be
+    picklable; per-rank arguments carry what only one rank may hold (a pipe end)."""
+    check_runnable(layout)
+    check_devices(layout, accelerator.name, device_count(accelerator))
+    threads = _threads(layout, threads_per_rank)
+    ranks = list(layout.local_ranks())
+    if per_rank is not None and len(per_rank) != len(ranks):
+        raise ValueError(f"{len(per_rank)} per-rank argument tuples for {len(ranks)} ranks on this node")
+    addr, port = rendezvous(layout)
+    init_method = f"tcp://{addr}:{port}"
+
+    import torch.multiprocessing as mp
+
+    mp_ctx = mp.get_context("spawn")
+    group = RankGroup({}, mp_ctx.Queue())
+    try:
+        for local_rank, rank in enumerate(ranks):
+            ctx = RankContext(rank=rank, local_rank=local_rank, layout=layout, threads=threads)
+            rank_args = args + (per_rank[local_rank] if per_rank is not None else ())
+            proc = mp_ctx.Process(target=_rank_main, args=(ctx, accelerator, init_method, target, rank_args,
+                                                           group.results),
+                                  name=f"deepinfer-rank{rank}", daemon=False)
+            with _environ(rank_environment(accelerator.name, layout, local_rank)):
+                proc.start()  # a spawned child takes the environment as it is now
+            group.procs[rank] = proc
+    except BaseException:
+        group.stop()
+        raise
+    return group
+
+
+def _threads(layout: ParallelLayout, threads_per_rank: int | None) -> int:
+    if threads_per_rank is not None and threads_per_rank < 1:
+        raise ParallelConfigError(f"--threads_per_rank {threads_per_rank} must be >= 1")
+    return threads_per_rank or default_threads(layout)
+
+
 def launch(target: Callable[..., Any], args: tuple, layout: ParallelLayout, accelerator: type[Accelerator],
            threads_per_rank: int | None = None) -> list[Any]:
     """Run `target(RankContext, *args)` once per rank of this node; returns their values in rank order.
@@ -162,31 +231,14 @@ def launch(target: Callable[..., Any], args: tuple, layout: ParallelLayout, acce
     end's class (`deepinfer.plugins.select_accelerator_class`), instantiated in each rank. Raises `RankFailed` as soon as
     a rank fails, after stopping the others."""
     check_runnable(layout)
-    check_devices(layout, accelerator.name, device_count(accelerator))
-    if threads_per_rank is not None and threads_per_rank < 1:
-        raise ParallelConfigError(f"--threads_per_rank {threads_per_rank} must be >= 1")
-    threads = threads_per_rank or default_threads(layout)
+    threads = _threads(layout, threads_per_rank)
     if layout.is_single:
         return [target(RankContext(rank=0, local_rank=0, layout=layout, threads=threads), *args)]
-    addr, port = rendezvous(layout)
-    init_method = f"tcp://{addr}:{port}"
-
-    import torch.multiprocessing as mp
-
-    mp_ctx = mp.get_context("spawn")
-    results = mp_ctx.Queue()
-    procs: dict[int, Any] = {}
+    group = start_ranks(target, args, layout, accelerator, threads)
     try:
-        for local_rank, rank in enumerate(layout.local_ranks()):
-            ctx = RankContext(rank=rank, local_rank=local_rank, layout=layout, threads=threads)
-            proc = mp_ctx.Process(target=_rank_main, args=(ctx, accelerator, init_method, target, args, results),
-                                  name=f"deepinfer-rank{rank}", daemon=False)
-            with _environ(rank_environment(accelerator.name, layout, local_rank)):
-                proc.start()  # a spawned child takes the environment as it is now
-            procs[rank] = proc
-        return _collect(procs, results)
+        return group.collect()
     finally:
-        _stop(procs.values())
+        group.stop()
 
 
 def _collect(procs: dict[int, Any], results) -> list[Any]:

@@ -22,8 +22,9 @@ from pydantic import ValidationError
 
 from deepinfer.engine.cache_manager import PrefixCacheStats
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.async_engine import AsyncEngine, Delta, EngineDead, QueueFull, RequestStream
+from deepinfer.server.async_engine import Delta, EngineDead, FrontEnd, QueueFull, RequestStream
 from deepinfer.server.chat_format import ChatFormat, RequestError
+from deepinfer.server.engine_loop import UNAVAILABLE
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ModelCard,
                                        ModelList, ServerSettings, Usage, error_body)
@@ -77,7 +78,7 @@ class GuardMiddleware:
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
 
 
-def build_app(front: AsyncEngine, chat: ChatFormat, settings: ServerSettings, *, served_model_name: str,
+def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, served_model_name: str,
               max_model_len: int, tokenizer: Any) -> FastAPI:
     metrics = ServerMetrics()
     front.snapshot.step_seconds = metrics.step_time  # the engine thread observes into /metrics' histogram
@@ -141,6 +142,8 @@ def build_app(front: AsyncEngine, chat: ChatFormat, settings: ServerSettings, *,
             raise
         if first.finished:
             metrics.tokens(0, 0, first.finish_reason)
+            if first.finish_reason == UNAVAILABLE:
+                raise finish_error(first)
             raise RequestError(400, first.error or f"the request finished at admission ({first.finish_reason})")
         return stream
 
@@ -164,6 +167,8 @@ def build_app(front: AsyncEngine, chat: ChatFormat, settings: ServerSettings, *,
     def finish_error(delta: Delta) -> RequestError | None:
         if delta.finish_reason in ("stop", "length"):
             return None
+        if delta.finish_reason == UNAVAILABLE:  # its data-parallel rank went down
+            return RequestError(503, delta.error or "the engine serving this request went down", "unavailable")
         return RequestError(400 if delta.finish_reason == "grammar_dead_end" else 500,
                             f"generation stopped: {delta.error or delta.finish_reason}",
                             "invalid_request_error" if delta.finish_reason == "grammar_dead_end" else "internal_error")
@@ -232,7 +237,7 @@ def build_app(front: AsyncEngine, chat: ChatFormat, settings: ServerSettings, *,
     async def health() -> JSONResponse:
         if front.dead is not None:
             return JSONResponse(error_body(front.dead, "unavailable"), status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(front.health())
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -251,7 +256,7 @@ def build_app(front: AsyncEngine, chat: ChatFormat, settings: ServerSettings, *,
                   "deepinfer_engine_steps": (s.num_steps, "engine steps that ran a batch since start")}
         if s.prefix_cache is not None:
             gauges.update(prefix_cache_gauges(s.prefix_cache))
-        return PlainTextResponse(metrics.render(gauges), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.render(gauges, front.labelled_gauges()), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -17,16 +17,14 @@ import asyncio
 import itertools
 import logging
 import threading
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.engine.cache_manager import PrefixCacheStats
 from deepinfer.engine.engine_core import EngineCore
-from deepinfer.engine.request import Request
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.metrics import Histogram
+from deepinfer.server.engine_loop import Delta, EngineLoop, EngineSnapshot
+
+__all__ = ["AsyncEngine", "Delta", "EngineDead", "EngineSnapshot", "FrontEnd", "QueueFull", "RequestStream"]
 
 logger = logging.getLogger("deepinfer")
 
@@ -44,37 +42,11 @@ class EngineDead(RuntimeError):
     """The engine thread stopped (a failed step, or shutdown)."""
 
 
-@dataclass
-class Delta:
-    """What one engine step produced for one request."""
-
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    text: str = ""  # the final text (stop strings cut), when finished
-    num_prompt_tokens: int = 0
-
-
-@dataclass
-class EngineSnapshot:
-    """Engine gauges, refreshed by the engine thread after each step (read by /metrics)."""
-
-    waiting: int = 0
-    running: int = 0
-    cache_usage: float = 0.0
-    slots_used: int = 0
-    num_steps: int = 0
-    num_preemptions: int = 0
-    prefix_cache: PrefixCacheStats | None = None  # the prefix_cache feature's counters (None: off)
-    step_seconds: Histogram = field(default_factory=Histogram)
-
-
 class RequestStream:
     """One request's deltas, as an async iterator. The first delta (no tokens) says the request was
     admitted, or is already the final one with the admission error."""
 
-    def __init__(self, front: AsyncEngine, request_id: str):
+    def __init__(self, front: FrontEnd, request_id: str):
         self.front = front
         self.request_id = request_id
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
@@ -102,23 +74,18 @@ class RequestStream:
         return True
 
 
-class AsyncEngine:
-    def __init__(self, engine: EngineCore, *, max_pending: int = 256, idle_wait_s: float = 0.5):
-        self.engine = engine
-        self.max_pending = max_pending
-        self.idle_wait_s = idle_wait_s
-        self.snapshot = EngineSnapshot()
-        self._cv = threading.Condition()
-        self._commands: list[tuple[str, Any]] = []
-        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}  # loop side
-        self._tracked: dict[str, tuple[Request, int]] = {}  # engine thread: request, tokens handed out
-        self._ids = itertools.count()
-        self._stop = False
-        self.dead: str | None = None
-        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
-        self._thread.start()
+class FrontEnd:
+    """What the HTTP app talks to, and the part both front ends share: the open streams (on the
+    event loop), back-pressure, and delivery of deltas from another thread. `AsyncEngine` steps one
+    engine in this process; `DPEngine` (dp_engine.py) routes over one engine process per
+    data-parallel rank."""
 
-    # -- asyncio side -----------------------------------------------------------------------------
+    def __init__(self, max_pending: int):
+        self.max_pending = max_pending
+        self.snapshot = EngineSnapshot()
+        self.dead: str | None = None  # why no request can be served any more
+        self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}  # loop side
+        self._ids = itertools.count()
 
     @property
     def num_pending(self) -> int:
@@ -137,17 +104,33 @@ class AsyncEngine:
         rid = f"{prefix}-{next(self._ids)}"
         stream = RequestStream(self, rid)
         self._streams[rid] = (stream, asyncio.get_running_loop())
-        self._command("add", (rid, prompt, params))
+        try:
+            self._send_add(rid, prompt, params)
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
-        self._command("abort", request_id)
+        self._send_abort(request_id)
 
-    def _command(self, kind: str, payload: Any) -> None:
-        with self._cv:
-            self._commands.append((kind, payload))
-            self._cv.notify()
+    def health(self) -> dict[str, Any]:
+        """The /health body (only asked while `dead` is None)."""
+        return {"status": "ok"}
+
+    def labelled_gauges(self) -> dict[str, tuple[str, dict[str, float]]]:
+        """Extra /metrics gauges with labels: name -> (help, {label text: value})."""
+        return {}
+
+    def shutdown(self) -> None:
+        raise NotImplementedError
+
+    def _send_add(self, rid: str, prompt: Any, params: SamplingParams) -> None:
+        raise NotImplementedError
+
+    def _send_abort(self, rid: str) -> None:
+        raise NotImplementedError
 
     def _deliver(self, rid: str, delta: Delta) -> None:
         """Runs on the event loop."""
@@ -156,12 +139,40 @@ class AsyncEngine:
             return  # aborted meanwhile
         if delta.finished:
             del self._streams[rid]
+            self._finished(rid, delta)
         entry[0].queue.put_nowait(delta)
 
+    def _finished(self, rid: str, delta: Delta) -> None:
+        """On the event loop, once per request that ended by itself (not aborted)."""
+
     def _post(self, rid: str, delta: Delta) -> None:
+        """From any thread: hand `delta` to its stream's event loop."""
         entry = self._streams.get(rid)
         if entry is not None:
             entry[1].call_soon_threadsafe(self._deliver, rid, delta)
+
+
+class AsyncEngine(FrontEnd):
+    def __init__(self, engine: EngineCore, *, max_pending: int = 256, idle_wait_s: float = 0.5):
+        super().__init__(max_pending)
+        self.engine = engine
+        self.idle_wait_s = idle_wait_s
+        self._cv = threading.Condition()
+        self._commands: list[tuple[str, Any]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self._thread.start()
+
+    def _send_add(self, rid: str, prompt: Any, params: SamplingParams) -> None:
+        self._command("add", (rid, prompt, params))
+
+    def _send_abort(self, rid: str) -> None:
+        self._command("abort", rid)
+
+    def _command(self, kind: str, payload: Any) -> None:
+        with self._cv:
+            self._commands.append((kind, payload))
+            self._cv.notify()
 
     def shutdown(self) -> None:
         with self._cv:
@@ -173,68 +184,17 @@ class AsyncEngine:
     # -- engine thread ----------------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
+        loop = EngineLoop(self.engine, self._post, self.snapshot)
         try:
             while True:
                 with self._cv:
-                    while not self._stop and not self._commands and not engine.has_unfinished():
+                    while not self._stop and not self._commands and not loop.busy:
                         self._cv.wait(self.idle_wait_s)
                     if self._stop:
                         return
                     commands, self._commands = self._commands, []
-                self._apply(commands)
-                if engine.has_unfinished():
-                    start = time.perf_counter()
-                    finished = engine.step()
-                    self.snapshot.step_seconds.observe(time.perf_counter() - start)
-                    self._hand_out(finished)
-                self._refresh_snapshot()
+                loop.run_once(commands)
         except BaseException as e:  # a failed step: every open request ends with a generic error
             logger.exception("the engine step loop failed; the server stops accepting requests")
             self.dead = f"the engine failed ({type(e).__name__}); see the server log"
-            for rid in list(self._tracked):
-                self._post(rid, Delta([], finished=True, finish_reason="error", error=self.dead))
-            self._tracked.clear()
-
-    def _apply(self, commands: list[tuple[str, Any]]) -> None:
-        aborts = [payload for kind, payload in commands if kind == "abort"]
-        for kind, payload in commands:
-            if kind != "add":
-                continue
-            rid, prompt, params = payload
-            if rid in aborts:
-                continue  # gone before it was admitted
-            try:
-                req = self.engine.add_request(prompt, params, request_id=rid)
-            except Exception:  # admission contract: a bad request never raises; a bug must not kill the loop
-                logger.exception("admitting request %s failed", rid)
-                self._post(rid, Delta([], True, "error", "the server failed to admit this request"))
-                continue
-            if req.is_finished:  # refused at admission: the reason is the request's error
-                self._post(rid, Delta([], True, req.finish_reason, req.error, req.text, req.num_prompt_tokens))
-                continue
-            self._tracked[rid] = (req, 0)
-            self._post(rid, Delta([], num_prompt_tokens=req.num_prompt_tokens))
-        if aborts:
-            self.engine.abort(aborts)
-            for rid in aborts:
-                self._tracked.pop(rid, None)
-
-    def _hand_out(self, finished: list[Request]) -> None:
-        done = {r.request_id for r in finished}
-        for rid, (req, sent) in list(self._tracked.items()):
-            new = req.output_token_ids[sent:]
-            if req.is_finished or rid in done:
-                self._post(rid, Delta(list(new), True, req.finish_reason, req.error, req.text, req.num_prompt_tokens))
-                del self._tracked[rid]
-            elif new:
-                self._post(rid, Delta(list(new), num_prompt_tokens=req.num_prompt_tokens))
-                self._tracked[rid] = (req, sent + len(new))
-
-    def _refresh_snapshot(self) -> None:
-        s, engine = self.snapshot, self.engine
-        stats = engine.stats()
-        s.waiting, s.running = len(engine.scheduler.waiting), len(engine.scheduler.running)
-        s.cache_usage, s.slots_used = stats.usage, stats.slots_used
-        s.num_steps, s.num_preemptions = engine.num_steps, engine.scheduler.num_preemptions
-        s.prefix_cache = stats.prefix_cache
+            loop.fail_all(self.dead)

@@ -60,8 +60,11 @@ class ServerMetrics:
             if finish_reason is not None:
                 self.finished[finish_reason] += 1
 
-    def render(self, gauges: dict[str, tuple[float, str]]) -> str:
-        """The exposition text; `gauges` maps a metric name to (value, help)."""
+    def render(self, gauges: dict[str, tuple[float, str]],
+               labelled: dict[str, tuple[str, dict[str, float]]] | None = None) -> str:
+        """The exposition text; `gauges` maps a metric name to (value, help), `labelled` a metric name
+        to (help, {label text such as 'rank="0"': value}); a labelled name ending in `_total` is a
+        counter."""
         with self._lock:
             requests, finished = dict(self.requests), dict(self.finished)
             prompt, generated = self.prompt_tokens, self.generation_tokens
@@ -77,5 +80,9 @@ class ServerMetrics:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter", f"{name} {value}"]
         for name, (value, help_text) in gauges.items():
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value:g}"]
+        for name, (help_text, values) in (labelled or {}).items():
+            kind = "counter" if name.endswith("_total") else "gauge"
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{{{labels}}} {value:g}" for labels, value in values.items()]
         lines += self.step_time.render("deepinfer_step_seconds", "engine step time (schedule, execute, update)")
         return "\n".join(lines) + "\n"

@@ -21,9 +21,7 @@ executor through `Hit.restore` and `Capture.copy`, which hold their tensors them
 """
 from __future__ import annotations
 
-import hashlib
 import threading
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.engine.cache_manager import PrefixCacheStats
+from deepinfer.engine.prefix_keys import chain_keys
 from deepinfer.models.interface import CacheLayout, CacheTensors
 
 Entries = dict[str, dict[str, torch.Tensor]]  # group -> tensor -> [owners, entries, *shape]
@@ -52,16 +51,6 @@ class Node:
     def nbytes(self) -> int:
         tensors = [t for g in self.entries.values() for t in g.values()] + list((self.slot or {}).values())
         return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def chain_keys(token_ids: Sequence[int], num_blocks: int, block_tokens: int, seed: bytes) -> list[bytes]:
-    """Keys of the first `num_blocks` blocks of `token_ids`: key_k = H(key_{k-1} || block k)."""
-    keys, prev = [], seed
-    for k in range(num_blocks):
-        block = token_ids[k * block_tokens:(k + 1) * block_tokens]
-        prev = hashlib.sha256(prev + array("q", block).tobytes()).digest()
-        keys.append(prev)
-    return keys
 
 
 def entry_rows(block_ids: list[int], block_size: int, first: int, last: int, device: torch.device) -> torch.Tensor:
