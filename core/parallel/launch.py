@@ -15,6 +15,7 @@ out of memory) is reported by its exit code. No rank is left waiting in a collec
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import traceback
@@ -117,7 +118,9 @@ def _rank_main(ctx: RankContext, accelerator: type[Accelerator], init_method: st
 
         join_world(accelerator(), ctx.rank, ctx.layout, init_method)
         value = target(ctx, *args)
-        results.put((ctx.rank, "ok", value))
+        # pickled here, by value: torch's queue would pass tensors as shared memory that vanishes
+        # when this process exits, possibly before the parent has read them
+        results.put((ctx.rank, "ok", pickle.dumps(value)))
     except BaseException as e:  # noqa: BLE001 - everything goes to the parent, which ends the launch
         results.put((ctx.rank, "error", "".join(traceback.format_exception(type(e), e, e.__traceback__))))
         raise SystemExit(1) from None
@@ -177,7 +180,7 @@ def _collect(procs: dict[int, Any], results) -> list[Any]:
             continue
         if status == "error":
             raise RankFailed(rank, value)
-        values[rank] = value
+        values[rank] = pickle.loads(value)
     for proc in procs.values():
         proc.join(STOP_GRACE_SECONDS)
     return [values[r] for r in sorted(values)]
@@ -191,7 +194,7 @@ def _reported_late(results, values: dict[int, Any]) -> bool:
         return False
     if status == "error":
         raise RankFailed(rank, value)
-    values[rank] = value
+    values[rank] = pickle.loads(value)
     return True
 
 
