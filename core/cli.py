@@ -79,6 +79,10 @@ def _print_layout(args, accelerator_cls) -> int:
         return 1
     threads = default_threads(layout)
     print(f"\nlayout: {layout.describe()}; this node runs ranks {list(layout.local_ranks())}")
+    if layout.cp > 1:
+        print(f"context parallel: ranks {list(range(layout.cp))} split each long prefill chunk zig-zag into "
+              f"{2 * layout.cp} chunks (rank i takes chunks i and {2 * layout.cp - 1}-i); decode runs on every rank "
+              f"in lockstep")
     for local, rank in enumerate(layout.local_ranks()):
         devices = rank_environment(accelerator, layout, local)
         seen = ", ".join(f"{k}={v}" for k, v in devices.items()) or "host CPU"

@@ -7,8 +7,9 @@
   an equal share of the DP ranks, so dp must be divisible by the number of nodes;
   MASTER_ADDR/MASTER_PORT name node 0 (on one node: 127.0.0.1 and a free port).
 
-Runnable today: cp = 1 with ep = 1 (data parallelism only) or ep = dp (one expert-parallel group
-over every rank); other valid layouts are refused before any process starts. See docs/parallelism.md.
+Runnable today: ep = 1 or ep = the world size (one expert-parallel group over every rank), and cp = 1
+or dp = 1 (one context-parallel group over every rank, DeepSeek-V4 models); other valid layouts are
+refused before any process starts. See docs/parallelism.md.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from deepinfer.parallel.layout import (ACCELERATOR_DEFAULT_EP, DEFAULT_EP, Paral
 
 ParallelSizes = ParallelLayout  # the examples' older name
 __all__ = ["ACCELERATOR_DEFAULT_EP", "DEFAULT_EP", "ParallelConfigError", "ParallelSizes", "RankContext",
-           "RankFailed", "env_int", "launch_dp", "resolve_parallel"]
+           "RankFailed", "check_context_parallel_model", "env_int", "launch_dp", "resolve_parallel"]
 
 
 def resolve_parallel(ep: int | None, dp: int | None, cp: int, accelerator: str,
@@ -30,6 +31,23 @@ def resolve_parallel(ep: int | None, dp: int | None, cp: int, accelerator: str,
     layout = resolve_layout(ep, dp, cp, accelerator, env)
     check_runnable(layout)
     return layout
+
+
+def check_context_parallel_model(model_name: str | None, cp: int) -> None:
+    """Refuse --cp > 1 before any process starts when the model's family cannot split its prefill
+    (the engine would refuse it in every rank); ValueError with the reason and the fix. A model
+    that cannot be resolved here is left to the engine, which reports that in its own words."""
+    if cp == 1:
+        return
+    from deepinfer.engine.builder import check_context_parallel
+    from deepinfer.models.registry import checkpoint_family
+    from deepinfer.models.resolve import resolve_model
+
+    try:
+        family, _ = checkpoint_family(resolve_model(model_name).path)
+    except (OSError, ValueError, RuntimeError):
+        return
+    check_context_parallel(family, cp)
 
 
 def launch_dp(main: Callable[..., Any], sizes: ParallelLayout, accelerator_class: type, args: tuple = (),

@@ -17,7 +17,8 @@ without it DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if 
 Face cache holds it, else the embedded default model (a small random-weight DeepSeek-V4.1, created
 on first use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py and
 docs/parallelism.md): one process per rank; the samples are dealt round-robin over the DP ranks
-and printed in their original order. --dtype float32 runs the model in fp32 (to compare layouts).
+and printed in their original order; the ranks of a CP group share each sample's prefill and
+must print the same lines (checked). --cp needs a DeepSeek-V4 checkpoint. --dtype float32 runs the model in fp32 (to compare layouts).
 
 Speculative decoding: the seeds' default DEEPINFER_USE_NEXTN_DECODE=5 is applied when the dspark
 feature is installed, unless the model's family cannot draft yet (DeepSeek-V4.1: its DSpark head
@@ -35,7 +36,8 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import ParallelConfigError, ParallelSizes, RankContext, RankFailed, launch_dp, resolve_parallel  # noqa: E402
+from _launch import (ParallelConfigError, ParallelSizes, RankContext, RankFailed, check_context_parallel_model,  # noqa: E402
+                     launch_dp, resolve_parallel)
 from _prompts import prepare_offline_prompts  # noqa: E402
 from _speculation import drafter_unsupported, speculation_off_note  # noqa: E402
 
@@ -237,7 +239,8 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
             result["status"] = 1
     total = sum(len(o.outputs[0].token_ids) for o in outputs.values())
     # a summary, not a sample: only sample lines start with "DP <rank>;" (scripts parse them)
-    result["errors"].append(f"[rank {rank}] {len(outputs)} samples, {total} output tokens in "
+    who = f"{rank}" if ctx.layout.cp == 1 else f"{rank}, CP rank {ctx.rank % ctx.layout.cp}"
+    result["errors"].append(f"[rank {who}] {len(outputs)} samples, {total} output tokens in "
                             f"{time.perf_counter() - start:.1f} s")
     llm.shutdown()
     return result
@@ -247,14 +250,23 @@ def print_results(results: list[dict], check_structured: bool) -> int:
     """Print the ranks' sample lines in the samples' original order (as one process would)."""
     for line in results[0]["header"] if results else []:
         print(line, flush=True)
+    disagree = []
     for key in ("lines", "checked"):
-        merged = {i: line for r in results for i, line in r[key].items()}
+        merged: dict[int, str] = {}
+        for r in results:  # the ranks of a CP group serve the same samples: they must agree
+            for i, line in r[key].items():
+                if merged.setdefault(i, line) != line:
+                    disagree.append(i)
         for i in sorted(merged):
             print(merged[i], flush=True)
     for r in results:
         for line in r["errors"]:
             print(line, file=sys.stderr, flush=True)
     status = max((r["status"] for r in results), default=0)
+    if disagree:
+        print(f"error: the context-parallel ranks printed different outputs for samples {sorted(set(disagree))}",
+              file=sys.stderr, flush=True)
+        status = 1
     if check_structured and status == 0:
         print("structured output check passed", file=sys.stderr, flush=True)
     return status
@@ -265,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     accelerator = accelerator_name()
     try:
         sizes = resolve_parallel(args.ep, args.dp, args.cp, accelerator)
-    except ParallelConfigError as e:
+        check_context_parallel_model(args.model_name, sizes.cp)
+    except (ParallelConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from deepinfer.plugins import select_accelerator_class

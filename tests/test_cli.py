@@ -48,6 +48,12 @@ def test_doctor_shows_the_layout_a_command_would_use():
     assert out.returncode == 1 and "layout: refused" in out.stderr and "divisible by --ep 3" in out.stderr
     out = run("doctor", "--ep", "2", "--dp", "4", env={"DEEPINFER_ACCELERATOR": "cpu"})
     assert out.returncode == 1 and "several EP groups" in out.stderr
+    out = run("doctor", "--cp", "2", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert "layout: ep=1 dp=1 cp=2 (world size 2); this node runs ranks [0, 1]" in out.stdout
+    assert "context parallel: ranks [0, 1] split each long prefill chunk zig-zag into 4 chunks" in out.stdout
+    out = run("doctor", "--cp", "2", "--dp", "2", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 1 and "several CP groups" in out.stderr
 
 
 def test_doctor_ascend_fails_with_reason_and_fix():

@@ -45,7 +45,7 @@ def test_deepseek_v4_is_built_in_and_resolved_lazily():
 
     assert "deepseek_v4" in supported_model_types()
     family = get_model_family("deepseek_v4")
-    assert family.model_class is DeepseekV4ForCausalLM and family.op_defaults.model_options == {"query_block": 256}
+    assert family.model_class is DeepseekV4ForCausalLM and family.op_defaults.model_options == {"query_block": 256, "cp_min_tokens": 16}
     assert {"sink_attention", "moe_experts", "hc_pre"} <= set(family.op_defaults.required_ops)
 
 
@@ -272,5 +272,5 @@ def test_engine_config_overrides_the_familys_model_options(tmp_path):
     toml.write_text("[model_options]\nquery_blok = 8\n")
     assert load_config(config_file=toml).model_options == {"query_blok": 8}
     with pytest.raises(ValueError, match=r"model_options \['query_blok'\] are not options of model family "
-                                         r"'deepseek_v4'; its options .* are: query_block"):
+                                         r"'deepseek_v4'; its options .* are: cp_min_tokens, query_block"):
         LLM(model=str(path), accelerator="cpu", config=str(toml))

@@ -80,8 +80,9 @@ def empty_hub(tmp_path, monkeypatch):
 
 def test_dp_defaults_to_ep_over_cp(launch):
     assert launch.resolve_parallel(8, None, 1, "nvidia", env={}).dp == 8
-    with pytest.raises(launch.ParallelConfigError, match=r"ep=2 dp=1 cp=8 .*context parallelism"):
+    with pytest.raises(launch.ParallelConfigError, match=r"ep=2 dp=1 cp=8 .*several EP groups"):
         launch.resolve_parallel(2, None, 8, "nvidia", env={})  # dp = max(2 // 8, 1) = 1, world 8
+    assert launch.resolve_parallel(8, None, 8, "nvidia", env={}).world_size == 8  # dp 1: one CP and EP group
 
 
 def test_world_size_must_be_divisible_by_ep(launch):

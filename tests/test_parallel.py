@@ -138,7 +138,7 @@ def record_start(ctx, marker: str) -> None:
 
 
 @pytest.mark.parametrize("layout, message", [
-    (ParallelLayout(ep=2, dp=2, cp=2), r"context parallelism \(--cp > 1\) is not implemented"),
+    (ParallelLayout(ep=2, dp=2, cp=2), r"several CP groups \(dp > 1 with cp > 1\)"),
     (ParallelLayout(ep=2, dp=4), r"must be 1 rank or span the whole world"),
 ])
 def test_unrunnable_layouts_are_refused_before_any_process_starts(tmp_path, layout, message):
@@ -163,8 +163,9 @@ def test_layout_rules():
 def test_each_rank_sees_its_own_devices():
     layout = ParallelLayout(ep=4, dp=4)
     assert rank_environment("nvidia", layout, 1, env={"DEVICE_OFFSET": "2"}) == {"CUDA_VISIBLE_DEVICES": "3"}
-    assert rank_environment("ascend", ParallelLayout(ep=2, dp=2, cp=2), 1, env={}) == \
-        {"ASCEND_RT_VISIBLE_DEVICES": "2,3"}
+    # one process per CP rank: DP rank 1 of cp 2 is local ranks 2 and 3, devices 2 and 3
+    assert [rank_environment("ascend", ParallelLayout(ep=2, dp=2, cp=2), r, env={}) for r in (2, 3)] == \
+        [{"ASCEND_RT_VISIBLE_DEVICES": "2"}, {"ASCEND_RT_VISIBLE_DEVICES": "3"}]
     assert rank_environment("cpu", layout, 1, env={}) == {}
 
 

@@ -29,6 +29,7 @@ from deepinfer.accelerator.quantized_weight import weight_nbytes
 from deepinfer.config import EngineConfig
 from deepinfer.engine.cache_manager import GiB, CacheManager, PoolSize, size_pool
 from deepinfer.engine.engine_core import EngineCore
+from deepinfer.parallel.context_parallel import current_context_parallel
 from deepinfer.parallel.expert_parallel import current_expert_parallel, current_layout
 
 if TYPE_CHECKING:
@@ -99,6 +100,18 @@ def check_parallel_layout(config: EngineConfig) -> None:
                          f"use ep = dp = cp = 1 in a single process")
 
 
+def check_context_parallel(family: ModelFamily, cp: int) -> None:
+    """cp > 1 needs a model class that splits its prefills over the CP group
+    (`supports_context_parallel`); others are refused with their `context_parallel_unsupported`
+    reason when they give one."""
+    if cp == 1 or getattr(family.model_class, "supports_context_parallel", False):
+        return
+    reason = getattr(family.model_class, "context_parallel_unsupported", None) or \
+        "its model class does not implement it"
+    raise ValueError(f"context parallelism (--cp {cp}) is not available for {family.model_type}: {reason}; "
+                     f"use --cp 1")
+
+
 def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     """Build the engine for `config`. Settings left on auto are resolved here; the returned engine's
     `config` holds the resolved values."""
@@ -112,11 +125,12 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     check_parallel_layout(config)
     accelerator = select_accelerator(config.accelerator)
     device = accelerator.device(0)
-    if current_expert_parallel() is not None:
-        # the MoE collectives must come from one thread: the idle lockstep runs on the caller's
+    if current_expert_parallel() is not None or current_context_parallel() is not None:
+        # the collectives must come from one thread: the EP idle lockstep runs on the caller's
         if config.async_pipeline:
-            logger.warning("async_pipeline = true is ignored under expert parallelism (ep=%d): the MoE "
-                           "collectives must be issued from one thread, so steps run synchronously", config.ep)
+            logger.warning("async_pipeline = true is ignored under expert or context parallelism (ep=%d, cp=%d): "
+                           "the collectives must be issued from one thread, so steps run synchronously",
+                           config.ep, config.cp)
         config = config.model_copy(update={"async_pipeline": False})
     if config.async_pipeline is None:
         config = config.model_copy(update={"async_pipeline": accelerator.capabilities().host_overlap})
@@ -126,6 +140,7 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     resolved = resolve_model(config.model)
     family, config_dict = checkpoint_family(resolved.path)  # config.json's model_type -> the registry entry
     family.check_accelerator(accelerator)  # every kernel the model calls, before any weight is read
+    check_context_parallel(family, config.cp)
     model_options = family.model_options(config.model_options)  # unknown keys fail before loading too
     model_config, weights = load_family_checkpoint(family, resolved.path, _dtype(config), config_dict,
                                                    accelerator.capabilities().weight_formats)
@@ -160,6 +175,8 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     layout = model.cache_layout(max_rollback)
     reserve = family.activation_reserve_bytes(model_config, config.max_num_batched_tokens, config.max_num_seqs)
     budget = cache_budget(config, free_bytes, weight_bytes, reserve)
+    if current_context_parallel() is not None:  # the CP ranks must schedule alike: one pool size for all
+        budget = current_context_parallel().smallest(budget)
     pool = size_pool(layout, budget_bytes=budget, max_model_len=max_model_len,
                      max_num_seqs=config.max_num_seqs, block_size=config.block_size)
     tensors = allocate_cache_tensors(layout, pool.num_slots, pool.num_blocks, pool.block_size, device)

@@ -40,6 +40,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator, Collectives, MoEDispatch
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
+from deepinfer.parallel.context_parallel import ContextParallel, set_context_parallel
 from deepinfer.parallel.expert_placement import ExpertLoad, ExpertPlacement, Router
 from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout
 
@@ -314,14 +315,15 @@ def set_expert_parallel(ep: ExpertParallel | None, layout: ParallelLayout | None
 
 
 def join_world(accelerator: Accelerator, rank: int, layout: ParallelLayout, init_method: str) -> None:
-    """In a rank's process: join the process group through the back end and, with ep > 1,
-    install the EP group the MoE layers will find when the model is built."""
+    """In a rank's process: join the process group through the back end and install the EP group
+    (ep > 1) and the CP group (cp > 1) the model will find when it is built."""
     if accelerator.capabilities().collectives == "none":
         raise ParallelConfigError(f"the {accelerator.name} back end declares no collectives, so it cannot run "
                                   f"{layout.describe()}; use --ep 1 --dp 1 --cp 1")
     accelerator.init_process_group(rank, layout.world_size, init_method)
     ep = ExpertParallel(accelerator, rank % layout.ep, layout.ep, accelerator.device(0)) if layout.ep > 1 else None
     set_expert_parallel(ep, layout)
+    set_context_parallel(ContextParallel(accelerator, rank % layout.cp, layout.cp, accelerator.device(0)) if layout.cp > 1 else None)
 
 
 def idle_until_peers_done() -> None:

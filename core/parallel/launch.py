@@ -1,11 +1,12 @@
 """Start one process per rank, wire up the rendezvous, and end the whole launch when one rank fails.
 
 Each rank is a `spawn`ed process. Its environment is set in the parent right before it starts, so
-device visibility (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES: `cp` consecutive devices from
-DEVICE_OFFSET) holds before the child imports torch or any back end. In the child the back end
-joins the process group (`Collectives.init_process_group`: gloo, nccl or hccl) at
-tcp://MASTER_ADDR:MASTER_PORT, sets `torch.set_num_threads(threads_per_rank)` and, with ep > 1,
-installs the expert-parallel group before `target` builds its engine.
+device visibility (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES: one device per rank, so each
+DP rank's `cp` processes hold `cp` consecutive devices from DEVICE_OFFSET) holds before the child
+imports torch or any back end. In the child the back end joins the process group
+(`Collectives.init_process_group`: gloo, nccl or hccl) at tcp://MASTER_ADDR:MASTER_PORT, sets
+`torch.set_num_threads(threads_per_rank)` and installs the expert-parallel group (ep > 1) and the
+context-parallel group (cp > 1) before `target` builds its engine.
 
 Failure: a rank that raises reports its traceback to the parent, which stops every other rank of
 this node and raises `RankFailed` with that rank's error; a rank that dies without a word (killed,
@@ -14,6 +15,7 @@ out of memory) is reported by its exit code. No rank is left waiting in a collec
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import traceback
@@ -104,15 +106,13 @@ def default_threads(layout: ParallelLayout) -> int:
 
 def rank_environment(accelerator: str, layout: ParallelLayout, local_rank: int,
                      env: dict[str, str] | None = None) -> dict[str, str]:
-    """Variables a rank's process starts with: its `cp` devices from DEVICE_OFFSET, and one OpenMP
-    thread pool size (set again through torch in the child)."""
+    """Variables a rank's process starts with: its device, DEVICE_OFFSET + local rank. A DP rank is
+    `cp` processes (one per CP rank, consecutive), so it holds `cp` consecutive devices."""
     env = dict(os.environ) if env is None else env
     out: dict[str, str] = {}
     var = VISIBLE_DEVICES_VAR.get(accelerator)
     if var:
-        offset = env_int(env, "DEVICE_OFFSET", 0, 0)
-        first = offset + local_rank * layout.cp
-        out[var] = ",".join(str(d) for d in range(first, first + layout.cp))
+        out[var] = str(env_int(env, "DEVICE_OFFSET", 0, 0) + local_rank)
     return out
 
 
@@ -140,7 +140,9 @@ def _rank_main(ctx: RankContext, accelerator: type[Accelerator], init_method: st
 
         join_world(accelerator(), ctx.rank, ctx.layout, init_method)
         value = target(ctx, *args)
-        results.put((ctx.rank, "ok", value))
+        # pickled here, by value: torch's queue would pass tensors as shared memory that vanishes
+        # when this process exits, possibly before the parent has read them
+        results.put((ctx.rank, "ok", pickle.dumps(value)))
     except BaseException as e:  # noqa: BLE001 - everything goes to the parent, which ends the launch
         results.put((ctx.rank, "error", "".join(traceback.format_exception(type(e), e, e.__traceback__))))
         raise SystemExit(1) from None
@@ -253,7 +255,7 @@ def _collect(procs: dict[int, Any], results) -> list[Any]:
             continue
         if status == "error":
             raise RankFailed(rank, value)
-        values[rank] = value
+        values[rank] = pickle.loads(value)
     for proc in procs.values():
         proc.join(STOP_GRACE_SECONDS)
     return [values[r] for r in sorted(values)]
@@ -267,7 +269,7 @@ def _reported_late(results, values: dict[int, Any]) -> bool:
         return False
     if status == "error":
         raise RankFailed(rank, value)
-    values[rank] = value
+    values[rank] = pickle.loads(value)
     return True
 
 

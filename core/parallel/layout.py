@@ -6,8 +6,8 @@
 - several nodes: RANK (node index) and WORLD_SIZE (node count), defaults 0 and 1; each node runs
   an equal share of the DP ranks, so dp must be divisible by the number of nodes.
 
-What runs today (checked by `check_runnable`): cp = 1, and ep either 1 (pure data parallelism)
-or the whole world (one EP group spanning every rank).
+What runs today (checked by `check_runnable`): ep either 1 or the whole world (one EP group
+spanning every rank), and either cp = 1 or dp = 1 (one CP group spanning every rank).
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class ParallelLayout(BaseModel):
         return self.world_size == 1
 
     def local_ranks(self) -> range:
-        """The global ranks this node runs (cp = 1: one rank per DP rank)."""
+        """The global ranks this node runs: `cp` consecutive ranks (one CP group) per DP rank."""
         first = self.node_rank * self.dp_per_node * self.cp
         return range(first, first + self.dp_per_node * self.cp)
 
@@ -100,9 +100,11 @@ def resolve_layout(ep: int | None, dp: int | None, cp: int, accelerator: str,
 
 def check_runnable(layout: ParallelLayout) -> None:
     """Refuse, before any process starts, a valid layout this release cannot run."""
-    if layout.cp != 1:
-        raise ParallelConfigError(f"{layout.describe()}: context parallelism (--cp > 1) is not implemented yet; "
-                                  f"use --cp 1")
+    if layout.cp > 1 and layout.dp > 1:
+        raise ParallelConfigError(
+            f"{layout.describe()}: context parallelism runs one CP group spanning every rank in this release "
+            f"(--dp 1 --cp {layout.world_size}); several CP groups (dp > 1 with cp > 1) need sub-group "
+            f"collectives, which are not implemented")
     if layout.ep not in (1, layout.world_size):
         raise ParallelConfigError(
             f"{layout.describe()}: the expert-parallel group must be 1 rank or span the whole world "

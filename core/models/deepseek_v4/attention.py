@@ -21,6 +21,7 @@ from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Con
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.parallel.context_parallel import RowSplit
 from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS
 
 
@@ -59,6 +60,21 @@ class Attention:
             self.indexer_compressor = Compressor(accel, strip_prefix(weights, "indexer.compressor."), self.rate, True,
                                                  config.index_head_dim, eps, self.ops)
         self.state: AttentionState | None = None
+        #: per-token projections that other tokens' attention reads (through the compressors); with
+        #: the window key, what a context-parallel step gathers from the other ranks
+        self.key_inputs = tuple(f"{prefix}compressor.{part}.weight"
+                                for prefix, present in (("", self.compressor), ("indexer.", self.indexer_compressor))
+                                if present is not None for part in ("wkv", "wgate"))
+
+    def _gather(self, keyed: dict[str, torch.Tensor], split: RowSplit) -> dict[str, torch.Tensor]:
+        """This rank's rows of the window key and compressor inputs -> the whole step's rows (one
+        all-gather of them side by side)."""
+        names = list(keyed)
+        widths = [keyed[n].shape[-1] for n in names]
+        dtype = keyed["kv"].dtype
+        local = torch.cat([keyed[n].reshape(keyed[n].shape[0], -1).to(dtype) for n in names], dim=1)
+        full = split.gather(local)
+        return {n: part for n, part in zip(names, full.split(widths, dim=1))}
 
     def run(self, x: torch.Tensor, step) -> torch.Tensor:
         """The block's sub-layer call (`block.StepInputs`): `forward` with the step's plan and RoPE."""
@@ -80,13 +96,18 @@ class Attention:
         q = a.rms_norm(pqr["wq_b.weight"].reshape(T, H, d), None, eps)
         q = a.rotary(q, cos, sin, False)
         kv = a.rotary(a.rms_norm(px["wkv.weight"], w["kv_norm.weight"], eps), cos, sin, False)
+        keyed = {"kv": kv, **{name: px[name] for name in self.key_inputs}}
+        if plan.split is not None:  # context parallelism: every rank's rows of what other tokens read
+            keyed = self._gather(keyed, plan.split)
+        kv = keyed["kv"]
 
         if self.compressor is not None:
-            self.compressor.update(px["compressor.wkv.weight"], px["compressor.wgate.weight"], plan, rope,
+            self.compressor.update(keyed["compressor.wkv.weight"], keyed["compressor.wgate.weight"], plan, rope,
                                    st.rows[0], st.rows[1], st.entries)
         index_q = index_w = None
         if self.indexer_compressor is not None:
-            self.indexer_compressor.update(px["indexer.compressor.wkv.weight"], px["indexer.compressor.wgate.weight"],
+            self.indexer_compressor.update(keyed["indexer.compressor.wkv.weight"],
+                                           keyed["indexer.compressor.wgate.weight"],
                                            plan, rope, st.indexer_rows[0], st.indexer_rows[1], st.indexer_keys)
             Hi, di = c.index_n_heads, c.index_head_dim
             index_q = a.rotary(pqr["indexer.wq_b.weight"].reshape(T, Hi, di), *cos_sin["compress"], False)

@@ -21,6 +21,9 @@ REQUIRED_OPS = (
 )
 # prefill runs in query blocks of this many tokens (bounded key ranges per block, see docs/model.md)
 QUERY_BLOCK = 256
+# under context parallelism, a step with a chunk of at least this many new tokens is split over the
+# CP group (shorter steps - decode, speculative verification - run whole on every rank)
+CP_MIN_TOKENS = 16
 
 
 def activation_bytes(config: DeepseekV4Config, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -35,7 +38,7 @@ FAMILY = register_model_family(ModelFamily(
     load_checkpoint=load_checkpoint,
     model_class=DeepseekV4ForCausalLM,
     op_defaults=OpDefaults(required_ops=REQUIRED_OPS, model_ops=DeepseekV4Ops,
-                           model_options={"query_block": QUERY_BLOCK}),
+                           model_options={"query_block": QUERY_BLOCK, "cp_min_tokens": CP_MIN_TOKENS}),
     activation_bytes=activation_bytes,
     make_checkpoint=CHECKPOINT_MAKER,
     aliases=("v4",),

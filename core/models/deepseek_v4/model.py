@@ -28,17 +28,25 @@ from deepinfer.models.deepseek_v4.state import (
 )
 from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, check_weights, weight_kind
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
+from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
 
 
 class DeepseekV4ForCausalLM:
+    #: context parallelism (`--cp`) splits this model's long prefills (see `forward`)
+    supports_context_parallel = True
+
     def __init__(self, config: DeepseekV4Config, accelerator: Accelerator, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", query_block: int = 256):
+                 device: torch.device | str = "cpu", query_block: int = 256, cp_min_tokens: int = 16):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported; choose torch.float32, torch.bfloat16 or torch.float16")
         self.config, self.accel, self.dtype = config, accelerator, dtype
         self.ops = resolve_ops(accelerator)  # V4's own ops: the back end's table if it declares one
         self.device = torch.device(device)
         self.query_block = query_block
+        if cp_min_tokens < 1:
+            raise ValueError(f"cp_min_tokens must be >= 1, got {cp_min_tokens}")
+        self.cp_min_tokens = cp_min_tokens
+        self.context_parallel = current_context_parallel()  # the launch's CP group, or None
         self.rope = RotaryTables(config, self.device)
         self.blocks: list[DecoderBlock] = []
         self.mtp_block: DecoderBlock | None = None
@@ -91,7 +99,7 @@ class DeepseekV4ForCausalLM:
         its own to run it beside this one (the target drafting for itself in speculative-decoding
         tests)."""
         c = self.config
-        other = DeepseekV4ForCausalLM(c, self.accel, self.dtype, self.device, self.query_block)
+        other = DeepseekV4ForCausalLM(c, self.accel, self.dtype, self.device, self.query_block, self.cp_min_tokens)
         other.top, other.mtp_top = self.top, self.mtp_top
         other.blocks = [build_decoder_block(c, c.layer_types[i], c.mlp_layer_types[i], blk.w, self.accel, ops=self.ops)
                         for i, blk in enumerate(self.blocks)]
@@ -160,10 +168,20 @@ class DeepseekV4ForCausalLM:
         if self.mtp_block is not None:
             self.mtp_block.attn.state = AttentionState(window=slot(WINDOW_KV, c.num_hidden_layers))
 
-    def _plan(self, batch: ForwardBatch) -> StepPlan:
+    def _plan(self, batch: ForwardBatch, split: RowSplit | None = None) -> StepPlan:
         if self._cache is None:
             raise RuntimeError("no cache bound: call bind_cache(allocate_cache_tensors(model.cache_layout(...), ...))")
-        return StepPlan(batch, self.config, self._rings, self._cache.block_size, self._num_slots, self.query_block)
+        return StepPlan(batch, self.config, self._rings, self._cache.block_size, self._num_slots, self.query_block,
+                        split)
+
+    def _split(self, batch: ForwardBatch) -> RowSplit | None:
+        """Under context parallelism, a step with a chunk of at least `cp_min_tokens` new tokens is
+        split zig-zag over the CP group (every rank sees the same batch, so all decide alike);
+        other steps (decode, short chunks) run whole on every rank."""
+        cp = self.context_parallel
+        if cp is None or max((int(n) for n in batch.query_lens), default=0) < self.cp_min_tokens:
+            return None
+        return cp.split([int(n) for n in batch.query_lens], self.device)
 
     # ----- forward -----
     @torch.no_grad()
@@ -171,14 +189,19 @@ class DeepseekV4ForCausalLM:
         if not self.blocks:
             raise RuntimeError("no weights loaded: call load_weights() first")
         c, a = self.config, self.accel
-        plan = self._plan(batch)
-        ids = batch.input_ids.to(self.device)
-        cos_sin = {k: self.rope.cos_sin(plan.positions, k) for k in ("main", "compress")}
+        split = self._split(batch)
+        plan = self._plan(batch, split)
+        ids, positions = batch.input_ids.to(self.device), plan.positions
+        if split is not None:  # this rank's rows only; attention gathers what it needs of the others
+            ids, positions = ids[split.local_rows], positions[split.local_rows]
+        cos_sin = {k: self.rope.cos_sin(positions, k) for k in ("main", "compress")}
         x = self.top["embed.weight"][ids]
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         step = StepInputs(ids, plan, self.rope, cos_sin)
         for blk in self.blocks:
             streams = blk.run(streams, step)
+        if split is not None:  # every rank samples (and drafts) from the whole step's final streams
+            streams = split.gather(streams)
         picked = streams[batch.logits_indices.to(self.device)]
         logits = self._logits(picked, self.top["hc_head_fn"], self.top["hc_head_base"], self.top["hc_head_scale"],
                               self.top["norm.weight"])

@@ -29,6 +29,7 @@ from deepinfer.models.batch import ForwardBatch
 from deepinfer.models.cache_layout import BlockGroup, CacheLayout, StateTensor
 from deepinfer.models.common.ragged import RaggedPlan, RingWrite, take_rows  # noqa: F401  (re-exported)
 from deepinfer.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
+from deepinfer.parallel.context_parallel import RowSplit
 
 WINDOW_KV = "window_kv"
 CSA_ROWS = ("csa_rows_kv", "csa_rows_score")
@@ -145,9 +146,12 @@ class StepPlan(RaggedPlan):
     """Addressing for one ragged step, shared by all layers (built once per forward)."""
 
     def __init__(self, batch: ForwardBatch, config: DeepseekV4Config, rings: RingSizes, block_size: int,
-                 num_slots: int, query_block: int = 256):
+                 num_slots: int, query_block: int = 256, split: RowSplit | None = None):
+        """`split`: under context parallelism, the rows this rank computes (its attention groups
+        cover only those query rows, read from its local tensors; keys and compressor rows are read
+        from the whole step's gathered rows)."""
         super().__init__(batch, num_slots, block_size)
-        self.config, self.rings, self.query_block = config, rings, query_block
+        self.config, self.rings, self.query_block, self.split = config, rings, query_block, split
         self._entry_views: dict[tuple[int, int], EntryView] = {}
         self._compress_plans: dict[tuple[int, int, bool], CompressPlan] = {}
 
@@ -155,7 +159,11 @@ class StepPlan(RaggedPlan):
     @cached_property
     def groups(self) -> list[AttnGroup]:
         """Decode tokens (query_len 1) of all sequences in one group; every other sequence in
-        blocks of `query_block` queries (bounded key ranges, O(S * (W + block)) work)."""
+        blocks of `query_block` queries (bounded key ranges, O(S * (W + block)) work). Under a
+        context-parallel split: this rank's chunks only, each in blocks of `query_block`."""
+        if self.split is not None:
+            return [self._group([(c.seq, a, min(c.stop, a + self.query_block))], local_row=c.local_row + a - c.start)
+                    for c in self.split.chunks for a in range(c.start, c.stop, self.query_block)]
         decode = [(i, 0, 1) for i in range(len(self.q_lens)) if self.q_lens[i] == 1]
         out = [self._group(decode, decode=True)] if decode else []
         for i, n in enumerate(self.q_lens):
@@ -164,8 +172,11 @@ class StepPlan(RaggedPlan):
                     out.append(self._group([(i, a, min(n, a + self.query_block))]))
         return out
 
-    def _group(self, items: list[tuple[int, int, int]], decode: bool = False) -> AttnGroup:
-        """`decode`: every item is a sequence's only new token (its one new key is its own)."""
+    def _group(self, items: list[tuple[int, int, int]], decode: bool = False,
+               local_row: int | None = None) -> AttnGroup:
+        """`decode`: every item is a sequence's only new token (its one new key is its own).
+        `local_row` (one item, context parallelism): the row of its first query in this rank's
+        local tensors (queries and outputs), while its new keys stay rows of the whole step."""
         dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
         seq = torch.tensor([i for i, _, _ in items], device=dev)
         a = torch.tensor([x for _, x, _ in items], device=dev)
@@ -193,6 +204,9 @@ class StepPlan(RaggedPlan):
             group.new_key_ring_row = slot * Rw + q_pos[:, 0] % Rw
             group.key_ring_row_all = torch.where(k_valid, slot.unsqueeze(1) * Rw + key_pos % Rw, 0)
             group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
+        elif local_row is not None:
+            group.first_row = local_row
+            group.rows = torch.where(q_valid, local_row + ar, 0)  # [1, S]: local rows
         elif len(items) == 1:
             group.first_row = self.row_start[items[0][0]] + items[0][1]
         return group

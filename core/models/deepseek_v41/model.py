@@ -115,6 +115,12 @@ def _twin_module(m):
 
 
 class DeepseekV41ForCausalLM:
+    #: why context parallelism (--cp > 1) is refused on this model (read by the engine builder)
+    context_parallel_unsupported = (
+        "DeepSeek-V4.1's attention reads state across layers (CSA2 KV and index sources shared by later layers, "
+        "candidate pools, Engram memory, bounded SWA replay), and splitting its prefill over ranks is not "
+        "implemented yet (DeepSeek-V4 checkpoints support --cp)")
+
     #: why speculative decoding is refused on this model (read by the speculative-decoding feature);
     #: None on an instance whose checkpoint brought the DSpark drafter (`load_weights`)
     drafter_unsupported: str | None = (

@@ -1,0 +1,105 @@
+"""One long prefill at --cp 1 and --cp 2 on the cpu back end (gloo): tokens/s and time in collectives.
+
+    .venv/bin/python scripts/bench_context_parallel.py                   # 4096 tokens, 3 rounds
+    .venv/bin/python scripts/bench_context_parallel.py --tokens 2048 --rounds 5
+
+Builds a random DeepSeek-V4 checkpoint (the `default` preset: hidden 256, 6 layers - sliding, CSA,
+HCA - window 32, c4 and c32 compression, indexer top-16; no MTP), then per round runs the same
+measurement once with one rank and once with a CP group of two (alternating, one thread per rank):
+each run builds the engine, warms up on a short prompt, then times `--repeats` prefills of
+`--tokens` new tokens each (a different prompt each time, so no prefix is reused; one output token).
+Printed per run: prefill tokens/s (the median repeat) and, at cp 2, the seconds this rank spent in
+the CP all-gathers and the bytes they moved. Greedy first tokens of cp 1 and cp 2 must agree.
+
+On a 2-core host both CP ranks share the cores with everything else: this shows that CP runs and
+what its exchange costs, not a speed-up.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def run_rank(ctx, checkpoint: str, tokens: int, repeats: int) -> dict:
+    import torch
+
+    from deepinfer import LLM
+    from deepinfer.parallel.context_parallel import current_context_parallel
+    from deepinfer.sampling_params import SamplingParams
+
+    torch.set_num_threads(ctx.threads)  # a one-rank launch runs in this process
+    layout = ctx.layout
+    llm = LLM(model=checkpoint, accelerator="cpu", dtype="float32", max_num_seqs=1, cache_memory_gb=0.5,
+              max_model_len=tokens + 64, max_num_batched_tokens=tokens + 64, cp=layout.cp, dp=layout.dp)
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    llm.generate([{"prompt_token_ids": list(range(2, 66))}], params, use_tqdm=False)  # warm-up
+    cp = current_context_parallel()
+    seconds, gather_s, gather_bytes, first = [], [], [], []
+    for r in range(repeats):
+        prompt = [(r * 7919 + 31 * i) % 100000 + 2 for i in range(tokens)]
+        if cp is not None:
+            cp.timing.reset()
+        start = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        seconds.append(time.perf_counter() - start)
+        first.append(out[0].outputs[0].token_ids[0])
+        if cp is not None:
+            gather_s.append(cp.timing.seconds)
+            gather_bytes.append(cp.timing.bytes)
+    llm.shutdown()
+    return {"seconds": seconds, "gather_seconds": gather_s, "gather_bytes": gather_bytes, "first": first}
+
+
+def measure(checkpoint: str, cp: int, tokens: int, repeats: int) -> dict:
+    from deepinfer.parallel.launch import launch
+    from deepinfer.parallel.layout import ParallelLayout
+    from deepinfer.plugins import load_accelerator_class
+
+    results = launch(run_rank, (checkpoint, tokens, repeats), ParallelLayout(dp=1, cp=cp),
+                     load_accelerator_class("cpu"), threads_per_rank=1)
+    median = statistics.median(results[0]["seconds"])
+    row = {"cp": cp, "seconds": median, "tokens_per_s": tokens / median, "first": results[0]["first"]}
+    if cp > 1:
+        row["gather_seconds"] = [statistics.median(r["gather_seconds"]) for r in results]
+        row["gather_mib"] = results[0]["gather_bytes"][0] / 2 ** 20
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens of each prefill")
+    parser.add_argument("--rounds", type=int, default=3, help="cp 1 / cp 2 pairs, alternating")
+    parser.add_argument("--repeats", type=int, default=2, help="timed prefills per run (the median counts)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per run")
+    args = parser.parse_args(argv)
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    same = True
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = str(make_model(Path(tmp) / "v4", "default", seed=0, with_mtp=False, dtype="float32"))
+        for round_ in range(args.rounds):
+            pair = [measure(checkpoint, cp, args.tokens, args.repeats) for cp in (1, 2)]
+            same &= pair[0]["first"] == pair[1]["first"]
+            for row in pair:
+                if args.json:
+                    print(json.dumps({"round": round_, **row}), flush=True)
+                    continue
+                extra = ""
+                if row["cp"] > 1:
+                    share = max(row["gather_seconds"]) / row["seconds"]
+                    extra = (f"  all-gathers {', '.join(f'{s:.3f}' for s in row['gather_seconds'])} s per rank "
+                             f"({share:.0%} of the prefill), {row['gather_mib']:.1f} MiB gathered")
+                print(f"round {round_} cp {row['cp']}: {args.tokens} tokens in {row['seconds']:.2f} s = "
+                      f"{row['tokens_per_s']:.0f} tokens/s{extra}", flush=True)
+            print(f"round {round_} cp2/cp1 time ratio {pair[1]['seconds'] / pair[0]['seconds']:.2f}", flush=True)
+    print(f"greedy first tokens identical: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""Context parallelism (`--cp`): the zig-zag split, a CP prefill against a single-rank one (logits
+and every cache tensor), and the offline example end to end (CPU, 2 gloo processes, fp32)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.parallel.context_parallel import RowSplit, zigzag_bounds, zigzag_owner
+from deepinfer.parallel.launch import RankFailed, launch
+from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout, check_runnable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_harness import Runner, max_rel_diff  # noqa: E402
+from test_parallel import _cpu, sample_lines  # noqa: E402
+
+# a prompt longer than the tiny model's window (8) over many c4 and c8 blocks, in two chunks
+PROMPT = [(7 * i + 3) % 500 + 2 for i in range(90)]
+CHUNKS = [61, 29]
+DECODE_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def cp_checkpoint(tmp_path_factory) -> str:
+    """The tiny V4 (window 8, c4 CSA with its indexer selecting top-4, HCA) with HCA at rate 8, so
+    the example's short prompts span several blocks of both rates."""
+    from deepinfer.models.deepseek_v4.make_model import make_model
+    return str(make_model(tmp_path_factory.mktemp("cp") / "v4", "tiny", seed=0, hca_compress_rate=8))
+
+
+# ---------------------------------------------------------------------------- the split itself
+
+
+@pytest.mark.parametrize("q_lens, size", [([90], 2), ([13, 19, 26, 1, 24], 2), ([100, 3, 1], 4), ([7], 3)])
+def test_zigzag_split_covers_every_row_once_and_reassembles_exactly(q_lens, size):
+    T = sum(q_lens)
+    splits = [RowSplit(q_lens, r, size) for r in range(size)]
+    rows = sorted(r for s in splits for r in s.rows_of[s.rank])
+    assert rows == list(range(T))
+    for s in splits:  # each rank's chunks are runs of its own rows, in local order
+        local = s.local_rows.tolist()
+        starts = [0] + [sum(q_lens[:i + 1]) for i in range(len(q_lens))]
+        flat = [starts[c.seq] + p for c in s.chunks for p in range(c.start, c.stop)]
+        assert flat == local
+        assert [c.local_row for c in s.chunks] == [sum(c2.stop - c2.start for c2 in s.chunks[:i])
+                                                    for i in range(len(s.chunks))]
+    # balanced: a sequence's rows split into 2N chunks; rank i holds chunks i and 2N-1-i
+    for n in q_lens:
+        b = zigzag_bounds(n, size)
+        per_rank = [0] * size
+        for k in range(2 * size):
+            per_rank[zigzag_owner(k, size)] += b[k + 1] - b[k]
+        assert max(per_rank) - min(per_rank) <= 2
+    # reassembly: what an all-gather of every rank's padded rows returns, put back in row order
+    full = torch.randn(T, 3)
+    padded = []
+    for s in splits:
+        part = torch.zeros(s.width, 3)
+        part[:len(s.rows_of[s.rank])] = full[s.local_rows]
+        padded.append(part)
+    for s in splits:
+        assert torch.equal(torch.cat(padded).index_select(0, s.assemble), full)
+
+
+def test_a_sequence_of_one_row_goes_to_the_first_rank():
+    assert RowSplit([1], 0, 2).rows_of == [[0], []]
+    assert RowSplit([4], 1, 2).rows_of == [[0, 3], [1, 2]]
+
+
+# ---------------------------------------------------- CP prefill against a single-rank prefill
+
+
+def prefill_and_decode(ctx, checkpoint: str, chunks: list[int]) -> dict:
+    """Rank target: prefill PROMPT in `chunks`, then greedy decode; the logits of every step and
+    every cache tensor afterwards (the model's own, unchanged by the test)."""
+    from deepinfer.models.registry import load_model_checkpoint
+    from deepinfer.parallel.context_parallel import current_context_parallel
+
+    loaded = load_model_checkpoint(checkpoint, torch.float32)
+    model = loaded.family.build_model(loaded.config, _cpu()(), torch.float32, "cpu", query_block=8)
+    model.load_weights(loaded.weights)
+    runner = Runner(model)
+    tokens, logits = runner.generate("p", PROMPT, DECODE_STEPS, chunk_sizes=chunks)
+    cache = model._cache
+    state = {f"slot.{k}": v.clone() for k, v in cache.slot.items()}
+    state.update({f"{g}.{k}": v.clone() for g, group in cache.blocks.items() for k, v in group.items()})
+    cp = current_context_parallel()
+    return {"tokens": tokens, "logits": logits, "state": state, "gathers": cp.timing.calls if cp else 0}
+
+
+@pytest.fixture(scope="module")
+def single(cp_checkpoint) -> dict:
+    return launch(prefill_and_decode, (cp_checkpoint, CHUNKS), ParallelLayout(), _cpu())[0]
+
+
+def test_cp_prefill_matches_a_single_rank_prefill(cp_checkpoint, single):
+    ranks = launch(prefill_and_decode, (cp_checkpoint, CHUNKS), ParallelLayout(dp=1, cp=2), _cpu(),
+                   threads_per_rank=1)
+    layers = 6
+    for r in ranks:
+        # two split prefill chunks: one gather per layer and one of the final streams each; decode not split
+        assert r["gathers"] == 2 * (layers + 1)
+        assert r["tokens"] == single["tokens"]
+        assert max_rel_diff(r["logits"], single["logits"]) < 1e-5
+        assert r["state"].keys() == single["state"].keys()
+        for name, tensor in single["state"].items():  # the cache a single-rank prefill leaves, on every rank
+            assert torch.allclose(r["state"][name], tensor, atol=1e-5, rtol=1e-5), name
+
+
+def test_cp_with_expert_parallelism_matches_a_single_rank_prefill(cp_checkpoint, single):
+    """--ep 2 --cp 2: the CP ranks' MoE layers exchange their own rows' experts."""
+    ranks = launch(prefill_and_decode, (cp_checkpoint, [90]), ParallelLayout(ep=2, dp=1, cp=2), _cpu(),
+                   threads_per_rank=1)
+    whole = launch(prefill_and_decode, (cp_checkpoint, [90]), ParallelLayout(), _cpu())[0]
+    for r in ranks:
+        assert r["tokens"] == whole["tokens"]
+        assert max_rel_diff(r["logits"], whole["logits"]) < 1e-5
+
+
+# ----------------------------------------------------------------------------- the layouts
+
+
+def test_several_cp_groups_are_refused_before_any_process_starts():
+    with pytest.raises(ParallelConfigError, match=r"several CP groups \(dp > 1 with cp > 1\)"):
+        check_runnable(ParallelLayout(ep=1, dp=2, cp=2))
+    check_runnable(ParallelLayout(ep=2, dp=1, cp=2))
+
+
+def build_llm(ctx, checkpoint: str) -> None:
+    from deepinfer import LLM
+
+    LLM(model=checkpoint, accelerator="cpu", dtype="float32", cache_memory_gb=0.05, cp=ctx.layout.cp)
+
+
+def test_v41_refuses_cp_with_its_reason(tmp_path):
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    checkpoint = str(make_model(tmp_path / "v41", "tiny", seed=0))
+    with pytest.raises(RankFailed, match=r"context parallelism \(--cp 2\) is not available for deepseek_v41"):
+        launch(build_llm, (checkpoint,), ParallelLayout(dp=1, cp=2), _cpu(), threads_per_rank=1)
+
+
+# ------------------------------------------------------------------------- the example, end to end
+
+
+def test_cp2_prints_the_single_process_samples(cp_checkpoint):
+    """Greedy and seeded samples, prompts of 13-26 tokens (window 8, c4 and c8 blocks), MTP
+    speculation on: prefill split over 2 ranks, decode in lockstep on both."""
+    assert sample_lines(cp_checkpoint, "--cp", "2") == sample_lines(cp_checkpoint, "--cp", "1")
