@@ -62,9 +62,11 @@ _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
 _DECODE_QUERIES = 16
-# Rows up to which a product on FP4/FP8 weights runs on the codes (quant_gemv.c): each weight group is
-# decoded once per 4 rows, so beyond a few dozen rows dequantising a tile for a GEMM is cheaper.
-_QUANT_MAX_ROWS = 32
+# Rows up to which a product on FP4/FP8 weights runs on the codes (quant_gemv.c), which decodes each
+# weight group once per 4 rows; above, dequantising tiles for a GEMM is cheaper. scripts/
+# bench_quant_gemv.py, 4096 x 4096 FP4, 2 threads: codes 27 ms vs tiles 100 ms at 64 rows, 56 vs
+# 100 ms at 128, and the codes' time grows with the rows while the tiles' barely does.
+_QUANT_MAX_ROWS = 128
 
 
 def _lanewise(op, x: torch.Tensor) -> torch.Tensor:

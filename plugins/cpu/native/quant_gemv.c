@@ -104,37 +104,49 @@ static inline float hsum8(__m256 v) {
 
 #define QUANT_ROW_TILE 4 /* activation rows sharing one decode of a weight group */
 
-/* One output row o against up to QUANT_ROW_TILE activation rows: each group of 32 codes is decoded
- * once (nibbles -> 2 x e2m1 as int8 by a byte shuffle -> fp32) and used by every row of the tile. */
+/* One output row o against `nr` (<= QUANT_ROW_TILE) activation rows from r0: each group of 32 codes is
+ * decoded once (nibbles -> 2 x e2m1 as int8 by a byte shuffle -> fp32) and used by every row of the
+ * tile. Always inlined with a constant `nr`, so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void fp4_tile_avx2(const float *xf, long r0, const long nr, long in,
+                                                                const uint8_t *wo, const void *scale, int scale_e8m0,
+                                                                size_t scale_row, float *y, long o, long out) {
+    const long groups = in / FP4_GROUP;
+    const __m128i lut = _mm_loadu_si128((const __m128i *)FP4_TIMES2), low4 = _mm_set1_epi8(0x0F);
+    __m256 acc[QUANT_ROW_TILE];
+    for (long t = 0; t < nr; t++) acc[t] = _mm256_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(wo + g * (FP4_GROUP / 2)));
+        const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+        const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)); /* elements 0..15 */
+        const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)); /* elements 16..31 */
+        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
+        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
+        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
+        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
+        const __m256 s = _mm256_set1_ps(0.5f * scale_at(scale, scale_e8m0, scale_row + g));
+        for (long t = 0; t < nr; t++) {
+            const float *xg = xf + (r0 + t) * in + g * FP4_GROUP;
+            __m256 part = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
+            part = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), part);
+            part = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), part);
+            part = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), part);
+            acc[t] = _mm256_fmadd_ps(part, s, acc[t]);
+        }
+    }
+    for (long t = 0; t < nr; t++) y[(r0 + t) * out + o] = hsum8(acc[t]);
+}
+
 static void fp4_rows_avx2(const float *xf, long rows, long in, const uint8_t *w, const void *scale,
                           int scale_e8m0, long o, float *y, long out) {
-    const long groups = in / FP4_GROUP;
     const uint8_t *wo = w + (size_t)o * (in / 2);
-    const __m128i lut = _mm_loadu_si128((const __m128i *)FP4_TIMES2), low4 = _mm_set1_epi8(0x0F);
+    const size_t scale_row = (size_t)o * (in / FP4_GROUP);
     for (long r0 = 0; r0 < rows; r0 += QUANT_ROW_TILE) {
-        const long nr = rows - r0 < QUANT_ROW_TILE ? rows - r0 : QUANT_ROW_TILE;
-        __m256 acc[QUANT_ROW_TILE];
-        for (long t = 0; t < nr; t++) acc[t] = _mm256_setzero_ps();
-        for (long g = 0; g < groups; g++) {
-            const __m128i bytes = _mm_loadu_si128((const __m128i *)(wo + g * (FP4_GROUP / 2)));
-            const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-            const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)); /* elements 0..15 */
-            const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)); /* elements 16..31 */
-            const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
-            const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
-            const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
-            const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
-            const __m256 s = _mm256_set1_ps(0.5f * scale_at(scale, scale_e8m0, (size_t)o * groups + g));
-            for (long t = 0; t < nr; t++) {
-                const float *xg = xf + (r0 + t) * in + g * FP4_GROUP;
-                __m256 part = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-                part = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), part);
-                part = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), part);
-                part = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), part);
-                acc[t] = _mm256_fmadd_ps(part, s, acc[t]);
-            }
+        switch (rows - r0 < QUANT_ROW_TILE ? rows - r0 : QUANT_ROW_TILE) {
+            case 1: fp4_tile_avx2(xf, r0, 1, in, wo, scale, scale_e8m0, scale_row, y, o, out); break;
+            case 2: fp4_tile_avx2(xf, r0, 2, in, wo, scale, scale_e8m0, scale_row, y, o, out); break;
+            case 3: fp4_tile_avx2(xf, r0, 3, in, wo, scale, scale_e8m0, scale_row, y, o, out); break;
+            default: fp4_tile_avx2(xf, r0, 4, in, wo, scale, scale_e8m0, scale_row, y, o, out); break;
         }
-        for (long t = 0; t < nr; t++) y[(r0 + t) * out + o] = hsum8(acc[t]);
     }
 }
 
@@ -146,26 +158,39 @@ static inline __m256 e4m3x8(const uint8_t *p) {
     return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
 }
 
+/* fp4_tile_avx2's scheme for FP8 blocks: `block` codes decoded once per tile of `nr` rows */
+static inline __attribute__((always_inline)) void fp8_tile_avx2(const float *xf, long r0, const long nr, long in,
+                                                                const uint8_t *wo, const void *scale, int scale_e8m0,
+                                                                long block, size_t scale_row, float *y, long o,
+                                                                long out) {
+    const long blocks = in / block;
+    __m256 acc[QUANT_ROW_TILE];
+    for (long t = 0; t < nr; t++) acc[t] = _mm256_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        __m256 part[QUANT_ROW_TILE];
+        for (long t = 0; t < nr; t++) part[t] = _mm256_setzero_ps();
+        for (long i = b * block; i < (b + 1) * block; i += 8) { /* block % 8 == 0, in % block == 0 */
+            const __m256 wv = e4m3x8(wo + i);
+            for (long t = 0; t < nr; t++)
+                part[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + (r0 + t) * in + i), part[t]);
+        }
+        const __m256 s = _mm256_set1_ps(scale_at(scale, scale_e8m0, scale_row + b));
+        for (long t = 0; t < nr; t++) acc[t] = _mm256_fmadd_ps(part[t], s, acc[t]);
+    }
+    for (long t = 0; t < nr; t++) y[(r0 + t) * out + o] = hsum8(acc[t]);
+}
+
 static void fp8_rows_avx2(const float *xf, long rows, long in, const uint8_t *w, const void *scale,
                           int scale_e8m0, long block, long o, float *y, long out) {
-    const long blocks = (in + block - 1) / block;
     const uint8_t *wo = w + (size_t)o * in;
+    const size_t scale_row = (size_t)(o / block) * (in / block);
     for (long r0 = 0; r0 < rows; r0 += QUANT_ROW_TILE) {
-        const long nr = rows - r0 < QUANT_ROW_TILE ? rows - r0 : QUANT_ROW_TILE;
-        __m256 acc[QUANT_ROW_TILE];
-        for (long t = 0; t < nr; t++) acc[t] = _mm256_setzero_ps();
-        for (long b = 0; b < blocks; b++) {
-            __m256 part[QUANT_ROW_TILE];
-            for (long t = 0; t < nr; t++) part[t] = _mm256_setzero_ps();
-            for (long i = b * block; i < (b + 1) * block; i += 8) { /* block % 8 == 0, in % block == 0 */
-                const __m256 wv = e4m3x8(wo + i);
-                for (long t = 0; t < nr; t++)
-                    part[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + (r0 + t) * in + i), part[t]);
-            }
-            const __m256 s = _mm256_set1_ps(scale_at(scale, scale_e8m0, (size_t)(o / block) * blocks + b));
-            for (long t = 0; t < nr; t++) acc[t] = _mm256_fmadd_ps(part[t], s, acc[t]);
+        switch (rows - r0 < QUANT_ROW_TILE ? rows - r0 : QUANT_ROW_TILE) {
+            case 1: fp8_tile_avx2(xf, r0, 1, in, wo, scale, scale_e8m0, block, scale_row, y, o, out); break;
+            case 2: fp8_tile_avx2(xf, r0, 2, in, wo, scale, scale_e8m0, block, scale_row, y, o, out); break;
+            case 3: fp8_tile_avx2(xf, r0, 3, in, wo, scale, scale_e8m0, block, scale_row, y, o, out); break;
+            default: fp8_tile_avx2(xf, r0, 4, in, wo, scale, scale_e8m0, block, scale_row, y, o, out); break;
         }
-        for (long t = 0; t < nr; t++) y[(r0 + t) * out + o] = hsum8(acc[t]);
     }
 }
 #endif
