@@ -12,9 +12,12 @@ int amx_usable(void) {
 int amx_usable(void) { return 0; }
 #endif
 
+/* which gemv_rows this build runs (gemv.h): "avx512-bf16", "avx2-fma" or "portable" */
+const char *gemv_tier(void) { return GEMV_TIER; }
+
 void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K, int num_threads) {
     float *xf = malloc((size_t)K * sizeof(float));
-    load_row(x, DT_BF16, xf, K);
+    gemv_widen_x(x, xf, K);
     const long blocks = (N + 15) / 16;  /* 16-row blocks: whole cache lines of y per thread */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (N * K > PARALLEL_MIN_WORK)
     for (long b = 0; b < blocks; b++) {
@@ -29,7 +32,7 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K
 
 void grouped_gemv_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long G, long N, long K, int num_threads) {
     float *xf = malloc((size_t)G * K * sizeof(float));
-    load_row(X, DT_BF16, xf, G * K);
+    for (long g = 0; g < G; g++) gemv_widen_x(X + (size_t)g * K, xf + (size_t)g * K, K);
     const long blocks = (N + 15) / 16;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (G * N * K > PARALLEL_MIN_WORK)
     for (long it = 0; it < G * blocks; it++) {

@@ -1,5 +1,6 @@
-"""The bf16 decode products (gemv.c): gemv_bf16, grouped_gemv_bf16, and, where the CPU has AMX,
-grouped_amx_bf16 and linear_amx_bf16 on its tiles; linear_rows, the batch-invariant product."""
+"""The bf16 decode products (gemv.c): gemv_bf16 (gemv_tier names its instruction-set tier),
+grouped_gemv_bf16, and, where the CPU has AMX, grouped_amx_bf16 and linear_amx_bf16 on its tiles;
+linear_rows, the batch-invariant product."""
 from __future__ import annotations
 
 import ctypes
@@ -10,6 +11,7 @@ import torch
 from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Kernel, dtype_code, int_, long_, ptr, threads
 
 _AMX_USABLE = Kernel("amx_usable", restype=ctypes.c_int)
+_GEMV_TIER = Kernel("gemv_tier", restype=ctypes.c_char_p)
 _GEMV_BF16 = Kernel("gemv_bf16", W=ptr, x=ptr, y=ptr, N=long_, K=long_, num_threads=int_)
 _GROUPED_GEMV_BF16 = Kernel("grouped_gemv_bf16", W=ptr, X=ptr, Y=ptr, G=long_, N=long_, K=long_, num_threads=int_)
 _GROUPED_AMX_BF16 = Kernel("grouped_amx_bf16", W=ptr, G=long_, N=long_, K=long_, X=ptr, T=long_, Y=ptr,
@@ -21,6 +23,18 @@ def amx_usable(lib: ctypes.CDLL) -> bool:
     """The library was built for a CPU with AMX and Linux granted this process the AMX state (asked
     once per library)."""
     return bool(_AMX_USABLE(lib))
+
+
+@functools.cache
+def gemv_tier(lib: ctypes.CDLL) -> str:
+    """The bf16 dot-product tier the library's decode products were compiled with: "avx512-bf16",
+    "avx2-fma" or "portable" (gemv.h)."""
+    return _GEMV_TIER(lib).decode()
+
+
+def gemv_tier_for(isa: frozenset[str]) -> str:
+    """The tier gemv.h compiles for a build targeting `isa` (build_isa names)."""
+    return "avx512-bf16" if "avx512bf16" in isa else "avx2-fma" if {"avx2", "fma"} <= isa else "portable"
 
 
 def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
