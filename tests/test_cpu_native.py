@@ -206,6 +206,20 @@ def test_gemv_bf16(nat, N, K):
         assert native.gemv_bf16(nat.native_library, make((N, K + 8), torch.bfloat16)[:, :K], x) is None
 
 
+@pytest.mark.parametrize("m,N,K", [(2, 7, 70), (5, 100, 384), (16, 1344, 1024), (3, 9, 8)])
+def test_gemv_tokens_bf16(nat, m, N, K):
+    # a decode batch's linear: each token's row exactly as the one-token GEMV computes it
+    W, x = make((N, K), torch.bfloat16), make((m, K), torch.bfloat16, 1)
+    got = native.gemv_tokens_bf16(nat.native_library, x, W)
+    assert_close(got, (x.double() @ W.double().t()).to(torch.bfloat16))
+    for t in range(m):
+        assert torch.equal(got[t], native.gemv_bf16(nat.native_library, W, x[t]))
+    if m <= nat._gemv_tokens_max_rows:  # the linear's decode-batch path on this tier
+        assert torch.equal(nat.linear(x.view(1, m, K), W).view(m, N), got)
+    assert native.gemv_tokens_bf16(nat.native_library, x.float(), W.float()) is None
+    assert native.gemv_tokens_bf16(nat.native_library, x[:, :K - 1], W) is None
+
+
 def experts_reference(rows, counts, w13, w2, limit, torch_swiglu=False):
     """Exact products of the bf16 inputs, rounded where the C kernel rounds: gate/up, hidden (swiglu
     rounded once), output. `torch_swiglu`: where the pure-torch experts round instead, silu's result
@@ -558,6 +572,8 @@ def check_every_kernel(lib):
     for N, K in [(7, 70), (100, 384), (9, 33), (5, 8), (4099, 64)]:  # with and without a K tail, short rows
         W, v = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
         assert_close(native.gemv_bf16(lib, W, v), (W.double() @ v.double()).to(torch.bfloat16))
+    W, X = make((37, 70), torch.bfloat16), make((6, 70), torch.bfloat16, 1)
+    assert_close(native.gemv_tokens_bf16(lib, X, W), (X.double() @ W.double().t()).to(torch.bfloat16))
     xg, wg = make((1, 3, 70), torch.bfloat16), make((3, 20, 70), torch.bfloat16, 1)
     want = torch.stack([wg[i].double() @ xg[0, i].double() for i in range(3)]).to(torch.bfloat16).unsqueeze(0)
     assert_close(native.grouped_gemv_bf16(lib, xg, wg), want)

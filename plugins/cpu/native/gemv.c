@@ -1,4 +1,4 @@
-/* The bf16 decode products: gemv_bf16, grouped_gemv_bf16, grouped_amx_bf16 (and amx_usable); the
+/* The bf16 decode products: gemv_bf16, gemv_tokens_bf16, grouped_gemv_bf16, grouped_amx_bf16 (and amx_usable); the
  * batch-invariant product linear_rows. */
 #include "gemv.h"
 
@@ -23,6 +23,21 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K
     for (long b = 0; b < blocks; b++) {
         const long n0 = b * 16, n1 = n0 + 16 < N ? n0 + 16 : N;
         gemv_rows(W, x, xf, y, n0, n1, K);
+    }
+    free(xf);
+}
+
+/* ----- gemv_tokens_bf16: Y [m, N] = X [m, K] W [N, K]^T for a few tokens (a decode batch) -----
+ * Each block of 16 weight rows is read from memory once and applied to every token while it sits in
+ * L1/L2 (gemv_rows_tokens): the weights stream once per step whatever m. */
+void gemv_tokens_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long m, long N, long K, int num_threads) {
+    float *xf = malloc((size_t)m * K * sizeof(float));
+    for (long t = 0; t < m; t++) gemv_widen_x(X + (size_t)t * K, xf + (size_t)t * K, K);
+    const long blocks = (N + 15) / 16;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * N * K > PARALLEL_MIN_WORK)
+    for (long b = 0; b < blocks; b++) {
+        const long n0 = b * 16, n1 = n0 + 16 < N ? n0 + 16 : N;
+        gemv_rows_tokens(W, X, xf, Y, N, m, n0, n1, K);
     }
     free(xf);
 }

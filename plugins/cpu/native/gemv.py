@@ -52,6 +52,23 @@ def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.
     return out
 
 
+_GEMV_TOKENS_BF16 = Kernel("gemv_tokens_bf16", W=ptr, X=ptr, Y=ptr, m=long_, N=long_, K=long_, num_threads=int_)
+
+
+def gemv_tokens_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`x [m, K] @ weight [N, K]^T` for a few bf16 tokens, each weight block streamed once for all of
+    them; None for anything else."""
+    if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 2 or weight.dim() != 2
+            or x.shape[1] != weight.shape[1] or not (x.is_cpu and weight.is_cpu) or not weight.is_contiguous()
+            or x.requires_grad or weight.requires_grad):
+        return None
+    xc = x.contiguous()
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    _GEMV_TOKENS_BF16(lib, W=weight.data_ptr(), X=xc.data_ptr(), Y=out.data_ptr(), m=x.shape[0], N=weight.shape[0],
+                      K=weight.shape[1], num_threads=threads())
+    return out
+
+
 def grouped_gemv_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """One bf16 token's grouped projection: x `[1, G, K]`, weight `[G, N, K]` -> `[1, G, N]`; else None."""
     if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 3 or weight.dim() != 3
