@@ -54,8 +54,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("DEEPINFER_CPU_NATIVE_ISA",
            "cpu back end: which instruction sets the C kernels are built for. native (default): all "
            "that -march=native offers; no-amx: no AMX tiles; no-avx512bf16: no AVX512-BF16 and no "
-           "AMX (the portable dot products); no-avx512: no AVX-512 at all (AVX2/FMA or older). For "
-           "testing the lower tiers on a bigger CPU, or avoiding a broken path."),
+           "AMX (AVX2/FMA dot products); no-avx512: no AVX-512 at all (AVX2/FMA dot products); no-avx2: "
+           "no AVX2/FMA either (the plain C loops). For testing the lower tiers on a bigger CPU, or "
+           "avoiding a broken path."),
     EnvVar("DEEPINFER_CPU_PACKED_WEIGHTS",
            "cpu back end: 1 (default) keeps a oneDNN-blocked copy of each bf16 weight that a "
            "multi-row linear reads (made at its second such use; 1.3x faster from 2 rows up, "

@@ -191,7 +191,9 @@ def test_swiglu_exp_over_the_whole_range(nat):
     assert ((got - want).abs() <= 1e-6 * want.abs() + 1e-30).all()
 
 
-@pytest.mark.parametrize("N,K", [(1, 32), (7, 70), (100, 384), (1344, 1024)])  # tails of rows and of K
+# tails of rows (blocks of 4 and 16) and of K (vectors of 16 and 32), rows shorter than a vector, and
+# enough rows for the prefetch to run past the end of the weight
+@pytest.mark.parametrize("N,K", [(1, 32), (7, 70), (100, 384), (1344, 1024), (5, 8), (9, 33), (4099, 64)])
 def test_gemv_bf16(nat, N, K):
     # the decode GEMV: fp32 sums of exact bf16 products, rounded once, like torch.mv
     W, x = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
@@ -202,6 +204,20 @@ def test_gemv_bf16(nat, N, K):
     assert native.gemv_bf16(nat.native_library, W.float(), x.float()) is None  # fp32: torch.mv
     if N > 1:  # rows further apart than K: the reference
         assert native.gemv_bf16(nat.native_library, make((N, K + 8), torch.bfloat16)[:, :K], x) is None
+
+
+@pytest.mark.parametrize("m,N,K", [(2, 7, 70), (5, 100, 384), (16, 1344, 1024), (3, 9, 8)])
+def test_gemv_tokens_bf16(nat, m, N, K):
+    # a decode batch's linear: each token's row exactly as the one-token GEMV computes it
+    W, x = make((N, K), torch.bfloat16), make((m, K), torch.bfloat16, 1)
+    got = native.gemv_tokens_bf16(nat.native_library, x, W)
+    assert_close(got, (x.double() @ W.double().t()).to(torch.bfloat16))
+    for t in range(m):
+        assert torch.equal(got[t], native.gemv_bf16(nat.native_library, W, x[t]))
+    if m <= nat._gemv_tokens_max_rows:  # the linear's decode-batch path on this tier
+        assert torch.equal(nat.linear(x.view(1, m, K), W).view(m, N), got)
+    assert native.gemv_tokens_bf16(nat.native_library, x.float(), W.float()) is None
+    assert native.gemv_tokens_bf16(nat.native_library, x[:, :K - 1], W) is None
 
 
 def experts_reference(rows, counts, w13, w2, limit, torch_swiglu=False):
@@ -406,7 +422,8 @@ def test_sink_attention_decode(nat, B, S, H, d, L, dtype):
 # ----- build switches and instruction-set tiers -----
 # What each DEEPINFER_CPU_NATIVE_ISA switch must leave out of the build (native.build_isa names).
 SWITCHED_OFF = {"native": set(), "no-amx": {"amx"}, "no-avx512bf16": {"avx512bf16", "amx"},
-                "no-avx512": {"avx512f", "avx512bf16", "amx"}}
+                "no-avx512": {"avx512f", "avx512bf16", "amx"},
+                "no-avx2": {"avx2", "fma", "avx512f", "avx512bf16", "amx"}}
 
 
 def cpu_isa() -> set[str] | None:
@@ -423,8 +440,21 @@ def cpu_isa() -> set[str] | None:
     return have
 
 
+def test_gemv_tier_follows_the_build(nat):
+    # the decode GEMV runs the best tier the library was compiled for, and `deepinfer doctor` (the
+    # probe, which compiles nothing) predicts that build from the CPU's flags and the switch
+    built = native.build_isa(nat.native_library)
+    assert native.gemv_tier(nat.native_library) == native.gemv_tier_for(built)
+    if cpu_isa() is not None:
+        assert native.planned_isa() == built
+    reason = CpuAccelerator.probe().reason
+    assert f"C decode kernels: {native.gemv_tier_for(built)}" in reason, reason
+    assert native.gemv_tier_for(frozenset({"avx2"})) == "portable"  # AVX2 without FMA: the plain loops
+
+
 def test_switch_names_are_checked(monkeypatch):
-    assert set(SWITCHED_OFF) == set(native.BUILD_VARIANTS)
+    assert set(SWITCHED_OFF) == set(native.BUILD_VARIANTS) == set(native.SWITCHED_OFF)
+    assert {k: set(v) for k, v in native.SWITCHED_OFF.items()} == SWITCHED_OFF
     monkeypatch.setenv("DEEPINFER_CPU_NATIVE_ISA", "no-avx512")
     assert native.build_variant() == "no-avx512" and "-mno-avx512f" in native.build_flags()
     monkeypatch.setenv("DEEPINFER_CPU_NATIVE_ISA", "avx1024")
@@ -479,7 +509,7 @@ def switch_builds(tmp_path_factory):
     return libs
 
 
-@pytest.mark.parametrize("variant", ["no-amx", "no-avx512bf16", "no-avx512"])
+@pytest.mark.parametrize("variant", ["no-amx", "no-avx512bf16", "no-avx512", "no-avx2"])
 def test_switch_build(switch_builds, variant):
     # what the switch removes is gone (also where the CPU never had it), what the CPU has below it
     # stays, and every kernel of that build agrees with the references
@@ -489,7 +519,7 @@ def test_switch_build(switch_builds, variant):
     have = cpu_isa()
     if have is not None:
         assert built == native.build_isa(switch_builds["native"]) - SWITCHED_OFF[variant]
-        assert {"avx2", "fma"} & have <= built
+        assert {"avx2", "fma"} & have - SWITCHED_OFF[variant] <= built
     check_every_kernel(lib)
 
 
@@ -538,9 +568,12 @@ def check_every_kernel(lib):
     both = torch.cat((x, torch.ones_like(x)), dim=1)
     silu = native.swiglu(lib, both[:, :1], both[:, 1:], 0.0).double()
     assert ((silu - x.double() * torch.sigmoid(x.double())).abs() <= 1e-6 * silu.abs() + 1e-30).all()
-    for N, K in [(7, 70), (100, 384)]:  # the dot products with and without a K tail
+    assert native.gemv_tier(lib) == native.gemv_tier_for(native.build_isa(lib))
+    for N, K in [(7, 70), (100, 384), (9, 33), (5, 8), (4099, 64)]:  # with and without a K tail, short rows
         W, v = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
         assert_close(native.gemv_bf16(lib, W, v), (W.double() @ v.double()).to(torch.bfloat16))
+    W, X = make((37, 70), torch.bfloat16), make((6, 70), torch.bfloat16, 1)
+    assert_close(native.gemv_tokens_bf16(lib, X, W), (X.double() @ W.double().t()).to(torch.bfloat16))
     xg, wg = make((1, 3, 70), torch.bfloat16), make((3, 20, 70), torch.bfloat16, 1)
     want = torch.stack([wg[i].double() @ xg[0, i].double() for i in range(3)]).to(torch.bfloat16).unsqueeze(0)
     assert_close(native.grouped_gemv_bf16(lib, xg, wg), want)

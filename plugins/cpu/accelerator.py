@@ -12,6 +12,7 @@ from deepinfer import envs
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
 from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS
 from deepinfer.accelerator.reference import TorchCollectives
+from deepinfer_plugins.cpu import native
 from deepinfer_plugins.cpu.host_memory import retain_freed_memory
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
@@ -30,6 +31,21 @@ def _meminfo() -> MemoryInfo:
         return MemoryInfo(free_bytes=os.sysconf("SC_AVPHYS_PAGES") * page, total_bytes=os.sysconf("SC_PHYS_PAGES") * page)
 
 
+def _decode_kernels() -> str:
+    """Which C decode kernels this CPU and DEEPINFER_CPU_NATIVE(_ISA) select, from the CPU's feature
+    flags (nothing is compiled): the bf16 GEMV tier, and AMX tiles for the decode batches."""
+    if not native.enabled():
+        return "C kernels off (DEEPINFER_CPU_NATIVE=0)"
+    try:
+        isa = native.planned_isa()
+    except ValueError as exc:  # a DEEPINFER_CPU_NATIVE_ISA that is not a switch
+        return f"C kernels: {exc}"
+    if isa is None:
+        return "C kernels: instruction sets unknown (no /proc/cpuinfo)"
+    tiles = " + AMX tiles" if "amx" in isa else ""
+    return f"C decode kernels: {native.gemv_tier_for(isa)}{tiles} (DEEPINFER_CPU_NATIVE_ISA={native.build_variant()})"
+
+
 class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
     name = "cpu"
     package = "deepinfer"
@@ -44,8 +60,9 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
     def probe(cls) -> ProbeResult:
         threads = torch.get_num_threads()
         isa = torch.backends.cpu.get_cpu_capability()
-        return ProbeResult(usable=True, reason=f"{os.cpu_count()} CPUs, {threads} torch threads, {isa}",
-                           details={"torch": torch.__version__, "cpu_capability": isa})
+        kernels = _decode_kernels()
+        return ProbeResult(usable=True, reason=f"{os.cpu_count()} CPUs, {threads} torch threads, {isa}; {kernels}",
+                           details={"torch": torch.__version__, "cpu_capability": isa, "decode_kernels": kernels})
 
     def capabilities(self) -> Capabilities:
         return Capabilities(name=self.name, device_type="cpu", dtypes=("float32", "bfloat16"),

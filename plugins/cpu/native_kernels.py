@@ -1,8 +1,8 @@
 """CpuKernels with its fast paths: fused C functions (native/*.c), one call and one pass over
 memory instead of tens of torch ops, for
 - the element-wise kernels: rms_norm, rotary, hc_pre, hc_post, swiglu;
-- decode-sized products: the bf16 GEMV of weights up to 8 M elements (it streams them faster than
-  torch.mv), the grouped output projection of a few tokens, the routed experts of decode-sized
+- decode-sized products: the bf16 GEMV of one token, LM head included (it streams weights faster
+  than torch.mv on every tier: AVX512-BF16, AVX2+FMA, portable), the grouped output projection of a few tokens, the routed experts of decode-sized
   batches (each expert weight streamed once), and, where the CPU has AMX, the linears of decode
   batches (tile products instead of oneDNN's calls);
 - the MoE dispatch and combine (a counting sort and a weighted row sum, ~10 torch ops each);
@@ -36,10 +36,6 @@ from deepinfer_plugins.cpu import native, packed_weights
 from deepinfer_plugins.cpu.kernels import CpuKernels, _pad_rows
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
-# Above this many weight elements torch.mv streams as fast or faster (the 129,280 x 1024 LM head:
-# 29 vs 25 GB/s); below it the C GEMV is 10-30 % faster (measured with cold weights, 2 threads).
-_NATIVE_GEMV_MAX_ELEMENTS = 8 << 20
-
 # When the C expert kernel beats the torch paths (32 experts of 1024 x 512, top-4, 2 threads).
 # With AMX tiles: 1.4-1.7x at 4-32 rows (cold weights), 1.05-1.1x at 64-128 (all experts touched,
 # both stream the weights at ~23 GB/s), 1.96x at 1,024 rows, 1.65x at 2,048, 1.35x at 4,096, equal
@@ -58,6 +54,15 @@ _GROUPED_AMX_MAX_TOKENS = 64
 # stream it slower at 32 rows: 18.9 vs 21.1 GB/s).
 _LINEAR_AMX_MAX_ROWS = 32
 _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
+
+# Decode-batch linears (2 to this many rows) on the C multi-token GEMV (each weight block streamed
+# once for all rows) instead of oneDNN, per GEMV tier (one thread, AMD EPYC, cold weights, against
+# the packed oneDNN path where it exists): AVX2+FMA 1.25-2.4x at 4 and 16 rows (LM head, 4096 x 512,
+# 512 x 2048); AVX512-BF16 2.2-2.4x at 4 rows, 0.84-1.19x at 16. Not measured on the plain C tier.
+_GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
+# Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA tier: its
+# products are the multi-token GEMV's, each expert weight streamed once
+_EXPERT_ROWS_PER_EXPERT_AVX2 = 16
 
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
@@ -179,6 +184,10 @@ class NativeCpuKernels(CpuKernels):
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
         if lib is not None and 1 < rows <= _LINEAR_AMX_MAX_ROWS and weight.numel() <= _LINEAR_AMX_MAX_ELEMENTS:
             y = native.linear_amx_bf16(lib, x.reshape(rows, x.shape[-1]), weight)  # None without AMX
+            if y is not None:
+                return y.view(*x.shape[:-1], weight.shape[0])
+        if lib is not None and 1 < rows <= self._gemv_tokens_max_rows:
+            y = native.gemv_tokens_bf16(lib, x.reshape(rows, x.shape[-1]), weight)  # None unless bf16
             if y is not None:
                 return y.view(*x.shape[:-1], weight.shape[0])
         table = self.packed_weights if rows > 1 and x.dtype == torch.bfloat16 and x.is_cpu else None
@@ -393,7 +402,15 @@ class NativeCpuKernels(CpuKernels):
     def _native_expert_rows(self, num_experts: int) -> int:
         if self.native_amx:
             return _EXPERT_ROWS_PER_EXPERT_AMX * num_experts
+        if native.gemv_tier(self.native_library) == "avx2-fma":
+            return _EXPERT_ROWS_PER_EXPERT_AVX2 * num_experts
         return _EXPERT_MAX_ROWS_DOT
+
+    @functools.cached_property
+    def _gemv_tokens_max_rows(self) -> int:
+        """Rows up to which a decode batch's linear runs on the C multi-token GEMV (its tier's limit)."""
+        lib = self.native_library
+        return 1 if lib is None else _GEMV_TOKENS_MAX_ROWS[native.gemv_tier(lib)]
 
     @functools.cached_property
     def native_amx(self) -> bool:
@@ -407,7 +424,8 @@ class NativeCpuKernels(CpuKernels):
         return super().argmax_logsumexp(logits) if out is None else out
 
     def _matvec(self, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        # every size: with its prefetching the C GEMV streams the 129,280 x 512 LM head from memory at
+        # 2.9x torch.mv's rate with AVX512-BF16 and 1.0-1.2x with AVX2 (one thread, AMD EPYC)
         lib = self.native_library
-        small = weight.numel() <= _NATIVE_GEMV_MAX_ELEMENTS
-        out = native.gemv_bf16(lib, weight, x) if lib is not None and small else None
+        out = None if lib is None else native.gemv_bf16(lib, weight, x)
         return super()._matvec(weight, x) if out is None else out

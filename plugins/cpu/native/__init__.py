@@ -5,8 +5,8 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     norm_rope.c / .py   rms_norm, rotary
     mhc.c / .py         hc_pre, hc_post
     activation.c / .py  swiglu
-    gemv.c / .py        gemv_bf16, grouped_gemv_bf16, grouped_amx_bf16, linear_amx_bf16, amx_usable,
-                        linear_rows (batch-invariant)
+    gemv.c / .py        gemv_bf16, gemv_tokens_bf16, gemv_tier(_for), grouped_gemv_bf16, grouped_amx_bf16, linear_amx_bf16,
+                        amx_usable, linear_rows (batch-invariant)
     experts.c / .py     experts_bf16
     attention.c / .py   sink_attention_decode, sink_attention_invariant (batch-invariant)
     moe_rows.c / .py    moe_dispatch_rows, moe_combine_rows
@@ -21,13 +21,13 @@ kernel.
 """
 from deepinfer_plugins.cpu.native.activation import swiglu
 from deepinfer_plugins.cpu.native.attention import sink_attention_decode, sink_attention_invariant
-from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, HEADERS, ISA_BITS, SOURCES, CacheError,
-                                                CompilerError, _build, _compile, _compiler, _cpu_features, _load,
-                                                active_library, build_flags, build_isa, build_variant, cache_dir,
-                                                cache_root, enabled, library)
+from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, HEADERS, ISA_BITS, SOURCES, SWITCHED_OFF,
+                                                CacheError, CompilerError, _build, _compile, _compiler, _cpu_features,
+                                                _load, active_library, build_flags, build_isa, build_variant,
+                                                cache_dir, cache_root, enabled, library, planned_isa)
 from deepinfer_plugins.cpu.native.experts import experts_bf16
-from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, grouped_amx_bf16, grouped_gemv_bf16,
-                                               linear_amx_bf16, linear_rows)
+from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_tier, gemv_tier_for, gemv_tokens_bf16,
+                                               grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16, linear_rows)
 from deepinfer_plugins.cpu.native.mhc import hc_post, hc_pre
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
 from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rotary
@@ -35,10 +35,10 @@ from deepinfer_plugins.cpu.native.quant_gemv import quant_linear, quant_simd
 from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
 
 __all__ = [
-    "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "CacheError", "CompilerError", "active_library",
-    "amx_usable", "argmax_logsumexp", "build_flags", "build_isa", "build_variant", "cache_dir", "cache_root",
-    "enabled", "experts_bf16", "gemv_bf16", "grouped_amx_bf16", "grouped_gemv_bf16", "hc_post", "hc_pre",
-    "library", "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "quant_linear",
-    "quant_simd", "rms_norm", "rotary",
+    "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "SWITCHED_OFF", "CacheError", "CompilerError",
+    "active_library", "amx_usable", "argmax_logsumexp", "build_flags", "build_isa", "build_variant", "cache_dir",
+    "cache_root", "enabled", "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16",
+    "grouped_amx_bf16", "grouped_gemv_bf16", "hc_post", "hc_pre", "library", "linear_amx_bf16", "linear_rows",
+    "moe_combine_rows", "moe_dispatch_rows", "planned_isa", "quant_linear", "quant_simd", "rms_norm", "rotary",
     "sink_attention_decode", "sink_attention_invariant", "swiglu",
 ]

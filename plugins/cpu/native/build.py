@@ -16,7 +16,7 @@ from the file descriptor whose contents matched that record. A missing or wrong 
 rebuild, never load.
 
 `DEEPINFER_CPU_NATIVE_ISA` picks a build switch (`BUILD_VARIANTS`): all the CPU offers, or a build
-without AMX, without AVX512-BF16, or without any AVX-512.
+without AMX, without AVX512-BF16, without any AVX-512, or without AVX2/FMA (the plain C paths).
 
 The ctypes prototypes are declared by the binding modules (binding.Kernel, all imported by the
 package's __init__); `_load` applies every declared one to the loaded library.
@@ -62,9 +62,18 @@ BUILD_VARIANTS: dict[str, tuple[str, ...]] = {
     # -mno-avx512f switches off every AVX-512 extension (BW, VL, BF16, FP16, ...); AMX goes too (its
     # path needs AVX512-BF16). The define makes common.h refuse to compile if AVX-512 is still on.
     "no-avx512": ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-DDEEPINFER_NO_AVX512"),
+    # the plain C paths (-mno-avx2 also removes every AVX-512 extension): what a CPU without AVX2 runs
+    "no-avx2": ("-mno-avx2", "-mno-fma", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-DDEEPINFER_NO_AVX512"),
 }
 # build_isa()'s bits (isa.c)
 ISA_BITS = {"avx2": 1, "fma": 2, "avx512f": 4, "avx512bf16": 8, "amx": 16}
+# what each switch leaves out of the build (build_isa names), and the /proc/cpuinfo flags of each name
+SWITCHED_OFF: dict[str, frozenset[str]] = {
+    "native": frozenset(), "no-amx": frozenset({"amx"}), "no-avx512bf16": frozenset({"avx512bf16", "amx"}),
+    "no-avx512": frozenset({"avx512f", "avx512bf16", "amx"}),
+    "no-avx2": frozenset({"avx2", "fma", "avx512f", "avx512bf16", "amx"})}
+_CPU_FLAGS = {"avx2": ("avx2",), "fma": ("fma",), "avx512f": ("avx512f",), "avx512bf16": ("avx512_bf16",),
+              "amx": ("amx_tile", "amx_bf16", "avx512_bf16")}
 # A recorded digest is one line of 64 hex digits; anything longer is not ours.
 _DIGEST_FILE_MAX = 256
 
@@ -263,6 +272,18 @@ def _cpu_features() -> str:
     except OSError:
         pass
     return torch.backends.cpu.get_cpu_capability()
+
+
+def planned_isa() -> frozenset[str] | None:
+    """The instruction sets (ISA_BITS names) a build with the selected switch compiles for on this CPU,
+    from /proc/cpuinfo without compiling (None where it is missing): what `deepinfer doctor` shows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return None
+    have = frozenset(name for name, needed in _CPU_FLAGS.items() if set(needed) <= flags)
+    return have - SWITCHED_OFF[build_variant()]
 
 
 def _build() -> Path:

@@ -50,7 +50,7 @@ void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, lon
                                 gate_up, 2 * I);
         } else {
 #pragma omp for schedule(static)
-            for (long t = 0; t < n; t++) load_row(rows + (size_t)t * D, DT_BF16, rows_f + (size_t)t * D, D);
+            for (long t = 0; t < n; t++) gemv_widen_x(rows + (size_t)t * D, rows_f + (size_t)t * D, D);
             expert_products(w13, 2 * I, D, active, num_active, offsets, rows, rows_f, gate_up, 2 * I);
         }
 #pragma omp for schedule(static)
@@ -59,7 +59,7 @@ void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, lon
             load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
             swiglu_row(g, u, I, hi, lo);
             store_row(g, hidden + (size_t)t * I, DT_BF16, I);
-            if (!amx) load_row(hidden + (size_t)t * I, DT_BF16, hidden_f + (size_t)t * I, I);
+            if (!amx) gemv_widen_x(hidden + (size_t)t * I, hidden_f + (size_t)t * I, I);
         }
         if (amx) {
             expert_products_amx(w2, D, I, active, num_active, offsets, first_chunk, num_chunks, hidden, packed,

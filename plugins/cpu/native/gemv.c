@@ -1,4 +1,4 @@
-/* The bf16 decode products: gemv_bf16, grouped_gemv_bf16, grouped_amx_bf16 (and amx_usable); the
+/* The bf16 decode products: gemv_bf16, gemv_tokens_bf16, grouped_gemv_bf16, grouped_amx_bf16 (and amx_usable); the
  * batch-invariant product linear_rows. */
 #include "gemv.h"
 
@@ -12,9 +12,12 @@ int amx_usable(void) {
 int amx_usable(void) { return 0; }
 #endif
 
+/* which gemv_rows this build runs (gemv.h): "avx512-bf16", "avx2-fma" or "portable" */
+const char *gemv_tier(void) { return GEMV_TIER; }
+
 void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K, int num_threads) {
     float *xf = malloc((size_t)K * sizeof(float));
-    load_row(x, DT_BF16, xf, K);
+    gemv_widen_x(x, xf, K);
     const long blocks = (N + 15) / 16;  /* 16-row blocks: whole cache lines of y per thread */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (N * K > PARALLEL_MIN_WORK)
     for (long b = 0; b < blocks; b++) {
@@ -24,12 +27,27 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K
     free(xf);
 }
 
+/* ----- gemv_tokens_bf16: Y [m, N] = X [m, K] W [N, K]^T for a few tokens (a decode batch) -----
+ * Each block of 16 weight rows is read from memory once and applied to every token while it sits in
+ * L1/L2 (gemv_rows_tokens): the weights stream once per step whatever m. */
+void gemv_tokens_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long m, long N, long K, int num_threads) {
+    float *xf = malloc((size_t)m * K * sizeof(float));
+    for (long t = 0; t < m; t++) gemv_widen_x(X + (size_t)t * K, xf + (size_t)t * K, K);
+    const long blocks = (N + 15) / 16;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * N * K > PARALLEL_MIN_WORK)
+    for (long b = 0; b < blocks; b++) {
+        const long n0 = b * 16, n1 = n0 + 16 < N ? n0 + 16 : N;
+        gemv_rows_tokens(W, X, xf, Y, N, m, n0, n1, K);
+    }
+    free(xf);
+}
+
 /* ----- grouped_gemv_bf16: Y[g] = W[g] X[g] for one token; W [G, N, K], X [G, K], Y [G, N] bf16 -----
  * The attention output's grouped projection at decode: the G GEMVs as one parallel loop. */
 
 void grouped_gemv_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long G, long N, long K, int num_threads) {
     float *xf = malloc((size_t)G * K * sizeof(float));
-    load_row(X, DT_BF16, xf, G * K);
+    for (long g = 0; g < G; g++) gemv_widen_x(X + (size_t)g * K, xf + (size_t)g * K, K);
     const long blocks = (N + 15) / 16;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (G * N * K > PARALLEL_MIN_WORK)
     for (long it = 0; it < G * blocks; it++) {

@@ -1,5 +1,6 @@
-"""The bf16 decode products (gemv.c): gemv_bf16, grouped_gemv_bf16, and, where the CPU has AMX,
-grouped_amx_bf16 and linear_amx_bf16 on its tiles; linear_rows, the batch-invariant product."""
+"""The bf16 decode products (gemv.c): gemv_bf16 (gemv_tier names its instruction-set tier),
+grouped_gemv_bf16, and, where the CPU has AMX, grouped_amx_bf16 and linear_amx_bf16 on its tiles;
+linear_rows, the batch-invariant product."""
 from __future__ import annotations
 
 import ctypes
@@ -10,6 +11,7 @@ import torch
 from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Kernel, dtype_code, int_, long_, ptr, threads
 
 _AMX_USABLE = Kernel("amx_usable", restype=ctypes.c_int)
+_GEMV_TIER = Kernel("gemv_tier", restype=ctypes.c_char_p)
 _GEMV_BF16 = Kernel("gemv_bf16", W=ptr, x=ptr, y=ptr, N=long_, K=long_, num_threads=int_)
 _GROUPED_GEMV_BF16 = Kernel("grouped_gemv_bf16", W=ptr, X=ptr, Y=ptr, G=long_, N=long_, K=long_, num_threads=int_)
 _GROUPED_AMX_BF16 = Kernel("grouped_amx_bf16", W=ptr, G=long_, N=long_, K=long_, X=ptr, T=long_, Y=ptr,
@@ -21,6 +23,18 @@ def amx_usable(lib: ctypes.CDLL) -> bool:
     """The library was built for a CPU with AMX and Linux granted this process the AMX state (asked
     once per library)."""
     return bool(_AMX_USABLE(lib))
+
+
+@functools.cache
+def gemv_tier(lib: ctypes.CDLL) -> str:
+    """The bf16 dot-product tier the library's decode products were compiled with: "avx512-bf16",
+    "avx2-fma" or "portable" (gemv.h)."""
+    return _GEMV_TIER(lib).decode()
+
+
+def gemv_tier_for(isa: frozenset[str]) -> str:
+    """The tier gemv.h compiles for a build targeting `isa` (build_isa names)."""
+    return "avx512-bf16" if "avx512bf16" in isa else "avx2-fma" if {"avx2", "fma"} <= isa else "portable"
 
 
 def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
@@ -35,6 +49,23 @@ def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.
     out = torch.empty(weight.shape[0], dtype=torch.bfloat16)
     _GEMV_BF16(lib, W=weight.data_ptr(), x=xc.data_ptr(), y=out.data_ptr(), N=weight.shape[0], K=weight.shape[1],
                num_threads=threads())
+    return out
+
+
+_GEMV_TOKENS_BF16 = Kernel("gemv_tokens_bf16", W=ptr, X=ptr, Y=ptr, m=long_, N=long_, K=long_, num_threads=int_)
+
+
+def gemv_tokens_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """`x [m, K] @ weight [N, K]^T` for a few bf16 tokens, each weight block streamed once for all of
+    them; None for anything else."""
+    if (x.dtype is not torch.bfloat16 or weight.dtype is not torch.bfloat16 or x.dim() != 2 or weight.dim() != 2
+            or x.shape[1] != weight.shape[1] or not (x.is_cpu and weight.is_cpu) or not weight.is_contiguous()
+            or x.requires_grad or weight.requires_grad):
+        return None
+    xc = x.contiguous()
+    out = torch.empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+    _GEMV_TOKENS_BF16(lib, W=weight.data_ptr(), X=xc.data_ptr(), Y=out.data_ptr(), m=x.shape[0], N=weight.shape[0],
+                      K=weight.shape[1], num_threads=threads())
     return out
 
 
