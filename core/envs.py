@@ -63,8 +63,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "costs the weights' size again in RAM); 0 uses the plain weights only.", kind=bool),
     EnvVar("DEEPINFER_CPU_QUANTIZED_WEIGHTS",
            "cpu back end: 1 keeps a checkpoint's FP8/FP4 linear and expert weights quantised in memory "
-           "(about the checkpoint's bytes; dequantised tile by tile at each use, slower); 0 (default) "
-           "dequantises them at load (fastest on CPU).", kind=bool),
+           "(about the checkpoint's bytes; products of up to 128 rows run on the stored codes in C, larger "
+           "ones dequantise tile by tile); 0 (default) dequantises them at load.", kind=bool),
     EnvVar("DEEPINFER_LOG_LEVEL", "Logging level of the `deepinfer` logger (default WARNING)."),
     EnvVar("DEEPINFER_API_KEY",
            "deepinfer serve: the API key every route but /health requires (`Authorization: Bearer "
