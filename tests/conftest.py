@@ -52,12 +52,18 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+#: Variables that choose the CPU tier the whole suite runs on (the suite is run once per tier, e.g.
+#: `DEEPINFER_CPU_NATIVE_ISA=no-avx512`): clean_env keeps them, so that a rank process a test spawns
+#: builds the same kernels as the test process it is compared with.
+SUITE_TIER_VARIABLES = {"DEEPINFER_CPU_NATIVE", "DEEPINFER_CPU_NATIVE_ISA"}
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
-    """No DEEPINFER_* variable from the outer environment leaks into a test."""
+    """No DEEPINFER_* variable from the outer environment leaks into a test (but the suite's tier)."""
     import os
     for key in list(os.environ):
-        if key.startswith("DEEPINFER_"):
+        if key.startswith("DEEPINFER_") and key not in SUITE_TIER_VARIABLES:
             monkeypatch.delenv(key)
     return monkeypatch
 

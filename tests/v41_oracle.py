@@ -17,6 +17,13 @@ import torch
 
 TOKENIZER = Path("tokenizer") / "tokenizer.json"
 
+# NeMo compiles its expert activations with torch.compile (inductor, max_autotune). The oracle runs
+# them eagerly: inductor's generated CPU kernels are cached on disk across processes, and with the
+# suite run per CPU tier (ATEN_CPU_CAPABILITY=avx2 after a native run) NeMo's logits came out NaN,
+# or the process aborted inside the compiler. deepinfer itself compiles nothing, so this process-wide
+# stance changes only the oracle, and eager is the plain math the comparison wants anyway.
+torch.compiler.set_stance("force_eager")
+
 
 def nemo_config(checkpoint_dir: str | Path):
     """NeMo's `DeepseekV41Config` from the folder's config.json: text model in float32, no vision tower."""
