@@ -60,9 +60,10 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, linear: Linear,
     return out
 
 
-def expert_weight(w: torch.Tensor | QuantizedWeight, e: int, dtype: torch.dtype) -> torch.Tensor:
-    """Expert `e` of a stacked expert weight as a plain `dtype` tensor (dequantised if quantised)."""
-    return w[e].dequantize(dtype) if isinstance(w, QuantizedWeight) else w[e].to(dtype)
+def expert_weight(w: torch.Tensor | QuantizedWeight, e: int, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
+    """Expert `e` of a stacked expert weight for `linear`: still quantised if it is (the back end's
+    `linear` computes on it: tile by tile here, on the codes where a back end can), else as `dtype`."""
+    return w[e] if isinstance(w, QuantizedWeight) else w[e].to(dtype)
 
 
 class TorchKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
@@ -162,9 +163,9 @@ class TorchKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
 
     def quantized_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
                           w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
-        """`moe_experts` with quantised expert weights: only the experts that have rows are
-        dequantised, one at a time (the transient memory is one expert's matrices), and run through
-        this object's own `linear` and `swiglu`."""
+        """`moe_experts` with quantised expert weights: only the experts that have rows, one at a
+        time, each through this object's own `linear` on its stored weights (which dequantises a
+        tile at a time, or computes on the codes) and `swiglu`."""
         out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
         inter = w2.shape[2]
         start = 0

@@ -323,7 +323,8 @@ def join_world(accelerator: Accelerator, rank: int, layout: ParallelLayout, init
     accelerator.init_process_group(rank, layout.world_size, init_method)
     ep = ExpertParallel(accelerator, rank % layout.ep, layout.ep, accelerator.device(0)) if layout.ep > 1 else None
     set_expert_parallel(ep, layout)
-    set_context_parallel(ContextParallel(accelerator, rank % layout.cp, layout.cp, accelerator.device(0)) if layout.cp > 1 else None)
+    cp = ContextParallel(accelerator, rank % layout.cp, layout.cp, accelerator.device(0)) if layout.cp > 1 else None
+    set_context_parallel(cp)
 
 
 def idle_until_peers_done() -> None:

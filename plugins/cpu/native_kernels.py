@@ -208,23 +208,6 @@ class NativeCpuKernels(CpuKernels):
         y = native.quant_linear(lib, x.reshape(rows, x.shape[-1]), weight)
         return None if y is None else y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
-    def quantized_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
-                          w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
-        """Each expert with rows through `linear` on its stored weights (the codes kernel for a few
-        rows, the tile path for more) instead of dequantising it whole first."""
-        if self.native_library is None or self.invariant:
-            return super().quantized_experts(rows, plan, w13, w2, swiglu_limit)
-        out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
-        inter = w2.shape[2]
-        start = 0
-        for e, count in enumerate(plan.tokens_per_expert.tolist()):
-            if count:
-                gate_up = self.linear(rows[start:start + count], w13[e])
-                h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
-                out[start:start + count] = self.linear(h, w2[e])
-            start += count
-        return out
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         lib = self.native_library
         out = None if lib is None else native.rms_norm(lib, x, weight, eps)

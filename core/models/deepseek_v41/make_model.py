@@ -256,6 +256,10 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
     return out
 
 
+#: V4.1 chat tokens missing from the V4 tokenizer -> the unused V4 special token whose id each takes
+V41_CHAT_TOKENS = {"<｜System｜>": "<｜fim▁hole｜>"}
+
+
 def add_release_chat_tokens(tokenizer_file: Path) -> None:
     """Give the tokenizer the special tokens V4.1's chat format adds to V4's: `<｜System｜>`.
 
@@ -271,10 +275,6 @@ def add_release_chat_tokens(tokenizer_file: Path) -> None:
         (entry,) = [t for t in data["added_tokens"] if t["content"] == replaced]
         entry["content"] = token
     tokenizer_file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
-
-
-#: V4.1 chat tokens missing from the V4 tokenizer -> the unused V4 special token whose id each takes
-V41_CHAT_TOKENS = {"<｜System｜>": "<｜fim▁hole｜>"}
 
 
 # --- command line ----------------------------------------------------------------------------
