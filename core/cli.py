@@ -64,8 +64,9 @@ def cmd_doctor(args) -> int:
 
 
 def _print_layout(args, accelerator_cls) -> int:
-    """The parallel layout `--ep/--dp/--cp` (and RANK/WORLD_SIZE) would give, each rank's devices and
-    threads, and whether this release runs it."""
+    """The parallel layout `--ep/--dp/--cp` (and RANK/WORLD_SIZE) would give, each rank's devices,
+    threads, EP group and CP group, and whether this release runs it."""
+    from deepinfer.parallel.groups import check_subgroups
     from deepinfer.parallel.launch import check_devices, default_threads, device_count, rank_environment
     from deepinfer.parallel.layout import ParallelConfigError, check_runnable, resolve_layout
 
@@ -73,21 +74,39 @@ def _print_layout(args, accelerator_cls) -> int:
     try:
         layout = resolve_layout(args.ep, args.dp, args.cp, accelerator)
         check_runnable(layout)
+        check_subgroups(layout, accelerator_cls, accelerator)
         check_devices(layout, accelerator, device_count(accelerator_cls))
     except ParallelConfigError as exc:
         print(f"\nlayout: refused: {exc}", file=sys.stderr)
         return 1
     threads = default_threads(layout)
     print(f"\nlayout: {layout.describe()}; this node runs ranks {list(layout.local_ranks())}")
+    for what, size, groups in (("expert-parallel", layout.ep, layout.ep_groups()),
+                               ("context-parallel", layout.cp, layout.cp_groups())):
+        if size > 1:
+            print(f"{what} groups: " + ", ".join(_ranks(g) for g in groups))
     if layout.cp > 1:
-        print(f"context parallel: ranks {list(range(layout.cp))} split each long prefill chunk zig-zag into "
-              f"{2 * layout.cp} chunks (rank i takes chunks i and {2 * layout.cp - 1}-i); decode runs on every rank "
-              f"in lockstep")
+        print(f"context parallel: the ranks of a CP group split each long prefill chunk zig-zag into "
+              f"{2 * layout.cp} chunks (CP rank i takes chunks i and {2 * layout.cp - 1}-i); decode runs on "
+              f"every rank of the group in lockstep")
     for local, rank in enumerate(layout.local_ranks()):
         devices = rank_environment(accelerator, layout, local)
         seen = ", ".join(f"{k}={v}" for k, v in devices.items()) or "host CPU"
-        print(f"  rank {rank}: {seen}, {threads} threads (--threads_per_rank)")
+        print(f"  rank {rank}: {seen}, {threads} threads (--threads_per_rank); "
+              f"{_member('EP', layout.ep, layout.ep_group(rank), rank)}; "
+              f"{_member('CP', layout.cp, layout.cp_group(rank), rank)}")
     return 0
+
+
+def _ranks(group: range) -> str:
+    return f"[{group.start}..{group.stop - 1}]"
+
+
+def _member(what: str, size: int, group: range, rank: int) -> str:
+    """'EP group 1 [2..3], EP rank 0' (or 'no EP group' when the size is 1)."""
+    if size == 1:
+        return f"no {what} group ({what.lower()} 1)"
+    return f"{what} group {group.start // size} {_ranks(group)}, {what} rank {group.index(rank)}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -7,9 +7,9 @@
   an equal share of the DP ranks, so dp must be divisible by the number of nodes;
   MASTER_ADDR/MASTER_PORT name node 0 (on one node: 127.0.0.1 and a free port).
 
-Runnable today: ep = 1 or ep = the world size (one expert-parallel group over every rank), and cp = 1
-or dp = 1 (one context-parallel group over every rank, DeepSeek-V4 models); other valid layouts are
-refused before any process starts. See docs/parallelism.md.
+Every valid layout runs whose ep and cp divide one another (several EP groups of `ep` consecutive
+ranks, several CP groups of `cp`; --cp needs a DeepSeek-V4 model); other layouts are refused before
+any process starts. See docs/parallelism.md.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import torch
 
 from deepinfer.parallel.context_parallel import RowSplit, zigzag_bounds, zigzag_owner
 from deepinfer.parallel.launch import RankFailed, launch
-from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout, check_runnable
+from deepinfer.parallel.layout import ParallelLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_harness import Runner, max_rel_diff  # noqa: E402
@@ -95,9 +95,12 @@ def single(cp_checkpoint) -> dict:
     return launch(prefill_and_decode, (cp_checkpoint, CHUNKS), ParallelLayout(), _cpu())[0]
 
 
-def test_cp_prefill_matches_a_single_rank_prefill(cp_checkpoint, single):
-    ranks = launch(prefill_and_decode, (cp_checkpoint, CHUNKS), ParallelLayout(dp=1, cp=2), _cpu(),
-                   threads_per_rank=1)
+@pytest.mark.parametrize("layout", [
+    ParallelLayout(dp=1, cp=2),
+    ParallelLayout(ep=2, dp=2, cp=2),  # two CP groups, each also an EP group: every group its own sub-group
+], ids=["cp2", "ep2-cp2-dp2"])
+def test_cp_prefill_matches_a_single_rank_prefill(cp_checkpoint, single, layout):
+    ranks = launch(prefill_and_decode, (cp_checkpoint, CHUNKS), layout, _cpu(), threads_per_rank=1)
     layers = 6
     for r in ranks:
         # two split prefill chunks: one gather per layer and one of the final streams each; decode not split
@@ -122,12 +125,6 @@ def test_cp_with_expert_parallelism_matches_a_single_rank_prefill(cp_checkpoint,
 # ----------------------------------------------------------------------------- the layouts
 
 
-def test_several_cp_groups_are_refused_before_any_process_starts():
-    with pytest.raises(ParallelConfigError, match=r"several CP groups \(dp > 1 with cp > 1\)"):
-        check_runnable(ParallelLayout(ep=1, dp=2, cp=2))
-    check_runnable(ParallelLayout(ep=2, dp=1, cp=2))
-
-
 def build_llm(ctx, checkpoint: str) -> None:
     from deepinfer import LLM
 
@@ -145,7 +142,23 @@ def test_v41_refuses_cp_with_its_reason(tmp_path):
 # ------------------------------------------------------------------------- the example, end to end
 
 
-def test_cp2_prints_the_single_process_samples(cp_checkpoint):
+@pytest.fixture(scope="module")
+def cp_single_lines(cp_checkpoint) -> list[str]:
+    return sample_lines(cp_checkpoint, "--cp", "1")
+
+
+def test_cp2_prints_the_single_process_samples(cp_checkpoint, cp_single_lines):
     """Greedy and seeded samples, prompts of 13-26 tokens (window 8, c4 and c8 blocks), MTP
     speculation on: prefill split over 2 ranks, decode in lockstep on both."""
-    assert sample_lines(cp_checkpoint, "--cp", "2") == sample_lines(cp_checkpoint, "--cp", "1")
+    assert sample_lines(cp_checkpoint, "--cp", "2") == cp_single_lines
+
+
+@pytest.mark.parametrize("flags", [
+    # one EP group of two CP groups [0, 1] and [2, 3], which step their own requests: the EP idle
+    # lockstep runs between the CP groups
+    ("--ep", "4", "--cp", "2", "--dp", "2"),
+    # the seeds' --ep 2 --cp 8 on 4 processes: EP groups [0, 1] and [2, 3] inside one CP group
+    ("--ep", "2", "--cp", "4"),
+], ids=["ep4-cp2-dp2", "ep2-cp4"])
+def test_several_groups_print_the_single_process_samples(cp_checkpoint, cp_single_lines, flags):
+    assert sample_lines(cp_checkpoint, *flags) == cp_single_lines

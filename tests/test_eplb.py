@@ -1,7 +1,8 @@
 """The eplb feature: the redundant-expert rounding rule, the greedy placement, the placement hook
 (overridable by a third party), weight moves, and on two gloo ranks (--ep 2, fp32): EPLB on, off
 (what --disable_eplb writes) and re-placed at every step give the single-process greedy tokens
-(V4 and V4.1), and under batch-invariant kernels the same logprob bits."""
+(V4 and V4.1), and under batch-invariant kernels the same logprob bits; on four ranks in two EP
+groups each group balances its own load."""
 from __future__ import annotations
 
 import importlib.util
@@ -274,7 +275,8 @@ def eplb_generate(ctx, checkpoint: str, features: dict | None, max_tokens: int) 
               "logprobs": {i: [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                            for i, o in zip(mine, outs)},
               "slots": [ep.placement(k).slots for k in range(ep.num_layers)] if ep else None,
-              "rebalances": eplb.rebalances if eplb is not None else None}
+              "rebalances": eplb.rebalances if eplb is not None else None,
+              "load": {k: rows.tolist() for k, rows in ep.load.expert_rows.items()} if ep and ep.load else None}
     llm.shutdown()
     return result
 
@@ -308,6 +310,19 @@ def test_eplb_on_off_and_rebalanced_give_the_single_process_tokens(v4_checkpoint
         counts = ExpertPlacement(num_experts=E, ep_size=2, slots=slots).replica_counts()
         assert len(slots) == physical_slots(E, 6, 2) and min(counts) == 1 and max(counts) > 1
     assert any(slots != on[0]["slots"][0] for slots in on[0]["slots"][1:])  # placed from each layer's own load
+
+
+def test_each_ep_group_balances_its_own_load(v4_checkpoint, clean_env):
+    """--ep 2 --dp 4: EP groups [0, 1] and [2, 3] count the rows of their own exchanges and place
+    their experts from them (re-placed every pass); tokens as on one process."""
+    single = _tokens(_run(v4_checkpoint, ParallelLayout(), None))
+    on = _run(v4_checkpoint, ParallelLayout(ep=2, dp=4), {"eplb": {"num_extra_experts": 6, "rebalance_interval": 1}})
+    assert _tokens(on) == single
+    for first in (0, 2):  # within a group: the same counts and the same placements on both ranks
+        assert on[first]["load"] == on[first + 1]["load"] and on[first]["slots"] == on[first + 1]["slots"]
+        assert on[first]["rebalances"] > 1
+    assert on[0]["load"] != on[2]["load"]  # each group saw only its own ranks' prompts
+    assert on[0]["slots"] != on[2]["slots"]  # ... and placed its experts from that
 
 
 def test_eplb_rebalanced_gives_the_single_process_tokens_v41(tmp_path, clean_env):

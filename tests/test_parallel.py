@@ -59,9 +59,20 @@ def sample_lines(checkpoint: str, *flags: str) -> list[str]:
 # ----------------------------------------------------------------------- the example, end to end
 
 
-def test_ep2_prints_the_single_process_samples(v4_checkpoint):
+@pytest.fixture(scope="module")
+def v4_single_lines(v4_checkpoint) -> list[str]:
+    return sample_lines(v4_checkpoint, "--ep", "1")
+
+
+def test_ep2_prints_the_single_process_samples(v4_checkpoint, v4_single_lines):
     """DeepSeek-V4 (hash and routed MoE layers, MTP drafting on): --ep 2 (dp 2 by default)."""
-    assert sample_lines(v4_checkpoint, "--ep", "2") == sample_lines(v4_checkpoint, "--ep", "1")
+    assert sample_lines(v4_checkpoint, "--ep", "2") == v4_single_lines
+
+
+def test_two_ep_groups_print_the_single_process_samples(v4_checkpoint, v4_single_lines):
+    """--ep 2 --dp 4 (the seeds' --ep 2 --dp 8, on 4 processes): EP groups [0, 1] and [2, 3], each
+    exchanging over its own sub-group, four DP ranks with their own requests."""
+    assert sample_lines(v4_checkpoint, "--ep", "2", "--dp", "4") == v4_single_lines
 
 
 def test_ep2_dp2_prints_the_single_process_samples_v41(v41_checkpoint):
@@ -72,7 +83,8 @@ def test_ep2_dp2_prints_the_single_process_samples_v41(v41_checkpoint):
 
 
 def generate_tokens(ctx, checkpoint: str, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Rank target: rank 0 serves every prompt, the others none (they only serve their experts)."""
+    """Rank target: DP rank 0 (its CP group) serves every prompt, the others none (they only serve
+    their experts)."""
     from deepinfer import LLM
     from deepinfer.parallel.expert_parallel import idle_until_peers_done
     from deepinfer.sampling_params import SamplingParams
@@ -80,7 +92,7 @@ def generate_tokens(ctx, checkpoint: str, prompts: list[str], max_tokens: int) -
     layout = ctx.layout
     llm = LLM(model=checkpoint, accelerator="cpu", dtype="float32", max_num_seqs=4, cache_memory_gb=0.05,
               ep=layout.ep, dp=layout.dp, cp=layout.cp)
-    mine = prompts if ctx.rank == 0 else []
+    mine = prompts if ctx.dp_rank == 0 else []
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     outs = llm.generate(mine, [params] * len(mine), use_tqdm=False) if mine else []
     idle_until_peers_done()
@@ -88,13 +100,25 @@ def generate_tokens(ctx, checkpoint: str, prompts: list[str], max_tokens: int) -
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_a_rank_without_requests_keeps_serving_its_experts(v4_checkpoint):
-    prompts = ["The capital of France is", "1 2 3 4 5 6 7 8"]
-    single = launch(generate_tokens, (v4_checkpoint, prompts, 8), ParallelLayout(), _cpu())[0]
-    results = launch(generate_tokens, (v4_checkpoint, prompts, 8), ParallelLayout(ep=2, dp=2), _cpu(),
-                     threads_per_rank=1)
-    assert results[1] == [] and results[0] == single
-    assert all(len(t) == 8 for t in single)
+@pytest.fixture(scope="module")
+def single_tokens(v4_checkpoint) -> list[list[int]]:
+    tokens = launch(generate_tokens, (v4_checkpoint, IDLE_PROMPTS, 8), ParallelLayout(), _cpu())[0]
+    assert all(len(t) == 8 for t in tokens)
+    return tokens
+
+
+IDLE_PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8"]
+
+
+@pytest.mark.parametrize("layout", [
+    ParallelLayout(ep=2, dp=2),
+    # EP group [2, 3] has no requests at all (it leaves its lockstep at once) while rank 1 serves
+    # rank 0 in EP group [0, 1]
+    ParallelLayout(ep=2, dp=4),
+], ids=["ep2-dp2", "ep2-dp4"])
+def test_a_rank_without_requests_keeps_serving_its_experts(v4_checkpoint, single_tokens, layout):
+    results = launch(generate_tokens, (v4_checkpoint, IDLE_PROMPTS, 8), layout, _cpu(), threads_per_rank=1)
+    assert results[0] == single_tokens and all(r == [] for r in results[1:])
 
 
 # --------------------------------------------------------------------------------- failures
@@ -137,15 +161,72 @@ def record_start(ctx, marker: str) -> None:
     Path(marker).write_text("started")
 
 
-@pytest.mark.parametrize("layout, message", [
-    (ParallelLayout(ep=2, dp=2, cp=2), r"several CP groups \(dp > 1 with cp > 1\)"),
-    (ParallelLayout(ep=2, dp=4), r"must be 1 rank or span the whole world"),
-])
-def test_unrunnable_layouts_are_refused_before_any_process_starts(tmp_path, layout, message):
+def test_a_cp_group_straddling_two_ep_groups_is_refused_before_any_process_starts(tmp_path):
+    # ep 4, cp 6: CP group [6..11] would hold ranks of EP groups [4..7] and [8..11]
     marker = tmp_path / "started"
-    with pytest.raises(ParallelConfigError, match=message):
-        launch(record_start, (str(marker),), layout, _cpu())
+    with pytest.raises(ParallelConfigError, match=r"ep 4 and cp 6 a CP group would straddle two EP groups.*one "
+                                                  r"divides the other"):
+        launch(record_start, (str(marker),), ParallelLayout(ep=4, dp=2, cp=6), _cpu())
     assert not marker.exists()
+
+
+def test_groups_of_the_seeds_layouts():
+    """EP groups are blocks of ep consecutive ranks, CP groups blocks of cp (one DP rank each)."""
+    ep2_dp8 = resolve_layout(2, 8, 1, "nvidia", env={})  # several EP groups, no CP
+    assert ep2_dp8.ep_groups() == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    assert ep2_dp8.ep_group(5) == range(4, 6) and ep2_dp8.cp == 1
+    ep2_cp8 = resolve_layout(2, None, 8, "nvidia", env={})  # dp 1: four EP groups inside one CP group
+    assert ep2_cp8.dp == 1 and ep2_cp8.cp_groups() == [range(8)]
+    assert [ep2_cp8.ep_group(r) for r in (0, 3, 7)] == [range(0, 2), range(2, 4), range(6, 8)]
+    ep4_cp2 = ParallelLayout(ep=4, dp=2, cp=2)  # one EP group of two CP groups
+    assert ep4_cp2.ep_groups() == [range(4)] and ep4_cp2.cp_groups() == [range(0, 2), range(2, 4)]
+    assert ep4_cp2.cp_group(3) == range(2, 4)
+    for layout in (ep2_dp8, ep2_cp8, ep4_cp2, ParallelLayout(ep=2, dp=2, cp=2), ParallelLayout(ep=1, dp=2, cp=2)):
+        check_runnable(layout)
+        ranks = range(layout.world_size)
+        assert sorted(r for g in layout.ep_groups() for r in g) == list(ranks)
+        assert all(layout.ep_group(r) == g for g in layout.ep_groups() for r in g)
+    with pytest.raises(ValueError, match="rank 8 is outside a world of 8"):
+        ep2_cp8.cp_group(8)
+
+
+class RecordingCollectives:
+    """Stands in for a back end: records the `new_group` calls a rank makes."""
+
+    def __init__(self):
+        self.calls: list[list[int]] = []
+
+    def new_group(self, ranks):
+        self.calls.append(ranks)
+        return f"handle{ranks}"
+
+    def all_gather(self, tensor, group=None):
+        return (tensor, group)
+
+
+@pytest.mark.parametrize("layout, ep_ranks, cp_ranks, calls", [
+    (ParallelLayout(ep=2, dp=4), [2, 3], None, [[0, 1], [2, 3]]),
+    (ParallelLayout(ep=2, dp=1, cp=4), [2, 3], [0, 1, 2, 3], [[0, 1], [2, 3]]),
+    (ParallelLayout(ep=4, dp=2, cp=2), [0, 1, 2, 3], [2, 3], [[0, 1], [2, 3]]),
+    (ParallelLayout(ep=2, dp=2, cp=2), [2, 3], [2, 3], [[0, 1], [2, 3], [0, 1], [2, 3]]),
+    (ParallelLayout(ep=4, dp=4), [0, 1, 2, 3], None, []),
+], ids=["ep2-dp4", "ep2-cp4", "ep4-cp2-dp2", "ep2-cp2-dp2", "ep4-dp4"])
+def test_every_rank_makes_every_group_in_the_same_order(layout, ep_ranks, cp_ranks, calls):
+    """torch.distributed needs every rank to create every sub-group, in one order; a group that
+    spans the world is the default group (collectives called without `group`)."""
+    from deepinfer.parallel.groups import make_groups
+
+    per_rank = []
+    for rank in range(layout.world_size):
+        back_end = RecordingCollectives()
+        groups = make_groups(back_end, layout, rank)
+        per_rank.append(back_end.calls)
+        if rank == 2:
+            assert list(groups.ep.ranks) == ep_ranks and groups.ep.rank == ep_ranks.index(2)
+            assert (groups.cp is None) if cp_ranks is None else list(groups.cp.ranks) == cp_ranks
+            _, handle = groups.ep.all_gather(1)
+            assert handle == (None if len(ep_ranks) == layout.world_size else f"handle{ep_ranks}")
+    assert all(c == calls for c in per_rank)
 
 
 def test_layout_rules():

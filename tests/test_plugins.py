@@ -117,6 +117,43 @@ def test_signature_is_checked_when_the_class_is_defined():
                 return x
 
 
+def test_collectives_written_before_sub_groups_still_define_and_run_one_group_layouts():
+    """Interface 2.3 added `group`: a plugin of an older minor leaves it out of its collectives. Its
+    class defines, a layout whose EP group is the whole world calls it without `group`, and a
+    layout of several groups is refused before any process starts, naming what is missing."""
+    import torch
+
+    from deepinfer.accelerator.interface import Collectives
+    from deepinfer.parallel.groups import GroupCollectives, check_subgroups, supports_subgroups
+    from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout
+    from deepinfer_plugins.cpu import CpuAccelerator
+
+    class Older(Collectives):
+        def init_process_group(self, rank, world_size, init_method):
+            pass
+
+        def all_reduce(self, tensor):
+            return tensor
+
+        def all_gather(self, tensor):
+            return torch.cat([tensor, tensor])
+
+        def all_to_all(self, tensor, input_splits, output_splits):
+            return tensor
+
+    assert not supports_subgroups(Older) and supports_subgroups(CpuAccelerator)
+    world = GroupCollectives(Older(), range(2), 1)
+    assert world.all_gather(torch.ones(1)).tolist() == [1.0, 1.0] and (world.rank, world.size) == (1, 2)
+    check_subgroups(ParallelLayout(ep=2, dp=2), Older, "older")
+    with pytest.raises(ParallelConfigError, match=r"ep=2 dp=4 cp=1.*several expert- or context-parallel groups"
+                                                  r".*older back end does not implement Collectives.new_group"):
+        check_subgroups(ParallelLayout(ep=2, dp=4), Older, "older")
+    with pytest.raises(TypeError, match="all_gather"):  # a present parameter must still match
+        class Renamed(Collectives):  # noqa: F841 - definition is the test
+            def all_gather(self, tensor, grp=None):
+                return tensor
+
+
 def test_probes_of_absent_hardware_are_clear():
     from deepinfer_plugins.ascend950 import AscendAccelerator
     from deepinfer_plugins.nvidia_sm100 import NvidiaAccelerator

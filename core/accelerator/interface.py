@@ -40,7 +40,10 @@ from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeig
 #: 2.1 added the capability `batch_invariant` and `Accelerator.set_batch_invariant` (default refuses).
 #: 2.2 added the capability `weight_formats`: quantised weights (`QuantizedWeight`) reach linear,
 #: grouped_linear and moe_experts in the formats a back end declares (default none: all dequantised).
-INTERFACE_VERSION = "2.2"
+#: 2.3 added sub-groups: `Collectives.new_group` (default refuses) and the optional `group` argument of
+#: all_reduce / all_gather / all_to_all. A plugin written against an older minor may leave `group` out
+#: of its overrides (see `_check_signatures`); it then runs only layouts of one EP and one CP group.
+INTERFACE_VERSION = "2.3"
 
 
 class ProbeResult(BaseModel):
@@ -106,6 +109,10 @@ class MoEDispatch:
 
 
 def _check_signatures(cls: type, interface: type) -> None:
+    """An override must have the interface's parameters, names and kinds; it may leave out trailing
+    parameters that have a default in the interface (added by a later minor version, e.g. the
+    collectives' `group`), so a plugin written against an older minor still defines. The core
+    passes such a parameter only to back ends that accept it."""
     for name, member in vars(interface).items():
         if not getattr(member, "__isabstractmethod__", False):
             continue
@@ -113,9 +120,11 @@ def _check_signatures(cls: type, interface: type) -> None:
         if impl is None or getattr(impl, "__isabstractmethod__", False):
             continue
         # getattr binds classmethods the same way on both sides, so their signatures compare
-        want = [(p.name, p.kind) for p in inspect.signature(getattr(interface, name)).parameters.values()]
+        params = list(inspect.signature(getattr(interface, name)).parameters.values())
+        want = [(p.name, p.kind) for p in params]
         got = [(p.name, p.kind) for p in inspect.signature(impl).parameters.values()]
-        if want != got:
+        optional_tail = all(p.default is not inspect.Parameter.empty for p in params[len(got):])
+        if want != got and not (want[:len(got)] == got and optional_tail):
             raise TypeError(
                 f"{cls.__module__}.{cls.__qualname__}.{name} has signature "
                 f"({', '.join(n for n, _ in got)}) but the accelerator interface "
@@ -267,23 +276,39 @@ class SamplingOps(_Interface):
 
 
 class Collectives(_Interface):
-    """torch.distributed process group over the back end's communication library."""
+    """torch.distributed process group over the back end's communication library.
+
+    Sub-groups (interface 2.3): `new_group(ranks)` returns a handle for a subset of the world's
+    ranks, and every collective takes it as `group` (None: the whole world). The parallel layouts
+    use them for several expert-parallel or context-parallel groups in one world
+    (docs/parallelism.md)."""
 
     @abstractmethod
     def init_process_group(self, rank: int, world_size: int, init_method: str) -> None:
         """Join the process group (gloo / nccl / hccl)."""
 
-    @abstractmethod
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum across ranks, in place; returns the tensor."""
+    def new_group(self, ranks: list[int]) -> object:
+        """A handle for the sub-group of the world's `ranks` (global ranks, ascending), to pass as
+        `group`. Collective over the whole world: every rank calls it, for every group, with the same
+        `ranks` in the same order, also ranks that are not members (their handle is unusable).
+        Optional: this default refuses, so a back end without it runs only layouts whose EP and CP
+        groups span the whole world (or a single rank)."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement Collectives.new_group (sub-groups of "
+                                  f"ranks); a back end built on TorchCollectives has it")
 
     @abstractmethod
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's tensor along dim 0."""
+    def all_reduce(self, tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
+        """Sum across the ranks of `group` (None: the world), in place; returns the tensor."""
 
     @abstractmethod
-    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int]) -> torch.Tensor:
-        """Uneven all-to-all along dim 0 (EP dispatch and combine)."""
+    def all_gather(self, tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
+        """Concatenate every rank's tensor along dim 0, in the group's rank order (None: the world)."""
+
+    @abstractmethod
+    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int],
+                   group: object | None = None) -> torch.Tensor:
+        """Uneven all-to-all along dim 0 (EP dispatch and combine) among the ranks of `group` (None:
+        the world); split `i` goes to / comes from the group's `i`-th rank."""
 
 
 class Accelerator(DeviceMemory, SmallOps, AttentionOps, MoEOps, SamplingOps, Collectives):

@@ -6,7 +6,7 @@ with ordinary torch calls, reductions and softmaxes in fp32. It is device-agnost
 creates follows its inputs' device, nothing goes through NumPy, the MoE dispatch counts rows without
 a host synchronisation, and sampling draws with each row's own generator. A back end subclasses it
 and overrides the kernels it has faster versions of. `TorchCollectives` is the `Collectives`
-sub-interface over the default torch.distributed process group; a back end sets
+sub-interface over torch.distributed (the default process group and its sub-groups); a back end sets
 `collective_backend` ("gloo", "nccl", "hccl").
 
 Quantised weights (`QuantizedWeight`, in the formats a back end declares in
@@ -249,7 +249,8 @@ class TorchKernels(SmallOps, AttentionOps, MoEOps, SamplingOps):
 
 
 class TorchCollectives(Collectives):
-    """Collectives over the default torch.distributed process group (gloo, nccl or hccl)."""
+    """Collectives over torch.distributed (gloo, nccl or hccl): the default process group, or a
+    sub-group made by `new_group`."""
 
     collective_backend = "gloo"
 
@@ -257,17 +258,22 @@ class TorchCollectives(Collectives):
         if not dist.is_initialized():
             dist.init_process_group(self.collective_backend, rank=rank, world_size=world_size, init_method=init_method)
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(tensor)
+    def new_group(self, ranks: list[int]) -> object:
+        # the world's backend; torch requires every rank of the world to make this call in the same order
+        return dist.new_group(ranks=sorted(ranks))
+
+    def all_reduce(self, tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
+        dist.all_reduce(tensor, group=group)
         return tensor
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(parts, tensor.contiguous())
+    def all_gather(self, tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
         return torch.cat(parts, dim=0)
 
-    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int]) -> torch.Tensor:
+    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int],
+                   group: object | None = None) -> torch.Tensor:
         out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
         dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=output_splits,
-                               input_split_sizes=input_splits)
+                               input_split_sizes=input_splits, group=group)
         return out

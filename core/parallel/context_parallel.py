@@ -20,6 +20,7 @@ from functools import cached_property
 import torch
 
 from deepinfer.accelerator.interface import Collectives
+from deepinfer.parallel.groups import GroupCollectives
 
 
 def zigzag_bounds(n: int, size: int) -> list[int]:
@@ -120,9 +121,11 @@ class CollectiveTime:
 
 
 class ContextParallel:
-    """This rank's view of its CP group (the whole world in this release)."""
+    """This rank's view of its CP group: `collectives` are the group's (`groups.GroupCollectives`,
+    or a back end's own when the group is the whole world), `rank` and `size` its place in it."""
 
-    def __init__(self, collectives: Collectives, rank: int, size: int, device: torch.device | str = "cpu"):
+    def __init__(self, collectives: Collectives | GroupCollectives, rank: int, size: int,
+                 device: torch.device | str = "cpu"):
         if size < 2 or not 0 <= rank < size:
             raise ValueError(f"a context-parallel group needs size >= 2 and 0 <= rank < size; got rank {rank} "
                              f"of {size}")

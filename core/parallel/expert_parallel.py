@@ -2,6 +2,11 @@
 (token, expert) rows every rank routes to them, exchanged by uneven all-to-all through the back
 end's `Collectives`. Shared experts, attention and dense layers stay replicated.
 
+Groups: a launch has `dp x cp / ep` EP groups (`ParallelLayout.ep_groups`); every rank below is a
+rank within its group, and every collective goes over the group's own process group
+(`groups.GroupCollectives`). Each group exchanges, steps its lockstep, counts its load and places
+its experts on its own; nothing crosses groups.
+
 Placement: each MoE layer has an `ExpertPlacement` (expert_placement.py): physical slots, S per
 rank, rank r holding slots r*S … (r+1)*S − 1. By default there is one slot per expert and expert
 e lives on rank e // (E / ep), a contiguous block per rank. The MoE layer maps its logical top-k ids
@@ -17,7 +22,8 @@ One MoE call (`ExpertParallel.experts`), on every rank of the group:
      `moe_combine` then weights and sums them exactly as on one device.
 
 Lockstep (data-parallel attention): DP ranks step their own request streams, so one can run out
-of work while another is mid-forward. A rank with nothing to run calls `idle_until_peers_done()`,
+of work while another is mid-forward (with cp > 1 a DP rank is a CP group whose ranks step
+together; an EP group of several CP groups runs this lockstep between them). A rank with nothing to run calls `idle_until_peers_done()`,
 which joins MoE calls with status 0 and no rows, serving whatever layer the active ranks name in
 their header, until a header round shows every rank idle; then all leave that round together.
 Active ranks need not be in the same layer (one may be drafting with the MTP block while another
@@ -42,6 +48,7 @@ from deepinfer.accelerator.interface import Accelerator, Collectives, MoEDispatc
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.parallel.context_parallel import ContextParallel, set_context_parallel
 from deepinfer.parallel.expert_placement import ExpertLoad, ExpertPlacement, Router
+from deepinfer.parallel.groups import GroupCollectives, check_subgroups, make_groups
 from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout
 
 #: dtypes a header can name (its index): the rows' dtype an idle rank must match.
@@ -65,9 +72,10 @@ class _Layer:
 
 
 class ExpertParallel:
-    """This rank's view of the EP group (the whole world in this release)."""
+    """This rank's view of its EP group: `collectives` are the group's (a `GroupCollectives`, or a
+    back end's own when the group is the whole world), `rank` and `size` its place in the group."""
 
-    def __init__(self, collectives: Collectives, rank: int, size: int, device: torch.device):
+    def __init__(self, collectives: Collectives | GroupCollectives, rank: int, size: int, device: torch.device):
         if not 0 <= rank < size:
             raise ValueError(f"EP rank {rank} is outside an EP group of {size}")
         self.collectives, self.rank, self.size, self.device = collectives, rank, size, device
@@ -266,7 +274,7 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def _move(w: Weight, send: list[list[int]], recv: list[list[int]], local: list[tuple[int, int]], slots: int,
-          collectives: Collectives) -> Weight:
+          collectives: Collectives | GroupCollectives) -> Weight:
     """The stacked weight of this rank's new `slots`: kept rows (`local`: new slot <- old row) plus
     rows sent rank to rank (`send[d]`: old rows for rank d; `recv[s]`: new slots filled from rank s)."""
     if isinstance(w, QuantizedWeight):
@@ -315,16 +323,19 @@ def set_expert_parallel(ep: ExpertParallel | None, layout: ParallelLayout | None
 
 
 def join_world(accelerator: Accelerator, rank: int, layout: ParallelLayout, init_method: str) -> None:
-    """In a rank's process: join the process group through the back end and install the EP group
-    (ep > 1) and the CP group (cp > 1) the model will find when it is built."""
+    """In a rank's process: join the process group through the back end, make the EP and CP
+    groups (`groups.make_groups`) and install this rank's EP group (ep > 1) and CP group (cp > 1)
+    the model will find when it is built."""
     if accelerator.capabilities().collectives == "none":
         raise ParallelConfigError(f"the {accelerator.name} back end declares no collectives, so it cannot run "
                                   f"{layout.describe()}; use --ep 1 --dp 1 --cp 1")
+    check_subgroups(layout, type(accelerator), accelerator.name)
     accelerator.init_process_group(rank, layout.world_size, init_method)
-    ep = ExpertParallel(accelerator, rank % layout.ep, layout.ep, accelerator.device(0)) if layout.ep > 1 else None
-    set_expert_parallel(ep, layout)
-    cp = ContextParallel(accelerator, rank % layout.cp, layout.cp, accelerator.device(0)) if layout.cp > 1 else None
-    set_context_parallel(cp)
+    groups = make_groups(accelerator, layout, rank)
+    device = accelerator.device(0)
+    set_expert_parallel(ExpertParallel(groups.ep, groups.ep.rank, groups.ep.size, device) if groups.ep else None,
+                        layout)
+    set_context_parallel(ContextParallel(groups.cp, groups.cp.rank, groups.cp.size, device) if groups.cp else None)
 
 
 def idle_until_peers_done() -> None:

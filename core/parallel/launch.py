@@ -5,8 +5,9 @@ device visibility (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES: one device 
 DP rank's `cp` processes hold `cp` consecutive devices from DEVICE_OFFSET) holds before the child
 imports torch or any back end. In the child the back end joins the process group
 (`Collectives.init_process_group`: gloo, nccl or hccl) at tcp://MASTER_ADDR:MASTER_PORT, sets
-`torch.set_num_threads(threads_per_rank)` and installs the expert-parallel group (ep > 1) and the
-context-parallel group (cp > 1) before `target` builds its engine.
+`torch.set_num_threads(threads_per_rank)`, makes every EP and CP group of the layout (sub-groups
+where there are several, `deepinfer.parallel.groups`) and installs this rank's expert-parallel
+group (ep > 1) and context-parallel group (cp > 1) before `target` builds its engine.
 
 Failure: a rank that raises reports its traceback to the parent, which stops every other rank of
 this node and raises `RankFailed` with that rank's error; a rank that dies without a word (killed,
@@ -25,6 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 from pydantic import BaseModel, ConfigDict
 
 from deepinfer.accelerator.interface import Accelerator
+from deepinfer.parallel.groups import check_subgroups
 from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout, check_runnable, env_int
 
 #: Device-visibility variable of each back end with devices (by entry-point name).
@@ -190,6 +192,7 @@ def start_ranks(target: Callable[..., Any], args: tuple, layout: ParallelLayout,
     (i: the local rank) and return without waiting. `target`, `args` and `per_rank` must be
     picklable; per-rank arguments carry what only one rank may hold (a pipe end)."""
     check_runnable(layout)
+    check_subgroups(layout, accelerator, accelerator.name)
     check_devices(layout, accelerator.name, device_count(accelerator))
     threads = _threads(layout, threads_per_rank)
     ranks = list(layout.local_ranks())

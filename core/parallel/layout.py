@@ -6,8 +6,11 @@
 - several nodes: RANK (node index) and WORLD_SIZE (node count), defaults 0 and 1; each node runs
   an equal share of the DP ranks, so dp must be divisible by the number of nodes.
 
-What runs today (checked by `check_runnable`): ep either 1 or the whole world (one EP group
-spanning every rank), and either cp = 1 or dp = 1 (one CP group spanning every rank).
+Groups: CP group g is the global ranks `g*cp … g*cp+cp-1` (one DP rank's processes); EP group e
+is the global ranks `e*ep … e*ep+ep-1`. So with ep < cp several EP groups sit inside one CP group,
+and with ep > cp one EP group is made of several whole CP groups, which step on their own requests
+(the EP idle lockstep covers them). `check_runnable` refuses a layout where neither of ep and cp
+divides the other: there a CP group would straddle two EP groups (see its message).
 """
 from __future__ import annotations
 
@@ -53,9 +56,32 @@ class ParallelLayout(BaseModel):
         first = self.node_rank * self.dp_per_node * self.cp
         return range(first, first + self.dp_per_node * self.cp)
 
+    def ep_group(self, rank: int) -> range:
+        """The global ranks of `rank`'s expert-parallel group (`ep` consecutive ranks)."""
+        return _block(rank, self.ep, self.world_size)
+
+    def cp_group(self, rank: int) -> range:
+        """The global ranks of `rank`'s context-parallel group: its DP rank's `cp` processes."""
+        return _block(rank, self.cp, self.world_size)
+
+    def ep_groups(self) -> list[range]:
+        """Every EP group, in rank order."""
+        return [range(s, s + self.ep) for s in range(0, self.world_size, self.ep)]
+
+    def cp_groups(self) -> list[range]:
+        """Every CP group (one per DP rank), in rank order."""
+        return [range(s, s + self.cp) for s in range(0, self.world_size, self.cp)]
+
     def describe(self) -> str:
         nodes = f", {self.nodes} nodes" if self.nodes > 1 else ""
         return f"ep={self.ep} dp={self.dp} cp={self.cp} (world size {self.world_size}{nodes})"
+
+
+def _block(rank: int, size: int, world: int) -> range:
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a world of {world} ranks")
+    start = rank - rank % size
+    return range(start, start + size)
 
 
 def env_int(env: Mapping[str, str], name: str, default: int, minimum: int) -> int:
@@ -100,12 +126,9 @@ def resolve_layout(ep: int | None, dp: int | None, cp: int, accelerator: str,
 
 def check_runnable(layout: ParallelLayout) -> None:
     """Refuse, before any process starts, a valid layout this release cannot run."""
-    if layout.cp > 1 and layout.dp > 1:
+    if layout.ep % layout.cp and layout.cp % layout.ep:
         raise ParallelConfigError(
-            f"{layout.describe()}: context parallelism runs one CP group spanning every rank in this release "
-            f"(--dp 1 --cp {layout.world_size}); several CP groups (dp > 1 with cp > 1) need sub-group "
-            f"collectives, which are not implemented")
-    if layout.ep not in (1, layout.world_size):
-        raise ParallelConfigError(
-            f"{layout.describe()}: the expert-parallel group must be 1 rank or span the whole world "
-            f"(--ep {layout.world_size}) in this release; several EP groups (ep < dp x cp) are not implemented")
+            f"{layout.describe()}: each expert-parallel group must lie inside one context-parallel group (ep "
+            f"dividing cp) or be made of whole CP groups (ep a multiple of cp); with ep {layout.ep} and cp "
+            f"{layout.cp} a CP group would straddle two EP groups, and its ranks, which step together, could "
+            f"wait on each other from two EP groups' idle lockstep; choose ep and cp so that one divides the other")

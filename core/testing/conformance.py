@@ -259,13 +259,14 @@ class ReferenceAccelerator(Accelerator):
     def init_process_group(self, rank: int, world_size: int, init_method: str) -> None:
         raise NotImplementedError("the conformance reference has no collectives (Capabilities.collectives='none')")
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
         raise NotImplementedError("the conformance reference has no collectives")
 
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, tensor: torch.Tensor, group: object | None = None) -> torch.Tensor:
         raise NotImplementedError("the conformance reference has no collectives")
 
-    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int]) -> torch.Tensor:
+    def all_to_all(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int],
+                   group: object | None = None) -> torch.Tensor:
         raise NotImplementedError("the conformance reference has no collectives")
 
 

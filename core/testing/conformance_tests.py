@@ -405,19 +405,20 @@ def _collective_worker(rank, world, name, init, queue):
     torch.distributed.destroy_process_group()
 
 
-def _run_two_ranks(acc, accelerator_name: str, tmp_path, worker) -> list:
-    """`worker(rank, 2, name, init, queue)` in two spawned processes; what each put on the queue.
-    Skips when the back end declares no collectives or has fewer than 2 devices."""
+def _run_two_ranks(acc, accelerator_name: str, tmp_path, worker, world: int = 2) -> list:
+    """`worker(rank, world, name, init, queue)` in `world` spawned processes; what each put on the
+    queue. Skips when the back end declares no collectives or has fewer than `world` devices."""
     caps = acc.capabilities()
     if caps.collectives == "none":
         pytest.skip("no collectives declared")
-    if caps.device_type != "cpu" and getattr(getattr(torch, caps.device_type, None), "device_count", lambda: 0)() < 2:
-        pytest.skip("needs 2 devices")
+    devices = getattr(getattr(torch, caps.device_type, None), "device_count", lambda: 0)
+    if caps.device_type != "cpu" and devices() < world:
+        pytest.skip(f"needs {world} devices")
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
-    procs = [ctx.Process(target=worker, args=(r, 2, accelerator_name, init, queue)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, world, accelerator_name, init, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=120) for _ in procs]
@@ -482,6 +483,70 @@ def test_collectives_expert_parallel_dispatch_combine_two_ranks(acc, accelerator
     assert len(results[0]) == 2 and len(results[1]) == 1
     for rank, errors in results.items():
         assert max(errors) < 1e-4, f"rank {rank}: expert-parallel MoE differs from local experts by {errors}"
+
+
+def _sub_group_worker(rank, world, name, init, queue):
+    """Four ranks: collectives on the pairs [0, 1] / [2, 3] and on [0, 2] / [1, 3], then
+    deepinfer.parallel's EP exchange in two EP groups of 2 while the second group has no work."""
+    from deepinfer.parallel.expert_parallel import ExpertParallel
+    from deepinfer.parallel.groups import make_groups
+    from deepinfer.parallel.layout import ParallelLayout
+    from deepinfer.plugins import load_accelerator_class
+    acc = load_accelerator_class(name)()
+    torch.set_num_threads(1)
+    acc.init_process_group(rank, world, init)
+    dev = acc.device(rank if acc.capabilities().device_type != "cpu" else 0)
+    pairs = [acc.new_group([0, 1]), acc.new_group([2, 3])]  # every rank makes every group, in one order
+    strided = [acc.new_group([0, 2]), acc.new_group([1, 3])]
+    pair, me = pairs[rank // 2], rank % 2
+    out = {"reduced": acc.all_reduce(torch.full((2,), float(rank + 1), device=dev), group=pair).cpu().tolist(),
+           "gathered": acc.all_gather(torch.tensor([rank], device=dev), group=pair).cpu().tolist(),
+           "strided": acc.all_gather(torch.tensor([rank], device=dev), group=strided[rank % 2]).cpu().tolist()}
+    send = [me + j + 1 for j in range(2)]  # uneven: group rank g sends g + j + 1 rows to member j
+    x = torch.cat([torch.full((n, 2), float(rank * 10 + j), device=dev) for j, n in enumerate(send)])
+    y = acc.all_to_all(x, send, [j + me + 1 for j in range(2)], group=pair)
+    out["received"] = y[:, 0].cpu().tolist()
+    out["world"] = acc.all_reduce(torch.ones(1, device=dev)).cpu().tolist()  # the world still works
+    # EP over sub-groups: the layout's EP groups [0, 1] and [2, 3]; group 1 is idle throughout
+    groups = make_groups(acc, ParallelLayout(ep=2, dp=4), rank)
+    E, D, I, k = 8, 16, 8, 2
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dev)
+    w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dev)
+    ep = ExpertParallel(groups.ep, groups.ep.rank, groups.ep.size, dev)
+    mine13, mine2 = ep.local_experts(w13), ep.local_experts(w2)
+    key = ep.register(lambda rows, plan: acc.moe_experts(rows, plan, mine13, mine2, 10.0), D, E)
+    errors = []
+    for T in ([3 + 2 * me, 4] if rank < 2 else []):
+        gen = torch.Generator().manual_seed(T + rank)
+        xs = torch.randn(T, D, generator=gen).to(dev)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(dev)
+        weights = torch.rand(T, k, generator=gen).to(dev)
+        rows, plan = acc.moe_dispatch(xs, ids, E)
+        got = acc.moe_combine(ep.experts(key, rows, plan), plan, weights)
+        want = acc.moe_combine(acc.moe_experts(rows, plan, w13, w2, 10.0), plan, weights)
+        errors.append(float((got - want).abs().max()))
+    ep.idle_until_peers_done()
+    out.update(ep_group=list(groups.ep.ranks), ep_rank=ep.rank, errors=errors)
+    queue.put((rank, out))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.level(4)
+def test_collectives_on_sub_groups_four_ranks(acc, accelerator_name, tmp_path):
+    """`new_group` and the `group` argument: all_reduce, all_gather and uneven all_to_all within
+    pairs of ranks, and the EP exchange in one EP group while the other group is idle."""
+    results = dict(_run_two_ranks(acc, accelerator_name, tmp_path, _sub_group_worker, world=4))
+    for rank, out in sorted(results.items()):
+        first, me = rank - rank % 2, rank % 2
+        assert out["reduced"] == [float(2 * first + 3)] * 2, "all_reduce on a sub-group summed the wrong ranks"
+        assert out["gathered"] == [first, first + 1] and out["strided"] == [rank % 2, rank % 2 + 2]
+        expected = [float((first + src) * 10 + me) for src in range(2) for _ in range(src + me + 1)]
+        assert out["received"] == expected, "uneven all_to_all on a sub-group delivered the wrong rows"
+        assert out["world"] == [4.0]
+        assert out["ep_group"] == [first, first + 1] and out["ep_rank"] == me
+        assert len(out["errors"]) == (2 if rank < 2 else 0)
+        assert max(out["errors"], default=0.0) < 1e-4, f"rank {rank}: EP on a sub-group differs from local experts"
 
 
 # ------------------------------------------------------------------------------------ level 5
