@@ -46,14 +46,28 @@ def test_doctor_shows_the_layout_a_command_would_use():
     assert "  rank 3: host CPU, " in out.stdout
     out = run("doctor", "--ep", "3", "--dp", "2", env={"DEEPINFER_ACCELERATOR": "cpu"})
     assert out.returncode == 1 and "layout: refused" in out.stderr and "divisible by --ep 3" in out.stderr
-    out = run("doctor", "--ep", "2", "--dp", "4", env={"DEEPINFER_ACCELERATOR": "cpu"})
-    assert out.returncode == 1 and "several EP groups" in out.stderr
     out = run("doctor", "--cp", "2", env={"DEEPINFER_ACCELERATOR": "cpu"})
     assert out.returncode == 0, out.stderr
     assert "layout: ep=1 dp=1 cp=2 (world size 2); this node runs ranks [0, 1]" in out.stdout
-    assert "context parallel: ranks [0, 1] split each long prefill chunk zig-zag into 4 chunks" in out.stdout
-    out = run("doctor", "--cp", "2", "--dp", "2", env={"DEEPINFER_ACCELERATOR": "cpu"})
-    assert out.returncode == 1 and "several CP groups" in out.stderr
+    assert "CP rank i takes chunks i and 3-i" in out.stdout
+    out = run("doctor", "--ep", "4", "--cp", "6", "--dp", "2", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 1 and "a CP group would straddle two EP groups" in out.stderr
+
+
+def test_doctor_shows_each_ranks_ep_and_cp_group():
+    out = run("doctor", "--ep", "2", "--dp", "4", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert "expert-parallel groups: [0..1], [2..3]" in out.stdout and "context-parallel groups" not in out.stdout
+    lines = {line.split(":")[0].strip(): line for line in out.stdout.splitlines() if line.startswith("  rank ")}
+    assert lines["rank 2"].endswith("(--threads_per_rank); EP group 1 [2..3], EP rank 0; no CP group (cp 1)")
+    out = run("doctor", "--ep", "4", "--cp", "2", "--dp", "2", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert "expert-parallel groups: [0..3]\ncontext-parallel groups: [0..1], [2..3]" in out.stdout
+    assert "(--threads_per_rank); EP group 0 [0..3], EP rank 3; CP group 1 [2..3], CP rank 1\n" in out.stdout
+    out = run("doctor", "--ep", "2", "--cp", "4", env={"DEEPINFER_ACCELERATOR": "cpu"})
+    assert out.returncode == 0, out.stderr
+    assert "layout: ep=2 dp=1 cp=4 (world size 4)" in out.stdout
+    assert "expert-parallel groups: [0..1], [2..3]\ncontext-parallel groups: [0..3]" in out.stdout
 
 
 def test_doctor_ascend_fails_with_reason_and_fix():
