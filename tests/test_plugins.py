@@ -141,7 +141,11 @@ def test_collectives_written_before_sub_groups_still_define_and_run_one_group_la
         def all_to_all(self, tensor, input_splits, output_splits):
             return tensor
 
-    assert not supports_subgroups(Older) and supports_subgroups(CpuAccelerator)
+    from deepinfer_plugins.ascend950 import AscendAccelerator
+    from deepinfer_plugins.nvidia_sm100 import NvidiaAccelerator
+
+    assert not supports_subgroups(Older)
+    assert all(supports_subgroups(cls) for cls in (CpuAccelerator, NvidiaAccelerator, AscendAccelerator))
     world = GroupCollectives(Older(), range(2), 1)
     assert world.all_gather(torch.ones(1)).tolist() == [1.0, 1.0] and (world.rank, world.size) == (1, 2)
     check_subgroups(ParallelLayout(ep=2, dp=2), Older, "older")
