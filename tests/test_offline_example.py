@@ -80,8 +80,10 @@ def empty_hub(tmp_path, monkeypatch):
 
 def test_dp_defaults_to_ep_over_cp(launch):
     assert launch.resolve_parallel(8, None, 1, "nvidia", env={}).dp == 8
-    with pytest.raises(launch.ParallelConfigError, match=r"ep=2 dp=1 cp=8 .*several EP groups"):
-        launch.resolve_parallel(2, None, 8, "nvidia", env={})  # dp = max(2 // 8, 1) = 1, world 8
+    seeds_cp = launch.resolve_parallel(2, None, 8, "nvidia", env={})  # the seeds' --ep 2 --cp 8
+    assert (seeds_cp.dp, seeds_cp.world_size, len(seeds_cp.ep_groups())) == (1, 8, 4)  # dp = max(2 // 8, 1)
+    with pytest.raises(launch.ParallelConfigError, match=r"ep 4 and cp 6 a CP group would straddle"):
+        launch.resolve_parallel(4, 2, 6, "nvidia", env={})
     assert launch.resolve_parallel(8, None, 8, "nvidia", env={}).world_size == 8  # dp 1: one CP and EP group
 
 

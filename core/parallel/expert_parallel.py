@@ -23,9 +23,10 @@ One MoE call (`ExpertParallel.experts`), on every rank of the group:
 
 Lockstep (data-parallel attention): DP ranks step their own request streams, so one can run out
 of work while another is mid-forward (with cp > 1 a DP rank is a CP group whose ranks step
-together; an EP group of several CP groups runs this lockstep between them). A rank with nothing to run calls `idle_until_peers_done()`,
-which joins MoE calls with status 0 and no rows, serving whatever layer the active ranks name in
-their header, until a header round shows every rank idle; then all leave that round together.
+together; an EP group of several CP groups runs this lockstep between them). A rank with nothing
+to run calls `idle_until_peers_done()`, which joins MoE calls with status 0 and no rows, serving
+whatever layer the active ranks name in their header, until a header round shows every rank idle;
+then all leave that round together.
 Active ranks need not be in the same layer (one may be drafting with the MTP block while another
 verifies): each sender's rows are served with the layer its header names (the key: the MoE
 layer's construction index, the same on every rank). Every rank just makes its own MoE calls in
