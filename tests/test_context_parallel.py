@@ -179,15 +179,17 @@ def replay_prefill(ctx, checkpoint: str, keep: int, chunks: list[int]) -> dict:
     return {"logits": logits, "state": state, "gathers": gathers}
 
 
-def test_v41_bounded_replay_steps_run_whole_and_the_others_split(v41_checkpoint):
-    """SWA bounded replay keeping 40 of 90 rows (floor 50): the first chunk (rows 0-60, the decoder
-    runs only rows 50-60) runs whole on every rank; the second (from 61, its window already above
-    the floor) is split; decode is not. Both ranks end with the single rank's logits and cache."""
-    args = (v41_checkpoint, 40, CHUNKS)
+def test_v41_bounded_replay_splits_the_encoder_and_the_kept_rows(v41_checkpoint):
+    """SWA bounded replay keeping 40 of 90 rows (floor 50; decoder = layers 4-7), chunks 30 + 60:
+    the first chunk has no kept row (4 encoder layers, the prepass and the step's rows gathered:
+    6 all-gathers), the second splits the encoder, then its 40 kept rows anew (4 + 1 + 1, then 4
+    decoder layers and the final streams: 11); decode is not split. Both ranks end with the
+    single rank's logits and every cache tensor."""
+    args = (v41_checkpoint, 40, [30, 60])
     single = launch(replay_prefill, args, ParallelLayout(), _cpu())[0]
     ranks = launch(replay_prefill, args, ParallelLayout(dp=1, cp=2), _cpu(), threads_per_rank=1)
     for r in ranks:
-        assert r["gathers"] == [0, 8 + 1] + [0] * 4
+        assert r["gathers"] == [6, 11] + [0] * 4
         assert max_rel_diff(r["logits"], single["logits"]) < 1e-5
         assert r["logits"].argmax(-1).tolist() == single["logits"].argmax(-1).tolist()
         for name, tensor in single["state"].items():
@@ -228,8 +230,13 @@ def test_cp2_prints_the_single_process_samples(cp_checkpoint):
 def test_v41_cp2_and_ep2_cp2_print_the_single_process_samples(v41_checkpoint):
     """DeepSeek-V4.1 with DSpark drafting on (the seeds' default; the checkpoint has the drafter):
     the 4 prompts (14-27 tokens: over window 8, several c2 and c1 entries, Engram n-grams) are
-    prefilled in one step split over 2 ranks, decode and drafting run in lockstep on both."""
+    prefilled in one step split over 2 ranks, decode and drafting run in lockstep on both. With
+    bounded replay keeping 20 rows (the minimum with 5 drafts), --ep 2 --cp 2 also splits the
+    encoder and then the kept rows (the drafter's features come from those)."""
     single = sample_lines(v41_checkpoint, "--cp", "1")
     assert not any("accept_rate=n/a" in line for line in single)  # drafting is on
     assert sample_lines(v41_checkpoint, "--cp", "2") == single
-    assert sample_lines(v41_checkpoint, "--ep", "2", "--cp", "2") == single
+    replay = {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "20"}
+    replayed = sample_lines(v41_checkpoint, "--cp", "1", env=replay)
+    assert replayed != single  # bounded replay is on
+    assert sample_lines(v41_checkpoint, "--ep", "2", "--cp", "2", env=replay) == replayed

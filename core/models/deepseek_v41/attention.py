@@ -155,7 +155,10 @@ class Attention:
         """Only this KV source's compressor and index keys over `x` `[T, D]` (bounded replay's prepass)."""
         if self.role != FULL:
             raise ValueError(f"layer {self.layer} is a {self.role} layer, not a KV source: it has no compressor")
-        self._compress(self._compressor_inputs(x), x.dtype, step)
+        inputs = self._compressor_inputs(x)
+        if step.plan.split is not None:  # context parallelism: every rank's rows of them
+            inputs = gather_parts(step.plan.split, inputs)
+        self._compress(inputs, x.dtype, step)
 
     def _compressor_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """The per-row projections the compressor pools (`x` `[T, D]`): `wkv` in the model dtype at

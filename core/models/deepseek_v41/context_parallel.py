@@ -18,13 +18,15 @@ mixing run on own rows. After the last layer the residual streams, the mHC `pre`
 collapses with and (when asked) the DSpark target features are gathered, so every rank computes
 the same logits and drafts the same tokens.
 
-A step that SWA bounded replay changes (a prefill chunk with rows below its sequence's floor)
-is not split: it runs whole on every rank (correct, not faster), because its decoder runs a
-different row set with a floored plan after a prepass over every row.
+Under SWA bounded replay (replay.py) the encoder layers and the decoder's prepass (the first
+decoder layer's compressor, whose inputs are gathered) run split like any layer; then the step's
+per-row state is gathered once, and the decoder's kept rows are split anew over the group (when
+a kept chunk is at least `cp_min_tokens` long; else the decoder runs whole on every rank).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -32,13 +34,14 @@ from deepinfer.models.batch import ForwardBatch
 from deepinfer.parallel.context_parallel import ContextParallel, RowSplit
 
 
-def step_split(cp: ContextParallel | None, batch: ForwardBatch, min_tokens: int, replayed: bool) -> RowSplit | None:
+def step_split(cp: ContextParallel | None, batch: ForwardBatch, min_tokens: int,
+               device: torch.device | str) -> RowSplit | None:
     """The step's zig-zag split over `cp`, or None when the step runs whole on every rank: no CP
-    group, no chunk of at least `min_tokens` new tokens (decode, verification, short chunks), or
-    a step bounded replay changes (`replayed`). Every rank sees the same batch, so all decide alike."""
-    if cp is None or replayed or max((int(n) for n in batch.query_lens), default=0) < min_tokens:
+    group, or no chunk of at least `min_tokens` new tokens (decode, verification, short chunks).
+    Every rank sees the same batch, so all decide alike."""
+    if cp is None or max((int(n) for n in batch.query_lens), default=0) < min_tokens:
         return None
-    return cp.split([int(n) for n in batch.query_lens], batch.input_ids.device)
+    return cp.split([int(n) for n in batch.query_lens], torch.device(device))
 
 
 def gather_parts(split: RowSplit, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -58,3 +61,18 @@ def gather_parts(split: RowSplit, parts: dict[str, torch.Tensor]) -> dict[str, t
         t = parts[n]
         out[n] = part.contiguous().view(t.dtype).reshape(full.shape[0], *t.shape[1:])
     return out
+
+
+def gather_outputs(split: RowSplit, streams: torch.Tensor, pre: torch.Tensor,
+                   capture: dict[int, torch.Tensor | None] | None, layers: Iterable[int] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor | None] | None]:
+    """The streams, the mHC `pre` the next site collapses with and the captured DSpark features of
+    the whole step (one all-gather) from this rank's rows of them. The captures of `layers` (None:
+    all) are replaced in `capture` itself (the step's dict, which the model reads afterwards)."""
+    parts = {"streams": streams, "pre": pre}
+    mine = [] if capture is None else [layer for layer in capture if layers is None or layer in layers]
+    parts.update({f"capture.{layer}": capture[layer] for layer in mine})
+    full = gather_parts(split, parts)
+    for layer in mine:
+        capture[layer] = full[f"capture.{layer}"]
+    return full["streams"], full["pre"], capture

@@ -26,7 +26,8 @@ last k prompt rows of each sequence (SWA bounded replay, approximate; replay.py)
 
 Under context parallelism (`--cp`), a step with a chunk of at least `cp_min_tokens` new tokens is
 split zig-zag over the CP group: each rank runs its own rows, attention gathers the window keys and
-compressor inputs of the others, and the final streams are gathered (context_parallel.py).
+compressor inputs of the others, and the final streams are gathered (context_parallel.py; under
+bounded replay the decoder's kept rows are split anew, replay.py).
 
 Implements the engine's `Model` protocol; its registry entry is `family.py`.
 """
@@ -48,7 +49,7 @@ from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
 from deepinfer.models.deepseek_v41.attention import QR_PARTS, X_PARTS, Attention, CacheViews
 from deepinfer.models.deepseek_v41.config import FULL, DeepseekV41Config
-from deepinfer.models.deepseek_v41.context_parallel import gather_parts, step_split
+from deepinfer.models.deepseek_v41.context_parallel import gather_outputs, step_split
 from deepinfer.models.deepseek_v41.engram import Engram, EngramHasher
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops, resolve_ops
 from deepinfer.models.deepseek_v41.replay import decoder_rows, decoder_start, minimum_keep_tokens
@@ -56,7 +57,7 @@ from deepinfer.models.deepseek_v41.state import (
     COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
 )
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
-from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
+from deepinfer.parallel.context_parallel import current_context_parallel
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
@@ -285,7 +286,7 @@ class DeepseekV41ForCausalLM:
         c = self.config
         split = decoder_rows(batch, c, self.replay_keep_tokens)
         # context parallelism: this rank runs its own rows (cp_split); attention gathers what it reads
-        cp_split = step_split(self.context_parallel, batch, self.cp_min_tokens, replayed=split is not None)
+        cp_split = step_split(self.context_parallel, batch, self.cp_min_tokens, self.device)
         plan = StepPlan(batch, c, self._rings, self._cache.block_size, self._num_slots, self.query_block, cp_split)
         all_ids = ids = batch.input_ids.to(self.device)
         positions = plan.positions
@@ -307,8 +308,8 @@ class DeepseekV41ForCausalLM:
             step.capture = dict.fromkeys(c.dspark_target_layer_ids)
         for blk in self.blocks if split is None else self.blocks[:split.layer]:
             streams = blk.run(streams, step)
-        if cp_split is not None:  # every rank samples (and drafts) from the whole step's rows
-            streams, step.pre, step.capture = self._gather_outputs(cp_split, streams, step.pre, step.capture)
+        if cp_split is not None and split is None:  # every rank samples (and drafts) from the whole step's rows
+            streams, step.pre, step.capture = gather_outputs(cp_split, streams, step.pre, step.capture)
         rows = logits_rows = batch.logits_indices.to(self.device)
         capture = step.capture
         if split is not None:  # bounded replay: the decoder runs only the kept rows
@@ -326,20 +327,6 @@ class DeepseekV41ForCausalLM:
         if features:
             out = self._target_features(capture, batch, logits_rows, split)
         return ForwardOutput(logits=logits, streams=out)
-
-    @staticmethod
-    def _gather_outputs(split: RowSplit, streams: torch.Tensor, pre: torch.Tensor,
-                        capture: dict[int, torch.Tensor | None] | None
-                        ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor | None] | None]:
-        """The final streams, the head's mHC `pre` and the captured DSpark features of the whole
-        step (one all-gather), from this rank's rows of them."""
-        parts = {"streams": streams, "pre": pre}
-        if capture is not None:
-            parts.update({f"capture.{layer}": f for layer, f in capture.items()})
-        full = gather_parts(split, parts)
-        if capture is not None:
-            capture = {layer: full[f"capture.{layer}"] for layer in capture}
-        return full["streams"], full["pre"], capture
 
     def _target_features(self, capture: dict[int, torch.Tensor | None], batch: ForwardBatch, logits_rows: torch.Tensor,
                          split) -> torch.Tensor:
