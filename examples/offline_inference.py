@@ -18,7 +18,9 @@ Face cache holds it, else the embedded default model (a small random-weight Deep
 on first use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py and
 docs/parallelism.md): one process per rank; the samples are dealt round-robin over the DP ranks
 and printed in their original order; the ranks of a CP group share each sample's prefill and
-must print the same lines (checked). --cp needs a DeepSeek-V4 checkpoint. --dtype float32 runs the model in fp32 (to compare layouts).
+must print the same lines (checked). --cp splits long prefills of DeepSeek-V4 and V4.1 checkpoints (a
+model family that cannot is refused before any process starts). --dtype float32 runs the model in fp32
+(to compare layouts).
 
 Speculative decoding: the seeds' default DEEPINFER_USE_NEXTN_DECODE=5 is applied when the dspark
 feature is installed, unless the model's family cannot draft yet (DeepSeek-V4.1: its DSpark head

@@ -2,9 +2,12 @@
 
     .venv/bin/python scripts/bench_context_parallel.py                   # 4096 tokens, 3 rounds
     .venv/bin/python scripts/bench_context_parallel.py --tokens 2048 --rounds 5
+    .venv/bin/python scripts/bench_context_parallel.py --family v41      # DeepSeek-V4.1
 
 Builds a random DeepSeek-V4 checkpoint (the `default` preset: hidden 256, 6 layers - sliding, CSA,
-HCA - window 32, c4 and c32 compression, indexer top-16; no MTP), then per round runs the same
+HCA - window 32, c4 and c32 compression, indexer top-16; no MTP; with `--family v41` the random
+DeepSeek-V4.1 `default` preset: hidden 64, 12 layers - sliding, ratio-2 and ratio-1 KV sources with
+their Reuse and Reindex layers, Engram - window 32, index top-16; no DSpark), then per round runs the same
 measurement once with one rank and once with a CP group of two (alternating, one thread per rank):
 each run builds the engine, warms up on a short prompt, then times `--repeats` prefills of
 `--tokens` new tokens each (a different prompt each time, so no prefix is reused; one output token).
@@ -75,13 +78,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=4096, help="prompt tokens of each prefill")
     parser.add_argument("--rounds", type=int, default=3, help="cp 1 / cp 2 pairs, alternating")
     parser.add_argument("--repeats", type=int, default=2, help="timed prefills per run (the median counts)")
+    parser.add_argument("--family", choices=("v4", "v41"), default="v4", help="the random checkpoint's family")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     args = parser.parse_args(argv)
-    from deepinfer.models.deepseek_v4.make_model import make_model
 
     same = True
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = str(make_model(Path(tmp) / "v4", "default", seed=0, with_mtp=False, dtype="float32"))
+        if args.family == "v41":
+            from deepinfer.models.deepseek_v41.make_model import make_model as make_v41
+            checkpoint = str(make_v41(Path(tmp) / "v41", "default", seed=0, with_dspark=False, dtype="float32"))
+        else:
+            from deepinfer.models.deepseek_v4.make_model import make_model
+            checkpoint = str(make_model(Path(tmp) / "v4", "default", seed=0, with_mtp=False, dtype="float32"))
         for round_ in range(args.rounds):
             pair = [measure(checkpoint, cp, args.tokens, args.repeats) for cp in (1, 2)]
             same &= pair[0]["first"] == pair[1]["first"]

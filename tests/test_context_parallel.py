@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from deepinfer.parallel.context_parallel import RowSplit, zigzag_bounds, zigzag_owner
-from deepinfer.parallel.launch import RankFailed, launch
+from deepinfer.parallel.launch import launch
 from deepinfer.parallel.layout import ParallelLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -122,21 +123,96 @@ def test_cp_with_expert_parallelism_matches_a_single_rank_prefill(cp_checkpoint,
         assert max_rel_diff(r["logits"], whole["logits"]) < 1e-5
 
 
+# ------------------------------------------------------- DeepSeek-V4.1: CP prefill against one rank
+
+
+@pytest.fixture(scope="module")
+def v41_checkpoint(tmp_path_factory) -> str:
+    """The tiny V4.1 (window 8; layers: 2 sliding, a ratio-2 KV source and its Reuse layer, a ratio-1
+    KV source that is the candidate source, Reuse, a Reindex layer scoring inside the candidate
+    pool, Reuse; Engram before layers 1 and 4; index top-4) with its DSpark drafter."""
+    from deepinfer.models.deepseek_v41.make_model import make_model
+    return str(make_model(tmp_path_factory.mktemp("cp41") / "v41", "tiny", seed=0, with_dspark=True))
+
+
+@pytest.fixture(scope="module")
+def v41_single(v41_checkpoint) -> dict:
+    return launch(prefill_and_decode, (v41_checkpoint, CHUNKS), ParallelLayout(), _cpu())[0]
+
+
+def test_v41_cp_prefill_matches_a_single_rank_prefill(v41_checkpoint, v41_single):
+    """90 tokens (45 c2 and 90 c1 entries, window 8, Engram n-grams across the chunk boundary) in two
+    split chunks: the logits, tokens and every cache tensor (window rings, compressor rows,
+    compressed KV, index keys, Engram history) of one rank, on both ranks."""
+    ranks = launch(prefill_and_decode, (v41_checkpoint, CHUNKS), ParallelLayout(dp=1, cp=2), _cpu(),
+                   threads_per_rank=1)
+    layers = 8
+    for r in ranks:
+        assert r["gathers"] == 2 * (layers + 1)  # per split chunk: one per layer and the final streams
+        assert r["tokens"] == v41_single["tokens"]
+        assert max_rel_diff(r["logits"], v41_single["logits"]) < 1e-5
+        assert r["state"].keys() == v41_single["state"].keys()
+        for name, tensor in v41_single["state"].items():
+            assert torch.allclose(r["state"][name].float(), tensor.float(), atol=1e-5, rtol=1e-5), name
+
+
+def replay_prefill(ctx, checkpoint: str, keep: int, chunks: list[int]) -> dict:
+    """Rank target: bounded replay keeping `keep` prompt rows, PROMPT prefilled in `chunks`, greedy
+    decode; the logits, every cache tensor, and which steps gathered."""
+    from deepinfer.models.deepseek_v41.checkpoint import load_checkpoint
+    from deepinfer.parallel.context_parallel import current_context_parallel
+    from test_swa_replay import ReplayRunner
+
+    runner = ReplayRunner(load_checkpoint(checkpoint, torch.float32), keep)
+    cp = current_context_parallel()
+    gathers = []
+    forward = runner.model.forward
+
+    def counted(batch):
+        before = cp.timing.calls if cp else 0
+        out = forward(batch)
+        gathers.append((cp.timing.calls if cp else 0) - before)
+        return out
+
+    runner.model.forward = counted
+    logits = runner.run(PROMPT, chunks)
+    cache = runner.model._cache
+    state = {f"slot.{k}": v.clone() for k, v in cache.slot.items()}
+    state.update({f"{g}.{k}": v.clone() for g, group in cache.blocks.items() for k, v in group.items()})
+    return {"logits": logits, "state": state, "gathers": gathers}
+
+
+def test_v41_bounded_replay_splits_the_encoder_and_the_kept_rows(v41_checkpoint):
+    """SWA bounded replay keeping 40 of 90 rows (floor 50; decoder = layers 4-7), chunks 30 + 60:
+    the first chunk has no kept row (4 encoder layers, the prepass and the step's rows gathered:
+    6 all-gathers), the second splits the encoder, then its 40 kept rows anew (4 + 1 + 1, then 4
+    decoder layers and the final streams: 11); decode is not split. Both ranks end with the
+    single rank's logits and every cache tensor."""
+    args = (v41_checkpoint, 40, [30, 60])
+    single = launch(replay_prefill, args, ParallelLayout(), _cpu())[0]
+    ranks = launch(replay_prefill, args, ParallelLayout(dp=1, cp=2), _cpu(), threads_per_rank=1)
+    for r in ranks:
+        assert r["gathers"] == [6, 11] + [0] * 4
+        assert max_rel_diff(r["logits"], single["logits"]) < 1e-5
+        assert r["logits"].argmax(-1).tolist() == single["logits"].argmax(-1).tolist()
+        for name, tensor in single["state"].items():
+            assert torch.allclose(r["state"][name].float(), tensor.float(), atol=1e-5, rtol=1e-5), name
+
+
 # ----------------------------------------------------------------------------- the layouts
 
 
-def build_llm(ctx, checkpoint: str) -> None:
-    from deepinfer import LLM
+def test_a_model_that_cannot_split_its_prefill_is_refused_with_its_reason():
+    from deepinfer.engine.builder import check_context_parallel
 
-    LLM(model=checkpoint, accelerator="cpu", dtype="float32", cache_memory_gb=0.05, cp=ctx.layout.cp)
+    class Unsplittable:
+        context_parallel_unsupported = "its layers read rows no gather provides"
 
-
-def test_v41_refuses_cp_with_its_reason(tmp_path):
-    from deepinfer.models.deepseek_v41.make_model import make_model
-
-    checkpoint = str(make_model(tmp_path / "v41", "tiny", seed=0))
-    with pytest.raises(RankFailed, match=r"context parallelism \(--cp 2\) is not available for deepseek_v41"):
-        launch(build_llm, (checkpoint,), ParallelLayout(dp=1, cp=2), _cpu(), threads_per_rank=1)
+    family = SimpleNamespace(model_type="toy", model_class=Unsplittable)
+    with pytest.raises(ValueError, match=r"context parallelism \(--cp 2\) is not available for toy: its layers read "
+                                         r"rows no gather provides; use --cp 1"):
+        check_context_parallel(family, 2)
+    check_context_parallel(family, 1)
 
 
 # ------------------------------------------------------------------------- the example, end to end
@@ -162,3 +238,18 @@ def test_cp2_prints_the_single_process_samples(cp_checkpoint, cp_single_lines):
 ], ids=["ep4-cp2-dp2", "ep2-cp4"])
 def test_several_groups_print_the_single_process_samples(cp_checkpoint, cp_single_lines, flags):
     assert sample_lines(cp_checkpoint, *flags) == cp_single_lines
+
+
+def test_v41_cp2_and_ep2_cp2_print_the_single_process_samples(v41_checkpoint):
+    """DeepSeek-V4.1 with DSpark drafting on (the seeds' default; the checkpoint has the drafter):
+    the 4 prompts (14-27 tokens: over window 8, several c2 and c1 entries, Engram n-grams) are
+    prefilled in one step split over 2 ranks, decode and drafting run in lockstep on both. With
+    bounded replay keeping 20 rows (the minimum with 5 drafts), --ep 2 --cp 2 also splits the
+    encoder and then the kept rows (the drafter's features come from those)."""
+    single = sample_lines(v41_checkpoint, "--cp", "1")
+    assert not any("accept_rate=n/a" in line for line in single)  # drafting is on
+    assert sample_lines(v41_checkpoint, "--cp", "2") == single
+    replay = {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "20"}
+    replayed = sample_lines(v41_checkpoint, "--cp", "1", env=replay)
+    assert replayed != single  # bounded replay is on
+    assert sample_lines(v41_checkpoint, "--ep", "2", "--cp", "2", env=replay) == replayed

@@ -44,12 +44,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def sample_lines(checkpoint: str, *flags: str) -> list[str]:
+def sample_lines(checkpoint: str, *flags: str, env: dict[str, str] | None = None) -> list[str]:
     """The example's sample lines without their 'DP <rank>; ' prefix (which rank served a sample
-    is the one thing a layout may change)."""
+    is the one thing a layout may change); `env`: variables to set for the run."""
     out = subprocess.run([sys.executable, str(EXAMPLE), "--model_name", checkpoint, "--dtype", "float32",
-                          "--threads_per_rank", "1", *flags], capture_output=True, text=True, env=_env(),
-                         timeout=300)
+                          "--threads_per_rank", "1", *flags], capture_output=True, text=True,
+                         env={**_env(), **(env or {})}, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line.split("; ", 1)[1] for line in out.stdout.splitlines() if line.startswith("DP ")]
     assert lines, out.stdout

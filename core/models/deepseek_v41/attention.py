@@ -40,6 +40,7 @@ from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
 from deepinfer.models.common.weights import fused_parts, group_rows, split_fused
 from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, DeepseekV41Config
+from deepinfer.models.deepseek_v41.context_parallel import gather_parts
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops
 from deepinfer.models.deepseek_v4.attention import selected_entry_keys
@@ -96,11 +97,17 @@ class Attention:
         pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), self.qr_parts)
         q = a.rotary(pqr["wq_b.weight"].reshape(T, H, d), cos, sin, False)
         kv = a.rotary(a.rms_norm(px["wkv.weight"], w["kv_norm.weight"], eps), cos, sin, False)
-        kv_codes = encode(kv, FP8_WINDOW)
+        keyed = {"kv": encode(kv, FP8_WINDOW)}  # what other tokens read: the window key, compressor inputs
+        compress = self.role == FULL and not step.kv_published  # bounded replay ran it on every row (replay.py)
+        if compress:
+            keyed.update(self._compressor_inputs(x))
+        if plan.split is not None:  # context parallelism: every rank's rows of it (context_parallel.py)
+            keyed = gather_parts(plan.split, keyed)
+        kv_codes = keyed["kv"]
         kv = decode(kv_codes, FP8_WINDOW, d, kv.dtype)  # the FP8 window key, as every reader sees it
 
-        if self.role == FULL and not step.kv_published:  # bounded replay ran it on every row (replay.py)
-            self._compress(x, step)
+        if compress:
+            self._compress(keyed, x.dtype, step)
         index_q = index_w = None
         if self.indexes:
             Hi, di = c.index_n_heads, c.index_head_dim
@@ -148,23 +155,36 @@ class Attention:
         """Only this KV source's compressor and index keys over `x` `[T, D]` (bounded replay's prepass)."""
         if self.role != FULL:
             raise ValueError(f"layer {self.layer} is a {self.role} layer, not a KV source: it has no compressor")
-        self._compress(x, step)
+        inputs = self._compressor_inputs(x)
+        if step.plan.split is not None:  # context parallelism: every rank's rows of them
+            inputs = gather_parts(step.plan.split, inputs)
+        self._compress(inputs, x.dtype, step)
 
-    def _compress(self, x: torch.Tensor, step) -> None:
-        """Write the entries of the groups completed in this step (compressed KV and index keys)."""
+    def _compressor_inputs(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-row projections the compressor pools (`x` `[T, D]`): `wkv` in the model dtype at
+        ratio 1; `wkv` and `wgate` in fp32 at ratio > 1."""
+        a, w = self.accel, self.w
+        if self.rate == 1:
+            return {"compressor.wkv": a.linear(x, w["compressor.wkv.weight"].to(x.dtype))}
+        xf = x.float()
+        return {"compressor.wkv": a.linear(xf, w["compressor.wkv.weight"]),
+                "compressor.wgate": a.linear(xf, w["compressor.wgate.weight"])}
+
+    def _compress(self, inputs: dict[str, torch.Tensor], dtype: torch.dtype, step) -> None:
+        """Write the entries of the groups completed in this step (compressed KV and index keys)
+        from the step's `_compressor_inputs` (every row of the step); `dtype`: the model's."""
         a, c, w, st, plan = self.accel, self.c, self.w, self.state, step.plan
-        r, eps, dtype = self.rate, c.rms_norm_eps, x.dtype
+        r, eps = self.rate, c.rms_norm_eps
         if r == 1:
             cp = plan.compress_plan(1, 1, False)
             if not cp.num_windows:
                 return
-            raw = a.linear(x, w["compressor.wkv.weight"].to(dtype))
+            raw = inputs["compressor.wkv"]
             latent = a.rms_norm(raw[cp.new_row[:, 0]], w["compressor.norm.weight"], eps)
         else:
             rows_kv, rows_score = st.rows
             ring = rows_kv.shape[1]
-            xf = x.float()
-            kv_raw, score_raw = a.linear(xf, w["compressor.wkv.weight"]), a.linear(xf, w["compressor.wgate.weight"])
+            kv_raw, score_raw = inputs["compressor.wkv"], inputs["compressor.wgate"]
             flat_kv, flat_score = rows_kv.view(-1, rows_kv.shape[-1]), rows_score.view(-1, rows_score.shape[-1])
             cp = plan.compress_plan(r, ring, False)
             if cp.num_windows:

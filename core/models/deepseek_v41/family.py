@@ -19,6 +19,7 @@ REQUIRED_OPS = (
     "hc_mix", "hc_collapse", "hc_post", "compress_pool",
 )
 QUERY_BLOCK = 256
+CP_MIN_TOKENS = 16  # a step with a chunk this long is split over the context-parallel group
 
 
 def activation_bytes(config: DeepseekV41Config, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -33,7 +34,7 @@ FAMILY = register_model_family(ModelFamily(
     load_checkpoint=load_checkpoint,
     model_class=DeepseekV41ForCausalLM,
     op_defaults=OpDefaults(required_ops=REQUIRED_OPS, model_ops=DeepseekV41Ops,
-                           model_options={"query_block": QUERY_BLOCK}),
+                           model_options={"query_block": QUERY_BLOCK, "cp_min_tokens": CP_MIN_TOKENS}),
     activation_bytes=activation_bytes,
     make_checkpoint=CHECKPOINT_MAKER,
     aliases=("v41",),

@@ -24,6 +24,11 @@ weights for the self-drafting test mode.
 With `set_bounded_replay(k)` (the swa_replay feature) prefill runs the decoder layers only on the
 last k prompt rows of each sequence (SWA bounded replay, approximate; replay.py); exact by default.
 
+Under context parallelism (`--cp`), a step with a chunk of at least `cp_min_tokens` new tokens is
+split zig-zag over the CP group: each rank runs its own rows, attention gathers the window keys and
+compressor inputs of the others, and the final streams are gathered (context_parallel.py; under
+bounded replay the decoder's kept rows are split anew, replay.py).
+
 Implements the engine's `Model` protocol; its registry entry is `family.py`.
 """
 from __future__ import annotations
@@ -44,6 +49,7 @@ from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
 from deepinfer.models.deepseek_v41.attention import QR_PARTS, X_PARTS, Attention, CacheViews
 from deepinfer.models.deepseek_v41.config import FULL, DeepseekV41Config
+from deepinfer.models.deepseek_v41.context_parallel import gather_outputs, step_split
 from deepinfer.models.deepseek_v41.engram import Engram, EngramHasher
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops, resolve_ops
 from deepinfer.models.deepseek_v41.replay import decoder_rows, decoder_start, minimum_keep_tokens
@@ -51,6 +57,7 @@ from deepinfer.models.deepseek_v41.state import (
     COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
 )
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
+from deepinfer.parallel.context_parallel import current_context_parallel
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
@@ -115,11 +122,8 @@ def _twin_module(m):
 
 
 class DeepseekV41ForCausalLM:
-    #: why context parallelism (--cp > 1) is refused on this model (read by the engine builder)
-    context_parallel_unsupported = (
-        "DeepSeek-V4.1's attention reads state across layers (CSA2 KV and index sources shared by later layers, "
-        "candidate pools, Engram memory, bounded SWA replay), and splitting its prefill over ranks is not "
-        "implemented yet (DeepSeek-V4 checkpoints support --cp)")
+    #: context parallelism (`--cp`) splits this model's long prefills (context_parallel.py)
+    supports_context_parallel = True
 
     #: why speculative decoding is refused on this model (read by the speculative-decoding feature);
     #: None on an instance whose checkpoint brought the DSpark drafter (`load_weights`)
@@ -137,13 +141,17 @@ class DeepseekV41ForCausalLM:
         return None if has_dspark_drafter(checkpoint) else cls.drafter_unsupported
 
     def __init__(self, config: DeepseekV41Config, accelerator: Accelerator, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", query_block: int = 256):
+                 device: torch.device | str = "cpu", query_block: int = 256, cp_min_tokens: int = 16):
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype {dtype} is not supported; choose torch.float32, torch.bfloat16 or torch.float16")
+        if cp_min_tokens < 1:
+            raise ValueError(f"cp_min_tokens must be >= 1, got {cp_min_tokens}")
         self.config, self.accel, self.dtype = config, accelerator, dtype
         self.ops = resolve_ops(accelerator)
         self.device = torch.device(device)
         self.query_block = query_block
+        self.cp_min_tokens = cp_min_tokens  # a step with a chunk this long is split over the CP group
+        self.context_parallel = current_context_parallel()  # the launch's CP group, or None
         self.rope = RotaryTables(config, self.device)
         self.blocks: list[DecoderBlock] = []
         self.top: dict[str, torch.Tensor] = {}
@@ -276,23 +284,32 @@ class DeepseekV41ForCausalLM:
         if self._cache is None:
             raise RuntimeError("no cache bound: call bind_cache(allocate_cache_tensors(model.cache_layout(...), ...))")
         c = self.config
-        plan = StepPlan(batch, c, self._rings, self._cache.block_size, self._num_slots, self.query_block)
-        ids = batch.input_ids.to(self.device)
-        cos_sin = {k: self.rope.cos_sin(plan.positions, k) for k in ("main", "compress")}
+        split = decoder_rows(batch, c, self.replay_keep_tokens)
+        # context parallelism: this rank runs its own rows (cp_split); attention gathers what it reads
+        cp_split = step_split(self.context_parallel, batch, self.cp_min_tokens, self.device)
+        plan = StepPlan(batch, c, self._rings, self._cache.block_size, self._num_slots, self.query_block, cp_split)
+        all_ids = ids = batch.input_ids.to(self.device)
+        positions = plan.positions
+        if cp_split is not None:
+            ids, positions = ids[cp_split.local_rows], positions[cp_split.local_rows]
+        cos_sin = {k: self.rope.cos_sin(positions, k) for k in ("main", "compress")}
         streams = self.top["embed.weight"][ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         pre = torch.zeros((ids.shape[0], c.hc_mult), dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0  # the first site reads stream 0
         step = StepInputs(ids, plan, self.rope, cos_sin, pre)
-        if self.hasher is not None:
+        if self.hasher is not None:  # hashed over the whole step (n-grams reach back; the history ring)
             history = self._layout.slot_tensor(ENGRAM_HISTORY).view(self._cache.slot[ENGRAM_HISTORY],
                                                                     c.engram_layer_ids[0])
-            step.engram_rows = self.hasher.hash(ids, plan, history)
-        split = decoder_rows(batch, c, self.replay_keep_tokens)
+            step.engram_rows = self.hasher.hash(all_ids, plan, history)
+            if cp_split is not None:
+                step.engram_rows = step.engram_rows[cp_split.local_rows]
         features = batch.return_streams and self.dspark is not None
         if features:
             step.capture = dict.fromkeys(c.dspark_target_layer_ids)
         for blk in self.blocks if split is None else self.blocks[:split.layer]:
             streams = blk.run(streams, step)
+        if cp_split is not None and split is None:  # every rank samples (and drafts) from the whole step's rows
+            streams, step.pre, step.capture = gather_outputs(cp_split, streams, step.pre, step.capture)
         rows = logits_rows = batch.logits_indices.to(self.device)
         capture = step.capture
         if split is not None:  # bounded replay: the decoder runs only the kept rows

@@ -21,6 +21,10 @@ The floor is per sequence and comes from the step (`ForwardBatch.prompt_lens`), 
 model object, so any prefill chunking and preemption-recompute give the same kept rows: a chunk
 wholly below the floor runs the encoder and the prepass only; a chunk reaching it runs the decoder
 on its rows at or after the floor.
+
+Under context parallelism the encoder and the prepass run on this rank's rows of the step (their
+attention and compressor inputs gathered as usual); then the step's per-row state is gathered
+(`_whole_step`) and the kept rows are split anew over the group for the decoder.
 """
 from __future__ import annotations
 
@@ -34,7 +38,9 @@ from deepinfer.models.batch import ForwardBatch
 from deepinfer.models.deepseek_v4.block import ATTN
 from deepinfer.models.deepseek_v4.state import AttnGroup, StepPlan
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from deepinfer.models.deepseek_v41.context_parallel import gather_outputs, gather_parts, step_split
 from deepinfer.models.deepseek_v41.state import RingSizes
+from deepinfer.parallel.context_parallel import RowSplit
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM, StepInputs
@@ -58,12 +64,13 @@ class FlooredStepPlan(StepPlan):
     """A step plan whose window keys below a per-sequence position floor are masked out."""
 
     def __init__(self, batch: ForwardBatch, config: DeepseekV41Config, rings: RingSizes, block_size: int,
-                 num_slots: int, query_block: int, floors: list[int]):
-        super().__init__(batch, config, rings, block_size, num_slots, query_block)
+                 num_slots: int, query_block: int, floors: list[int], split: RowSplit | None = None):
+        super().__init__(batch, config, rings, block_size, num_slots, query_block, split)
         self.floors = torch.tensor(floors, dtype=torch.long, device=self.device)
 
-    def _group(self, items: list[tuple[int, int, int]], decode: bool = False) -> AttnGroup:
-        g = super()._group(items, decode)
+    def _group(self, items: list[tuple[int, int, int]], decode: bool = False,
+               local_row: int | None = None) -> AttnGroup:
+        g = super()._group(items, decode, local_row)
         # StepPlan._group's window keys are [max(0, first query - W + 1), end): rebuild their positions
         key_start = (g.q_pos[:, 0] - (self.config.sliding_window - 1)).clamp(min=0)
         key_pos = key_start.unsqueeze(1) + torch.arange(g.window_mask.shape[2], device=self.device)
@@ -101,11 +108,14 @@ class DecoderRows:
         attn_site = blk.modules[site]
         x = model.accel.rms_norm(model.ops.hc_collapse(streams, step.pre), attn_site.norm, c.rms_norm_eps)
         blk.attn.publish_kv(x, step)  # the prepass: complete decoder global KV for every row
+        if step.plan.split is not None:  # context parallelism: the decoder runs other rows, split anew
+            streams, step = _whole_step(step.plan.split, streams, step)
         if self.batch is None:
             return streams[:0], None
-        rows = self.rows
+        split = step_split(model.context_parallel, self.batch, model.cp_min_tokens, model.device)
+        rows = self.rows if split is None else self.rows[split.local_rows]
         plan = FlooredStepPlan(self.batch, c, model._rings, model._cache.block_size, model._num_slots,
-                               model.query_block, self.floors)
+                               model.query_block, self.floors, split)
         kept = dataclasses.replace(
             step, input_ids=step.input_ids[rows], plan=plan,
             cos_sin={k: (cos[rows], sin[rows]) for k, (cos, sin) in step.cos_sin.items()}, pre=step.pre[rows],
@@ -116,7 +126,29 @@ class DecoderRows:
             h = m.forward(h, kept)
         for b in model.blocks[self.layer + 1:]:
             h = b.run(h, kept)
+        if split is not None:  # every rank's kept rows (the decoder layers' captures are kept rows too)
+            h, kept.pre, kept.capture = gather_outputs(split, h, kept.pre, kept.capture,
+                                                       range(self.layer, len(model.blocks)))
         return h, kept
+
+
+def _whole_step(split: RowSplit, streams: torch.Tensor, step: StepInputs) -> tuple[torch.Tensor, StepInputs]:
+    """A context-parallel step's per-row state (streams, ids, RoPE, mHC pre, Engram rows, DSpark
+    captures so far) on every row of the step, from this rank's rows (one all-gather)."""
+    parts = {"streams": streams, "input_ids": step.input_ids, "pre": step.pre}
+    parts.update({f"cos.{k}": cos for k, (cos, _) in step.cos_sin.items()})
+    parts.update({f"sin.{k}": sin for k, (_, sin) in step.cos_sin.items()})
+    if step.engram_rows is not None:
+        parts["engram_rows"] = step.engram_rows
+    captured = [] if step.capture is None else [layer for layer, f in step.capture.items() if f is not None]
+    parts.update({f"capture.{layer}": step.capture[layer] for layer in captured})
+    full = gather_parts(split, parts)
+    for layer in captured:  # in the step's own dict, which the model reads afterwards
+        step.capture[layer] = full[f"capture.{layer}"]
+    whole = dataclasses.replace(step, input_ids=full["input_ids"], pre=full["pre"],
+                                cos_sin={k: (full[f"cos.{k}"], full[f"sin.{k}"]) for k in step.cos_sin},
+                                engram_rows=full.get("engram_rows"))
+    return full["streams"], whole
 
 
 def decoder_rows(batch: ForwardBatch, config: DeepseekV41Config, keep_tokens: int | None) -> DecoderRows | None:
