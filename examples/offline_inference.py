@@ -17,7 +17,8 @@ without it DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if 
 Face cache holds it, else the embedded default model (a small random-weight DeepSeek-V4.1, created
 on first use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py and
 docs/parallelism.md): one process per rank; the samples are dealt round-robin over the DP ranks
-and printed in their original order; the ranks of a CP group share each sample's prefill and
+and printed in their original order (on several nodes node 0 prints every rank's samples, the
+other nodes only their ranks' summaries on stderr); the ranks of a CP group share each sample's prefill and
 must print the same lines (checked). --cp splits long prefills of DeepSeek-V4 and V4.1 checkpoints (a
 model family that cannot is refused before any process starts). --dtype float32 runs the model in fp32
 (to compare layouts).
@@ -248,8 +249,11 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
     return result
 
 
-def print_results(results: list[dict], check_structured: bool) -> int:
-    """Print the ranks' sample lines in the samples' original order (as one process would)."""
+def print_results(results: list[dict], check_structured: bool, samples: bool = True) -> int:
+    """Print the ranks' sample lines in the samples' original order (as one process would);
+    `samples` False (a node other than node 0, which prints them): only the ranks' summaries."""
+    if not samples:
+        results = [{**r, "header": [], "lines": {}, "checked": {}} for r in results]
     for line in results[0]["header"] if results else []:
         print(line, flush=True)
     disagree = []
@@ -296,7 +300,9 @@ def main(argv: list[str] | None = None) -> int:
     except RankFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
-    return print_results(results, args.check_structured_output)
+    if sizes.node_rank > 0:
+        print(f"node {sizes.node_rank} of {sizes.nodes}: node 0 prints the samples", file=sys.stderr, flush=True)
+    return print_results(results, args.check_structured_output, samples=sizes.node_rank == 0)
 
 
 def exit_now_on_interrupt() -> None:

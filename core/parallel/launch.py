@@ -9,6 +9,11 @@ imports torch or any back end. In the child the back end joins the process group
 where there are several, `deepinfer.parallel.groups`) and installs this rank's expert-parallel
 group (ep > 1) and context-parallel group (cp > 1) before `target` builds its engine.
 
+Several nodes: each node's parent starts and collects only its own ranks. So that node 0 can
+report the whole run, every rank's value is gathered to global rank 0 when `target` returns (over
+gloo, `gather_values`), and node 0's `launch`/`collect` returns every rank's value in the world;
+the other nodes get their own ranks' values.
+
 Failure: a rank that raises reports its traceback to the parent, which stops every other rank of
 this node and raises `RankFailed` with that rank's error; a rank that dies without a word (killed,
 out of memory) is reported by its exit code. No rank is left waiting in a collective.
@@ -141,10 +146,10 @@ def _rank_main(ctx: RankContext, accelerator: type[Accelerator], init_method: st
         from deepinfer.parallel.expert_parallel import join_world
 
         join_world(accelerator(), ctx.rank, ctx.layout, init_method)
-        value = target(ctx, *args)
+        values = gather_values(ctx, target(ctx, *args))
         # pickled here, by value: torch's queue would pass tensors as shared memory that vanishes
         # when this process exits, possibly before the parent has read them
-        results.put((ctx.rank, "ok", pickle.dumps(value)))
+        results.put((ctx.rank, "ok", pickle.dumps(values)))
     except BaseException as e:  # noqa: BLE001 - everything goes to the parent, which ends the launch
         results.put((ctx.rank, "error", "".join(traceback.format_exception(type(e), e, e.__traceback__))))
         raise SystemExit(1) from None
@@ -157,15 +162,34 @@ def _rank_main(ctx: RankContext, accelerator: type[Accelerator], init_method: st
         pass
 
 
+def gather_values(ctx: RankContext, value: Any) -> dict[int, Any]:
+    """{rank: value} this rank reports to its node's parent: its own value, and on global rank 0 of
+    a launch over several nodes every rank's (gathered to it over a gloo group, whatever the back
+    end's collective backend, so no device is involved)."""
+    if ctx.layout.nodes == 1:
+        return {ctx.rank: value}
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise RuntimeError(f"{ctx.layout.describe()} spans several nodes, but this back end did not join a "
+                           f"torch.distributed process group, so node 0 cannot gather the other nodes' results")
+    group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+    gathered: list[Any] | None = [None] * ctx.layout.world_size if ctx.rank == 0 else None
+    dist.gather_object(value, gathered, dst=0, group=group)
+    return dict(enumerate(gathered)) if gathered is not None else {ctx.rank: value}
+
+
 class RankGroup:
     """This node's rank processes, started by `start_ranks`: `procs` by global rank, and the queue
-    on which each reports (rank, "ok", value) or (rank, "error", traceback text) when it ends."""
+    on which each reports (rank, "ok", pickled {rank: value}, see `gather_values`) or (rank, "error",
+    traceback text) when it ends."""
 
     def __init__(self, procs: dict[int, Any], results: Any):
         self.procs, self.results = procs, results
 
     def collect(self) -> list[Any]:
-        """Wait for every rank's value (rank order); RankFailed as soon as one fails."""
+        """Wait for every rank of this node; their values in rank order (on node 0 of several nodes:
+        every rank's of the world); RankFailed as soon as one fails."""
         return _collect(self.procs, self.results)
 
     def failure(self, rank: int, wait_s: float = STOP_GRACE_SECONDS) -> str:
@@ -229,7 +253,8 @@ def _threads(layout: ParallelLayout, threads_per_rank: int | None) -> int:
 
 def launch(target: Callable[..., Any], args: tuple, layout: ParallelLayout, accelerator: type[Accelerator],
            threads_per_rank: int | None = None) -> list[Any]:
-    """Run `target(RankContext, *args)` once per rank of this node; returns their values in rank order.
+    """Run `target(RankContext, *args)` once per rank of this node; returns their values in rank order
+    (on node 0 of a launch over several nodes: every rank's of the world, see the module docstring).
 
     One rank (world size 1) runs in this process. Otherwise every rank is a spawned process and
     `target` and `args` must be picklable (a module-level function); `accelerator` is the back
@@ -247,32 +272,37 @@ def launch(target: Callable[..., Any], args: tuple, layout: ParallelLayout, acce
 
 
 def _collect(procs: dict[int, Any], results) -> list[Any]:
-    values: dict[int, Any] = {}
-    while len(values) < len(procs):
+    values: dict[int, Any] = {}  # rank -> value: a rank reports its own, node 0's first rank every rank's
+    reported: set[int] = set()
+    while len(reported) < len(procs):
         try:
             rank, status, value = results.get(timeout=POLL_SECONDS)
         except queue_module.Empty:
             for rank, proc in procs.items():  # died without reporting (killed, segfault, out of memory)
-                if rank not in values and proc.exitcode is not None and not _reported_late(results, values):
+                if rank not in reported and proc.exitcode is not None and not _reported_late(results, values,
+                                                                                              reported):
                     raise RankFailed(rank, f"process exited with code {proc.exitcode} without reporting a result")
             continue
-        if status == "error":
-            raise RankFailed(rank, value)
-        values[rank] = pickle.loads(value)
+        _record(rank, status, value, values, reported)
     for proc in procs.values():
         proc.join(STOP_GRACE_SECONDS)
     return [values[r] for r in sorted(values)]
 
 
-def _reported_late(results, values: dict[int, Any]) -> bool:
+def _record(rank: int, status: str, value: Any, values: dict[int, Any], reported: set[int]) -> None:
+    if status == "error":
+        raise RankFailed(rank, value)
+    values.update(pickle.loads(value))
+    reported.add(rank)
+
+
+def _reported_late(results, values: dict[int, Any], reported: set[int]) -> bool:
     """A rank may exit right after putting its result: drain what arrived before calling it lost."""
     try:
         rank, status, value = results.get(timeout=POLL_SECONDS)
     except queue_module.Empty:
         return False
-    if status == "error":
-        raise RankFailed(rank, value)
-    values[rank] = pickle.loads(value)
+    _record(rank, status, value, values, reported)
     return True
 
 
