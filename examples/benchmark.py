@@ -6,7 +6,7 @@
     python examples/benchmark.py --decode_num_requests 1           # low-latency, batch 1
     python examples/benchmark.py --cp 8 --prefill_batch_size 65536
 
-Rank 0 prints three numbers (plus the true accepted-token throughput beside the third):
+Node 0 prints three numbers (plus the true accepted-token throughput beside the third):
   prefill throughput   tokens/s/device
   decode avg_SPS       decode steps/s as one sequence sees them, in the window where all decode
   decode throughput    avg_SPS x decode_num_requests x (1 + nextn) / cp  ("full-acceptance
@@ -14,10 +14,23 @@ Rank 0 prints three numbers (plus the true accepted-token throughput beside the 
                        drafts' true acceptance, so it overstates output speed when drafts are rejected)
   accepted throughput  tokens actually emitted per second per device in the same window
 
+Parallel layout (`examples/bench/layout.py`): scale = WORLD_SIZE x devices per node (1 on the CPU
+back end), ep = scale, --cp divides it, dp = scale / cp. A scale above 1 starts this node's ranks
+through the offline example's launcher (`_launch.launch_dp`: the same layout rules and refusals,
+--threads_per_rank, devices from DEVICE_OFFSET; several nodes: RANK, MASTER_ADDR, MASTER_PORT as
+in docs/parallelism.md). Every rank builds its engine and runs the warm-up and timed phases in
+lockstep (each phase ends with the expert-parallel idle round, so all start the next one
+together); each DP rank decodes its own decode_num_requests sequences and prefills its own
+prompts; the ranks of a CP group run the same ones. Node 0 combines one rank per DP group per
+repeat: tokens, sequence steps and accepted tokens summed over the DP ranks, seconds the longest
+rank's (the phase's wall time), then divided by the devices (scale) as below: whole-run
+throughput per device. Its record keeps every rank's raw runs under "ranks".
+
 Method: `examples/bench/workloads.py`. Accounting: `examples/bench/accounting.py`. Roofline
 (`--roofline`): `examples/bench/roofline.py` and `model_cost.py` (per family: `cost_v4.py`,
 `cost_v41.py`). Environment: WORLD_SIZE, RANK, CUDA_VISIBLE_DEVICES (parallel scale = WORLD_SIZE x
 devices per node, 1 on the CPU back end);
+DEVICE_OFFSET, MASTER_ADDR, MASTER_PORT;
 DEEPINFER_USE_NEXTN_DECODE (speculative draft length nextn, default 5 when speculative decoding is
 installed; 0 disables it); PROFILE=1 writes a torch profiler trace of the timed phases and prints
 the 20 costliest operators (timings then include profiler overhead: use the trace to see which
@@ -37,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` import
 
 from bench import accounting, results  # noqa: E402
 from bench.layout import Layout, resolve_layout  # noqa: E402
+from _launch import RankContext, check_context_parallel_model, launch_dp, resolve_parallel  # noqa: E402
 from _speculation import NEXTN_VAR, drafter_unsupported, speculation_off_note  # noqa: E402
 
 # The seeds' defaults (sized for a node of SM100 GPUs) and a CPU preset of the same shape that a
@@ -71,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decode steps timed with every sequence running (seeds preset: 64)")
     p.add_argument("--prefill_batches", type=int, default=None, help="prefill batches timed per repeat (default 2)")
     p.add_argument("--cp", type=int, default=1, help="context parallelism; must divide the parallel scale")
+    p.add_argument("--threads_per_rank", type=int, default=None,
+                   help="CPU threads of each rank's process when the scale is above 1 (default: cores // ranks "
+                        "on this node)")
     p.add_argument("--yoco_clip", action="store_true",
                    help="enable SWA bounded replay (the swa_replay feature) for prefill")
     p.add_argument("--prompt_mode", choices=("text", "image"), default="text", help="input type of the prompts")
@@ -281,19 +298,26 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
         if note:
             say(note)
     profile = env.get("PROFILE", "").strip() not in ("", "0")
-    sequences = settings.decode_num_requests * layout.dp  # decode_num_requests is per data-parallel group
+    # the launcher's rules and refusals (nodes, devices, CP support) before anything starts
+    parallel = resolve_parallel(layout.ep, layout.dp, layout.cp, accelerator, env)
+    check_context_parallel_model(args.model_name, parallel.cp)
 
-    llm = None
-    prefill_runs: list[dict] = []
-    decode_runs: list[dict] = []
+    ranks: list[dict] = []
     if args.phase != "none":
-        from deepinfer import LLM
+        from deepinfer.plugins import select_accelerator_class
 
-        llm = LLM(**_engine_kwargs(args, settings, layout, sequences, planned_nextn()))
-        prefill_runs, decode_runs = _timed_phases(llm, args, settings, sequences, profile, layout.rank, say)
+        ranks = launch_dp(bench_rank, parallel, select_accelerator_class(accelerator), (args, settings, profile),
+                          threads_per_rank=args.threads_per_rank)
+    first = ranks[0] if ranks else None
+    groups = [r for r in ranks if r["cp_rank"] == 0]  # one rank per DP group (a CP group runs the same requests)
+    prefill_runs = [results.combine_runs([g["prefill"][i] for g in groups]) for i in range(len(first["prefill"]))] \
+        if first else []
+    decode_runs = [results.combine_runs([g["decode"][i] for g in groups]) for i in range(len(first["decode"]))] \
+        if first else []
 
-    config, dtype, model_type = _model_config(llm, args.model_name)
-    if llm is None and args.dtype != "auto":
+    config, dtype, model_type = (first["config"], first["dtype"], first["model_type"]) if first else \
+        _model_config(None, args.model_name)
+    if first is None and args.dtype != "auto":
         dtype = args.dtype  # what the engine would have run
     record: dict[str, Any] = {
         "schema": results.SCHEMA,
@@ -305,34 +329,55 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
         "layout": {"world_size": layout.world_size, "rank": layout.rank, "devices_per_node": layout.devices_per_node,
                    "scale": layout.scale, "cp": layout.cp, "dp": layout.dp, "ep": layout.ep,
                    "accelerator": accelerator},
-        "model": {"name": args.model_name, "path": llm.build_info.model_path if llm else None, "dtype": dtype,
+        "model": {"name": args.model_name, "path": first["model_path"] if first else None, "dtype": dtype,
                   "model_type": model_type,
                   "hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
                   "n_routed_experts": config.n_routed_experts, "num_experts_per_tok": config.num_experts_per_tok,
                   "vocab_size": config.vocab_size},
-        "engine": None if llm is None else {k: getattr(llm.config, k) for k in
-                                            ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                                             "async_pipeline", "dtype")},
-        "nextn": engine_nextn(llm) if llm is not None else 0,
+        "engine": first["engine"] if first else None,
+        "nextn": first["nextn"] if first else 0,
         "profile": profile,
-        "threads": _threads(),
+        "threads": first["threads"] if first else _threads(),
         "prefill": prefill_runs,
         "decode": decode_runs,
         "roofline": None,
     }
-    if llm is not None:
-        llm.shutdown()
+    if parallel.world_size > 1:  # every rank's raw runs (on node 0 of several nodes: the world's)
+        record["ranks"] = [{k: r[k] for k in ("rank", "dp_rank", "cp_rank", "prefill", "decode")} for r in ranks]
     if args.roofline:
-        record["roofline"], record["_roofline_text"] = _roofline(record, config, dtype, settings, sequences)
+        record["roofline"], record["_roofline_text"] = _roofline(record, config, dtype, settings)
     return record
+
+
+def bench_rank(ctx: RankContext, args: argparse.Namespace, settings: Settings, profile: bool) -> dict[str, Any]:
+    """One rank: build the engine for its place in the layout, run the phases, return its raw runs
+    and what the record says about the engine (the whole run in-process when the scale is 1)."""
+    from deepinfer import LLM
+
+    say = print if ctx.is_first else (lambda *a, **k: None)
+    layout = ctx.layout
+    llm = LLM(**_engine_kwargs(args, settings, layout if not layout.is_single else None,
+                               settings.decode_num_requests, planned_nextn()))
+    prefill_runs, decode_runs = _timed_phases(llm, args, settings, settings.decode_num_requests, profile, ctx.rank,
+                                              say, ctx.dp_rank)
+    config, dtype, model_type = _model_config(llm, args.model_name)
+    out = {"rank": ctx.rank, "dp_rank": ctx.dp_rank, "cp_rank": ctx.rank % layout.cp,
+           "prefill": prefill_runs, "decode": decode_runs, "config": config, "dtype": dtype, "model_type": model_type,
+           "model_path": llm.build_info.model_path,
+           "engine": {k: getattr(llm.config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len",
+                                                          "async_pipeline", "dtype")},
+           "nextn": engine_nextn(llm), "threads": _threads()}
+    llm.shutdown()
+    return out
 
 
 WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS = 64, 4
 
 
-def _engine_kwargs(args: argparse.Namespace, settings: Settings, layout: Layout, sequences: int,
+def _engine_kwargs(args: argparse.Namespace, settings: Settings, parallel: Any, sequences: int,
                    nextn: int) -> dict[str, Any]:
-    """LLM(...) arguments sized for the phases that will run. Speculative decoding is on whenever
+    """LLM(...) arguments sized for the phases that will run (`sequences`: this engine's decode
+    batch; `parallel`: the rank's ParallelLayout, None in one process). Speculative decoding is on whenever
     it is installed, as in the seeds (DEEPINFER_USE_NEXTN_DECODE=0 turns it off)."""
     from bench import workloads
 
@@ -346,8 +391,8 @@ def _engine_kwargs(args: argparse.Namespace, settings: Settings, layout: Layout,
         max_num_batched_tokens=settings.prefill_batch_size,
         max_model_len=max(decode_len if decode else 0, settings.non_cached_tokens + 1 if prefill else 0,
                           WARMUP_PROMPT_TOKENS + WARMUP_OUTPUT_TOKENS))
-    if layout.scale > 1:
-        kwargs.update(ep=layout.ep, dp=layout.dp, cp=layout.cp)
+    if parallel is not None:
+        kwargs.update(ep=parallel.ep, dp=parallel.dp, cp=parallel.cp)
     features: dict[str, dict] = {}
     if nextn > 0:
         features["dspark"] = {}  # the draft length comes from DEEPINFER_USE_NEXTN_DECODE / the config file
@@ -359,9 +404,17 @@ def _engine_kwargs(args: argparse.Namespace, settings: Settings, layout: Layout,
 
 
 def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequences: int, profile: bool,
-                  rank: int, say) -> tuple[list[dict], list[dict]]:
-    """Warm-up, then prefill and decode alternately `--repeats` times; raw results per repeat."""
+                  rank: int, say, dp_rank: int = 0) -> tuple[list[dict], list[dict]]:
+    """Warm-up, then prefill and decode alternately `--repeats` times; raw results per repeat. Every
+    run ends with the expert-parallel idle round (a no-op in one process): a rank that is done serves
+    its peers' experts until all are, so the ranks start each phase together. Each DP rank draws
+    its own prompts (`dp_rank` shifts the seeds; DP rank 0 uses today's)."""
     from bench import workloads
+    from deepinfer.parallel.expert_parallel import idle_until_peers_done
+
+    def synced(result):
+        idle_until_peers_done()
+        return result
 
     def machine() -> dict | None:  # measured right before each timed phase (--roofline)
         if not args.roofline:
@@ -380,10 +433,11 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         if args.phase in ("both", "prefill"):
             step = -(-settings.prefill_batch_size // settings.non_cached_tokens)
             warm = workloads.random_prompts(step, settings.non_cached_tokens, vocab, seed=10**6 + 1)
-            workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=1, **greedy))
+            synced(workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=1, **greedy)))
         if args.phase in ("both", "decode"):
             warm = workloads.random_prompts(sequences, short, vocab, seed=10**6 + 2)
-            workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy))
+            synced(workloads.run_requests(llm, warm,
+                                          workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy)))
     prefill_requests = -(-settings.prefill_batches * settings.prefill_batch_size // settings.non_cached_tokens)
     prefill_runs: list[dict] = []
     decode_runs: list[dict] = []
@@ -392,17 +446,17 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         profiler.__enter__()
     try:
         for r in range(args.repeats):
+            seed = args.seed + 2 * (dp_rank * args.repeats + r)
             if args.phase in ("both", "prefill"):
-                prompts = workloads.random_prompts(prefill_requests, settings.non_cached_tokens, vocab,
-                                                   seed=args.seed + 2 * r)
+                prompts = workloads.random_prompts(prefill_requests, settings.non_cached_tokens, vocab, seed=seed)
                 m = machine()
-                run = workloads.run_prefill(llm, prompts, settings.prefill_batch_size, profiler)
+                run = synced(workloads.run_prefill(llm, prompts, settings.prefill_batch_size, profiler))
                 prefill_runs.append(dict(run.to_json(), machine=m))
             if args.phase in ("both", "decode"):
-                prompts = workloads.random_prompts(sequences, settings.context_length, vocab, seed=args.seed + 2 * r + 1)
+                prompts = workloads.random_prompts(sequences, settings.context_length, vocab, seed=seed + 1)
                 m = machine()
-                run = workloads.run_decode(llm, prompts, settings.decode_tokens, settings.prefill_batch_size,
-                                           engine_nextn(llm), profiler)
+                run = synced(workloads.run_decode(llm, prompts, settings.decode_tokens, settings.prefill_batch_size,
+                                                  engine_nextn(llm), profiler))
                 decode_runs.append(dict(run.to_json(), machine=m))
     finally:
         if profiler is not None:
@@ -417,12 +471,13 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
     return prefill_runs, decode_runs
 
 
-def _roofline(record: dict[str, Any], config, dtype: str, settings: Settings, sequences: int) -> tuple[dict, str]:
-    """Cost of the workload, the machine measured before each phase, and the report text."""
+def _roofline(record: dict[str, Any], config, dtype: str, settings: Settings) -> tuple[dict, str]:
+    """Cost of the workload (one engine's: decode_num_requests sequences), the machine measured
+    before each phase, and the report text."""
     from bench import model_cost, roofline
 
     float_bytes = model_cost.dtype_bytes(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
-    cost = roofline.workload_cost(config, prefill_len=settings.non_cached_tokens, decode_batch=sequences,
+    cost = roofline.workload_cost(config, prefill_len=settings.non_cached_tokens, decode_batch=settings.decode_num_requests,
                                   decode_context=settings.context_length, float_bytes=float_bytes)
     runs = record["prefill"] + record["decode"]
     machines = [roofline.Machine.from_json(r["machine"]) for r in runs] or [roofline.measure_machine(trials=3)]
@@ -451,7 +506,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     roofline_text = record.pop("_roofline_text", None)
-    if record["layout"]["rank"] == 0:
+    if record["layout"]["rank"] > 0:
+        print(f"node {record['layout']['rank']} of {record['layout']['world_size']}: node 0 prints the figures",
+              file=sys.stderr)
+    else:
         text = format_figures(record)
         if text:
             print(text)

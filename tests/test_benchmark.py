@@ -446,6 +446,53 @@ def test_roofline_without_the_engine_on_a_v41_checkpoint(tiny_v41, tmp_path, cap
     assert cost["cache_bytes_per_context_token"] == context_bytes_per_token(build_cache_layout(config, 0))
 
 
+def test_benchmark_on_two_nodes_runs_its_layout(tiny_model, tmp_path):
+    """WORLD_SIZE=2 on the CPU back end (two node processes on this host, gloo): scale 2, ep 2, dp 2;
+    each node runs one rank, node 0 prints and records the figures of both DP ranks combined."""
+    import os
+
+    from node_helpers import run_nodes
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_") and k not in ("RANK", "WORLD_SIZE")}
+    env.update(DEEPINFER_ACCELERATOR="cpu", DEEPINFER_USE_NEXTN_DECODE="0", OMP_NUM_THREADS="1",
+               TOKENIZERS_PARALLELISM="false")
+    out = tmp_path / "results.jsonl"
+    argv = [sys.executable, str(EXAMPLES / "benchmark.py"), "--model_name", str(tiny_model), "--preset", "cpu",
+            "--decode_num_requests", "2", "--context_length", "16", "--non_cached_tokens", "16",
+            "--prefill_batch_size", "32", "--decode_tokens", "3", "--prefill_batches", "1", "--threads_per_rank", "1"]
+    node0, node1 = run_nodes(argv + ["--result_jsonl", str(out)], env)
+    assert node0.returncode == 0 and node1.returncode == 0, (node0.stderr[-3000:], node1.stderr[-3000:])
+    assert "prefill throughput:" in node0.stdout and "decode avg_SPS:" in node0.stdout
+    assert "prefill throughput" not in node1.stdout and "node 1 of 2: node 0 prints the figures" in node1.stderr
+    [record] = results.read_jsonl(out)
+    layout = record["layout"]
+    assert (layout["world_size"], layout["scale"], layout["ep"], layout["dp"], layout["cp"]) == (2, 2, 2, 2, 1)
+    ranks = record["ranks"]
+    assert [(r["rank"], r["dp_rank"]) for r in ranks] == [(0, 0), (1, 1)]
+    # each DP rank prefilled and decoded its own requests; the record sums them, seconds the slowest rank's
+    [p], [d] = record["prefill"], record["decode"]
+    assert p["tokens"] == sum(r["prefill"][0]["tokens"] for r in ranks) == 2 * 2 * 16
+    assert p["seconds"] == max(r["prefill"][0]["seconds"] for r in ranks)
+    assert d["requests"] == 2 * 2 and all(r["decode"][0]["requests"] == 2 for r in ranks)
+    assert d["accepted_tokens"] == sum(r["decode"][0]["accepted_tokens"] for r in ranks)
+    f = results.figures(record)
+    assert f["prefill_tokens_per_s_per_device"]["median"] == pytest.approx(p["tokens"] / p["seconds"] / 2)
+    # --cp 2 on two one-device nodes would put one CP group (dp 1) across both: refused before any rank starts
+    refused = run_nodes(argv + ["--cp", "2"], env)
+    assert all(n.returncode == 2 and "dp=1 must be divisible by the number of nodes WORLD_SIZE=2" in n.stderr
+               for n in refused), [n.stderr[-2000:] for n in refused]
+
+
+def test_combining_runs_of_data_parallel_ranks():
+    a = {"requests": 2, "tokens": 32, "seconds": 1.0, "batches": 1, "mean_ttft_s": 0.2, "prompt_len": 16,
+         "machine": None}
+    b = dict(a, seconds=2.0, mean_ttft_s=0.4)
+    assert results.combine_runs([a]) == a
+    assert results.combine_runs([a, b]) == dict(a, requests=4, tokens=64, seconds=2.0, mean_ttft_s=pytest.approx(0.3))
+    with pytest.raises(ValueError, match="different prompt_len"):
+        results.combine_runs([a, dict(b, prompt_len=8)])
+
+
 def test_benchmark_roofline_on_a_timed_v41_run(tiny_v41, tmp_path, capsys, clean_env):
     clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
     out = tmp_path / "v41.jsonl"

@@ -14,6 +14,7 @@ import pytest
 
 from deepinfer.parallel.launch import RankFailed, check_devices, launch, rank_environment
 from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout, check_runnable, resolve_layout
+from node_helpers import run_nodes
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "offline_inference.py"
@@ -79,34 +80,11 @@ def test_ep2_dp2_prints_the_single_process_samples_v41(v41_checkpoint):
     assert sample_lines(v41_checkpoint, "--ep", "2", "--dp", "2") == sample_lines(v41_checkpoint, "--ep", "1")
 
 
-def run_nodes(argv: list[str], nodes: int = 2, timeout: float = 300) -> list[subprocess.CompletedProcess]:
-    """`argv` started once per "node" on this host (WORLD_SIZE=nodes, RANK=0.., one MASTER_PORT),
-    as several machines would run it; every node's completed process, in node order."""
-    from deepinfer.parallel.launch import free_port
-
-    port = str(free_port())
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**_env(), "WORLD_SIZE": str(nodes), "RANK": str(node),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
-             for node in range(nodes)]
-    done = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(argv, proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return done
-
-
 def test_two_nodes_print_the_single_process_samples(v4_checkpoint, v4_single_lines):
     """Two node processes on one host over gloo (WORLD_SIZE=2, RANK=0/1): --ep 2 gives each node
     one DP rank; node 0 gathers and prints every sample, node 1 only its rank's summary."""
     node0, node1 = run_nodes([sys.executable, str(EXAMPLE), "--model_name", v4_checkpoint, "--dtype", "float32",
-                              "--threads_per_rank", "1", "--ep", "2"])
+                              "--threads_per_rank", "1", "--ep", "2"], _env())
     assert node0.returncode == 0 and node1.returncode == 0, (node0.stderr[-3000:], node1.stderr[-3000:])
     lines = [line.split("; ", 1)[1] for line in node0.stdout.splitlines() if line.startswith("DP ")]
     assert lines == v4_single_lines

@@ -63,6 +63,42 @@ def figures(record: dict[str, Any]) -> dict[str, dict[str, float] | None]:
     return out
 
 
+#: How one repeat's runs of several DP ranks combine into the run of the whole layout: counts add
+#: up, times are the slowest rank's (the ranks start each phase together, so that is the phase's
+#: wall time), ttft is averaged, a size every rank shares is kept.
+COMBINE = {"requests": "sum", "tokens": "sum", "sequence_steps": "sum", "accepted_tokens": "sum",
+           "seconds": "max", "total_seconds": "max", "steps": "max", "total_steps": "max", "batches": "max",
+           "mean_ttft_s": "mean", "prompt_len": "same", "context_len": "same", "max_tokens": "same",
+           "machine": "first", "speculation": "sum"}
+
+
+def combine_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One phase run of the whole layout from one run per DP rank (a single run is returned as is)."""
+    if len(runs) == 1:
+        return dict(runs[0])
+    out: dict[str, Any] = {}
+    for key in runs[0]:
+        values = [r[key] for r in runs]
+        rule = COMBINE.get(key)
+        if rule is None:
+            raise ValueError(f"no rule to combine {key!r} over data-parallel ranks; add it to results.COMBINE")
+        if rule == "sum" and isinstance(values[0], dict):
+            out[key] = {k: sum(v[k] for v in values) for k in values[0]}
+        elif rule == "sum":
+            out[key] = None if values[0] is None else sum(values)
+        elif rule == "max":
+            out[key] = max(values)
+        elif rule == "mean":
+            out[key] = statistics.fmean(values)
+        elif rule == "same":
+            if len(set(values)) != 1:
+                raise ValueError(f"data-parallel ranks ran different {key} {sorted(set(values))}")
+            out[key] = values[0]
+        else:
+            out[key] = values[0]
+    return out
+
+
 def append_jsonl(path: str | Path, record: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
