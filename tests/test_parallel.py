@@ -262,6 +262,9 @@ def test_each_rank_sees_its_own_devices():
     assert [rank_environment("ascend", ParallelLayout(ep=2, dp=2, cp=2), r, env={}) for r in (2, 3)] == \
         [{"ASCEND_RT_VISIBLE_DEVICES": "2"}, {"ASCEND_RT_VISIBLE_DEVICES": "3"}]
     assert rank_environment("cpu", layout, 1, env={}) == {}
+    # devices the parent already narrowed down: the index counts in its list
+    assert rank_environment("nvidia", layout, 1, env={"CUDA_VISIBLE_DEVICES": "4,5,6,7", "DEVICE_OFFSET": "2"}) \
+        == {"CUDA_VISIBLE_DEVICES": "7"}
 
 
 def test_a_layout_needing_more_devices_than_the_node_has_is_refused():

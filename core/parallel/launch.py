@@ -114,12 +114,16 @@ def default_threads(layout: ParallelLayout) -> int:
 def rank_environment(accelerator: str, layout: ParallelLayout, local_rank: int,
                      env: dict[str, str] | None = None) -> dict[str, str]:
     """Variables a rank's process starts with: its device, DEVICE_OFFSET + local rank. A DP rank is
-    `cp` processes (one per CP rank, consecutive), so it holds `cp` consecutive devices."""
+    `cp` processes (one per CP rank, consecutive), so it holds `cp` consecutive devices. When the
+    parent's visibility variable lists devices (CUDA_VISIBLE_DEVICES=4,5,6,7) that index counts in
+    that list, as the back end's device count does; otherwise it is the device's own number."""
     env = dict(os.environ) if env is None else env
     out: dict[str, str] = {}
     var = VISIBLE_DEVICES_VAR.get(accelerator)
     if var:
-        out[var] = str(env_int(env, "DEVICE_OFFSET", 0, 0) + local_rank)
+        index = env_int(env, "DEVICE_OFFSET", 0, 0) + local_rank
+        visible = [d.strip() for d in env.get(var, "").split(",") if d.strip()]
+        out[var] = visible[index] if index < len(visible) else str(index)
     return out
 
 
