@@ -269,6 +269,12 @@ class NativeCpuKernels(CpuKernels):
             out = native.grouped_amx_bf16(lib, x, weight)  # None without AMX
         return super().grouped_linear(x, weight) if out is None else out
 
+    def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scaling_factor: float,
+                  hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        lib = self.native_library
+        out = None if lib is None else native.moe_route_rows(lib, scores, bias, top_k, routed_scaling_factor, hash_ids)
+        return super().moe_route(scores, bias, top_k, routed_scaling_factor, hash_ids) if out is None else out
+
     def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
         lib = self.native_library
         out = None if lib is None else native.moe_dispatch_rows(lib, x, ids, num_experts)
@@ -351,6 +357,14 @@ class NativeCpuKernels(CpuKernels):
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                      mask: torch.Tensor, k: int) -> torch.Tensor:
+        lib = self.native_library
+        if not self.invariant and lib is not None and keys.shape[1] and q.shape[1] <= _DECODE_QUERIES:
+            score = native.indexer_scores(lib, q, weights, keys, mask)  # -inf where not visible
+            if score is not None:
+                vals, idx = score.topk(min(k, keys.shape[1]), dim=-1)
+                picks = idx.masked_fill_(vals == float("-inf"), -1)
+                return picks if picks.shape[-1] == k else torch.nn.functional.pad(picks, (0, k - picks.shape[-1]),
+                                                                                  value=-1)
         if not self.invariant or keys.shape[1] == 0:
             return super().indexer_topk(q, weights, keys, mask, k)
         B, S, Hi, _ = q.shape
