@@ -275,6 +275,7 @@ def test_experts_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
     rows, w13, w2 = make((3, 64), torch.bfloat16), make((2, 64, 64), torch.bfloat16), make((2, 64, 32), torch.bfloat16)
     assert native.experts_bf16(lib, rows.float(), counts, w13.float(), w2.float(), 0.0) is None  # fp32
     assert native.experts_bf16(lib, rows, torch.tensor([2, 2]), w13, w2, 0.0) is None  # counts != rows
+    assert native.experts_bf16(lib, rows, torch.tensor([4, -1]), w13, w2, 0.0) is None  # a negative count
     assert native.experts_bf16(lib, rows, counts, w13, w2[:, :32], 0.0) is None  # w2 of the wrong shape
     # above the row limit (prefill-sized) oneDNN's per-expert GEMMs run instead
     calls = []

@@ -182,6 +182,10 @@ class NativeCpuKernels(CpuKernels):
         if self.invariant:
             return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
+        if lib is not None and rows == 1:  # one bf16 token (decode): straight to the C GEMV
+            y = native.gemv_bf16(lib, weight, x)
+            if y is not None:
+                return y.view(*x.shape[:-1], weight.shape[0])
         if lib is not None and 1 < rows <= _LINEAR_AMX_MAX_ROWS and weight.numel() <= _LINEAR_AMX_MAX_ELEMENTS:
             y = native.linear_amx_bf16(lib, x.reshape(rows, x.shape[-1]), weight)  # None without AMX
             if y is not None:

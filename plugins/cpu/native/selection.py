@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
 
 _INDEXER_SCORES = Kernel("indexer_scores", q=ptr, w=ptr, keys=ptr, mask=ptr, out=ptr, B=long_, S=long_, Hi=long_,
                          di=long_, E=long_, dtype=int_, num_threads=int_)
@@ -27,7 +27,7 @@ def indexer_scores(lib: ctypes.CDLL, q: torch.Tensor, weights: torch.Tensor, key
     if keys.shape != (B, E, di) or weights.shape != (B, S, Hi) or mask.shape != (B, S, E):
         return None
     qc, kc, mc = q.contiguous(), keys.contiguous(), mask.contiguous()
-    wc = weights.detach().float().contiguous()
+    wc = f32(weights)
     out = torch.empty((B, S, E), dtype=torch.float32)
     if out.numel():
         _INDEXER_SCORES(lib, q=qc.data_ptr(), w=wc.data_ptr(), keys=kc.data_ptr(), mask=mc.data_ptr(),
@@ -49,7 +49,7 @@ def moe_route_rows(lib: ctypes.CDLL, scores: torch.Tensor, bias: torch.Tensor | 
     if hash_ids is not None and (hash_ids.shape != (T, top_k) or not hash_ids.is_cpu):
         return None
     sc = scores.contiguous()
-    bc = None if bias is None else bias.detach().float().contiguous()
+    bc = None if bias is None else f32(bias)
     hc = None if hash_ids is None else hash_ids.long().contiguous()
     ids = torch.empty((T, top_k), dtype=torch.long)
     weights = torch.empty((T, top_k), dtype=torch.float32)
