@@ -261,7 +261,8 @@ def test_experts_bf16(nat, counts, D, inter, limit):
     if n <= nat._native_expert_rows(E):  # the C kernel runs (every case where AMX tiles are usable)
         assert torch.equal(through, got)
     else:
-        # Above the C kernel's row limit (48 rows without AMX, e.g. the 71 rows of [20, 0, 35, 16])
+        # Above the C kernel's row limit (without AMX: 16 rows per expert on average on the vector tiers,
+        # 48 in all on the portable one; e.g. the 71 rows of [20, 0, 35, 16])
         # the pure-torch experts run. They round where torch's bf16 ops round: silu's result, then
         # its product with up. That differs from the C kernel's single rounding by a bf16 ulp in
         # many hidden elements, a few ulps of the output after w2's sum, so they are held to their

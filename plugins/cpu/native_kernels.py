@@ -40,7 +40,7 @@ from deepinfer_plugins.cpu.packed_weights import PackedWeights
 # With AMX tiles: 1.4-1.7x at 4-32 rows (cold weights), 1.05-1.1x at 64-128 (all experts touched,
 # both stream the weights at ~23 GB/s), 1.96x at 1,024 rows, 1.65x at 2,048, 1.35x at 4,096, equal
 # at 8,192 (256 rows per expert): up to 192 rows per expert on average.
-# With AVX512-BF16 dot products only: 1.25-1.45x at 4-48 rows, compute-bound from ~64 (0.87x at 96).
+# The portable dot products (no AVX2 or AVX-512): up to 48 rows in all.
 _EXPERT_ROWS_PER_EXPERT_AMX = 192
 _EXPERT_MAX_ROWS_DOT = 48
 
@@ -60,9 +60,12 @@ _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 # the packed oneDNN path where it exists): AVX2+FMA 1.25-2.4x at 4 and 16 rows (LM head, 4096 x 512,
 # 512 x 2048); AVX512-BF16 2.2-2.4x at 4 rows, 0.84-1.19x at 16. Not measured on the plain C tier.
 _GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
-# Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA tier: its
-# products are the multi-token GEMV's, each expert weight streamed once
-_EXPERT_ROWS_PER_EXPERT_AVX2 = 16
+# Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA and
+# AVX512-BF16 tiers: its products are the multi-token GEMV's, each expert weight streamed once. AMD Zen 4
+# (AVX512-BF16, no AMX), one thread, cold weights, C vs the torch paths: 16 experts of 128 x 512 (top-4)
+# 2.97x at 4 rows per expert, 2.83x at 16, 1.67x at 32; 32 experts of 512 x 1024 2.97x at 3 rows per
+# expert, 1.45x at 16, 1.04x at 32.
+_EXPERT_ROWS_PER_EXPERT_DOT = 16
 
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
@@ -403,8 +406,8 @@ class NativeCpuKernels(CpuKernels):
     def _native_expert_rows(self, num_experts: int) -> int:
         if self.native_amx:
             return _EXPERT_ROWS_PER_EXPERT_AMX * num_experts
-        if native.gemv_tier(self.native_library) == "avx2-fma":
-            return _EXPERT_ROWS_PER_EXPERT_AVX2 * num_experts
+        if native.gemv_tier(self.native_library) in ("avx2-fma", "avx512-bf16"):
+            return _EXPERT_ROWS_PER_EXPERT_DOT * num_experts
         return _EXPERT_MAX_ROWS_DOT
 
     @functools.cached_property
