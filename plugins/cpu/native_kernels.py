@@ -67,6 +67,10 @@ _GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
 # expert, 1.45x at 16, 1.04x at 32.
 _EXPERT_ROWS_PER_EXPERT_DOT = 16
 
+# Tokens up to which the router's top-k runs in C (one thread, k passes over the experts: ~10 torch ops
+# fewer per layer at decode; prefill-sized batches keep torch's parallel top-k)
+_ROUTE_MAX_TOKENS = 64
+
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
 _DECODE_QUERIES = 16
@@ -278,8 +282,9 @@ class NativeCpuKernels(CpuKernels):
 
     def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scaling_factor: float,
                   hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        lib = self.native_library
-        out = None if lib is None else native.moe_route_rows(lib, scores, bias, top_k, routed_scaling_factor, hash_ids)
+        lib, out = self.native_library, None
+        if lib is not None and scores.shape[0] <= _ROUTE_MAX_TOKENS:
+            out = native.moe_route_rows(lib, scores, bias, top_k, routed_scaling_factor, hash_ids)
         return super().moe_route(scores, bias, top_k, routed_scaling_factor, hash_ids) if out is None else out
 
     def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
