@@ -283,7 +283,8 @@ class NativeCpuKernels(CpuKernels):
     def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scaling_factor: float,
                   hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         lib, out = self.native_library, None
-        if lib is not None and scores.shape[0] <= _ROUTE_MAX_TOKENS:
+        # batch-invariant mode: always C, so that a token's weights are the same bits at any batch size
+        if lib is not None and (scores.shape[0] <= _ROUTE_MAX_TOKENS or self.invariant):
             out = native.moe_route_rows(lib, scores, bias, top_k, routed_scaling_factor, hash_ids)
         return super().moe_route(scores, bias, top_k, routed_scaling_factor, hash_ids) if out is None else out
 

@@ -68,7 +68,7 @@ class RaggedPlan:
         self.decode_only = all(n == 1 for n in self.q_lens)
         if self.decode_only:  # the same tensors, from the Python lists directly
             self.row_seq = torch.arange(B, device=dev)
-            expected = torch.tensor(self.ctx, device=dev)
+            expected = torch.tensor(self.ctx, dtype=torch.long, device=dev)
         else:
             q_lens_t = torch.tensor(self.q_lens, device=dev)
             self.row_seq = torch.repeat_interleave(torch.arange(B, device=dev), q_lens_t)
@@ -100,7 +100,7 @@ class RaggedPlan:
     @cached_property
     def row_slot(self) -> torch.Tensor:
         """`[T]` each row's sequence slot."""
-        slots = torch.tensor(self.slots, device=self.device)
+        slots = torch.tensor(self.slots, dtype=torch.long, device=self.device)
         return slots if self.decode_only else slots[self.row_seq]
 
     def ring_write(self, ring: int) -> RingWrite:
