@@ -261,7 +261,8 @@ def test_experts_bf16(nat, counts, D, inter, limit):
     if n <= nat._native_expert_rows(E):  # the C kernel runs (every case where AMX tiles are usable)
         assert torch.equal(through, got)
     else:
-        # Above the C kernel's row limit (48 rows without AMX, e.g. the 71 rows of [20, 0, 35, 16])
+        # Above the C kernel's row limit (without AMX: 16 rows per expert on average on the vector tiers,
+        # 48 in all on the portable one; e.g. the 71 rows of [20, 0, 35, 16])
         # the pure-torch experts run. They round where torch's bf16 ops round: silu's result, then
         # its product with up. That differs from the C kernel's single rounding by a bf16 ulp in
         # many hidden elements, a few ulps of the output after w2's sum, so they are held to their
@@ -275,6 +276,7 @@ def test_experts_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
     rows, w13, w2 = make((3, 64), torch.bfloat16), make((2, 64, 64), torch.bfloat16), make((2, 64, 32), torch.bfloat16)
     assert native.experts_bf16(lib, rows.float(), counts, w13.float(), w2.float(), 0.0) is None  # fp32
     assert native.experts_bf16(lib, rows, torch.tensor([2, 2]), w13, w2, 0.0) is None  # counts != rows
+    assert native.experts_bf16(lib, rows, torch.tensor([4, -1]), w13, w2, 0.0) is None  # a negative count
     assert native.experts_bf16(lib, rows, counts, w13, w2[:, :32], 0.0) is None  # w2 of the wrong shape
     # above the row limit (prefill-sized) oneDNN's per-expert GEMMs run instead
     calls = []
@@ -306,6 +308,65 @@ def test_argmax_logsumexp(nat):
     assert torch.equal(got[0], wide[:, :1000].argmax(-1))
     assert torch.allclose(got[1], torch.logsumexp(wide[:, :1000], -1), rtol=2e-6)
     assert native.argmax_logsumexp(nat.native_library, logits.double()) is None  # fp32 only
+
+
+def indexer_scores_exact(q, w, keys, mask):
+    """The lightning indexer's scores in fp64, -inf where not visible."""
+    dots = torch.einsum("bshd,bed->bshe", q.double(), keys.double()).relu()
+    return (dots * w.double().unsqueeze(-1)).sum(2).masked_fill(~mask, float("-inf"))
+
+
+def check_indexer_scores(lib, dtype, B, S, Hi, di, E, seed=0):
+    q, keys = make((B, S, Hi, di), dtype, seed), make((B, E, di), dtype, seed + 1)
+    w = make((B, S, Hi), torch.float32, seed + 2)
+    mask = torch.rand(B, S, E, generator=torch.Generator().manual_seed(seed)) > 0.3
+    got, want = native.indexer_scores(lib, q, w, keys, mask), indexer_scores_exact(q, w, keys, mask)
+    assert got.dtype == torch.float32 and torch.equal(torch.isinf(got), ~mask)
+    scale = want[mask].abs().max().item() if mask.any() else 1.0
+    assert (got.double() - want)[mask].abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,S,Hi,di,E", [(1, 1, 8, 64, 37), (3, 2, 4, 32, 5), (2, 1, 64, 128, 300)])
+def test_indexer_scores(nat, dtype, B, S, Hi, di, E):
+    check_indexer_scores(nat.native_library, dtype, B, S, Hi, di, E)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E,k", [(37, 16), (10, 16)])
+def test_indexer_topk_decode(nat, dtype, E, k):
+    # the decode path (C scores, torch top-k) picks what the reference picks; invisible picks are -1
+    B, S, Hi, di = 2, 1, 8, 64
+    q, keys, w = make((B, S, Hi, di), dtype), make((B, E, di), dtype, 1), make((B, S, Hi), torch.float32, 2)
+    mask = torch.rand(B, S, E, generator=torch.Generator().manual_seed(3)) > 0.3
+    mask[1] = False  # a query that sees nothing
+    assert torch.equal(nat.indexer_topk(q, w, keys, mask, k), REF.indexer_topk(q, w, keys, mask, k))
+
+
+def route_exact(scores, bias, k, scaling, hash_ids):
+    """moe_route in fp64 (choice by fp32 scores + bias, like the kernels)."""
+    ids = hash_ids if hash_ids is not None else (scores + bias if bias is not None else scores).topk(k, dim=-1).indices
+    s = scores.double().gather(1, ids)
+    return s / (s.sum(-1, keepdim=True) + 1e-20) * scaling, ids
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 16, 4), (7, 256, 6), (3, 5, 5)])
+def test_moe_route_rows(nat, T, E, k):
+    g = torch.Generator().manual_seed(E)
+    scores = torch.nn.functional.softplus(torch.randn(T, E, generator=g)).sqrt()
+    bias = torch.randn(E, generator=g) * 0.1
+    hash_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    for b, h in ((bias, None), (None, None), (None, hash_ids)):
+        weights, ids = nat.moe_route(scores, b, k, 1.5, h)
+        want_w, want_ids = route_exact(scores, b, k, 1.5, h)
+        assert ids.dtype == torch.long and torch.equal(ids, want_ids)
+        assert weights.dtype == torch.float32 and torch.allclose(weights.double(), want_w, rtol=1e-6, atol=0)
+        ref_w, ref_ids = REF.moe_route(scores, b, k, 1.5, h)
+        assert torch.equal(ids, ref_ids) and torch.allclose(weights, ref_w, rtol=1e-6, atol=0)
+    lib = nat.native_library
+    assert native.moe_route_rows(lib, scores, None, E + 1, 1.0, None) is None  # more choices than experts
+    assert native.moe_route_rows(lib, scores, None, k, 1.0, hash_ids.clamp(max=0) - 1) is None  # an id < 0
+    assert native.moe_route_rows(lib, scores.double(), None, k, 1.0, None) is None  # fp32 only
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -564,10 +625,15 @@ def check_every_kernel(lib):
         w = torch.rand(5, 3, generator=torch.Generator().manual_seed(2))
         assert torch.allclose(native.moe_combine_rows(lib, rows, source_token, source_slot, w),
                               REF.moe_combine(rows, plan, w), rtol=1e-5, atol=1e-5)
+        check_indexer_scores(lib, dtype, 2, 1, 8, 64, 37)
     x = torch.linspace(-120, 120, 20_001).view(-1, 1)  # the vectorised exp, saturated tails included
     both = torch.cat((x, torch.ones_like(x)), dim=1)
     silu = native.swiglu(lib, both[:, :1], both[:, 1:], 0.0).double()
     assert ((silu - x.double() * torch.sigmoid(x.double())).abs() <= 1e-6 * silu.abs() + 1e-30).all()
+    scores = torch.rand(3, 16, generator=torch.Generator().manual_seed(4))
+    weights, ids = native.moe_route_rows(lib, scores, torch.zeros(16), 4, 1.5, None)
+    want_w, want_ids = route_exact(scores, None, 4, 1.5, None)
+    assert torch.equal(ids, want_ids) and torch.allclose(weights.double(), want_w, rtol=1e-6, atol=0)
     assert native.gemv_tier(lib) == native.gemv_tier_for(native.build_isa(lib))
     for N, K in [(7, 70), (100, 384), (9, 33), (5, 8), (4099, 64)]:  # with and without a K tail, short rows
         W, v = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)

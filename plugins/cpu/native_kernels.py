@@ -40,7 +40,7 @@ from deepinfer_plugins.cpu.packed_weights import PackedWeights
 # With AMX tiles: 1.4-1.7x at 4-32 rows (cold weights), 1.05-1.1x at 64-128 (all experts touched,
 # both stream the weights at ~23 GB/s), 1.96x at 1,024 rows, 1.65x at 2,048, 1.35x at 4,096, equal
 # at 8,192 (256 rows per expert): up to 192 rows per expert on average.
-# With AVX512-BF16 dot products only: 1.25-1.45x at 4-48 rows, compute-bound from ~64 (0.87x at 96).
+# The portable dot products (no AVX2 or AVX-512): up to 48 rows in all.
 _EXPERT_ROWS_PER_EXPERT_AMX = 192
 _EXPERT_MAX_ROWS_DOT = 48
 
@@ -60,9 +60,16 @@ _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 # the packed oneDNN path where it exists): AVX2+FMA 1.25-2.4x at 4 and 16 rows (LM head, 4096 x 512,
 # 512 x 2048); AVX512-BF16 2.2-2.4x at 4 rows, 0.84-1.19x at 16. Not measured on the plain C tier.
 _GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
-# Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA tier: its
-# products are the multi-token GEMV's, each expert weight streamed once
-_EXPERT_ROWS_PER_EXPERT_AVX2 = 16
+# Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA and
+# AVX512-BF16 tiers: its products are the multi-token GEMV's, each expert weight streamed once. AMD Zen 4
+# (AVX512-BF16, no AMX), one thread, cold weights, C vs the torch paths: 16 experts of 128 x 512 (top-4)
+# 2.97x at 4 rows per expert, 2.83x at 16, 1.67x at 32; 32 experts of 512 x 1024 2.97x at 3 rows per
+# expert, 1.45x at 16, 1.04x at 32.
+_EXPERT_ROWS_PER_EXPERT_DOT = 16
+
+# Tokens up to which the router's top-k runs in C (one thread, k passes over the experts: ~10 torch ops
+# fewer per layer at decode; prefill-sized batches keep torch's parallel top-k)
+_ROUTE_MAX_TOKENS = 64
 
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
@@ -182,6 +189,10 @@ class NativeCpuKernels(CpuKernels):
         if self.invariant:
             return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
+        if lib is not None and rows == 1:  # one bf16 token (decode): straight to the C GEMV
+            y = native.gemv_bf16(lib, weight, x)
+            if y is not None:
+                return y.view(*x.shape[:-1], weight.shape[0])
         if lib is not None and 1 < rows <= _LINEAR_AMX_MAX_ROWS and weight.numel() <= _LINEAR_AMX_MAX_ELEMENTS:
             y = native.linear_amx_bf16(lib, x.reshape(rows, x.shape[-1]), weight)  # None without AMX
             if y is not None:
@@ -269,6 +280,14 @@ class NativeCpuKernels(CpuKernels):
             out = native.grouped_amx_bf16(lib, x, weight)  # None without AMX
         return super().grouped_linear(x, weight) if out is None else out
 
+    def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scaling_factor: float,
+                  hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        lib, out = self.native_library, None
+        # batch-invariant mode: always C, so that a token's weights are the same bits at any batch size
+        if lib is not None and (scores.shape[0] <= _ROUTE_MAX_TOKENS or self.invariant):
+            out = native.moe_route_rows(lib, scores, bias, top_k, routed_scaling_factor, hash_ids)
+        return super().moe_route(scores, bias, top_k, routed_scaling_factor, hash_ids) if out is None else out
+
     def moe_dispatch(self, x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, MoEDispatch]:
         lib = self.native_library
         out = None if lib is None else native.moe_dispatch_rows(lib, x, ids, num_experts)
@@ -351,6 +370,14 @@ class NativeCpuKernels(CpuKernels):
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                      mask: torch.Tensor, k: int) -> torch.Tensor:
+        lib = self.native_library
+        if not self.invariant and lib is not None and keys.shape[1] and q.shape[1] <= _DECODE_QUERIES:
+            score = native.indexer_scores(lib, q, weights, keys, mask)  # -inf where not visible
+            if score is not None:
+                vals, idx = score.topk(min(k, keys.shape[1]), dim=-1)
+                picks = idx.masked_fill_(vals == float("-inf"), -1)
+                return picks if picks.shape[-1] == k else torch.nn.functional.pad(picks, (0, k - picks.shape[-1]),
+                                                                                  value=-1)
         if not self.invariant or keys.shape[1] == 0:
             return super().indexer_topk(q, weights, keys, mask, k)
         B, S, Hi, _ = q.shape
@@ -385,8 +412,8 @@ class NativeCpuKernels(CpuKernels):
     def _native_expert_rows(self, num_experts: int) -> int:
         if self.native_amx:
             return _EXPERT_ROWS_PER_EXPERT_AMX * num_experts
-        if native.gemv_tier(self.native_library) == "avx2-fma":
-            return _EXPERT_ROWS_PER_EXPERT_AVX2 * num_experts
+        if native.gemv_tier(self.native_library) in ("avx2-fma", "avx512-bf16"):
+            return _EXPERT_ROWS_PER_EXPERT_DOT * num_experts
         return _EXPERT_MAX_ROWS_DOT
 
     @functools.cached_property

@@ -16,6 +16,7 @@ A family's own step plan (attention groups, compression windows, ...) extends th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -32,6 +33,12 @@ def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 class RingWrite:
     rows: torch.Tensor  # [K] token rows to store
     ring_row: torch.Tensor  # [K] flat ring index (slot * ring + position % ring)
+    all_rows: bool = False  # rows are exactly 0..T-1 (no sequence has more new tokens than the ring)
+
+    def store(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the step's `values` `[T, ...]` (cast to `flat`'s dtype) into the ring rows of `flat`."""
+        src = values if self.all_rows else values.index_select(0, self.rows)
+        flat.index_copy_(0, self.ring_row, src.to(flat.dtype))
 
 
 class RaggedPlan:
@@ -57,17 +64,24 @@ class RaggedPlan:
         self.row_start = [0] * B
         for i in range(1, B):
             self.row_start[i] = self.row_start[i - 1] + self.q_lens[i - 1]
-        q_lens_t = torch.tensor(self.q_lens, device=dev)
-        self.row_seq = torch.repeat_interleave(torch.arange(B, device=dev), q_lens_t)
-        ctx_t = torch.tensor(self.ctx, device=dev)
-        start_t = torch.tensor(self.row_start, device=dev)
-        expected = ctx_t[self.row_seq] + torch.arange(self.T, device=dev) - start_t[self.row_seq]
+        #: a step of one new token per sequence (decode): row i is sequence i at position ctx[i]
+        self.decode_only = all(n == 1 for n in self.q_lens)
+        if self.decode_only:  # the same tensors, from the Python lists directly
+            self.row_seq = torch.arange(B, device=dev)
+            expected = torch.tensor(self.ctx, dtype=torch.long, device=dev)
+        else:
+            q_lens_t = torch.tensor(self.q_lens, device=dev)
+            self.row_seq = torch.repeat_interleave(torch.arange(B, device=dev), q_lens_t)
+            ctx_t = torch.tensor(self.ctx, device=dev)
+            start_t = torch.tensor(self.row_start, device=dev)
+            expected = ctx_t[self.row_seq] + torch.arange(self.T, device=dev) - start_t[self.row_seq]
         if not torch.equal(batch.positions.to(dev).long(), expected):
             raise ValueError("ForwardBatch.positions must be context_len + 0..query_len-1 for every sequence "
                              "(state is addressed by absolute position)")
         self.positions = expected
         self.block_tables = batch.block_tables
         self._ring_writes: dict[int, RingWrite] = {}
+        self._position_mods: dict[int, torch.Tensor] = {}
 
     @property
     def num_seqs(self) -> int:
@@ -77,10 +91,26 @@ class RaggedPlan:
         """Tokens in sequence i's state after this step."""
         return self.ctx[i] + self.q_lens[i]
 
+    def position_mod(self, m: int) -> torch.Tensor:
+        """`positions % m` (computed once per step)."""
+        if m not in self._position_mods:
+            self._position_mods[m] = self.positions % m
+        return self._position_mods[m]
+
+    @cached_property
+    def row_slot(self) -> torch.Tensor:
+        """`[T]` each row's sequence slot."""
+        slots = torch.tensor(self.slots, dtype=torch.long, device=self.device)
+        return slots if self.decode_only else slots[self.row_seq]
+
     def ring_write(self, ring: int) -> RingWrite:
         """The new rows to store in a ring of `ring` positions: the last `ring` of each sequence."""
         if ring not in self._ring_writes:
             dev = self.device
+            if max(self.q_lens, default=0) <= ring:  # every row (the usual case; always at decode)
+                rows = torch.arange(self.T, device=dev)
+                self._ring_writes[ring] = RingWrite(rows, self.row_slot * ring + self.position_mod(ring), True)
+                return self._ring_writes[ring]
             end = torch.tensor([c + n for c, n in zip(self.ctx, self.q_lens)], device=dev)[self.row_seq]
             keep = self.positions >= end - ring
             rows = torch.nonzero(keep).squeeze(1)
@@ -88,21 +118,25 @@ class RaggedPlan:
             self._ring_writes[ring] = RingWrite(rows, slot * ring + self.positions[rows] % ring)
         return self._ring_writes[ring]
 
-    def entry_rows(self, group: str, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def entry_rows(self, group: str, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor,
+                   max_entries: int | None = None) -> torch.Tensor:
         """Rows of block group `group`'s tensors holding entry ids `entries` `[B, E]` of sequences
-        `seq` `[B]` (0 where not `valid`). The block table must have a block for every valid entry."""
-        if not bool(valid.any()):
+        `seq` `[B]` (0 where not `valid`). The block table must have a block for every valid entry.
+        `max_entries`: one past the largest valid entry id, when the caller knows it (else it is read
+        from `entries`)."""
+        if max_entries is None:
+            max_entries = int(entries[valid].max()) + 1 if bool(valid.any()) else 0
+        if max_entries == 0:
             return torch.zeros_like(entries)
         if group not in self.block_tables:
             raise ValueError(f"ForwardBatch.block_tables has no table for block group {group!r}")
         table = self.block_tables[group].to(self.device)[seq]
         bs = self.block_size
-        col = torch.where(valid, entries // bs, 0)
-        if bool(valid.any()) and int(col[valid].max()) >= table.shape[1]:
+        if -(-max_entries // bs) > table.shape[1]:
             raise ValueError(f"block table of group {group!r} has {table.shape[1]} columns, too few for "
-                             f"{int(entries[valid].max()) + 1} entries of {bs} per block")
-        block = table.gather(1, col)
-        if bool((block[valid] < 0).any()):
+                             f"{max_entries} entries of {bs} per block")
+        block = torch.where(valid, table.gather(1, torch.where(valid, entries // bs, 0)), 0)
+        if int(block.min()) < 0:
             raise ValueError(f"block table of group {group!r} lacks blocks for existing entries; the cache manager "
                              f"must allocate ceil(entries / block_size) blocks per sequence")
         return torch.where(valid, block * bs + entries % bs, 0)

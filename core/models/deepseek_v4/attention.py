@@ -118,7 +118,7 @@ class Attention:
         out = None if decode_only else torch.empty_like(q)  # every query row belongs to one group
         for gi, g in enumerate(plan.groups):
             if g.key_ring_row_all is not None:  # decode: own key into the ring first, then one gather
-                window_flat.index_copy_(0, g.new_key_ring_row, take_rows(kv, g.rows[:, 0]))
+                window_flat.index_copy_(0, g.new_key_ring_row, kv if g.in_row_order else take_rows(kv, g.rows[:, 0]))
                 keys = take_rows(window_flat, g.key_ring_row_all)
             else:
                 keys = torch.where(g.key_is_new.unsqueeze(-1), take_rows(kv, g.key_new_row),
@@ -137,8 +137,7 @@ class Attention:
             g.scatter(out, a.sink_attention(g.gather(q), keys, mask, w["attn_sink"], d ** -0.5))
 
         if not decode_only:
-            write = plan.ring_write(st.window.shape[1])
-            window_flat[write.ring_row] = kv[write.rows]
+            plan.ring_write(st.window.shape[1]).store(window_flat, kv)
 
         o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
         grouped = a.grouped_linear(o, self.wo_a)

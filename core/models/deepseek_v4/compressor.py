@@ -32,11 +32,11 @@ class Compressor:
         entries `[num_entries, d_c]` (this layer's block-group tensor)."""
         a = self.accel
         kv = kv.float()
-        score = score.float() + self.ape[plan.positions % self.rate]
+        score = self.ape.index_select(0, plan.position_mod(self.rate)).float().add_(score)  # z_t + ape[t mod m], fp32
         ring = rows_kv.shape[1]
         flat_kv, flat_score = rows_kv.view(-1, rows_kv.shape[-1]), rows_score.view(-1, rows_score.shape[-1])
-        cp = plan.compress_plan(self.rate, ring, self.overlap)
-        if cp.num_windows:
+        if plan.windows_completed(self.rate):  # most decode steps complete none
+            cp = plan.compress_plan(self.rate, ring, self.overlap)
             new = cp.is_new.unsqueeze(-1)
             src_kv = torch.where(new, take_rows(kv, cp.new_row), take_rows(flat_kv, cp.ring_row))
             src_score = torch.where(new, take_rows(score, cp.new_row), take_rows(flat_score, cp.ring_row))
@@ -52,5 +52,5 @@ class Compressor:
             cos, sin = rope.cos_sin(cp.rope_pos, "compress")
             entries[cp.entry_row] = a.rotary(normed, cos, sin, False)
         write = plan.ring_write(ring)
-        flat_kv[write.ring_row] = kv[write.rows]
-        flat_score[write.ring_row] = score[write.rows]
+        write.store(flat_kv, kv)
+        write.store(flat_score, score)

@@ -106,6 +106,12 @@ class AttnGroup:
     key_ring_row_all: torch.Tensor | None = None  # [B, Lw] every key's ring row (0 where invalid)
     in_row_order: bool = False  # rows are exactly 0..T-1 (a step of decode tokens only): no gather
     first_row: int | None = None  # a single prefill block: its rows are first_row .. first_row + S - 1
+    end_list: list[int] | None = None  # end_pos on the host
+
+    @property
+    def decode(self) -> bool:
+        """Every item is one sequence's only new token."""
+        return self.key_ring_row_all is not None
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """`t`'s rows of this group's queries, `[B, S, ...]` (a view for a single prefill block)."""
@@ -178,31 +184,41 @@ class StepPlan(RaggedPlan):
         `local_row` (one item, context parallelism): the row of its first query in this rank's
         local tensors (queries and outputs), while its new keys stay rows of the whole step."""
         dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
+        # per-item scalars on the host (no tensor op, no host sync): queries [a, b) of sequence i
+        ctx_l = [self.ctx[i] for i, _, _ in items]
+        a_l = [x for _, x, _ in items]
+        end_l = [c + y for c, (_, _, y) in zip(ctx_l, items)]
+        key_start_l = [max(0, c + x - (W - 1)) for c, x in zip(ctx_l, a_l)]
+        S = max(y - x for _, x, y in items)
+        Lw = max(e - k for e, k in zip(end_l, key_start_l))
+
+        def col(values: list[int]) -> torch.Tensor:  # [B, 1]
+            return torch.tensor(values, device=dev).unsqueeze(1)
+
         seq = torch.tensor([i for i, _, _ in items], device=dev)
-        a = torch.tensor([x for _, x, _ in items], device=dev)
-        b = torch.tensor([y for _, _, y in items], device=dev)
-        ctx = torch.tensor(self.ctx, device=dev)[seq]
-        start = torch.tensor(self.row_start, device=dev)[seq]
-        slot = torch.tensor(self.slots, device=dev)[seq]
-        S = int((b - a).max())
+        ctx, a, slot = col(ctx_l), col(a_l), col([self.slots[i] for i, _, _ in items])
+        start = col([self.row_start[i] for i, _, _ in items])
+        end = torch.tensor(end_l, device=dev)
         ar = torch.arange(S, device=dev)
-        q_valid = ar < (b - a).unsqueeze(1)
-        q_pos = ctx.unsqueeze(1) + a.unsqueeze(1) + ar
-        rows = torch.where(q_valid, start.unsqueeze(1) + a.unsqueeze(1) + ar, torch.zeros_like(q_pos))
-        end = ctx + b
-        key_start = (ctx + a - (W - 1)).clamp(min=0)
-        Lw = int((end - key_start).max())
-        key_pos = key_start.unsqueeze(1) + torch.arange(Lw, device=dev)
+        q_valid = ar < col([y - x for _, x, y in items])
+        q_pos = ctx + a + ar
+        rows = torch.where(q_valid, start + a + ar, 0)
+        key_pos = col(key_start_l) + torch.arange(Lw, device=dev)
         k_valid = key_pos < end.unsqueeze(1)
-        key_is_new = key_pos >= ctx.unsqueeze(1)
-        key_new_row = torch.where(k_valid & key_is_new, start.unsqueeze(1) + key_pos - ctx.unsqueeze(1), 0)
-        key_ring_row = torch.where(k_valid & ~key_is_new, slot.unsqueeze(1) * Rw + key_pos % Rw, 0)
-        kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
-        window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
-        group = AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end)
+        key_is_new = key_pos >= ctx
+        key_new_row = torch.where(k_valid & key_is_new, start + key_pos - ctx, 0)
+        ring_pos = slot * Rw + key_pos % Rw
+        key_ring_row = torch.where(k_valid & ~key_is_new, ring_pos, 0)
+        if decode:  # one query at ctx: the window [key_start, ctx] is exactly the valid keys
+            window_mask = k_valid.unsqueeze(1)
+        else:
+            kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
+            window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
+        group = AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end,
+                          end_list=end_l)
         if decode:  # Rw = W + max_rollback >= W (ring_sizes)
-            group.new_key_ring_row = slot * Rw + q_pos[:, 0] % Rw
-            group.key_ring_row_all = torch.where(k_valid, slot.unsqueeze(1) * Rw + key_pos % Rw, 0)
+            group.new_key_ring_row = (slot * Rw + ctx % Rw).squeeze(1)
+            group.key_ring_row_all = torch.where(k_valid, ring_pos, 0)
             group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
         elif local_row is not None:
             group.first_row = local_row
@@ -211,22 +227,32 @@ class StepPlan(RaggedPlan):
             group.first_row = self.row_start[items[0][0]] + items[0][1]
         return group
 
-    def _entry_rows(self, rate: int, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _entry_rows(self, rate: int, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor,
+                    max_entries: int | None = None) -> torch.Tensor:
         """Block-group rows of entry ids `entries` `[B, E]` of sequences `seq` `[B]` (group `c{rate}`)."""
-        return self.entry_rows(group_name(rate), seq, entries, valid)
+        return self.entry_rows(group_name(rate), seq, entries, valid, max_entries)
 
     def entry_view(self, group_index: int, rate: int) -> EntryView:
         key = (group_index, rate)
         if key not in self._entry_views:
             g = self.groups[group_index]
-            count = g.end_pos // rate
-            E = int(count.max())
+            ends = g.end_list if g.end_list is not None else g.end_pos.tolist()
+            count_l = [e // rate for e in ends]
+            E = max(count_l, default=0)
             e = torch.arange(E, device=self.device)
-            valid = e < count.unsqueeze(1)
-            flat = self._entry_rows(rate, g.seq, e.expand(len(count), E), valid)
-            visible = valid.unsqueeze(1) & g.q_valid.unsqueeze(2) & (e < ((g.q_pos + 1) // rate).unsqueeze(2))
+            valid = e < torch.tensor(count_l, device=self.device).unsqueeze(1)
+            flat = self._entry_rows(rate, g.seq, e.expand(len(count_l), E), valid, max_entries=E)
+            if g.decode:  # the query is the item's last position: it sees every existing entry
+                visible = valid.unsqueeze(1)
+            else:
+                visible = valid.unsqueeze(1) & g.q_valid.unsqueeze(2) & (e < ((g.q_pos + 1) // rate).unsqueeze(2))
             self._entry_views[key] = EntryView(flat, visible)
         return self._entry_views[key]
+
+    # ----- compressor -----
+    def windows_completed(self, rate: int) -> int:
+        """How many compression windows of rate `rate` complete in this step (all sequences)."""
+        return sum((c + n) // rate - c // rate for c, n in zip(self.ctx, self.q_lens))
 
     # ----- compressor -----
     def compress_plan(self, rate: int, ring: int, overlap: bool) -> CompressPlan:
@@ -250,7 +276,8 @@ class StepPlan(RaggedPlan):
         is_new = pos >= ctx
         new_row = torch.where(is_new, start + pos - ctx, 0)
         ring_row = torch.where(~is_new & ~empty, slot * ring + pos % ring, 0)
-        entry_row = self._entry_rows(rate, seq, w.unsqueeze(1), torch.ones_like(w, dtype=torch.bool).unsqueeze(1))
+        entry_row = self._entry_rows(rate, seq, w.unsqueeze(1), torch.ones_like(w, dtype=torch.bool).unsqueeze(1),
+                                     max_entries=max(ws, default=-1) + 1)
         plan = CompressPlan(len(ws), is_new, new_row, ring_row, empty, entry_row.squeeze(1), rate * w)
         self._compress_plans[key] = plan
         return plan

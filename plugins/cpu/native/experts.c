@@ -2,12 +2,13 @@
 #include "gemv.h"
 
 /* ----- experts_bf16: the routed experts of a decode-sized batch, streaming each weight once -----
- * rows [n, D] grouped by expert (expert e owns rows offsets[e] .. offsets[e+1]), w13 [E, 2I, D]
+ * rows [n, D] grouped by expert (expert e owns counts[e] rows, after those of experts < e), w13 [E, 2I, D]
  * (gate rows then up rows), w2 [E, D, I]; out [n, D]. Each block of 16 weight rows is read from
  * memory once and applied to all of its expert's rows while it sits in L1. Only the experts that
  * have rows are visited, and their blocks are dealt to the threads evenly. Roundings follow the
  * reference: gate/up and the output of w2 to bf16 (as torch's bf16 products), swiglu in fp32 with
- * one rounding (as the swiglu kernel above). gate_up [n, 2I] and hidden [n, I] are scratch. */
+ * one rounding (as the swiglu kernel above). gate_up [n, 2I] and hidden [n, I] are scratch. Returns 1
+ * (nothing written) when the counts are negative or do not add up to n, else 0. */
 
 static void expert_products(const uint16_t *W, long N, long K, const long *active, long num_active,
                             const long *offsets, const uint16_t *X, const float *Xf, uint16_t *Y, long ldy) {
@@ -21,9 +22,20 @@ static void expert_products(const uint16_t *W, long N, long K, const long *activ
     }
 }
 
-void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, long E, const uint16_t *w13,
-                  const uint16_t *w2, long I, float limit, uint16_t *gate_up, uint16_t *hidden, uint16_t *out,
-                  int num_threads) {
+int experts_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, long E, const uint16_t *w13,
+                 const uint16_t *w2, long I, float limit, uint16_t *gate_up, uint16_t *hidden, uint16_t *out,
+                 int num_threads) {
+    long *offsets = malloc((size_t)(E + 1) * sizeof(long));
+    offsets[0] = 0;
+    int bad = 0;
+    for (long e = 0; e < E; e++) {
+        bad |= counts[e] < 0;
+        offsets[e + 1] = offsets[e] + (long)counts[e];
+    }
+    if (bad || offsets[E] != n) {
+        free(offsets);
+        return 1;
+    }
     long *active = malloc((size_t)E * sizeof(long));
     long num_active = 0;
     for (long e = 0; e < E; e++)
@@ -76,4 +88,6 @@ void experts_bf16(const uint16_t *rows, long n, long D, const long *offsets, lon
     free(rows_f);
     free(first_chunk);
     free(active);
+    free(offsets);
+    return 0;
 }

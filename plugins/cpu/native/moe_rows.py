@@ -7,10 +7,10 @@ import torch
 
 from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, int_, long_, ptr, threads
 
-_MOE_DISPATCH_ROWS = Kernel("moe_dispatch_rows", ids=ptr, T=long_, k=long_, E=long_, x=ptr, row_bytes=long_,
-                            counts=ptr, source_token=ptr, source_slot=ptr, rows=ptr, status=ptr, num_threads=int_)
-_MOE_COMBINE_ROWS = Kernel("moe_combine_rows", rows=ptr, dtype=int_, D=long_, source_token=ptr, source_slot=ptr,
-                           T=long_, k=long_, weights=ptr, out=ptr, status=ptr, num_threads=int_)
+_MOE_DISPATCH_ROWS = Kernel("moe_dispatch_rows", restype=ctypes.c_int, ids=ptr, T=long_, k=long_, E=long_, x=ptr,
+                            row_bytes=long_, counts=ptr, source_token=ptr, source_slot=ptr, rows=ptr, num_threads=int_)
+_MOE_COMBINE_ROWS = Kernel("moe_combine_rows", restype=ctypes.c_int, rows=ptr, dtype=int_, D=long_, source_token=ptr,
+                           source_slot=ptr, T=long_, k=long_, weights=ptr, out=ptr, num_threads=int_)
 
 
 def moe_dispatch_rows(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, num_experts: int
@@ -25,12 +25,11 @@ def moe_dispatch_rows(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, num_
     counts = torch.empty(num_experts, dtype=torch.int64)
     source_token, source_slot = torch.empty(T * k, dtype=torch.int64), torch.empty(T * k, dtype=torch.int64)
     rows = torch.empty((T * k, x.shape[1]), dtype=x.dtype)
-    status = torch.zeros(1, dtype=torch.int32)
-    _MOE_DISPATCH_ROWS(lib, ids=flat.data_ptr(), T=T, k=k, E=num_experts, x=x.data_ptr(),
-                       row_bytes=x.shape[1] * x.element_size(), counts=counts.data_ptr(),
-                       source_token=source_token.data_ptr(), source_slot=source_slot.data_ptr(),
-                       rows=rows.data_ptr(), status=status.data_ptr(), num_threads=threads())
-    return None if status.item() else (rows, counts, source_token, source_slot)
+    status = _MOE_DISPATCH_ROWS(lib, ids=flat.data_ptr(), T=T, k=k, E=num_experts, x=x.data_ptr(),
+                                row_bytes=x.shape[1] * x.element_size(), counts=counts.data_ptr(),
+                                source_token=source_token.data_ptr(), source_slot=source_slot.data_ptr(),
+                                rows=rows.data_ptr(), num_threads=threads())
+    return None if status else (rows, counts, source_token, source_slot)
 
 
 def moe_combine_rows(lib: ctypes.CDLL, rows: torch.Tensor, source_token: torch.Tensor, source_slot: torch.Tensor,
@@ -46,8 +45,7 @@ def moe_combine_rows(lib: ctypes.CDLL, rows: torch.Tensor, source_token: torch.T
     w = f32(weights)
     st, ss = source_token.to(torch.int64).contiguous(), source_slot.to(torch.int64).contiguous()
     out = torch.empty((T, rows.shape[1]), dtype=torch.float32)
-    status = torch.zeros(1, dtype=torch.int32)
-    _MOE_COMBINE_ROWS(lib, rows=rows.data_ptr(), dtype=dtype, D=rows.shape[1], source_token=st.data_ptr(),
-                      source_slot=ss.data_ptr(), T=T, k=k, weights=w.data_ptr(), out=out.data_ptr(),
-                      status=status.data_ptr(), num_threads=threads())
-    return None if status.item() else out
+    status = _MOE_COMBINE_ROWS(lib, rows=rows.data_ptr(), dtype=dtype, D=rows.shape[1], source_token=st.data_ptr(),
+                               source_slot=ss.data_ptr(), T=T, k=k, weights=w.data_ptr(), out=out.data_ptr(),
+                               num_threads=threads())
+    return None if status else out

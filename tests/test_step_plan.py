@@ -1,0 +1,74 @@
+"""DeepSeek-V4's step plan: the decode shortcuts (host-side window bounds, every-row ring writes, the
+window count before a compression plan) give what the general formulas give."""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.models.batch import ForwardBatch
+from deepinfer.models.deepseek_v4.make_model import model_config
+from deepinfer.models.deepseek_v4.state import StepPlan, group_name, ring_sizes
+
+CONFIG, _ = model_config("tiny")
+RATE = CONFIG.csa_compress_rate
+RINGS = ring_sizes(CONFIG, max_rollback=2)
+BLOCK = 4
+
+
+def plan(ctx: list[int], q_lens: list[int], slots: list[int]) -> StepPlan:
+    T, blocks = sum(q_lens), 64
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, q_lens)])
+    # every sequence owns its own blocks, in order
+    table = torch.arange(len(ctx) * blocks).view(len(ctx), blocks)
+    batch = ForwardBatch(input_ids=torch.zeros(T, dtype=torch.long), positions=positions, query_lens=q_lens,
+                         context_lens=ctx, slots=torch.tensor(slots),
+                         block_tables={group_name(r): table for r in (CONFIG.csa_compress_rate,
+                                                                      CONFIG.hca_compress_rate)},
+                         logits_indices=torch.tensor([T - 1]))
+    return StepPlan(batch, CONFIG, RINGS, BLOCK, num_slots=8)
+
+
+def ring_write_reference(p: StepPlan, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last `ring` positions of each sequence: their rows and flat ring rows."""
+    rows, ring_rows = [], []
+    for i, (c, n) in enumerate(zip(p.ctx, p.q_lens)):
+        for j in range(max(0, n - ring), n):
+            rows.append(p.row_start[i] + j)
+            ring_rows.append(p.slots[i] * ring + (c + j) % ring)
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(ring_rows, dtype=torch.long)
+
+
+def test_ring_writes_every_row_and_a_subset():
+    p = plan([5, 0, 40], [1, 9, 3], [3, 0, 5])
+    for ring in (4, 9, 16):  # 4: the 9-token chunk keeps its last 4 rows only
+        write = p.ring_write(ring)
+        rows, ring_rows = ring_write_reference(p, ring)
+        assert write.all_rows == (ring >= 9)
+        assert torch.equal(write.rows, rows) and torch.equal(write.ring_row, ring_rows)
+        flat = torch.full((8 * ring, 2), -1.0)
+        values = torch.arange(p.T * 2, dtype=torch.bfloat16).view(p.T, 2)
+        write.store(flat, values)  # cast to the ring's dtype
+        assert torch.equal(flat[ring_rows], values[rows].float())
+        assert int((flat[:, 0] >= 0).sum()) == len(rows)
+
+
+def test_windows_completed_matches_the_compression_plan():
+    for ctx, q_lens in (([3, 7, 0], [1, 1, 1]), ([4, 11], [1, 13]), ([0], [3])):
+        p = plan(ctx, q_lens, list(range(len(ctx))))
+        for rate in (RATE, CONFIG.hca_compress_rate):
+            assert p.windows_completed(rate) == p.compress_plan(rate, 2 * rate + 2, True).num_windows
+
+
+def test_decode_group_equals_the_general_formulas():
+    ctx = [0, 5, CONFIG.sliding_window + 3, 2 * RATE - 1]
+    p = plan(ctx, [1] * len(ctx), [6, 1, 2, 0])
+    items = [(i, 0, 1) for i in range(len(ctx))]
+    decode, general = p._group(items, decode=True), p._group(items)
+    for field in ("seq", "rows", "q_valid", "q_pos", "key_is_new", "key_new_row", "key_ring_row", "window_mask",
+                  "end_pos"):
+        assert torch.equal(getattr(decode, field), getattr(general, field)), field
+    assert decode.decode and not general.decode and decode.in_row_order
+    # every existing entry is visible to a decode query (its own position is the item's last)
+    view = p.entry_view(0, RATE)
+    count = torch.tensor([(c + 1) // RATE for c in ctx])
+    E = int(count.max())
+    assert torch.equal(view.visible[:, 0], torch.arange(E) < count.unsqueeze(1))
