@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -500,7 +501,9 @@ def test_benchmark_roofline_on_a_timed_v41_run(tiny_v41, tmp_path, capsys, clean
             "--result_jsonl", str(out)]
     assert benchmark.main(argv) == 0
     printed = capsys.readouterr().out
-    assert "% of the matmul bound" in printed and "% of the memory bound" in printed
+    # the decode bound is the memory or the compute one, whichever the machine measured lower (a tiny model
+    # on a slow emulated-AVX2 matmul can be compute-bound)
+    assert "% of the matmul bound" in printed and re.search(r"% of the (memory|compute) bound", printed), printed
     [record] = results.read_jsonl(out)
     assert record["roofline"]["cost"]["model_type"] == "deepseek_v41" == record["model"]["model_type"]
     assert all(r["machine"] is not None for r in record["prefill"] + record["decode"])
