@@ -439,6 +439,30 @@ def test_collectives_two_ranks(acc, accelerator_name, tmp_path):
         assert identity, "dispatch -> combine did not return the original rows"
 
 
+def _expert_parallel_moe(acc, ep, dev):
+    """Register a MoE of fixed random experts with `ep` (the same full weights on every rank; each
+    rank keeps its own experts) and return `moe_error(T, seed)`: one EP-exchanged call of T random
+    tokens, its max |difference| from running every expert locally."""
+    E, D, I, k = 8, 16, 8, 2
+    g = torch.Generator().manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dev)
+    w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dev)
+    mine13, mine2 = ep.local_experts(w13), ep.local_experts(w2)
+    key = ep.register(lambda rows, plan: acc.moe_experts(rows, plan, mine13, mine2, 10.0), D, E)
+
+    def moe_error(T, seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(T, D, generator=gen).to(dev)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(dev)
+        weights = torch.rand(T, k, generator=gen).to(dev)
+        rows, plan = acc.moe_dispatch(x, ids, E)
+        got = acc.moe_combine(ep.experts(key, rows, plan), plan, weights)
+        want = acc.moe_combine(acc.moe_experts(rows, plan, w13, w2, 10.0), plan, weights)
+        return float((got - want).abs().max())
+
+    return moe_error
+
+
 def _expert_parallel_worker(rank, world, name, init, queue):
     """Two EP ranks with uneven token counts, then rank 1 idle while rank 0 makes one more MoE
     call; every result is compared with all experts run locally."""
@@ -448,28 +472,11 @@ def _expert_parallel_worker(rank, world, name, init, queue):
     torch.set_num_threads(1)
     acc.init_process_group(rank, world, init)
     dev = acc.device(rank if acc.capabilities().device_type != "cpu" else 0)
-    E, D, I, k = 8, 16, 8, 2
-    g = torch.Generator().manual_seed(0)  # the same full weights on every rank
-    w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dev)
-    w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dev)
     ep = ExpertParallel(acc, rank, world, dev)
-    mine13, mine2 = ep.local_experts(w13), ep.local_experts(w2)
-    key = ep.register(lambda rows, plan: acc.moe_experts(rows, plan, mine13, mine2, 10.0), D, E)
-    errors = []
-
-    def call(T, seed):
-        gen = torch.Generator().manual_seed(seed)
-        x = torch.randn(T, D, generator=gen).to(dev)
-        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(dev)
-        weights = torch.rand(T, k, generator=gen).to(dev)
-        rows, plan = acc.moe_dispatch(x, ids, E)
-        got = acc.moe_combine(ep.experts(key, rows, plan), plan, weights)
-        want = acc.moe_combine(acc.moe_experts(rows, plan, w13, w2, 10.0), plan, weights)
-        errors.append(float((got - want).abs().max()) if T else 0.0)
-
-    call(5 + 2 * rank, 10 + rank)  # uneven counts in both directions
+    moe_error = _expert_parallel_moe(acc, ep, dev)
+    errors = [moe_error(5 + 2 * rank, 10 + rank)]  # uneven counts in both directions
     if rank == 0:
-        call(4, 99)  # rank 1 has no work: it must still serve its experts
+        errors.append(moe_error(4, 99))  # rank 1 has no work: it must still serve its experts
     ep.idle_until_peers_done()
     queue.put((rank, errors))
     torch.distributed.destroy_process_group()
@@ -509,23 +516,9 @@ def _sub_group_worker(rank, world, name, init, queue):
     out["world"] = acc.all_reduce(torch.ones(1, device=dev)).cpu().tolist()  # the world still works
     # EP over sub-groups: the layout's EP groups [0, 1] and [2, 3]; group 1 is idle throughout
     groups = make_groups(acc, ParallelLayout(ep=2, dp=4), rank)
-    E, D, I, k = 8, 16, 8, 2
-    g = torch.Generator().manual_seed(0)
-    w13 = (torch.randn(E, 2 * I, D, generator=g) / D ** 0.5).to(dev)
-    w2 = (torch.randn(E, D, I, generator=g) / I ** 0.5).to(dev)
     ep = ExpertParallel(groups.ep, groups.ep.rank, groups.ep.size, dev)
-    mine13, mine2 = ep.local_experts(w13), ep.local_experts(w2)
-    key = ep.register(lambda rows, plan: acc.moe_experts(rows, plan, mine13, mine2, 10.0), D, E)
-    errors = []
-    for T in ([3 + 2 * me, 4] if rank < 2 else []):
-        gen = torch.Generator().manual_seed(T + rank)
-        xs = torch.randn(T, D, generator=gen).to(dev)
-        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(dev)
-        weights = torch.rand(T, k, generator=gen).to(dev)
-        rows, plan = acc.moe_dispatch(xs, ids, E)
-        got = acc.moe_combine(ep.experts(key, rows, plan), plan, weights)
-        want = acc.moe_combine(acc.moe_experts(rows, plan, w13, w2, 10.0), plan, weights)
-        errors.append(float((got - want).abs().max()))
+    moe_error = _expert_parallel_moe(acc, ep, dev)
+    errors = [moe_error(T, T + rank) for T in ([3 + 2 * me, 4] if rank < 2 else [])]
     ep.idle_until_peers_done()
     out.update(ep_group=list(groups.ep.ranks), ep_rank=ep.rank, errors=errors)
     queue.put((rank, out))
