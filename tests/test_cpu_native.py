@@ -220,6 +220,48 @@ def test_gemv_tokens_bf16(nat, m, N, K):
     assert native.gemv_tokens_bf16(nat.native_library, x[:, :K - 1], W) is None
 
 
+def check_packed_gemm(lib, M, N, K):
+    """packed_gemm.c on one shape: fp32 sums of exact bf16 products rounded once, against fp64."""
+    W, x = make((N, K), torch.bfloat16), make((M, K), torch.bfloat16, 1)
+    packed = native.pack_bf16(lib, W)
+    assert packed.shape == native.packed_shape(lib, N, K) and packed.shape[2] == native.packed_cols(lib)
+    assert_close(native.packed_linear_bf16(lib, x, packed, (N, K)), (x.double() @ W.double().t()).to(torch.bfloat16))
+    return W, x, packed
+
+
+# M across the 4-row tiles and their tails (1..65), N not a multiple of 16 (or of the 4-block panels),
+# K odd and not a multiple of 32
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 16, 31, 64, 65])
+@pytest.mark.parametrize("N,K", [(1, 1), (17, 33), (100, 70), (300, 2), (1000, 129)])
+def test_packed_gemm_bf16(nat, M, N, K):
+    lib = nat.native_library
+    W, x, packed = check_packed_gemm(lib, M, N, K)
+    if K > 1:  # x of another K (with K even, one whose packing has the same shape)
+        assert native.packed_linear_bf16(lib, x[:, :K - 1], packed, (N, K)) is None
+    assert native.packed_linear_bf16(lib, x, packed, (N + 16, K)) is None  # another N
+    assert native.packed_linear_bf16(lib, x.float(), packed, (N, K)) is None
+    assert native.pack_bf16(lib, W.float()) is None
+    if N > 1 and K > 1:
+        assert native.pack_bf16(lib, W.t()) is None  # not contiguous
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 65])
+def test_linear_on_packed_tiles(rows):
+    # the decode batches' linears: on the tiles from a weight's second use, within the tier's rows
+    kernels = NativeCpuKernels()
+    if kernels.native_library is None:
+        pytest.fail("the native library did not build")
+    W, x = make((130, 96), torch.bfloat16), make((rows, 96), torch.bfloat16, 1)
+    want = (x.double() @ W.double().t()).to(torch.bfloat16)
+    for _ in range(3):
+        assert_close(kernels.linear(x.view(1, rows, 96), W).view(rows, 130), want)
+    low, high = kernels._packed_gemm_rows
+    assert len(kernels.tile_weights) == (1 if low <= rows <= high else 0)
+    if low <= rows <= high:
+        assert torch.equal(kernels.linear(x, W), native.packed_linear_bf16(kernels.native_library, x,
+                                                                           kernels.tile_weights.lookup(W), W.shape))
+
+
 def experts_reference(rows, counts, w13, w2, limit, torch_swiglu=False):
     """Exact products of the bf16 inputs, rounded where the C kernel rounds: gate/up, hidden (swiglu
     rounded once), output. `torch_swiglu`: where the pure-torch experts round instead, silu's result
@@ -640,6 +682,8 @@ def check_every_kernel(lib):
         assert_close(native.gemv_bf16(lib, W, v), (W.double() @ v.double()).to(torch.bfloat16))
     W, X = make((37, 70), torch.bfloat16), make((6, 70), torch.bfloat16, 1)
     assert_close(native.gemv_tokens_bf16(lib, X, W), (X.double() @ W.double().t()).to(torch.bfloat16))
+    for M, N, K in [(1, 37, 70), (7, 100, 33), (65, 21, 64)]:  # the packed tiles and their tails
+        check_packed_gemm(lib, M, N, K)
     xg, wg = make((1, 3, 70), torch.bfloat16), make((3, 20, 70), torch.bfloat16, 1)
     want = torch.stack([wg[i].double() @ xg[0, i].double() for i in range(3)]).to(torch.bfloat16).unsqueeze(0)
     assert_close(native.grouped_gemv_bf16(lib, xg, wg), want)

@@ -60,8 +60,9 @@ def test_linear_on_packed_weights_matches_the_plain_product(rows):
         assert got.shape == (1, rows, 200) and got.dtype == torch.bfloat16
         # fp32 sums of exact bf16 products, rounded once: within one bf16 rounding of the exact value
         assert ((got.view(rows, 200).double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
-    # decode batches within the C multi-token GEMV's rows (per tier) stream the plain weight instead
-    assert len(kernels.packed_weights) == (0 if rows <= kernels._gemv_tokens_max_rows else 1)
+    # decode batches run on the C tiles' packed copy (or, at first use, the C multi-token GEMV) instead
+    low, high = kernels._packed_gemm_rows
+    assert len(kernels.packed_weights) == (0 if rows <= kernels._gemv_tokens_max_rows or low <= rows <= high else 1)
 
 
 def test_one_row_and_fp32_use_the_plain_weights():

@@ -11,8 +11,9 @@ memory instead of tens of torch ops, for
 Each method falls back to the pure-torch reference when the library is unavailable (no compiler,
 DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
 
-Multi-row bf16 linears run on oneDNN-packed copies of the weights (packed_weights.py) unless
-DEEPINFER_CPU_PACKED_WEIGHTS=0.
+Decode-batch bf16 linears (up to 64 rows; on AVX512-BF16 one row too) run on C register tiles over
+copies of the weights packed for them (native/packed_gemm.c), larger ones on oneDNN-packed copies
+(packed_weights.py) unless DEEPINFER_CPU_PACKED_WEIGHTS=0.
 
 Batch-invariant mode (`set_batch_invariant(True)`, the batch_invariant feature; needs the library):
 every product (linears, grouped projections, experts, mHC mixes, indexer scores) runs through one
@@ -60,6 +61,17 @@ _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 # the packed oneDNN path where it exists): AVX2+FMA 1.25-2.4x at 4 and 16 rows (LM head, 4096 x 512,
 # 512 x 2048); AVX512-BF16 2.2-2.4x at 4 rows, 0.84-1.19x at 16. Not measured on the plain C tier.
 _GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
+# Row counts (inclusive) whose bf16 linears run on the C register tiles over weights packed for them
+# (packed_gemm.c, packed at a weight's second use in that range), per tier. scripts/bench_packed_gemm.py,
+# AMD Zen 4 without AMX, one thread, cold weights (300 MB cycled), packed C against oneDNN packed / the C
+# multi-token GEMV / the one-token GEMV:
+#   AVX512-BF16, LM head 129,280 x 512: 1 row 1.13x the GEMV (21.8 vs 19.3 GB/s); 4 rows 1.18x / 1.69x;
+#     8 rows 1.12x / 1.66x; 16 rows 0.97-1.08x / 1.59x (156 GFLOP/s); 32-64 rows 1.00x / 1.6x (179-201);
+#     4096 x 512 and 512 x 2048: 1 row 1.06-1.19x the GEMV, 4-64 rows 1.01-1.46x / 1.5-3.0x.
+#   AVX2+FMA (emulated): 2-3 rows 0.96-1.56x the multi-token GEMV, 4 rows 1.22-1.28x, 16-64 rows 1.86-1.91x
+#     (67-70 GFLOP/s); one row 0.55-0.61x the GEMV (it widens bf16 pairs, the GEMV streams rows): not used.
+# The portable tier is not measured: its products stay where they were.
+_PACKED_GEMM_ROWS = {"avx512-bf16": (1, 64), "avx2-fma": (2, 64), "portable": (0, 0)}
 # Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA and
 # AVX512-BF16 tiers: its products are the multi-token GEMV's, each expert weight streamed once. AMD Zen 4
 # (AVX512-BF16, no AMX), one thread, cold weights, C vs the torch paths: 16 experts of 128 x 512 (top-4)
@@ -182,6 +194,18 @@ class NativeCpuKernels(CpuKernels):
     def packed_weights(self) -> PackedWeights | None:
         return PackedWeights() if packed_weights.available() else None
 
+    @functools.cached_property
+    def tile_weights(self) -> PackedWeights | None:
+        """The weights packed for the C register tiles (packed_gemm.c) of decode batches."""
+        lib = self.native_library
+        return None if lib is None else PackedWeights(pack=functools.partial(native.pack_bf16, lib))
+
+    @functools.cached_property
+    def _packed_gemm_rows(self) -> tuple[int, int]:
+        """Row counts (inclusive) whose bf16 linears run on the packed C tiles on this tier ((0, 0): none)."""
+        lib = self.native_library
+        return (0, 0) if lib is None else _PACKED_GEMM_ROWS[native.gemv_tier(lib)]
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             y = self._quant_linear(x, weight)  # decode sizes: straight from the stored bytes
@@ -189,6 +213,13 @@ class NativeCpuKernels(CpuKernels):
         if self.invariant:
             return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
+        low, high = self._packed_gemm_rows
+        tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None
+        packed = None if tiles is None else tiles.lookup(weight)  # None at a weight's first use
+        if packed is not None:
+            y = native.packed_linear_bf16(lib, x.reshape(rows, x.shape[-1]), packed, weight.shape)
+            if y is not None:
+                return y.view(*x.shape[:-1], weight.shape[0])
         if lib is not None and rows == 1:  # one bf16 token (decode): straight to the C GEMV
             y = native.gemv_bf16(lib, weight, x)
             if y is not None:

@@ -8,10 +8,13 @@ plain weight and the C GEMV stream as fast, so decode at batch 1 keeps using the
 A weight is packed at its second multi-row use by the same tensor object, so the model's weights
 (long-lived) are packed once, and the per-call views and temporaries that pass through `linear` are
 never packed. Entries go away with their weight. The cost is the packed weights' size again in RAM.
+The same table keeps the C kernels' packed copies (native.pack_bf16, the decode batches' register tiles)
+when given that packing function.
 """
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -32,11 +35,16 @@ def linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
 
 
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+
+
 class PackedWeights:
     """Packed copies keyed by the weight tensor's identity (held weakly and checked on every hit, so a
-    reused id never returns another tensor's copy)."""
+    reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack) -> None:
+        self._pack = pack
         # id(weight) -> (weak reference, packed copy or None after the first use)
         self._entries: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
 
@@ -46,14 +54,15 @@ class PackedWeights:
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of a contiguous 2-D bf16 `weight`, or None on its first use (and for any
         other weight)."""
-        if weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() or weight.requires_grad:
+        if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() or weight.requires_grad
+                or weight.numel() == 0):
             return None
         key = id(weight)
         entry = self._entries.get(key)
         if entry is not None and entry[0]() is weight:
             if entry[1] is not None:
                 return entry[1]
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 32)
+            packed = self._pack(weight)
             self._entries[key] = (entry[0], packed)
             return packed
         self._entries[key] = (weakref.ref(weight, self._forget(key)), None)

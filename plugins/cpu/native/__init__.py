@@ -12,6 +12,8 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     moe_rows.c / .py    moe_dispatch_rows, moe_combine_rows
     sampling.c / .py    argmax_logsumexp
     selection.c / .py   indexer_scores (the lightning indexer's scores), moe_route_rows (the MoE router's top-k)
+    packed_gemm.c / .py pack_bf16, packed_linear_bf16 (decode batches on weights packed for register tiles),
+                        packed_cols, packed_shape
     quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored), quant_simd
     isa.c               build_isa (its wrapper is in build.py)
     common.h, gemv.h    what the C files share (bf16 conversions, ISA checks, the bf16 products)
@@ -32,6 +34,7 @@ from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_tier,
 from deepinfer_plugins.cpu.native.mhc import hc_post, hc_pre
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
 from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rotary
+from deepinfer_plugins.cpu.native.packed_gemm import pack_bf16, packed_cols, packed_linear_bf16, packed_shape
 from deepinfer_plugins.cpu.native.quant_gemv import quant_linear, quant_simd
 from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
 from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_rows
@@ -41,6 +44,7 @@ __all__ = [
     "active_library", "amx_usable", "argmax_logsumexp", "build_flags", "build_isa", "build_variant", "cache_dir",
     "cache_root", "enabled", "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16",
     "grouped_amx_bf16", "grouped_gemv_bf16", "hc_post", "hc_pre", "indexer_scores", "library", "linear_amx_bf16", "linear_rows",
-    "moe_combine_rows", "moe_dispatch_rows", "moe_route_rows", "planned_isa", "quant_linear", "quant_simd", "rms_norm", "rotary",
+    "moe_combine_rows", "moe_dispatch_rows", "moe_route_rows", "pack_bf16", "packed_cols", "packed_linear_bf16",
+    "packed_shape", "planned_isa", "quant_linear", "quant_simd", "rms_norm", "rotary",
     "sink_attention_decode", "sink_attention_invariant", "swiglu",
 ]
