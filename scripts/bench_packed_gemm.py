@@ -1,5 +1,5 @@
 """The bf16 products of decode batches on the cpu back end: the C register tiles on packed weights
-(packed_gemm.c) against oneDNN's packed GEMM and the C multi-token GEMV, cold weights.
+(packed_gemm.c) against oneDNN's packed GEMM, torch's F.linear and the C multi-token GEMV, cold weights.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_packed_gemm.py [--shapes 129280x512 4096x512 512x2048]
         [--rows 1 4 8 16 32 64] [--cold-mb 300]
@@ -45,6 +45,7 @@ def main() -> None:
             x = torch.randn(M, K).bfloat16()
             paths = {"packed C": lambda i: native.packed_linear_bf16(lib, x, cs[i], (N, K)),
                      "gemv_tokens": lambda i: native.gemv_tokens_bf16(lib, x, ws[i])}
+            paths["torch F.linear"] = lambda i: torch.nn.functional.linear(x, ws[i])
             if onednn:
                 paths["oneDNN packed"] = lambda i: packed_weights.linear(_pad_rows(x), ds[i])[:M]
             if M == 1:

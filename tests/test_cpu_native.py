@@ -245,7 +245,7 @@ def test_packed_gemm_bf16(nat, M, N, K):
         assert native.pack_bf16(lib, W.t()) is None  # not contiguous
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 65, 300])
 def test_linear_on_packed_tiles(rows):
     # the decode batches' linears: on the tiles from a weight's second use, within the tier's rows
     kernels = NativeCpuKernels()

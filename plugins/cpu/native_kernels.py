@@ -11,9 +11,10 @@ memory instead of tens of torch ops, for
 Each method falls back to the pure-torch reference when the library is unavailable (no compiler,
 DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
 
-Decode-batch bf16 linears (up to 64 rows; on AVX512-BF16 one row too) run on C register tiles over
-copies of the weights packed for them (native/packed_gemm.c), larger ones on oneDNN-packed copies
-(packed_weights.py) unless DEEPINFER_CPU_PACKED_WEIGHTS=0.
+Decode-batch bf16 linears (2 to 64 rows; on AVX512-BF16 one row too; on AVX2+FMA every multi-row one,
+prefill included) run on C register tiles over copies of the weights packed for them
+(native/packed_gemm.c), the others on oneDNN-packed copies (packed_weights.py) unless
+DEEPINFER_CPU_PACKED_WEIGHTS=0.
 
 Batch-invariant mode (`set_batch_invariant(True)`, the batch_invariant feature; needs the library):
 every product (linears, grouped projections, experts, mHC mixes, indexer scores) runs through one
@@ -68,10 +69,13 @@ _GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
 #   AVX512-BF16, LM head 129,280 x 512: 1 row 1.13x the GEMV (21.8 vs 19.3 GB/s); 4 rows 1.18x / 1.69x;
 #     8 rows 1.12x / 1.66x; 16 rows 0.97-1.08x / 1.59x (156 GFLOP/s); 32-64 rows 1.00x / 1.6x (179-201);
 #     4096 x 512 and 512 x 2048: 1 row 1.06-1.19x the GEMV, 4-64 rows 1.01-1.46x / 1.5-3.0x.
+#     128 and 512 rows (prefill) 0.96-1.16x oneDNN: left to oneDNN.
 #   AVX2+FMA (emulated): 2-3 rows 0.96-1.56x the multi-token GEMV, 4 rows 1.22-1.28x, 16-64 rows 1.86-1.91x
 #     (67-70 GFLOP/s); one row 0.55-0.61x the GEMV (it widens bf16 pairs, the GEMV streams rows): not used.
+#     Prefill too: oneDNN has no AVX2 bf16 kernel, and torch's F.linear runs at 15-23 GFLOP/s, the tiles at
+#     47-71 (2.5-3.7x at 16, 128 and 512 rows).
 # The portable tier is not measured: its products stay where they were.
-_PACKED_GEMM_ROWS = {"avx512-bf16": (1, 64), "avx2-fma": (2, 64), "portable": (0, 0)}
+_PACKED_GEMM_ROWS = {"avx512-bf16": (1, 64), "avx2-fma": (2, 1 << 62), "portable": (0, 0)}
 # Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA and
 # AVX512-BF16 tiers: its products are the multi-token GEMV's, each expert weight streamed once. AMD Zen 4
 # (AVX512-BF16, no AMX), one thread, cold weights, C vs the torch paths: 16 experts of 128 x 512 (top-4)
