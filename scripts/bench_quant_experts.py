@@ -7,8 +7,9 @@ config.json (or --experts/--top-k/--hidden/--inter). For each token count it rou
 top-k distinct random experts, and times, alternating in every round: the experts on FP4 codes in
 one call (`quant_experts.c`), the same through the per-expert path the cpu back end took before
 (`CpuKernels.quantized_experts`: each expert's two products on the codes, `quant_gemv.c`, and torch's
-swiglu), the FP8-block version of both, and the bf16 experts' one call (`experts_bf16`) for
-reference. It prints the median time per call and the speed of each path against the per-expert one.
+swiglu), the FP8-block version of both, the FP4 one call on fp32 rows (the loops that decode to
+fp32, where bf16 rows on an AVX512-BF16 CPU take vdpbf16ps on weights decoded to bf16), and the bf16
+experts' one call (`experts_bf16`) for reference. It prints the median time per call and the speed of each path against the per-expert one.
 """
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ def main() -> None:
             paths[f"{kind} per expert"] = lambda a=a, b=b: CpuKernels.quantized_experts(kernels, rows, plan, a, b,
                                                                                           limit)
             paths[f"{kind} one call"] = lambda a=a, b=b: native.quant_experts(lib, rows, counts, a, b, limit)
+        # fp32 rows: the loops that decode to fp32 (AVX2 + FMA), where bf16 rows take vdpbf16ps on AVX512-BF16
+        rows_f = rows.float()
+        paths["fp4 one call, fp32 rows"] = lambda: native.quant_experts(lib, rows_f, counts, w13["fp4"], w2["fp4"],
+                                                                        limit)
         times: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(args.rounds):
             for name, fn in paths.items():  # alternate the paths within every round
@@ -88,7 +93,7 @@ def main() -> None:
             base = statistics.median(times[name.split()[0] + " per expert"] if not name.startswith("bf16")
                                      else times["fp4 per expert"])
             t = statistics.median(ts)
-            print(f"  {name:16s} {t * 1e6:9.1f}  {base / t:5.2f}x")
+            print(f"  {name:24s} {t * 1e6:9.1f}  {base / t:5.2f}x")
 
 
 if __name__ == "__main__":

@@ -193,6 +193,118 @@ static void fp8_rows_avx2(const float *xf, long rows, long in, const uint8_t *w,
 }
 #endif
 
+/* ------------------------------------------------------------------------------ AVX512-BF16 */
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define QUANT_AVX512BF16 1
+
+/* e2m1 values as bf16 bits by code (bit 3 = sign), every one exact in bf16: low and high bytes */
+static const uint8_t FP4_BF16_LO[16] = {0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0,
+                                        0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0};
+static const uint8_t FP4_BF16_HI[16] = {0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40,
+                                        0x80, 0xBF, 0xBF, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0};
+
+/* The order in which fp4_bf16x32 yields a group's 32 weights, and in which the activations must be
+ * given: each 16-element half as its 8 even elements, then its 8 odd ones (byte shuffles and unpacks
+ * stay inside 128-bit lanes; the dot product does not care about the order). */
+static inline long fp4_lane_order(long k) { return (k & ~15L) + ((k & 8) ? 2 * (k & 7) + 1 : 2 * (k & 7)); }
+
+/* n bf16 values (n a multiple of 16) -> `dst` in fp4_lane_order */
+static void fp4_lane_order_bf16(const uint16_t *restrict src, uint16_t *restrict dst, long n) {
+    for (long k = 0; k < n; k++) dst[k] = src[fp4_lane_order(k)];
+}
+
+/* 16 bytes (32 codes) -> 32 bf16 weights in fp4_lane_order: the low nibbles (even elements) and the
+ * high ones side by side in 32 bytes, two byte look-ups (the bf16 bits' low and high bytes), and the
+ * two interleaved into words */
+static inline __m512i fp4_bf16x32(const uint8_t *p) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)p), low4 = _mm_set1_epi8(0x0F);
+    const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
+    const __m256i lo = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_BF16_LO)), nib);
+    const __m256i hi = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_BF16_HI)), nib);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(lo, hi)), _mm256_unpackhi_epi8(lo, hi), 1);
+}
+
+/* Sums of four output rows' accumulators: [sum(a), sum(b), sum(c), sum(d)] */
+static inline __m128 reduce4_ps(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0x4E));
+    s = _mm512_add_ps(s, _mm512_permute_ps(s, 0xB1));
+    return _mm512_castps512_ps128(
+        _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), s));
+}
+
+/* fp4_tile_avx2 for bf16 activation rows `xb` given in fp4_lane_order, `no` (1 or 4) output rows from
+ * o at a time (their sums are independent dependency chains, share each load of x and one final
+ * reduction): a group of 32 codes is decoded once into one register of bf16 weights, then each row
+ * takes one vdpbf16ps (32 exact products summed in pairs into 16 fp32 lanes). `folded` (ue8m0
+ * scales, all in [2, 252]): the scale 2^(s-127) is added to the nonzero weights' bf16 exponents (0.5..6
+ * times it stays a normal bf16, exactly) and the products accumulate straight into the sums; else one
+ * FMA per group and row applies the scale. */
+static inline __attribute__((always_inline)) void fp4_tile_bf16(const uint16_t *xb, long r0, const long nr, long in,
+                                                                const uint8_t *w, const void *scale, int scale_e8m0,
+                                                                long o, const long no, float *y, long out,
+                                                                const int folded) {
+    const long groups = in / FP4_GROUP;
+    __m512 acc[4][QUANT_ROW_TILE];
+    for (long j = 0; j < no; j++)
+        for (long t = 0; t < nr; t++) acc[j][t] = _mm512_setzero_ps();
+    for (long g = 0; g < groups; g++) {
+        __m512bh xv[QUANT_ROW_TILE];
+        for (long t = 0; t < nr; t++)
+            xv[t] = (__m512bh)_mm512_loadu_si512((const void *)(xb + (r0 + t) * in + g * FP4_GROUP));
+        for (long j = 0; j < no; j++) {
+            const size_t at = (size_t)(o + j) * groups + g;
+            __m512i wi = fp4_bf16x32(w + at * (FP4_GROUP / 2));
+            if (folded) {
+                const int shift = ((int)((const uint8_t *)scale)[at] - 127) * 128;
+                wi = _mm512_mask_add_epi16(wi, _mm512_test_epi16_mask(wi, _mm512_set1_epi16(0x7FFF)), wi,
+                                           _mm512_set1_epi16((short)shift));
+                for (long t = 0; t < nr; t++) acc[j][t] = _mm512_dpbf16_ps(acc[j][t], (__m512bh)wi, xv[t]);
+            } else {
+                const __m512 s = _mm512_set1_ps(scale_at(scale, scale_e8m0, at));
+                for (long t = 0; t < nr; t++)
+                    acc[j][t] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)wi, xv[t]), s,
+                                                acc[j][t]);
+            }
+        }
+    }
+    for (long t = 0; t < nr; t++) {
+        float *yt = y + (r0 + t) * out + o;
+        if (no == 4) _mm_storeu_ps(yt, reduce4_ps(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+        else *yt = _mm512_reduce_add_ps(acc[0][t]);
+    }
+}
+
+#define FP4_TILES_BF16(no, folded)                                                                             \
+    switch (rows - r0 < QUANT_ROW_TILE ? rows - r0 : QUANT_ROW_TILE) {                                       \
+        case 1: fp4_tile_bf16(xb, r0, 1, in, w, scale, scale_e8m0, o, no, y, out, folded); break;            \
+        case 2: fp4_tile_bf16(xb, r0, 2, in, w, scale, scale_e8m0, o, no, y, out, folded); break;            \
+        case 3: fp4_tile_bf16(xb, r0, 3, in, w, scale, scale_e8m0, o, no, y, out, folded); break;            \
+        default: fp4_tile_bf16(xb, r0, 4, in, w, scale, scale_e8m0, o, no, y, out, folded); break;           \
+    }
+
+/* Output rows o .. o + no - 1 (`no` 1 or 4) of an FP4 weight against `rows` bf16 rows in fp4_lane_order */
+static void fp4_rows_bf16(const uint16_t *xb, long rows, long in, const uint8_t *w, const void *scale,
+                          int scale_e8m0, long o, long no, float *y, long out) {
+    const long groups = in / FP4_GROUP;
+    int folded = scale_e8m0;
+    if (folded) { /* branch-free: the compiler vectorises it */
+        const uint8_t *s = (const uint8_t *)scale;
+        for (long i = o * groups; i < (o + no) * groups; i++) folded &= (uint8_t)(s[i] - 2) <= 250;
+    }
+    for (long r0 = 0; r0 < rows; r0 += QUANT_ROW_TILE) {
+        if (no == 4) {
+            if (folded) FP4_TILES_BF16(4, 1) else FP4_TILES_BF16(4, 0)
+        } else {
+            if (folded) FP4_TILES_BF16(1, 1) else FP4_TILES_BF16(1, 0)
+        }
+    }
+}
+#endif
+
 /* Output row `o` of an FP4 (`fp4`) or FP8-block weight against `rows` rows: the AVX2 loops unless
  * `portable` (1 forces the plain C ones) or the FP8 blocks are not whole multiples of 8 inputs (the
  * AVX2 loop reads whole blocks of 8). FP4: `in` a multiple of 32 (the bindings check). */
