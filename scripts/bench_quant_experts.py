@@ -9,7 +9,8 @@ one call (`quant_experts.c`), the same through the per-expert path the cpu back 
 (`CpuKernels.quantized_experts`: each expert's two products on the codes, `quant_gemv.c`, and torch's
 swiglu), the FP8-block version of both, the FP4 one call on fp32 rows (the loops that decode to
 fp32, where bf16 rows on an AVX512-BF16 CPU take vdpbf16ps on weights decoded to bf16), and the bf16
-experts' one call (`experts_bf16`) for reference. It prints the median time per call and the speed of each path against the per-expert one.
+experts' one call (`experts_bf16`) for reference. It prints the median time per call and the speed
+of each path against the per-expert one of its format (bf16: against FP4's).
 """
 from __future__ import annotations
 

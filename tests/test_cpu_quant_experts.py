@@ -2,9 +2,10 @@
 reference built from the bit-level decoders of test_cpu_quant_gemv (independent of
 `deepinfer.accelerator.quantized_weight`).
 
-Each build runs its AVX2 + FMA loops (where compiled) and its portable C loops: the library built for
-this CPU (AVX512-BF16 here) and, on an AVX-512 CPU, the `no-avx512` build compiled into a temporary
-folder (the AVX2 tier; the suite's own `no-avx512` run has it as its library).
+Each build runs its vector loops (AVX512-BF16 for FP4 with bf16 rows, AVX2 + FMA otherwise, where
+compiled) and its portable C loops: the library built for this CPU, and, where it has what they
+switch off, the `no-avx512` build (the AVX2 tier) and the `no-avx2` build (plain C only), compiled
+into a temporary folder (the suite's own `no-avx512` run has the former as its library).
 """
 from __future__ import annotations
 
@@ -19,18 +20,22 @@ from deepinfer_plugins.cpu import native
 LIMIT = 10.0
 
 
-@pytest.fixture(scope="module", params=["native", "no-avx512"])
+# a switched build runs where the library has what the switch removes (else the library is that build)
+_SWITCH_REMOVES = {"no-avx512": "avx512f", "no-avx2": "avx2"}
+
+
+@pytest.fixture(scope="module", params=["native", "no-avx512", "no-avx2"])
 def lib(request, tmp_path_factory):
     library = native.library()
     if library is None:
         pytest.skip("the cpu back end's C kernels are not available here (no C compiler, or DEEPINFER_CPU_NATIVE=0)")
     if request.param == "native":
         return library
-    if "avx512f" not in native.build_isa(library):
-        pytest.skip("the library is already built without AVX-512 (this CPU or DEEPINFER_CPU_NATIVE_ISA): "
-                    "the 'native' case runs the AVX2 tier")
-    path = tmp_path_factory.mktemp("no-avx512") / "kernels.so"
-    native._compile(path, native._compiler(), native.build_flags("no-avx512"))
+    if _SWITCH_REMOVES[request.param] not in native.build_isa(library):
+        pytest.skip(f"the library is already built without {_SWITCH_REMOVES[request.param]} (this CPU or "
+                    f"DEEPINFER_CPU_NATIVE_ISA): the 'native' case runs that tier")
+    path = tmp_path_factory.mktemp(request.param) / "kernels.so"
+    native._compile(path, native._compiler(), native.build_flags(request.param))
     return native._load(path)
 
 

@@ -220,8 +220,9 @@ static void fp4_lane_order_bf16(const uint16_t *restrict src, uint16_t *restrict
 static inline __m512i fp4_bf16x32(const uint8_t *p) {
     const __m128i b = _mm_loadu_si128((const __m128i *)p), low4 = _mm_set1_epi8(0x0F);
     const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low4), _mm_and_si128(b, low4));
-    const __m256i lo = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_BF16_LO)), nib);
-    const __m256i hi = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_BF16_HI)), nib);
+    const __m256i lo_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_BF16_LO));
+    const __m256i hi_table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_BF16_HI));
+    const __m256i lo = _mm256_shuffle_epi8(lo_table, nib), hi = _mm256_shuffle_epi8(hi_table, nib);
     return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(lo, hi)), _mm256_unpackhi_epi8(lo, hi), 1);
 }
 
