@@ -12,8 +12,8 @@
  * evenly; a block's codes are decoded once per 4 of its expert's rows: to fp32 (AVX2, portable), or,
  * FP4 with bf16 rows on AVX512-BF16, to a register of 32 bf16 weights that vdpbf16ps multiplies with
  * each row's bf16 values exactly (the rows copied once in the order the decoder yields the weights).
- * A row's results do not depend on the other rows. Returns 1 (nothing written) when the counts are negative or do not add up to
- * n, else 0. */
+ * A row's results do not depend on the other rows. Returns 1 (nothing written) when the counts are
+ * negative or do not add up to n, else 0. */
 #include "quant.h"
 
 #define QE_BLOCK 16 /* output rows per work item */
