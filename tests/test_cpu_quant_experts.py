@@ -124,9 +124,26 @@ def test_fp8_experts_match_the_bit_level_reference(lib, block, D, inter):
     _check(lib, "fp8", [0, 4, 0], torch.float32, block=block, D=D, inter=inter)
 
 
-def test_fp32_scales(lib):
-    _check(lib, "fp4", [2, 3, 0], torch.float32, fp32_scales=True)
-    _check(lib, "fp8", [2, 3, 0], torch.float32, fp32_scales=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_scales(lib, dtype):
+    # bf16 rows on AVX512-BF16: the scales applied by one FMA per group instead of added to the exponents
+    _check(lib, "fp4", [2, 3, 0], dtype, fp32_scales=True)
+    _check(lib, "fp8", [2, 3, 0], dtype, fp32_scales=True)
+
+
+def test_fp4_scales_outside_the_exponent_range(lib):
+    # every scale of some output rows 2^-127 (0.5 x 2^-127 is no normal bf16): their 4-row tiles apply
+    # the scales by FMA, the other tiles add them to the exponents; both against the reference, to
+    # the relative bound also where the values are ~1e-38
+    w13, w13_64, w2, w2_64 = _unit_experts("fp4", 2, 64, 32)
+    for w, w64 in ((w13, w13_64), (w2, w2_64)):
+        w.scale.view(torch.uint8)[:, ::8] = 0
+        w64.copy_(torch.stack([_fp4_reference(w.data[e], w.scale[e]) for e in range(2)]))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want, bound = _reference(x, [2, 3], w13_64, w2_64)
+    for portable in _paths(lib):
+        y = native.quant_experts(lib, x, torch.tensor([2, 3]), w13, w2, LIMIT, portable=portable)
+        assert ((y.double() - want).abs() <= 2 ** -6 * bound).all()
 
 
 def test_a_rows_result_does_not_depend_on_the_other_rows(lib):
