@@ -3,8 +3,8 @@ memory instead of tens of torch ops, for
 - the element-wise kernels: rms_norm, rotary, hc_pre, hc_post, swiglu;
 - decode-sized products: the bf16 GEMV of one token, LM head included (it streams weights faster
   than torch.mv on every tier: AVX512-BF16, AVX2+FMA, portable), the grouped output projection of a few tokens, the routed experts of decode-sized
-  batches (each expert weight streamed once), and, where the CPU has AMX, the linears of decode
-  batches (tile products instead of oneDNN's calls);
+  batches (each expert weight streamed once; bf16 in experts.c, FP4/FP8 codes in quant_experts.c),
+  and, where the CPU has AMX, the linears of decode batches (tile products instead of oneDNN's calls);
 - the MoE dispatch and combine (a counting sort and a weighted row sum, ~10 torch ops each);
 - decode attention (16 heads per vector lane set, no horizontal sums);
 - greedy sampling's argmax with the log-sum-exp, in one pass over the logits.
@@ -93,7 +93,10 @@ _DECODE_QUERIES = 16
 # Rows up to which a product on FP4/FP8 weights runs on the codes (quant_gemv.c), which decodes each
 # weight group once per 4 rows; above, dequantising tiles for a GEMM is cheaper. scripts/
 # bench_quant_gemv.py, 4096 x 4096 FP4, 2 threads: codes 27 ms vs tiles 100 ms at 64 rows, 56 vs
-# 100 ms at 128, and the codes' time grows with the rows while the tiles' barely does.
+# 100 ms at 128, and the codes' time grows with the rows while the tiles' barely does. The routed
+# experts on the codes take one C call for all experts up to this many rows per expert (scripts/
+# bench_quant_experts.py, the 161 M V4 checkpoint's 16 experts of 256 x 512 and 512 x 128 FP4, top-4,
+# 2 threads, against one expert at a time: 7.7x at 1 token, 15x at 4, 7.2x at 16, 3.6x at 64, 3.1x at 128).
 _QUANT_MAX_ROWS = 128
 
 
@@ -342,7 +345,9 @@ class NativeCpuKernels(CpuKernels):
     def moe_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
                     w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
         if isinstance(w13, QuantizedWeight) or isinstance(w2, QuantizedWeight):
-            return super().moe_experts(rows, plan, w13, w2, swiglu_limit)  # per expert, through this linear
+            out = self._quant_experts(rows, plan, w13, w2, swiglu_limit)
+            # else per expert, through this linear (more rows: dequantised tiles)
+            return super().moe_experts(rows, plan, w13, w2, swiglu_limit) if out is None else out
         if self.invariant:
             return self._experts_invariant(rows, plan, w13, w2, swiglu_limit)
         lib = self.native_library
@@ -350,6 +355,18 @@ class NativeCpuKernels(CpuKernels):
         if lib is not None and rows.shape[0] <= self._native_expert_rows(w13.shape[0]):
             out = native.experts_bf16(lib, rows, plan.tokens_per_expert, w13, w2, swiglu_limit)
         return super().moe_experts(rows, plan, w13, w2, swiglu_limit) if out is None else out
+
+    def _quant_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
+                       w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor | None:
+        """All routed experts on their FP4/FP8 codes in one C call (quant_experts.c) while no expert has
+        more than _QUANT_MAX_ROWS rows (the per-expert path's products on the codes go to that size too);
+        None: the per-expert path (more rows, batch-invariant mode, no library, mixed formats)."""
+        lib = self.native_library
+        if lib is None or self.invariant:
+            return None
+        if rows.shape[0] > _QUANT_MAX_ROWS and int(plan.tokens_per_expert.max()) > _QUANT_MAX_ROWS:
+            return None
+        return native.quant_experts(lib, rows, plan.tokens_per_expert, w13, w2, swiglu_limit)
 
     def _experts_invariant(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                            swiglu_limit: float) -> torch.Tensor:

@@ -15,8 +15,10 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     packed_gemm.c / .py pack_bf16, packed_linear_bf16 (decode batches on weights packed for register tiles),
                         packed_cols, packed_shape
     quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored), quant_simd
+    quant_experts.c / .py  quant_experts (all routed experts of a step on FP4 / FP8-block weights, one call)
     isa.c               build_isa (its wrapper is in build.py)
-    common.h, gemv.h    what the C files share (bf16 conversions, ISA checks, the bf16 products)
+    common.h, gemv.h,   what the C files share (bf16 conversions, ISA checks, the bf16 products,
+    quant.h             the products on FP4 / FP8 codes)
 
 A wrapper takes the library and torch tensors and returns new tensors, or None when the input is
 outside what the C code handles (device, dtype, layout), so the caller falls back to the reference
@@ -35,6 +37,7 @@ from deepinfer_plugins.cpu.native.mhc import hc_post, hc_pre
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
 from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rotary
 from deepinfer_plugins.cpu.native.packed_gemm import pack_bf16, packed_cols, packed_linear_bf16, packed_shape
+from deepinfer_plugins.cpu.native.quant_experts import quant_experts
 from deepinfer_plugins.cpu.native.quant_gemv import quant_linear, quant_simd
 from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
 from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_rows
@@ -45,6 +48,6 @@ __all__ = [
     "cache_root", "enabled", "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16",
     "grouped_amx_bf16", "grouped_gemv_bf16", "hc_post", "hc_pre", "indexer_scores", "library", "linear_amx_bf16", "linear_rows",
     "moe_combine_rows", "moe_dispatch_rows", "moe_route_rows", "pack_bf16", "packed_cols", "packed_linear_bf16",
-    "packed_shape", "planned_isa", "quant_linear", "quant_simd", "rms_norm", "rotary",
+    "packed_shape", "planned_isa", "quant_experts", "quant_linear", "quant_simd", "rms_norm", "rotary",
     "sink_attention_decode", "sink_attention_invariant", "swiglu",
 ]

@@ -12,209 +12,20 @@
  * only rounding is the sums'.
  *
  * Each output row's sum runs in the same order whatever `rows` is, and threads split the output
- * rows only. The AVX2 versions need AVX2 and FMA; every build also has the portable versions
- * (`*_portable`, plain C), which the tests run too, and which the dispatchers use without AVX2.
+ * rows only. The loops are quant.h's (shared with quant_experts.c): AVX2 + FMA where compiled, and
+ * in every build the portable versions (plain C), which the tests run too.
  */
-#include "common.h"
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define QUANT_AVX2 1
-#endif
-
-#define FP4_GROUP 32
-
-/* e2m1 codes (bit 3 = sign) times 2, as integers: {0, .5, 1, 1.5, 2, 3, 4, 6} x 2 */
-static const int8_t FP4_TIMES2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-static inline float e8m0_to_float(uint8_t b) {
-    if (b == 0) return 0x1p-127f; /* the one subnormal power of two */
-    if (b == 255) return NAN;
-    union { uint32_t u; float f; } v = {.u = (uint32_t)b << 23};
-    return v.f;
-}
-
-static inline float scale_at(const void *scale, int scale_e8m0, size_t index) {
-    return scale_e8m0 ? e8m0_to_float(((const uint8_t *)scale)[index]) : ((const float *)scale)[index];
-}
-
-/* e4m3fn byte -> float: its exponent and mantissa bits placed in fp32's, times 2^(127-7); subnormal
- * codes land on fp32 subnormals, which the multiply scales back exactly. NaN codes are not expected
- * in weights and come out as 480 (they are not checked). */
-static inline float e4m3_to_float(uint8_t b) {
-    union { uint32_t u; float f; } v = {.u = ((uint32_t)(b & 0x7F) << 20) | ((uint32_t)(b & 0x80) << 24)};
-    return v.f * 0x1p120f;
-}
-
-/* x rows -> fp32 [rows, in] (a private copy: rows are few) */
-static float *load_x(const void *x, int x_dtype, long x_stride, long rows, long in) {
-    float *xf = malloc((size_t)rows * in * sizeof(float));
-    for (long r = 0; r < rows; r++)
-        load_row((const char *)x + (size_t)r * x_stride * elem_size(x_dtype), x_dtype, xf + r * in, in);
-    return xf;
-}
-
-/* ------------------------------------------------------------------------------ portable */
-
-static void fp4_rows_portable(const float *xf, long rows, long in, const uint8_t *w, const void *scale,
-                              int scale_e8m0, long o, float *y, long out) {
-    const long groups = in / FP4_GROUP;
-    const uint8_t *wo = w + (size_t)o * (in / 2);
-    for (long r = 0; r < rows; r++) {
-        const float *xr = xf + r * in;
-        float acc = 0.0f;
-        for (long g = 0; g < groups; g++) {
-            float part = 0.0f;
-            for (long j = 0; j < FP4_GROUP / 2; j++) {
-                const uint8_t b = wo[g * (FP4_GROUP / 2) + j];
-                part += xr[g * FP4_GROUP + 2 * j] * FP4_TIMES2[b & 15] + xr[g * FP4_GROUP + 2 * j + 1] * FP4_TIMES2[b >> 4];
-            }
-            acc += part * (0.5f * scale_at(scale, scale_e8m0, (size_t)o * groups + g));
-        }
-        y[r * out + o] = acc;
-    }
-}
-
-static void fp8_rows_portable(const float *xf, long rows, long in, const uint8_t *w, const void *scale,
-                              int scale_e8m0, long block, long o, float *y, long out) {
-    const long blocks = (in + block - 1) / block;
-    const uint8_t *wo = w + (size_t)o * in;
-    for (long r = 0; r < rows; r++) {
-        const float *xr = xf + r * in;
-        float acc = 0.0f;
-        for (long b = 0; b < blocks; b++) {
-            const long end = (b + 1) * block < in ? (b + 1) * block : in;
-            float part = 0.0f;
-            for (long i = b * block; i < end; i++) part += xr[i] * e4m3_to_float(wo[i]);
-            acc += part * scale_at(scale, scale_e8m0, (size_t)(o / block) * blocks + b);
-        }
-        y[r * out + o] = acc;
-    }
-}
-
-/* ------------------------------------------------------------------------------ AVX2 + FMA */
-
-#ifdef QUANT_AVX2
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-#define QUANT_ROW_TILE 4 /* activation rows sharing one decode of a weight group */
-
-/* One output row o against `nr` (<= QUANT_ROW_TILE) activation rows from r0: each group of 32 codes is
- * decoded once (nibbles -> 2 x e2m1 as int8 by a byte shuffle -> fp32) and used by every row of the
- * tile. Always inlined with a constant `nr`, so the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void fp4_tile_avx2(const float *xf, long r0, const long nr, long in,
-                                                                const uint8_t *wo, const void *scale, int scale_e8m0,
-                                                                size_t scale_row, float *y, long o, long out) {
-    const long groups = in / FP4_GROUP;
-    const __m128i lut = _mm_loadu_si128((const __m128i *)FP4_TIMES2), low4 = _mm_set1_epi8(0x0F);
-    __m256 acc[QUANT_ROW_TILE];
-    for (long t = 0; t < nr; t++) acc[t] = _mm256_setzero_ps();
-    for (long g = 0; g < groups; g++) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(wo + g * (FP4_GROUP / 2)));
-        const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-        const __m128i v0 = _mm_shuffle_epi8(lut, _mm_unpacklo_epi8(lo, hi)); /* elements 0..15 */
-        const __m128i v1 = _mm_shuffle_epi8(lut, _mm_unpackhi_epi8(lo, hi)); /* elements 16..31 */
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v0));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v0, 8)));
-        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v1));
-        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v1, 8)));
-        const __m256 s = _mm256_set1_ps(0.5f * scale_at(scale, scale_e8m0, scale_row + g));
-        for (long t = 0; t < nr; t++) {
-            const float *xg = xf + (r0 + t) * in + g * FP4_GROUP;
-            __m256 part = _mm256_mul_ps(w0, _mm256_loadu_ps(xg));
-            part = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), part);
-            part = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), part);
-            part = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), part);
-            acc[t] = _mm256_fmadd_ps(part, s, acc[t]);
-        }
-    }
-    for (long t = 0; t < nr; t++) y[(r0 + t) * out + o] = hsum8(acc[t]);
-}
-
-static void fp4_rows_avx2(const float *xf, long rows, long in, const uint8_t *w, const void *scale,
-                          int scale_e8m0, long o, float *y, long out) {
-    const uint8_t *wo = w + (size_t)o * (in / 2);
-    const size_t scale_row = (size_t)o * (in / FP4_GROUP);
-    for (long r0 = 0; r0 < rows; r0 += QUANT_ROW_TILE) {
-        switch (rows - r0 < QUANT_ROW_TILE ? rows - r0 : QUANT_ROW_TILE) {
-            case 1: fp4_tile_avx2(xf, r0, 1, in, wo, scale, scale_e8m0, scale_row, y, o, out); break;
-            case 2: fp4_tile_avx2(xf, r0, 2, in, wo, scale, scale_e8m0, scale_row, y, o, out); break;
-            case 3: fp4_tile_avx2(xf, r0, 3, in, wo, scale, scale_e8m0, scale_row, y, o, out); break;
-            default: fp4_tile_avx2(xf, r0, 4, in, wo, scale, scale_e8m0, scale_row, y, o, out); break;
-        }
-    }
-}
-
-/* 8 e4m3 bytes -> 8 floats (see e4m3_to_float) */
-static inline __m256 e4m3x8(const uint8_t *p) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    const __m256i bits = _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 20),
-                                         _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 24));
-    return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
-}
-
-/* fp4_tile_avx2's scheme for FP8 blocks: `block` codes decoded once per tile of `nr` rows */
-static inline __attribute__((always_inline)) void fp8_tile_avx2(const float *xf, long r0, const long nr, long in,
-                                                                const uint8_t *wo, const void *scale, int scale_e8m0,
-                                                                long block, size_t scale_row, float *y, long o,
-                                                                long out) {
-    const long blocks = in / block;
-    __m256 acc[QUANT_ROW_TILE];
-    for (long t = 0; t < nr; t++) acc[t] = _mm256_setzero_ps();
-    for (long b = 0; b < blocks; b++) {
-        __m256 part[QUANT_ROW_TILE];
-        for (long t = 0; t < nr; t++) part[t] = _mm256_setzero_ps();
-        for (long i = b * block; i < (b + 1) * block; i += 8) { /* block % 8 == 0, in % block == 0 */
-            const __m256 wv = e4m3x8(wo + i);
-            for (long t = 0; t < nr; t++)
-                part[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(xf + (r0 + t) * in + i), part[t]);
-        }
-        const __m256 s = _mm256_set1_ps(scale_at(scale, scale_e8m0, scale_row + b));
-        for (long t = 0; t < nr; t++) acc[t] = _mm256_fmadd_ps(part[t], s, acc[t]);
-    }
-    for (long t = 0; t < nr; t++) y[(r0 + t) * out + o] = hsum8(acc[t]);
-}
-
-static void fp8_rows_avx2(const float *xf, long rows, long in, const uint8_t *w, const void *scale,
-                          int scale_e8m0, long block, long o, float *y, long out) {
-    const uint8_t *wo = w + (size_t)o * in;
-    const size_t scale_row = (size_t)(o / block) * (in / block);
-    for (long r0 = 0; r0 < rows; r0 += QUANT_ROW_TILE) {
-        switch (rows - r0 < QUANT_ROW_TILE ? rows - r0 : QUANT_ROW_TILE) {
-            case 1: fp8_tile_avx2(xf, r0, 1, in, wo, scale, scale_e8m0, block, scale_row, y, o, out); break;
-            case 2: fp8_tile_avx2(xf, r0, 2, in, wo, scale, scale_e8m0, block, scale_row, y, o, out); break;
-            case 3: fp8_tile_avx2(xf, r0, 3, in, wo, scale, scale_e8m0, block, scale_row, y, o, out); break;
-            default: fp8_tile_avx2(xf, r0, 4, in, wo, scale, scale_e8m0, block, scale_row, y, o, out); break;
-        }
-    }
-}
-#endif
+#include "quant.h"
 
 /* ------------------------------------------------------------------------------ entry points */
 
-/* `portable`: 1 forces the plain C loops (also on a CPU with AVX2). FP4: `in` must be a multiple of
- * 32 (the binding checks). */
+/* `portable`: 1 forces the plain C loops (also on a CPU with AVX2). */
 static void quant_linear(int fp4, int portable, const void *x, int x_dtype, long x_stride, long rows, long in,
                          const uint8_t *w, const void *scale, int scale_e8m0, long block, long out, float *y,
                          int num_threads) {
     float *xf = load_x(x, x_dtype, x_stride, rows, in);
 #pragma omp parallel for schedule(static, 8) num_threads(num_threads) if (out * in > PARALLEL_MIN_WORK)
-    for (long o = 0; o < out; o++) {
-#ifdef QUANT_AVX2
-        if (!portable) {
-            if (fp4) fp4_rows_avx2(xf, rows, in, w, scale, scale_e8m0, o, y, out);
-            else fp8_rows_avx2(xf, rows, in, w, scale, scale_e8m0, block, o, y, out);
-            continue;
-        }
-#endif
-        if (fp4) fp4_rows_portable(xf, rows, in, w, scale, scale_e8m0, o, y, out);
-        else fp8_rows_portable(xf, rows, in, w, scale, scale_e8m0, block, o, y, out);
-    }
+    for (long o = 0; o < out; o++) quant_rows(fp4, portable, xf, rows, in, w, scale, scale_e8m0, block, o, y, out);
     free(xf);
 }
 
@@ -225,7 +36,6 @@ void fp4_linear(const void *x, int x_dtype, long x_stride, long rows, long in, c
 
 void fp8_linear(const void *x, int x_dtype, long x_stride, long rows, long in, const uint8_t *w, const void *scale,
                 int scale_e8m0, long block, long out, float *y, int portable, int num_threads) {
-    portable = portable || in % block != 0 || block % 8 != 0; /* the AVX2 loop reads whole blocks of 8 */
     quant_linear(0, portable, x, x_dtype, x_stride, rows, in, w, scale, scale_e8m0, block, out, y, num_threads);
 }
 
