@@ -168,6 +168,58 @@ void hc_pre(const void *streams, const float *fn, const float *base, const float
     }
 }
 
+/* ----- hc_pre_norm: hc_pre, then the sub-layer's RMSNorm of the collapse (rms_norm, norm_rope.c) -----
+ * As the two calls in a row: the collapse is rounded to `dtype` before it is normalised; normed [T, D]
+ * in `dtype`, norm_weight [D] in w_dtype. */
+void rms_norm(const void *x, long x_row_stride, const void *w, int w_dtype, void *out, long rows, long D,
+              float eps, int dtype, int num_threads);
+
+void hc_pre_norm(const void *streams, const float *fn, const float *base, const float *scale, void *normed,
+                 float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
+                 const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
+    void *collapsed = malloc((size_t)T * D * elem_size(dtype));
+    hc_pre(streams, fn, base, scale, collapsed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps, dtype, num_threads);
+    rms_norm(collapsed, D, norm_weight, w_dtype, normed, T, D, rms_eps, dtype, num_threads);
+    free(collapsed);
+}
+
+/* ----- hc_head: the output head's collapse, sum_j pre_j * X_j with pre = sigmoid(mix * scale + base) + eps -----
+ * streams [T, n, D]; fn [n, n*D], base [n] fp32; scale [1] fp32 (one factor for every stream); mix as
+ * hc_pre's (the RMS factor of the flattened row applied to the product); out [T, D] in `dtype`. */
+void hc_head(const void *streams, const float *fn, const float *base, const float *scale, void *out, long T, long n,
+             long D, float eps, float norm_eps, int dtype, int num_threads) {
+    const size_t es = elem_size(dtype);
+    const long width = n * D;
+#pragma omp parallel num_threads(num_threads) if (T * width > PARALLEL_MIN_WORK && T > 1)
+    {
+        float *row = malloc((size_t)width * sizeof(float));
+        float *acc = malloc((size_t)D * sizeof(float));
+        float *pre = malloc((size_t)n * sizeof(float));
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            load_row((const char *)streams + (size_t)t * width * es, dtype, row, width);
+            const float inv = 1.0f / sqrtf(sum_squares(row, width) / (float)width + norm_eps);
+            for (long m = 0; m < n; m++) {
+                const float *restrict f = fn + m * width;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (long i = 0; i < width; i++) dot += f[i] * row[i];
+                pre[m] = sigmoid(dot * inv * scale[0] + base[m]) + eps;
+            }
+            for (long i = 0; i < D; i++) acc[i] = pre[0] * row[i];
+            for (long j = 1; j < n; j++) {
+                const float pj = pre[j];
+                const float *restrict xj = row + j * D;
+                for (long i = 0; i < D; i++) acc[i] += pj * xj[i];
+            }
+            store_row(acc, (char *)out + (size_t)t * D * es, dtype, D);
+        }
+        free(pre);
+        free(acc);
+        free(row);
+    }
+}
+
 /* ----- hc_post: X'_k = post_k * y + sum_j comb[j, k] * X_j, per token -----
  * y [T, D] (y_dtype); streams [T, n, D] and out [T, n, D] (dtype); post [T, n], comb [T, n, n] fp32. */
 

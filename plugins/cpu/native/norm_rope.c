@@ -1,4 +1,4 @@
-/* rms_norm and rotary, in one pass over memory each. */
+/* rms_norm and rotary, in one pass over memory each, and rms_norm_rotary, the two in one call. */
 #include "common.h"
 
 /* ----- rms_norm: y = x * rsqrt(mean(x^2) + eps) [* w], in x's dtype ----- */
@@ -62,4 +62,15 @@ void rotary(const void *x, long x_stride_t, long x_stride_m, const float *cos_t,
         }
         free(pairs);
     }
+}
+
+/* ----- rms_norm_rotary: rotary(rms_norm(x)) as the two calls in a row (the norm rounded to `dtype`) -----
+ * x [T*M, d] rows `x_row_stride` apart; out contiguous [T, M, d]; cos/sin fp32 [T, half]. */
+void rms_norm_rotary(const void *x, long x_row_stride, const void *w, int w_dtype, const float *cos_t,
+                     const float *sin_t, void *out, long T, long M, long d, long half, float eps, int dtype,
+                     int num_threads) {
+    void *normed = malloc((size_t)T * M * d * elem_size(dtype));
+    rms_norm(x, x_row_stride, w, w_dtype, normed, T * M, d, eps, dtype, num_threads);
+    rotary(normed, M * d, d, cos_t, sin_t, out, T, M, d, half, 0, dtype, num_threads);
+    free(normed);
 }
