@@ -174,6 +174,18 @@ def test_compress_store(nat, dtype):
     assert torch.equal(rows[0], want[0]) and torch.equal(rows[1], want[1])  # a refused call writes nothing
 
 
+def test_kernel_call_takes_exactly_its_arguments(nat):
+    from deepinfer_plugins.cpu.native import binding, norm_rope
+    kernel = norm_rope._RMS_NORM
+    with pytest.raises(TypeError, match="rms_norm"):
+        kernel(nat.native_library, x=0)  # missing arguments
+    values = dict.fromkeys(kernel.arguments, 0)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        kernel(nat.native_library, **values, extra=1)
+    with pytest.raises(ValueError, match="identifiers"):
+        binding._keyword_call("rms_norm", ("x", "rows); import os; os.getcwd("))
+
+
 def test_unsupported_input_falls_back(nat):
     x = make((4, 32), torch.float16)
     assert native.rms_norm(nat.native_library, x, None, 1e-6) is None
