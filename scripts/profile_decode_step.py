@@ -37,7 +37,7 @@ from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 # accelerator kernels and V4 ops timed on their own
 KERNELS = ("rms_norm", "rotary", "hc_pre", "hc_post", "hc_head", "swiglu", "sink_attention", "grouped_linear",
            "moe_route", "moe_dispatch", "moe_experts", "moe_combine", "indexer_topk", "compress_pool",
-           "argmax_logsumexp")
+           "argmax_logsumexp", "moe_sublayer", "rms_norm_rotary")
 # model code whose own time (outside the kernels above) is its glue
 GLUE = ((attention.Attention, "forward"), (moe.MoE, "forward"), (compressor.Compressor, "update"),
         (state.StepPlan, "__init__"), (state.StepPlan, "_group"), (state.StepPlan, "entry_view"),
@@ -94,7 +94,7 @@ def instrument(llm: LLM, timer: ExclusiveTimer) -> None:
     for name in KERNELS:
         setattr(accel, name, timer.wrap(name, getattr(accel, name)))
     ops = llm.engine.model.ops  # the model's V4 op table (its methods may call the kernels above)
-    for name in ("hc_pre", "hc_post", "hc_head", "compress_pool", "indexer_topk"):
+    for name in ("hc_pre", "hc_pre_norm", "hc_post", "hc_head", "compress_store", "compress_pool", "indexer_topk"):
         setattr(ops, name, timer.wrap(name, getattr(ops, name)))
     for cls, name in GLUE:
         setattr(cls, name, timer.wrap(f"{cls.__name__}.{name} (glue)", getattr(cls, name)))

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 
+from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer_plugins.cpu import CpuAccelerator, native
 from deepinfer_plugins.cpu.kernels import CpuKernels
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
@@ -75,6 +76,23 @@ def test_rotary(nat, T, dtype, inverse):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 300])
+def test_rms_norm_rotary(nat, T, dtype):
+    d, half = 64, 8
+    angles = make((T, half), torch.float32, 5) * 3
+    cos, sin = angles.cos(), angles.sin()
+    cases = [(make((T, d), dtype), make((d,), torch.float32, 3)), (make((T, 6, d), dtype, 1), None),
+             (make((T, 3 * d + 8), dtype, 2)[:, 8:].reshape(T, 3, d), make((d,), dtype, 4))]  # a strided view
+    for x, w in cases:
+        got = nat.rms_norm_rotary(x, w, 1e-6, cos, sin)
+        # the C norm then the C rotary, in one call: the two calls' bits
+        assert torch.equal(got, nat.rotary(nat.rms_norm(x, w, 1e-6), cos, sin, False))
+        normed = REF.rms_norm(x, w, 1e-6)  # the rotary against the reference on the same rounded norm
+        assert_close(got, REF.rotary(normed, cos, sin, False))
+        assert_close(REF.rms_norm_rotary(x, w, 1e-6, cos, sin), REF.rotary(normed, cos, sin, False))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,D", SHAPES)
 def test_hc_pre(nat, T, D, dtype):
     n = 4
@@ -89,6 +107,18 @@ def test_hc_pre(nat, T, D, dtype):
                 assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()  # post, comb stay fp32
             else:
                 assert_close(g, w)
+    # hc_pre_norm: the C hc_pre and rms_norm in one call give the two calls' bits, and the op table's
+    # plain-torch default is its hc_pre followed by the reference norm (a bf16 collapse one ulp apart
+    # is then more than one ulp apart after the weight, so each half is compared on its own)
+    norm = make((D,), torch.float32, 4)
+    fused = nat.hc_pre_norm(streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5)
+    collapsed, post, comb = nat.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    assert torch.equal(fused[0], nat.rms_norm(collapsed, norm, 1e-5))
+    assert torch.equal(fused[1], post) and torch.equal(fused[2], comb)
+    assert_close(fused[0], REF.rms_norm(collapsed, norm, 1e-5))
+    spec = DeepseekV4Ops().hc_pre_norm(streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5)
+    spec_collapsed = DeepseekV4Ops().hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)[0]
+    assert_close(spec[0], REF.rms_norm(spec_collapsed, norm, 1e-5))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -101,6 +131,59 @@ def test_hc_post(nat, T, D, dtype):
     assert_close(nat.hc_post(y, streams, post, comb), REF.hc_post(y, streams, post, comb))
     y32 = y.float()  # y in fp32 with bf16 streams: out follows the streams
     assert_close(nat.hc_post(y32, streams, post, comb), REF.hc_post(y32, streams, post, comb))
+
+
+def hc_head_exact(streams, fn, base, scale, eps, norm_eps):
+    """hc_head in fp64, rounded once to the streams' dtype."""
+    flat = streams.double().flatten(1)
+    mix = flat @ fn.double().t() * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    pre = torch.sigmoid(mix * scale.double() + base.double()) + eps
+    return (pre.unsqueeze(-1) * streams.double()).sum(1).to(streams.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,D", SHAPES)
+def test_hc_head(nat, T, D, dtype):
+    n = 4
+    streams = make((T, n, D), dtype)
+    fn, base, scale = make((n, n * D), torch.float32, 1) * 0.1, make((n,), torch.float32, 2), make((1,), torch.float32, 3)
+    want = hc_head_exact(streams, fn, base, scale, 1e-6, 1e-6)
+    assert_close(nat.hc_head(streams, fn, base, scale, 1e-6, 1e-6), want)
+    assert_close(REF.hc_head(streams, fn, base, scale, 1e-6, 1e-6), want)
+    assert native.hc_head(nat.native_library, streams, fn, base, scale.expand(2), 1e-6, 1e-6) is None  # one scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_compress_store(nat, dtype):
+    T, w, m, R = 3, 40, 4, 16
+    proj = make((T, 2 * w + 8), dtype)  # kv and score are column slices of one projection
+    kv, score = proj[:, 8:8 + w], proj[:, 8 + w:]
+    ape = make((m, w), torch.float32, 1)
+    position_mod, ring_row = torch.tensor([3, 0, 2]), torch.tensor([5, 14, 0])
+    rows = [make((R, w), torch.float32, 2) for _ in range(2)]
+    want = [r.clone() for r in rows]
+    DeepseekV4Ops().compress_store(kv, score, ape, position_mod, ring_row, *want)  # the op table's default
+    exact_score = score.double() + ape.double()[position_mod]
+    assert torch.equal(want[0][ring_row], kv.float()) and torch.equal(want[1][ring_row], exact_score.float())
+    assert nat.compress_store(kv, score, ape, position_mod, ring_row, *rows)
+    assert torch.equal(rows[0], want[0]) and torch.equal(rows[1], want[1])  # copies and one fp32 add: exact
+    lib = nat.native_library
+    assert not native.compress_store(lib, kv, score, ape, position_mod.clamp(max=m) + 1, ring_row, *rows)  # >= m
+    assert not native.compress_store(lib, kv, score, ape, position_mod, ring_row + R, *rows)  # outside the rings
+    assert not native.compress_store(lib, kv, score.half(), ape, position_mod, ring_row, *rows)  # fp16
+    assert torch.equal(rows[0], want[0]) and torch.equal(rows[1], want[1])  # a refused call writes nothing
+
+
+def test_kernel_call_takes_exactly_its_arguments(nat):
+    from deepinfer_plugins.cpu.native import binding, norm_rope
+    kernel = norm_rope._RMS_NORM
+    with pytest.raises(TypeError, match="rms_norm"):
+        kernel(nat.native_library, x=0)  # missing arguments
+    values = dict.fromkeys(kernel.arguments, 0)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        kernel(nat.native_library, **values, extra=1)
+    with pytest.raises(ValueError, match="identifiers"):
+        binding._keyword_call("rms_norm", ("x", "rows); import os; os.getcwd("))
 
 
 def test_unsupported_input_falls_back(nat):
@@ -447,6 +530,92 @@ def test_moe_dispatch_and_combine_decline(nat):
     assert torch.allclose(nat.moe_combine(rows[:5], subset, w), REF.moe_combine(rows[:5], subset, w))
 
 
+def moe_case(T, D, E, k, inter, shared_inter, hashed, seed=0):
+    """Inputs of one MoE sub-layer (bf16 activations and experts, fp32 router) as moe_sublayer takes them."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, D, generator=g)).to(torch.bfloat16)
+    gate = torch.randn(E, D, generator=g) / D ** 0.5
+    bias = None if hashed else torch.randn(E, generator=g) * 0.1
+    hash_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if hashed else None
+    w13 = (torch.randn(E, 2 * inter, D, generator=g) / D ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, D, inter, generator=g) / inter ** 0.5).to(torch.bfloat16)
+    sw13 = (torch.randn(2 * shared_inter, D, generator=g) / D ** 0.5).to(torch.bfloat16) if shared_inter else None
+    sw2 = (torch.randn(D, shared_inter, generator=g) / shared_inter ** 0.5).to(torch.bfloat16) if shared_inter else None
+    return x, gate, bias, hash_ids, w13, w2, sw13, sw2
+
+
+def moe_sublayer_exact(x, gate, bias, hash_ids, w13, w2, sw13, sw2, k, scaling, scoring, limit,
+                       torch_swiglu=(False, False)):
+    """moe_sublayer in fp64, rounded to bf16 where the kernels' bf16 products and swiglu round (each
+    expert's gate/up, hidden and output; the shared expert's likewise); router, weights and sums exact.
+    `torch_swiglu` (routed, shared): that swiglu rounds as torch's bf16 ops (silu, then the product)."""
+    logits = x.double() @ gate.double().t()
+    scores = {"sqrtsoftplus": lambda v: torch.nn.functional.softplus(v).sqrt(), "sigmoid": torch.sigmoid,
+              "softmax": lambda v: v.softmax(-1)}[scoring](logits)
+    ids = hash_ids if hash_ids is not None else (scores + (0 if bias is None else bias.double())).topk(k, -1).indices
+    chosen = scores.gather(1, ids)
+    weights = chosen / (chosen.sum(-1, keepdim=True) + 1e-20) * scaling
+    hi = limit if limit > 0 else float("inf")
+
+    def expert(v, a, b, round_silu):
+        gu = (a.double() @ v.double()).to(torch.bfloat16).double()
+        inter = b.shape[1]
+        gg, u = gu[:inter].clamp(max=hi), gu[inter:].clamp(min=-hi, max=hi)
+        silu = gg * torch.sigmoid(gg)
+        h = ((silu.to(torch.bfloat16).double() if round_silu else silu) * u).to(torch.bfloat16).double()
+        return (b.double() @ h).to(torch.bfloat16).double()
+
+    out = []
+    for t in range(x.shape[0]):
+        y = sum(weights[t, j] * expert(x[t], w13[ids[t, j]], w2[ids[t, j]], torch_swiglu[0]) for j in range(k))
+        out.append(y if sw13 is None else y + expert(x[t], sw13, sw2, torch_swiglu[1]))
+    return torch.stack(out).to(torch.bfloat16)
+
+
+MOE_CASES = [  # (T, D, E, k, inter, shared_inter, hashed, scoring): decode batches, hash layers, no shared
+    (1, 256, 16, 4, 64, 64, False, "sqrtsoftplus"), (3, 128, 8, 2, 32, 48, True, "sqrtsoftplus"),
+    (8, 70, 16, 4, 48, 0, False, "sigmoid"), (2, 64, 6, 6, 32, 32, False, "softmax")]
+
+
+@pytest.mark.parametrize("T,D,E,k,inter,shared_inter,hashed,scoring", MOE_CASES)
+def test_moe_layer_bf16(nat, T, D, E, k, inter, shared_inter, hashed, scoring):
+    case = moe_case(T, D, E, k, inter, shared_inter, hashed)
+    args = (k, 1.5, scoring, 10.0)
+    for round_silu in (False, True):
+        got = native.moe_layer_bf16(nat.native_library, *case, *args, round_silu)
+        assert_close(got, moe_sublayer_exact(*case, *args, torch_swiglu=(False, round_silu)))
+    # the accelerator's op, fused where the composed path would run the same C stages (the shared
+    # expert's swiglu rounded as the composed path's: torch's ops below 4,096 elements): the same bits
+    # as the back end's own composition but where the router's fp32 sums differ (torch's vs the C dot)
+    composed = super(NativeCpuKernels, nat).moe_sublayer(*case, *args)
+    assert_close(nat.moe_sublayer(*case, *args), composed)
+    # the plain-torch composition (CpuKernels, the spec) against the fp64 one with torch's roundings
+    assert_close(REF.moe_sublayer(*case, *args), moe_sublayer_exact(*case, *args, torch_swiglu=(True, True)))
+
+
+def test_moe_layer_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
+    lib = nat.native_library
+    x, gate, bias, hash_ids, w13, w2, sw13, sw2 = moe_case(2, 64, 8, 2, 32, 32, False)
+    args = (2, 1.0, "sqrtsoftplus", 0.0)
+    assert native.moe_layer_bf16(lib, x.float(), gate, bias, None, w13, w2, sw13, sw2, *args) is None  # fp32 x
+    assert native.moe_layer_bf16(lib, x, gate.bfloat16(), bias, None, w13, w2, sw13, sw2, *args) is None  # bf16 router
+    assert native.moe_layer_bf16(lib, x, gate, bias, None, w13, w2, sw13, sw2, 2, 1.0, "tanh", 0.0) is None
+    assert native.moe_layer_bf16(lib, x, gate, bias, None, w13, w2[:, :32], sw13, sw2, *args) is None  # w2 shape
+    assert native.moe_layer_bf16(lib, x, gate, bias, None, w13, w2, sw13, None, *args) is None  # half a shared expert
+    assert native.moe_layer_bf16(lib, x, gate, bias, None, w13, w2, sw13, sw2, 9, 1.0, "sigmoid", 0.0) is None
+    bad_hash = torch.full((2, 2), 8)
+    assert native.moe_layer_bf16(lib, x, gate, None, bad_hash, w13, w2, sw13, sw2, *args) is None  # id >= E
+    with pytest.raises(Exception):  # the composed path names the bad id
+        nat.moe_sublayer(x, gate, None, bad_hash, w13, w2, sw13, sw2, *args)
+    # more rows than the decode-batch GEMV takes, or fp32: the composed path, not the fused call
+    calls = []
+    monkeypatch.setattr(native, "moe_layer_bf16", lambda *a: calls.append(a) or None)
+    many = make((nat._gemv_tokens_max_rows + 1, 64), torch.bfloat16)
+    assert nat.moe_sublayer(many, gate, bias, None, w13, w2, sw13, sw2, *args).shape == many.shape and not calls
+    nat.moe_sublayer(x.float(), gate, bias, None, w13.float(), w2.float(), sw13.float(), sw2.float(), *args)
+    assert len(calls) == 1  # tried (it declines fp32), then composed
+
+
 @pytest.mark.parametrize("T", [2, 20, 33])  # one partial tile of tokens, more than one
 def test_grouped_amx_bf16(nat, T):
     x, w = make((T, 4, 512), torch.bfloat16), make((4, 128, 512), torch.bfloat16, 1)
@@ -638,6 +807,9 @@ def check_every_kernel(lib):
         for inverse in (False, True):
             assert_close(native.rotary(lib, xr, angles.cos(), angles.sin(), inverse),
                          REF.rotary(xr, angles.cos(), angles.sin(), inverse))
+        normed = native.rms_norm(lib, xr, None, 1e-6)
+        assert_close(native.rms_norm_rotary(lib, xr, None, 1e-6, angles.cos(), angles.sin()),
+                     REF.rotary(normed, angles.cos(), angles.sin(), False))
         streams = make((17, 4, 64), dtype)
         fn = make((24, 256), torch.float32, 1) * 0.1
         base, scale = make((24,), torch.float32, 2), make((3,), torch.float32, 3).abs() + 0.5
@@ -646,6 +818,16 @@ def check_every_kernel(lib):
         assert_close(got[0], want[0])
         for g, w in zip(got[1:], want[1:]):
             assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
+        norm = make((64,), torch.float32, 4)
+        assert_close(native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5)[0],
+                     REF.rms_norm(got[0], norm, 1e-5))
+        ring = [torch.zeros(8, 64) for _ in range(2)]
+        assert native.compress_store(lib, y := make((2, 64), dtype, 7), y, make((4, 64), torch.float32, 8),
+                                     torch.tensor([1, 3]), torch.tensor([6, 2]), *ring)
+        assert torch.equal(ring[0][[6, 2]], y.float())
+        head_fn, head_base = make((4, 256), torch.float32, 5) * 0.1, make((4,), torch.float32, 6)
+        assert_close(native.hc_head(lib, streams, head_fn, head_base, scale[:1], 1e-6, 1e-6),
+                     hc_head_exact(streams, head_fn, head_base, scale[:1], 1e-6, 1e-6))
         y = make((17, 64), dtype, 4)
         assert_close(native.hc_post(lib, y, streams, want[1], want[2]), REF.hc_post(y, streams, want[1], want[2]))
         gate_up = make((17, 512), dtype) * 6
@@ -677,6 +859,10 @@ def check_every_kernel(lib):
     want_w, want_ids = route_exact(scores, None, 4, 1.5, None)
     assert torch.equal(ids, want_ids) and torch.allclose(weights.double(), want_w, rtol=1e-6, atol=0)
     assert native.gemv_tier(lib) == native.gemv_tier_for(native.build_isa(lib))
+    for T, D, E, k, inter, shared_inter, hashed, scoring in MOE_CASES[:2]:
+        case = moe_case(T, D, E, k, inter, shared_inter, hashed)
+        assert_close(native.moe_layer_bf16(lib, *case, k, 1.5, scoring, 10.0),
+                     moe_sublayer_exact(*case, k, 1.5, scoring, 10.0))
     for N, K in [(7, 70), (100, 384), (9, 33), (5, 8), (4099, 64)]:  # with and without a K tail, short rows
         W, v = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
         assert_close(native.gemv_bf16(lib, W, v), (W.double() @ v.double()).to(torch.bfloat16))

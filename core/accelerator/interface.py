@@ -43,7 +43,9 @@ from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeig
 #: 2.3 added sub-groups: `Collectives.new_group` (default refuses) and the optional `group` argument of
 #: all_reduce / all_gather / all_to_all. A plugin written against an older minor may leave `group` out
 #: of its overrides (see `_check_signatures`); it then runs only layouts of one EP and one CP group.
-INTERFACE_VERSION = "2.3"
+#: 2.4 added the optional kernels `moe_sublayer` (the whole routed + shared MoE of one layer) and
+#: `rms_norm_rotary`, each with a default composed of the kernels it fuses.
+INTERFACE_VERSION = "2.4"
 
 
 class ProbeResult(BaseModel):
@@ -187,6 +189,13 @@ class SmallOps(_Interface):
         (2i, 2i+1). `inverse=True` rotates by the negative angle (attention-output de-rotation).
         Returns a new tensor of x's dtype."""
 
+    def rms_norm_rotary(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+        """`rotary(rms_norm(x, weight, eps), cos, sin, inverse=False)` (the attention's query and key
+        rows), the norm rounded to x's dtype as between the two calls. Optional: this default makes
+        the two calls; a back end fuses them."""
+        return self.rotary(self.rms_norm(x, weight, eps), cos, sin, False)
+
     @abstractmethod
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         """`silu(min(gate, limit)) * clamp(up, -limit, limit)`; limit <= 0 disables the clamps."""
@@ -203,6 +212,24 @@ class AttentionOps(_Interface):
         q `[B, S, H, d]`; kv `[B, L, d]` (K = V); mask `[B, S, L]` bool, True = attend;
         sinks `[H]` fp32. Returns `[B, S, H, d]` in q's dtype. A row with no visible key
         attends to nothing (output 0; the sink absorbs all mass)."""
+
+
+def routing_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """The router's affinity scores from its fp32 logits: "sqrtsoftplus", "sigmoid" or softmax."""
+    if scoring_func == "sqrtsoftplus":
+        return torch.nn.functional.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+def shared_expert(kernels: SmallOps, x: torch.Tensor, w13: torch.Tensor | QuantizedWeight,
+                  w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor:
+    """The dense SwiGLU expert every token passes through, `linear(swiglu(x w1^T, x w3^T), w2)` with
+    w1 and w3 fused into `w13` `[2I, D]`, composed of `kernels`' linear and swiglu."""
+    gate_up = kernels.linear(x, w13)
+    inter = w2.shape[1]
+    return kernels.linear(kernels.swiglu(gate_up[..., :inter], gate_up[..., inter:], swiglu_limit), w2)
 
 
 class MoEOps(_Interface):
@@ -232,6 +259,25 @@ class MoEOps(_Interface):
     @abstractmethod
     def moe_combine(self, out_rows: torch.Tensor, plan: MoEDispatch, weights: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's expert outputs, accumulated in fp32 -> `[T, D]` fp32."""
+
+    def moe_sublayer(self, x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
+                     hash_ids: torch.Tensor | None, w13: torch.Tensor | QuantizedWeight,
+                     w2: torch.Tensor | QuantizedWeight, shared_w13: torch.Tensor | None,
+                     shared_w2: torch.Tensor | None, top_k: int, routed_scaling_factor: float, scoring_func: str,
+                     swiglu_limit: float) -> torch.Tensor:
+        """A whole MoE layer on x `[T, D]` with every expert local: the fp32 router (`gate` `[E, D]`,
+        `routing_scores`), `moe_route` (`gate_bias`, or the given `hash_ids` `[T, k]`), dispatch, the
+        routed experts (`w13`, `w2` as in `moe_experts`), the fp32 combine, plus the shared expert
+        (`shared_w13` `[2I', D]` gate rows then up rows, `shared_w2` `[D, I']`, or None) -> `[T, D]`
+        in x's dtype. Optional: this default composes the kernels above; a back end fuses them for
+        decode-sized batches (one call instead of ~20 ops per layer)."""
+        weights, ids = self.moe_route(routing_scores(self.linear(x.float(), gate), scoring_func), gate_bias, top_k,
+                                      routed_scaling_factor, hash_ids)
+        rows, plan = self.moe_dispatch(x, ids, w13.shape[0])
+        y = self.moe_combine(self.moe_experts(rows, plan, w13, w2, swiglu_limit), plan, weights)
+        if shared_w13 is not None:
+            y = y.add_(shared_expert(self, x, shared_w13, shared_w2, swiglu_limit))  # into the fresh fp32 sum
+        return y.to(x.dtype)
 
 
 class SamplingOps(_Interface):

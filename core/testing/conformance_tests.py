@@ -160,6 +160,18 @@ def test_rotary(acc, ref):
 
 
 @pytest.mark.level(1)
+def test_rms_norm_rotary(acc, ref):
+    g = _gen(11)
+    for dtype in _dtypes(acc):
+        x = torch.randn(6, 4, 32, generator=g).to(dtype)
+        ang = torch.rand(6, 4, generator=g) * 6.0
+        w = torch.rand(32, generator=g) + 0.5
+        for weight in (w, None):
+            _close(acc.rms_norm_rotary(*_on(acc, x, weight, 1e-6, ang.cos(), ang.sin())),
+                   ref.rms_norm_rotary(x, weight, 1e-6, ang.cos(), ang.sin()), dtype, "rms_norm_rotary")
+
+
+@pytest.mark.level(1)
 def test_swiglu(acc, ref):
     g = _gen(4)
     for dtype in _dtypes(acc):
@@ -188,6 +200,11 @@ def test_hc_pre_post_head(acc, ref):
         y = torch.randn(5, 16, generator=g).to(dtype)
         _close(acc_ops.hc_post(*_on(acc, y, streams, want[1], want[2])), ref_ops.hc_post(y, streams, want[1], want[2]),
                dtype, "hc_post")
+        norm = torch.rand(16, generator=g) + 0.5
+        got = acc_ops.hc_pre_norm(*_on(acc, streams, fn, base, scale), 20, 1e-6, 1e-6, *_on(acc, norm), 1e-6)
+        want_norm = ref_ops.hc_pre_norm(streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-6)
+        for name, a, b in zip(("normed", "post", "comb"), got, want_norm):
+            _close(a, b, dtype, f"hc_pre_norm.{name}")
         hfn, hbase, hscale = torch.randn(4, 64, generator=g) * 0.1, torch.randn(4, generator=g), torch.rand(1, generator=g)
         _close(acc_ops.hc_head(*_on(acc, streams, hfn, hbase, hscale), 1e-6, 1e-6),
                ref_ops.hc_head(streams, hfn, hbase, hscale, 1e-6, 1e-6), dtype, "hc_head")
@@ -260,6 +277,44 @@ def test_moe_pipeline(acc, ref):
             rows_r, plan_r = ref.moe_dispatch(x, ir, E)
             out_r = ref.moe_combine(ref.moe_experts(rows_r, plan_r, w13, w2, 10.0), plan_r, wr)
             _close(out_a, out_r, dtype, "moe dispatch->experts->combine")
+
+
+@pytest.mark.level(1)
+def test_moe_sublayer(acc, ref):
+    """The whole MoE layer (router, routing, experts, combine, shared expert) at decode and prefill sizes."""
+    g = _gen(12)
+    E, K, D, inter = 8, 2, 16, 12
+    for dtype in _dtypes(acc):
+        gate = torch.randn(E, D, generator=g) * 0.5
+        bias = torch.randn(E, generator=g) * 0.1
+        w13 = (torch.randn(E, 2 * inter, D, generator=g) * 0.3).to(dtype)
+        w2 = (torch.randn(E, D, inter, generator=g) * 0.3).to(dtype)
+        sw13 = (torch.randn(2 * inter, D, generator=g) * 0.3).to(dtype)
+        sw2 = (torch.randn(D, inter, generator=g) * 0.3).to(dtype)
+        for T in (1, 3, 13):
+            x = torch.randn(T, D, generator=g).to(dtype)
+            for hash_ids, shared in ((None, (sw13, sw2)), (torch.randint(0, E, (T, K), generator=g), (None, None))):
+                got = acc.moe_sublayer(*_on(acc, x, gate, bias, hash_ids, w13, w2, *shared), K, 1.5, "sqrtsoftplus",
+                                       10.0)
+                want = ref.moe_sublayer(x, gate, bias, hash_ids, w13, w2, *shared, K, 1.5, "sqrtsoftplus", 10.0)
+                _close(got, want, dtype, f"moe_sublayer ({T} tokens)")
+
+
+@pytest.mark.level(1)
+@pytest.mark.family(DEEPSEEK_V4)
+def test_compress_store(acc, ref):
+    acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
+    g = _gen(13)
+    for dtype in _dtypes(acc):
+        kv, score = torch.randn(3, 24, generator=g).to(dtype), torch.randn(3, 24, generator=g).to(dtype)
+        ape = torch.randn(4, 24, generator=g)
+        position_mod, ring_row = torch.tensor([1, 3, 0]), torch.tensor([7, 2, 4])
+        got = [torch.zeros(8, 24, device=acc.device()) for _ in range(2)]
+        want = [torch.zeros(8, 24) for _ in range(2)]
+        acc_ops.compress_store(*_on(acc, kv, score, ape, position_mod, ring_row), *got)
+        ref_ops.compress_store(kv, score, ape, position_mod, ring_row, *want)
+        _close(got[0], want[0], torch.float32, "compress_store.kv")
+        _close(got[1], want[1], torch.float32, "compress_store.score")
 
 
 # ------------------------------------------------------------------------------------ level 2

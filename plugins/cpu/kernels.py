@@ -84,12 +84,28 @@ class CpuDeepseekV4Ops(DeepseekV4Ops):
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.kernels.hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
 
+    def compress_store(self, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, position_mod: torch.Tensor,
+                       ring_row: torch.Tensor, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> bool:
+        """DeepseekV4Ops.compress_store where this object has a faster one (True: stored); False: the
+        op table's plain-torch default stores."""
+        return False
+
+    def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernels.hc_pre_norm(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps)
+
     def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         return self.kernels.hc_post(y, streams, post, comb)
 
     def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 eps: float, norm_eps: float) -> torch.Tensor:
         return self.kernels.hc_head(streams, fn, base, scale, eps, norm_eps)
+
+    def compress_store(self, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, position_mod: torch.Tensor,
+                       ring_row: torch.Tensor, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> None:
+        if not self.kernels.compress_store(kv, score, ape, position_mod, ring_row, rows_kv, rows_score):
+            super().compress_store(kv, score, ape, position_mod, ring_row, rows_kv, rows_score)
 
     def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         return self.kernels.compress_pool(kv, score)
@@ -162,6 +178,13 @@ class CpuKernels(TorchKernels):
         flat = streams_f.flatten(-2)
         inv = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
         return F.linear(flat, fn.float()).mul_(inv)
+
+    def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hc_pre`, then this object's `rms_norm` of the collapse (DeepseekV4Ops.hc_pre_norm)."""
+        collapsed, post, comb = self.hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+        return self.rms_norm(collapsed, norm_weight, rms_eps), post, comb
 
     def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,8 @@
 """CpuKernels with its fast paths: fused C functions (native/*.c), one call and one pass over
 memory instead of tens of torch ops, for
-- the element-wise kernels: rms_norm, rotary, hc_pre, hc_post, swiglu;
+- the element-wise kernels: rms_norm, rotary (and the two in one call), hc_pre (alone or with the
+  sub-layer's rms_norm), hc_post, hc_head, swiglu;
+- a decode step's whole MoE sub-layer (router, top-k, dispatch, experts, combine, shared expert);
 - decode-sized products: the bf16 GEMV of one token, LM head included (it streams weights faster
   than torch.mv on every tier: AVX512-BF16, AVX2+FMA, portable), the grouped output projection of a few tokens, the routed experts of decode-sized
   batches (each expert weight streamed once; bf16 in experts.c, FP4/FP8 codes in quant_experts.c),
@@ -86,6 +88,10 @@ _EXPERT_ROWS_PER_EXPERT_DOT = 16
 # Tokens up to which the router's top-k runs in C (one thread, k passes over the experts: ~10 torch ops
 # fewer per layer at decode; prefill-sized batches keep torch's parallel top-k)
 _ROUTE_MAX_TOKENS = 64
+
+# Elements below which swiglu stays on torch's four ops (cheaper than the call: 5.9 vs 6.6 us for one
+# 512-wide row); the fused MoE rounds its shared expert's swiglu as they do below it
+_SWIGLU_TORCH_MAX = 4096
 
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
@@ -267,6 +273,12 @@ class NativeCpuKernels(CpuKernels):
         out = None if lib is None else native.rotary(lib, x, cos, sin, inverse)
         return super().rotary(x, cos, sin, inverse) if out is None else out
 
+    def rms_norm_rotary(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                        sin: torch.Tensor) -> torch.Tensor:
+        lib = self.native_library
+        out = None if lib is None else native.rms_norm_rotary(lib, x, weight, eps, cos, sin)
+        return super().rms_norm_rotary(x, weight, eps, cos, sin) if out is None else out
+
     def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.invariant:
@@ -278,6 +290,23 @@ class NativeCpuKernels(CpuKernels):
         out = None if lib is None else native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
         return super().hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps) if out is None else out
 
+    def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        lib, out = self.native_library, None
+        if lib is not None and not self.invariant:  # the two C kernels in one call
+            out = native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps)
+        if out is not None:
+            return out
+        return super().hc_pre_norm(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps)
+
+    def compress_store(self, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, position_mod: torch.Tensor,
+                       ring_row: torch.Tensor, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> bool:
+        # copies and one fp32 add per element: the same bits in batch-invariant mode
+        lib = self.native_library
+        return lib is not None and native.compress_store(lib, kv, score, ape, position_mod, ring_row, rows_kv,
+                                                         rows_score)
+
     def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         lib = self.native_library
         out = None if lib is None else native.hc_post(lib, y, streams, post, comb)
@@ -288,7 +317,7 @@ class NativeCpuKernels(CpuKernels):
         # a few rows: torch's four ops cost less than the call (5.9 vs 6.6 us for one 512-wide row); not
         # in batch-invariant mode: torch computes the last few elements of a tensor with the scalar exp,
         # the others with the vector one, so an element's bits would depend on the tensor's size
-        small = gate.numel() < 4096 and not self.invariant
+        small = gate.numel() < _SWIGLU_TORCH_MAX and not self.invariant
         out = None if lib is None or small else native.swiglu(lib, gate, up, limit)
         return super().swiglu(gate, up, limit) if out is None else out
 
@@ -368,6 +397,26 @@ class NativeCpuKernels(CpuKernels):
             return None
         return native.quant_experts(lib, rows, plan.tokens_per_expert, w13, w2, swiglu_limit)
 
+    def moe_sublayer(self, x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
+                     hash_ids: torch.Tensor | None, w13: torch.Tensor | QuantizedWeight,
+                     w2: torch.Tensor | QuantizedWeight, shared_w13: torch.Tensor | None,
+                     shared_w2: torch.Tensor | None, top_k: int, routed_scaling_factor: float, scoring_func: str,
+                     swiglu_limit: float) -> torch.Tensor:
+        lib, out = self.native_library, None
+        # decode-sized bf16 batches in one C call (moe_layer.c), where the composed path would run the
+        # same C stages: the multi-token GEMV for the shared expert (not AMX tiles), the C expert kernel
+        if (lib is not None and not self.invariant and x.dim() == 2
+                and not any(isinstance(w, QuantizedWeight) for w in (w13, w2, shared_w13, shared_w2))
+                and x.shape[0] <= self._gemv_tokens_max_rows and (x.shape[0] == 1 or not self.native_amx)
+                and x.shape[0] * top_k <= self._native_expert_rows(w13.shape[0])):
+            round_silu = shared_w2 is not None and x.shape[0] * shared_w2.shape[1] < _SWIGLU_TORCH_MAX
+            out = native.moe_layer_bf16(lib, x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
+                                        routed_scaling_factor, scoring_func, swiglu_limit, round_silu)
+        if out is not None:
+            return out
+        return super().moe_sublayer(x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
+                                    routed_scaling_factor, scoring_func, swiglu_limit)
+
     def _experts_invariant(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                            swiglu_limit: float) -> torch.Tensor:
         """Each expert's rows through the fixed-order product: a token's expert output does not depend
@@ -415,7 +464,9 @@ class NativeCpuKernels(CpuKernels):
     def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 eps: float, norm_eps: float) -> torch.Tensor:
         if not self.invariant:
-            return super().hc_head(streams, fn, base, scale, eps, norm_eps)
+            lib = self.native_library
+            out = None if lib is None else native.hc_head(lib, streams, fn, base, scale, eps, norm_eps)
+            return super().hc_head(streams, fn, base, scale, eps, norm_eps) if out is None else out
         streams_f = streams.float()
         pre = _lanewise(torch.sigmoid, self._hc_mix(streams_f, fn, norm_eps) * scale.float() + base.float()) + eps
         return _sum_fixed(pre.unsqueeze(-1) * streams_f, -2).squeeze(-2).to(streams.dtype)

@@ -93,9 +93,8 @@ class Attention:
         px = split_fused(a.linear(x, w["fused_x.weight"]), self.x_parts)
         qr = a.rms_norm(px["wq_a.weight"], w["q_norm.weight"], eps)
         pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), self.qr_parts)
-        q = a.rms_norm(pqr["wq_b.weight"].reshape(T, H, d), None, eps)
-        q = a.rotary(q, cos, sin, False)
-        kv = a.rotary(a.rms_norm(px["wkv.weight"], w["kv_norm.weight"], eps), cos, sin, False)
+        q = a.rms_norm_rotary(pqr["wq_b.weight"].reshape(T, H, d), None, eps, cos, sin)
+        kv = a.rms_norm_rotary(px["wkv.weight"], w["kv_norm.weight"], eps, cos, sin)
         keyed = {"kv": kv, **{name: px[name] for name in self.key_inputs}}
         if plan.split is not None:  # context parallelism: every rank's rows of what other tokens read
             keyed = self._gather(keyed, plan.split)

@@ -66,10 +66,10 @@ class HyperConnected:
         self.norm = weights[f"{name}_norm.weight"]
 
     def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        a, c, ops = self.accel, self.c, self.ops
-        collapsed, post, comb = ops.hc_pre(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                           c.rms_norm_eps)
-        y = self.layer.run(a.rms_norm(collapsed, self.norm, c.rms_norm_eps), step)
+        c, ops = self.c, self.ops
+        x, post, comb = ops.hc_pre_norm(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
+                                        c.rms_norm_eps, self.norm, c.rms_norm_eps)
+        y = self.layer.run(x, step)
         return ops.hc_post(y, streams, post, comb)
 
 

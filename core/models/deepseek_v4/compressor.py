@@ -22,7 +22,7 @@ class Compressor:
     def __init__(self, accel: Accelerator, weights: dict[str, torch.Tensor], rate: int, overlap: bool,
                  out_dim: int, eps: float, ops: DeepseekV4Ops | None = None):
         self.accel, self.rate, self.overlap, self.out_dim, self.eps = accel, rate, overlap, out_dim, eps
-        self.ops = resolve_ops(accel) if ops is None else ops  # compress_pool
+        self.ops = resolve_ops(accel) if ops is None else ops  # compress_store, compress_pool
         self.ape, self.norm = weights["ape"], weights["norm.weight"]
 
     def update(self, kv: torch.Tensor, score: torch.Tensor, plan: StepPlan, rope: RotaryTables,
@@ -31,11 +31,16 @@ class Compressor:
         caller in one fused projection); rows_* `[num_slots, Rc, coff*d_c]` fp32 (this layer);
         entries `[num_entries, d_c]` (this layer's block-group tensor)."""
         a = self.accel
-        kv = kv.float()
-        score = self.ape.index_select(0, plan.position_mod(self.rate)).float().add_(score)  # z_t + ape[t mod m], fp32
         ring = rows_kv.shape[1]
         flat_kv, flat_score = rows_kv.view(-1, rows_kv.shape[-1]), rows_score.view(-1, rows_score.shape[-1])
-        if plan.windows_completed(self.rate):  # most decode steps complete none
+        write = plan.ring_write(ring)
+        if write.all_rows and not plan.windows_completed(self.rate):  # most decode steps: only the ring writes
+            self.ops.compress_store(kv, score, self.ape, plan.position_mod(self.rate), write.ring_row, flat_kv,
+                                    flat_score)
+            return
+        kv = kv.float()
+        score = self.ape.index_select(0, plan.position_mod(self.rate)).float().add_(score)  # z_t + ape[t mod m], fp32
+        if plan.windows_completed(self.rate):
             cp = plan.compress_plan(self.rate, ring, self.overlap)
             new = cp.is_new.unsqueeze(-1)
             src_kv = torch.where(new, take_rows(kv, cp.new_row), take_rows(flat_kv, cp.ring_row))
@@ -51,6 +56,5 @@ class Compressor:
             normed = a.rms_norm(pooled, self.norm, self.eps)
             cos, sin = rope.cos_sin(cp.rope_pos, "compress")
             entries[cp.entry_row] = a.rotary(normed, cos, sin, False)
-        write = plan.ring_write(ring)
         write.store(flat_kv, kv)
         write.store(flat_score, score)

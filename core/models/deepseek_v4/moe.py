@@ -1,25 +1,18 @@
 """Routed MoE with hash layers, clamped SwiGLU and a shared expert (sqrt-softplus router scores;
 hash layers pick experts from the token id through `tid2eid`).
 
-route -> dispatch -> grouped experts -> combine, all through the accelerator. Router logits are
-computed in fp32 (as the official code does; identical to transformers in fp32).
+route -> dispatch -> grouped experts -> combine, all through the accelerator: with every expert
+local as one `moe_sublayer` call (which a back end may fuse), under expert parallelism composed here
+around the all-to-all. Router logits are computed in fp32 (as the official code does; identical to
+transformers in fp32).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from deepinfer.accelerator.interface import Accelerator, MoEDispatch
+from deepinfer.accelerator.interface import Accelerator, MoEDispatch, routing_scores, shared_expert
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.parallel.expert_parallel import current_expert_parallel
-
-
-def routing_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    if scoring_func == "sqrtsoftplus":
-        return F.softplus(logits).sqrt()
-    if scoring_func == "sigmoid":
-        return logits.sigmoid()
-    return logits.softmax(dim=-1)
 
 
 class MoE:
@@ -54,20 +47,16 @@ class MoE:
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         a, c = self.accel, self.c
-        scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
         hash_ids = self.tid2eid[input_ids] if self.is_hash else None
+        shared_w13, shared_w2 = (None, None) if self.shared is None else self.shared
+        if self.ep is None:
+            return a.moe_sublayer(x, self.gate, self.bias, hash_ids, self.w13, self.w2, shared_w13, shared_w2,
+                                  c.num_experts_per_tok, c.routed_scaling_factor, c.scoring_func, c.swiglu_limit)
+        scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
         weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor, hash_ids)
-        if self.ep is not None:  # logical experts -> physical slots (replicas under load balancing)
-            rows, dispatch = a.moe_dispatch(x, self.ep.route(self.ep_key, ids), self.ep.num_slots(self.ep_key))
-            out = self.ep.experts(self.ep_key, rows, dispatch)
-        else:
-            rows, dispatch = a.moe_dispatch(x, ids, c.n_routed_experts)
-            out = self._local_experts(rows, dispatch)
-        y = a.moe_combine(out, dispatch, weights)
+        # logical experts -> physical slots (replicas under load balancing)
+        rows, dispatch = a.moe_dispatch(x, self.ep.route(self.ep_key, ids), self.ep.num_slots(self.ep_key))
+        y = a.moe_combine(self.ep.experts(self.ep_key, rows, dispatch), dispatch, weights)
         if self.shared is not None:
-            w13, w2 = self.shared
-            gate_up = a.linear(x, w13)
-            inter = w2.shape[1]
-            h = a.swiglu(gate_up[..., :inter], gate_up[..., inter:], c.swiglu_limit)
-            y = y.add_(a.linear(h, w2))  # into the combine's fresh fp32 result
+            y = y.add_(shared_expert(a, x, shared_w13, shared_w2, c.swiglu_limit))  # into the fresh fp32 sum
         return y.to(x.dtype)

@@ -2,8 +2,9 @@
 
 The generic ops (linear, norms, rope, attention, MoE, sampling) come from the accelerator
 interface. The ops below exist only because of V4's architecture — manifold-constrained
-hyper-connections (mHC: `hc_pre`, `hc_post`, `hc_head`), the compressor's gated pooling
-(`compress_pool`) and the lightning indexer's selection (`indexer_topk`) — so they are not part of
+hyper-connections (mHC: `hc_pre`, `hc_pre_norm`, `hc_post`, `hc_head`), the compressor's ring writes
+and gated pooling (`compress_store`, `compress_pool`) and the lightning indexer's selection
+(`indexer_topk`) — so they are not part of
 the accelerator contract. `DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32
 reductions). A back end with faster versions subclasses it, overrides what it has, and returns an
 instance from `Accelerator.model_ops("deepseek_v4")`; the model resolves its table once, at
@@ -24,7 +25,7 @@ _MAX_SCORE_ELEMENTS = 1 << 26
 
 
 #: the ops of the table (what a back end may override)
-OPS = ("hc_pre", "hc_post", "hc_head", "compress_pool", "indexer_topk")
+OPS = ("hc_pre", "hc_pre_norm", "hc_post", "hc_head", "compress_store", "compress_pool", "indexer_topk")
 
 
 class DeepseekV4Ops:
@@ -51,6 +52,17 @@ class DeepseekV4Ops:
         pre, post, comb = self._hc_coefficients(sf, fn, base, scale, sinkhorn_iters, eps, norm_eps)
         collapsed = torch.bmm(pre.unsqueeze(1), sf).squeeze(1).to(streams.dtype)  # sum_j pre_j * X_j
         return collapsed, post, comb
+
+    def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                    sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`hc_pre`, then the sub-layer's RMSNorm of the collapsed input (weight `norm_weight` `[D]`, eps
+        `rms_eps`, in fp32 on the collapse rounded to streams' dtype) -> (normed `[T, D]`, post, comb).
+        A back end fuses the two (one call per mHC site at decode)."""
+        collapsed, post, comb = self.hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+        xf = collapsed.float()
+        normed = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps) * norm_weight.float()
+        return normed.to(collapsed.dtype), post, comb
 
     def _hc_coefficients(self, streams_f: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                          sinkhorn_iters: int, eps: float, norm_eps: float
@@ -81,6 +93,16 @@ class DeepseekV4Ops:
         mixes = self._hc_mix(streams_f, fn, norm_eps)
         pre = torch.sigmoid(mixes * scale.float() + base.float()) + eps
         return (pre.unsqueeze(-1) * streams_f).sum(dim=-2).to(streams.dtype)
+
+    def compress_store(self, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, position_mod: torch.Tensor,
+                       ring_row: torch.Tensor, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> None:
+        """The compressor's raw rows of every token of the step into their ring rows, in place:
+        `rows_kv[ring_row[t]] = kv[t]`, `rows_score[ring_row[t]] = score[t] + ape[position_mod[t]]` (fp32).
+
+        kv, score `[T, w]`; ape `[m, w]` fp32; position_mod, ring_row `[T]` int64; rows_* `[R, w]` fp32."""
+        rows_kv.index_copy_(0, ring_row, kv.to(rows_kv.dtype))
+        with_ape = ape.index_select(0, position_mod).float().add_(score)
+        rows_score.index_copy_(0, ring_row, with_ape.to(rows_score.dtype))
 
     def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         """Gated softmax pooling of compressor slots, per channel, in fp32.

@@ -96,7 +96,7 @@ class Attention:
         qr = a.rms_norm(px["wq_a.weight"], w["q_norm.weight"], eps)
         pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), self.qr_parts)
         q = a.rotary(pqr["wq_b.weight"].reshape(T, H, d), cos, sin, False)
-        kv = a.rotary(a.rms_norm(px["wkv.weight"], w["kv_norm.weight"], eps), cos, sin, False)
+        kv = a.rms_norm_rotary(px["wkv.weight"], w["kv_norm.weight"], eps, cos, sin)
         keyed = {"kv": encode(kv, FP8_WINDOW)}  # what other tokens read: the window key, compressor inputs
         compress = self.role == FULL and not step.kv_published  # bounded replay ran it on every row (replay.py)
         if compress:

@@ -15,7 +15,7 @@ from deepinfer.models.registry import ModelFamily, OpDefaults, activation_reserv
 # every op the V4.1 model code calls: the generic accelerator kernels, then V4.1's own (DeepseekV41Ops)
 REQUIRED_OPS = (
     "linear", "grouped_linear", "rms_norm", "rotary", "swiglu", "sink_attention",
-    "moe_route", "moe_dispatch", "moe_experts", "moe_combine",
+    "moe_route", "moe_dispatch", "moe_experts", "moe_combine", "moe_sublayer",
     "hc_mix", "hc_collapse", "hc_post", "compress_pool",
 )
 QUERY_BLOCK = 256

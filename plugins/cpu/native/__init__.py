@@ -2,8 +2,8 @@
 together into one cached library (build.py), and one Python binding per family that declares its C
 prototypes (binding.Kernel) next to its typed tensor wrappers:
 
-    norm_rope.c / .py   rms_norm, rotary
-    mhc.c / .py         hc_pre, hc_post
+    norm_rope.c / .py   rms_norm, rotary, rms_norm_rotary
+    mhc.c / .py         hc_pre (+ hc_pre_norm), hc_post, hc_head
     activation.c / .py  swiglu
     gemv.c / .py        gemv_bf16, gemv_tokens_bf16, gemv_tier(_for), grouped_gemv_bf16, grouped_amx_bf16, linear_amx_bf16,
                         amx_usable, linear_rows (batch-invariant)
@@ -14,6 +14,8 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     selection.c / .py   indexer_scores (the lightning indexer's scores), moe_route_rows (the MoE router's top-k)
     packed_gemm.c / .py pack_bf16, packed_linear_bf16 (decode batches on weights packed for register tiles),
                         packed_cols, packed_shape
+    moe_layer.c / .py   moe_layer_bf16 (a decode step's MoE sub-layer in one call, from the stages above)
+    compressor.c / .py  compress_store (the compressor's ring writes of a decode step)
     quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored), quant_simd
     quant_experts.c / .py  quant_experts (all routed experts of a step on FP4 / FP8-block weights, one call)
     isa.c               build_isa (its wrapper is in build.py)
@@ -30,12 +32,14 @@ from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, HEADERS, 
                                                 CacheError, CompilerError, _build, _compile, _compiler, _cpu_features,
                                                 _load, active_library, build_flags, build_isa, build_variant,
                                                 cache_dir, cache_root, enabled, library, planned_isa)
+from deepinfer_plugins.cpu.native.compressor import compress_store
 from deepinfer_plugins.cpu.native.experts import experts_bf16
 from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_tier, gemv_tier_for, gemv_tokens_bf16,
                                                grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16, linear_rows)
-from deepinfer_plugins.cpu.native.mhc import hc_post, hc_pre
+from deepinfer_plugins.cpu.native.mhc import hc_head, hc_post, hc_pre
+from deepinfer_plugins.cpu.native.moe_layer import moe_layer_bf16
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
-from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rotary
+from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rms_norm_rotary, rotary
 from deepinfer_plugins.cpu.native.packed_gemm import pack_bf16, packed_cols, packed_linear_bf16, packed_shape
 from deepinfer_plugins.cpu.native.quant_experts import quant_experts
 from deepinfer_plugins.cpu.native.quant_gemv import quant_linear, quant_simd
@@ -44,10 +48,11 @@ from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_row
 
 __all__ = [
     "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "SWITCHED_OFF", "CacheError", "CompilerError",
-    "active_library", "amx_usable", "argmax_logsumexp", "build_flags", "build_isa", "build_variant", "cache_dir",
+    "active_library", "amx_usable", "argmax_logsumexp", "build_flags", "build_isa", "build_variant", "cache_dir", "compress_store",
     "cache_root", "enabled", "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16",
-    "grouped_amx_bf16", "grouped_gemv_bf16", "hc_post", "hc_pre", "indexer_scores", "library", "linear_amx_bf16", "linear_rows",
-    "moe_combine_rows", "moe_dispatch_rows", "moe_route_rows", "pack_bf16", "packed_cols", "packed_linear_bf16",
-    "packed_shape", "planned_isa", "quant_experts", "quant_linear", "quant_simd", "rms_norm", "rotary",
+    "grouped_amx_bf16", "grouped_gemv_bf16", "hc_head", "hc_post", "hc_pre", "indexer_scores", "library",
+    "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_bf16", "moe_route_rows",
+    "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts", "quant_linear",
+    "quant_simd", "rms_norm", "rms_norm_rotary", "rotary",
     "sink_attention_decode", "sink_attention_invariant", "swiglu",
 ]

@@ -9,11 +9,10 @@ void swiglu(const void *gate, const void *up, long row_stride, void *out, long r
             int dtype, int num_threads) {
     const size_t es = elem_size(dtype);
     const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
-#pragma omp parallel num_threads(num_threads) if (rows * I > PARALLEL_MIN_WORK && rows > 1)
-    {
+    PARALLEL_IF(rows * I > PARALLEL_MIN_WORK && rows > 1, {
         float *g = malloc((size_t)I * sizeof(float));
         float *u = malloc((size_t)I * sizeof(float));
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long r = 0; r < rows; r++) {
             load_row((const char *)gate + (size_t)r * row_stride * es, dtype, g, I);
             load_row((const char *)up + (size_t)r * row_stride * es, dtype, u, I);
@@ -22,5 +21,5 @@ void swiglu(const void *gate, const void *up, long row_stride, void *out, long r
         }
         free(u);
         free(g);
-    }
+    });
 }

@@ -21,14 +21,13 @@ static void sink_attention(const void *q, const void *kv, const uint8_t *mask, c
     const size_t es = elem_size(dtype);
     const long head_blocks = (H + ATTN_LANES - 1) / ATTN_LANES;
 #define KEY(p) (ord ? ord[p] : (p))
-#pragma omp parallel num_threads(num_threads) if (B * S * H * L * d > PARALLEL_MIN_WORK)
-    {
+    PARALLEL_IF(B * S * H * L * d > PARALLEL_MIN_WORK, {
         lanes16 *qt = aligned_alloc(64, round64((size_t)d * sizeof(lanes16)));         /* [d], scaled */
         lanes16 *acc = aligned_alloc(64, round64((size_t)d * sizeof(lanes16)));        /* [d] */
         lanes16 *probs = aligned_alloc(64, round64((size_t)(L + 1) * sizeof(lanes16))); /* [L] */
         float *row = malloc((size_t)d * sizeof(float));
         float *keys_f = malloc((size_t)4 * d * sizeof(float));
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long item = 0; item < B * S * head_blocks; item++) {
             const long bs = item / head_blocks, b = bs / S, h0 = (item % head_blocks) * ATTN_LANES;
             const long nh = H - h0 < ATTN_LANES ? H - h0 : ATTN_LANES;
@@ -70,7 +69,7 @@ static void sink_attention(const void *q, const void *kv, const uint8_t *mask, c
                 const long j = KEY(jj);
                 if (!visible[j]) continue;
                 lanes16 p;
-#pragma omp simd
+                _Pragma("omp simd")
                 for (long h = 0; h < ATTN_LANES; h++) p[h] = vexpf(probs[j][h] - top[h]);
                 probs[j] = p;
                 sum += p;
@@ -103,7 +102,7 @@ static void sink_attention(const void *q, const void *kv, const uint8_t *mask, c
         free(probs);
         free(acc);
         free(qt);
-    }
+    });
 #undef KEY
 }
 
@@ -139,17 +138,16 @@ void sink_attention_invariant(const void *q, const void *kv, const uint8_t *mask
                               void *out, long B, long S, long H, long L, long d, int dtype, int num_threads) {
     const size_t row_bytes = (size_t)d * elem_size(dtype);
     long *order = malloc((size_t)(B * L + 1) * sizeof(long));
-#pragma omp parallel num_threads(num_threads) if (B * L * d > PARALLEL_MIN_WORK && B > 1)
-    {
+    PARALLEL_IF(B * L * d > PARALLEL_MIN_WORK && B > 1, {
         long *tmp = malloc((size_t)(L + 1) * sizeof(long));
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long b = 0; b < B; b++) {
             long *idx = order + b * L;
             for (long l = 0; l < L; l++) idx[l] = l;
             sort_rows((const char *)kv + (size_t)b * L * row_bytes, row_bytes, idx, tmp, L);
         }
         free(tmp);
-    }
+    });
     sink_attention(q, kv, mask, sinks, scale, out, B, S, H, L, d, dtype, order, num_threads);
     free(order);
 }

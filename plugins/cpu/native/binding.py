@@ -25,7 +25,15 @@ KERNELS: list[Kernel] = []
 class Kernel:
     """A C function of the library: `Kernel("rms_norm", x=ptr, rows=long_, ...)` names its arguments in
     the C order with their ctypes types; `kernel(lib, x=..., rows=...)` calls it with exactly those
-    arguments (TypeError otherwise)."""
+    arguments (TypeError otherwise).
+
+    Each kernel is an instance of its own subclass whose `__call__` is written out for its argument
+    names (`def __call__(self, lib, *, x, rows, ...): return lib.rms_norm(x, rows, ...)`): the
+    interpreter then matches the keywords itself, ~1.2 us less per call than collecting them in a dict
+    and ordering them in Python (a decode step makes ~100 calls)."""
+
+    def __new__(cls, name: str, restype: Any = None, **arguments: Any) -> Kernel:
+        return super().__new__(type(f"Kernel_{name}", (cls,), {"__call__": _keyword_call(name, tuple(arguments))}))
 
     def __init__(self, name: str, restype: Any = None, **arguments: Any):
         self.name, self.restype, self.arguments = name, restype, arguments
@@ -35,10 +43,19 @@ class Kernel:
         fn = getattr(lib, self.name)
         fn.argtypes, fn.restype = tuple(self.arguments.values()), self.restype
 
-    def __call__(self, lib: ctypes.CDLL, **values: Any) -> Any:
-        if values.keys() != self.arguments.keys():
-            raise TypeError(f"{self.name}() takes {', '.join(self.arguments)}; got {', '.join(values)}")
-        return getattr(lib, self.name)(*[values[name] for name in self.arguments])
+    def __call__(self, lib: ctypes.CDLL, **values: Any) -> Any:  # replaced per kernel (see the class doc)
+        raise NotImplementedError
+
+
+def _keyword_call(name: str, arguments: tuple[str, ...]) -> Any:
+    """`__call__(self, lib, *, a, b, ...)` -> `lib.name(a, b, ...)` for these names."""
+    if not name.isidentifier() or not all(a.isidentifier() for a in arguments):
+        raise ValueError(f"kernel and argument names must be identifiers: {name}({', '.join(arguments)})")
+    params = ", ".join(arguments)
+    keywords = f", *, {params}" if arguments else ""
+    namespace: dict[str, Any] = {}
+    exec(f"def {name}(self, lib{keywords}):\n    return lib.{name}({params})\n", namespace)  # names checked above
+    return namespace[name]  # named after the kernel: a TypeError then reads "rms_norm() missing ..."
 
 
 def dtype_code(t: torch.Tensor) -> int | None:

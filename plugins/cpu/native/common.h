@@ -27,6 +27,20 @@
 /* Below this many elements of work a call stays on the calling thread (fork/join costs more). */
 #define PARALLEL_MIN_WORK 65536L
 
+/* `#pragma omp parallel num_threads(num_threads) if (cond)` around the block `...`, except that when
+ * `cond` is false the block runs on the calling thread without entering the OpenMP runtime: a
+ * serialised parallel region still costs ~1.5 us (libgomp sets up a team of one), as much as a decode
+ * row's whole work in the small kernels. The block's `omp for` loops (written `_Pragma("omp for ...")`,
+ * as a macro argument cannot hold a directive) then run orphaned, every iteration on this thread. */
+#define PARALLEL_IF(cond, ...) \
+    do { \
+        if (cond) { \
+            _Pragma("omp parallel num_threads(num_threads)") { __VA_ARGS__ } \
+        } else { \
+            __VA_ARGS__ \
+        } \
+    } while (0)
+
 static inline float bf16_to_float(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
     float f;

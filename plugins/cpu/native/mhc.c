@@ -110,19 +110,49 @@ static void mix_full_block(const float *restrict rows, const float *restrict fn,
         for (long m = 0; m < mixes; m++) mix[r * mixes + m] *= inv[r];
 }
 
+/* The same for the nb < HC_ROW_BLOCK rows of a last (or only: decode) block, one row at a time, four
+ * fn rows per pass (four independent sums instead of one dependent chain). */
+static void mix_rows(const float *restrict rows, long nb, const float *restrict fn, long width, long mixes,
+                     const float *restrict inv, float *restrict mix) {
+    for (long r = 0; r < nb; r++) {
+        const float *restrict x = rows + r * width;
+        long m = 0;
+        for (; m + 3 < mixes; m += 4) {
+            const float *restrict f = fn + m * width, *restrict g = f + width;
+            const float *restrict h = g + width, *restrict e = h + width;
+            float a = 0.0f, b = 0.0f, c = 0.0f, d = 0.0f;
+#pragma omp simd reduction(+ : a, b, c, d)
+            for (long i = 0; i < width; i++) {
+                a += f[i] * x[i];
+                b += g[i] * x[i];
+                c += h[i] * x[i];
+                d += e[i] * x[i];
+            }
+            mix[r * mixes + m] = a * inv[r], mix[r * mixes + m + 1] = b * inv[r];
+            mix[r * mixes + m + 2] = c * inv[r], mix[r * mixes + m + 3] = d * inv[r];
+        }
+        for (; m < mixes; m++) {
+            const float *restrict f = fn + m * width;
+            float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+            for (long i = 0; i < width; i++) a += f[i] * x[i];
+            mix[r * mixes + m] = a * inv[r];
+        }
+    }
+}
+
 void hc_pre(const void *streams, const float *fn, const float *base, const float *scale, void *collapsed,
             float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
             int dtype, int num_threads) {
     const size_t es = elem_size(dtype);
     const long width = n * D, mixes = n * (n + 2);
     const long blocks = (T + HC_ROW_BLOCK - 1) / HC_ROW_BLOCK;
-#pragma omp parallel num_threads(num_threads) if (T * width > PARALLEL_MIN_WORK && blocks > 1)
-    {
+    PARALLEL_IF(T * width > PARALLEL_MIN_WORK && blocks > 1, {
         float *rows = malloc((size_t)HC_ROW_BLOCK * width * sizeof(float));
         float *mix = malloc((size_t)HC_ROW_BLOCK * mixes * sizeof(float));
         float *acc = malloc((size_t)D * sizeof(float));
         float *pre = malloc((size_t)n * sizeof(float));
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long b = 0; b < blocks; b++) {
             const long t0 = b * HC_ROW_BLOCK;
             const long nb = T - t0 < HC_ROW_BLOCK ? T - t0 : HC_ROW_BLOCK;
@@ -136,16 +166,7 @@ void hc_pre(const void *streams, const float *fn, const float *base, const float
             if (nb == HC_ROW_BLOCK) {
                 mix_full_block(rows, fn, width, mixes, inv, mix);
             } else {
-                for (long m = 0; m < mixes; m++) {
-                    const float *restrict f = fn + m * width;
-                    for (long r = 0; r < nb; r++) {
-                        const float *restrict x = rows + r * width;
-                        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                        for (long i = 0; i < width; i++) s += f[i] * x[i];
-                        mix[r * mixes + m] = s * inv[r];
-                    }
-                }
+                mix_rows(rows, nb, fn, width, mixes, inv, mix);
             }
             for (long r = 0; r < nb; r++) {
                 const long t = t0 + r;
@@ -165,7 +186,58 @@ void hc_pre(const void *streams, const float *fn, const float *base, const float
         free(acc);
         free(mix);
         free(rows);
-    }
+    });
+}
+
+/* ----- hc_pre_norm: hc_pre, then the sub-layer's RMSNorm of the collapse (rms_norm, norm_rope.c) -----
+ * As the two calls in a row: the collapse is rounded to `dtype` before it is normalised; normed [T, D]
+ * in `dtype`, norm_weight [D] in w_dtype. */
+void rms_norm(const void *x, long x_row_stride, const void *w, int w_dtype, void *out, long rows, long D,
+              float eps, int dtype, int num_threads);
+
+void hc_pre_norm(const void *streams, const float *fn, const float *base, const float *scale, void *normed,
+                 float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
+                 const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
+    void *collapsed = malloc((size_t)T * D * elem_size(dtype));
+    hc_pre(streams, fn, base, scale, collapsed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps, dtype, num_threads);
+    rms_norm(collapsed, D, norm_weight, w_dtype, normed, T, D, rms_eps, dtype, num_threads);
+    free(collapsed);
+}
+
+/* ----- hc_head: the output head's collapse, sum_j pre_j * X_j with pre = sigmoid(mix * scale + base) + eps -----
+ * streams [T, n, D]; fn [n, n*D], base [n] fp32; scale [1] fp32 (one factor for every stream); mix as
+ * hc_pre's (the RMS factor of the flattened row applied to the product); out [T, D] in `dtype`. */
+void hc_head(const void *streams, const float *fn, const float *base, const float *scale, void *out, long T, long n,
+             long D, float eps, float norm_eps, int dtype, int num_threads) {
+    const size_t es = elem_size(dtype);
+    const long width = n * D;
+    PARALLEL_IF(T * width > PARALLEL_MIN_WORK && T > 1, {
+        float *row = malloc((size_t)width * sizeof(float));
+        float *acc = malloc((size_t)D * sizeof(float));
+        float *pre = malloc((size_t)n * sizeof(float));
+        _Pragma("omp for schedule(static)")
+        for (long t = 0; t < T; t++) {
+            load_row((const char *)streams + (size_t)t * width * es, dtype, row, width);
+            const float inv = 1.0f / sqrtf(sum_squares(row, width) / (float)width + norm_eps);
+            for (long m = 0; m < n; m++) {
+                const float *restrict f = fn + m * width;
+                float dot = 0.0f;
+                _Pragma("omp simd reduction(+ : dot)")
+                for (long i = 0; i < width; i++) dot += f[i] * row[i];
+                pre[m] = sigmoid(dot * inv * scale[0] + base[m]) + eps;
+            }
+            for (long i = 0; i < D; i++) acc[i] = pre[0] * row[i];
+            for (long j = 1; j < n; j++) {
+                const float pj = pre[j];
+                const float *restrict xj = row + j * D;
+                for (long i = 0; i < D; i++) acc[i] += pj * xj[i];
+            }
+            store_row(acc, (char *)out + (size_t)t * D * es, dtype, D);
+        }
+        free(pre);
+        free(acc);
+        free(row);
+    });
 }
 
 /* ----- hc_post: X'_k = post_k * y + sum_j comb[j, k] * X_j, per token -----
@@ -174,11 +246,10 @@ void hc_pre(const void *streams, const float *fn, const float *base, const float
 void hc_post(const void *y, int y_dtype, const void *streams, const float *post, const float *comb, void *out,
              long T, long n, long D, int dtype, int num_threads) {
     const size_t es = elem_size(dtype), y_es = elem_size(y_dtype);
-#pragma omp parallel num_threads(num_threads) if (T * n * D > PARALLEL_MIN_WORK && T > 1)
-    {
+    PARALLEL_IF(T * n * D > PARALLEL_MIN_WORK && T > 1, {
         float *src = malloc((size_t)(n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y */
         float *acc = malloc((size_t)D * sizeof(float));
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long t = 0; t < T; t++) {
             load_row((const char *)streams + (size_t)t * n * D * es, dtype, src, n * D);
             load_row((const char *)y + (size_t)t * D * y_es, y_dtype, src + n * D, D);
@@ -199,5 +270,5 @@ void hc_post(const void *y, int y_dtype, const void *streams, const float *post,
         }
         free(acc);
         free(src);
-    }
+    });
 }

@@ -1,4 +1,5 @@
-"""hc_pre and hc_post, the mHC (hyper-connection) kernels (mhc.c)."""
+"""hc_pre (hc_pre_norm: with the sub-layer's RMSNorm), hc_post and hc_head, the mHC (hyper-connection)
+kernels (mhc.c)."""
 from __future__ import annotations
 
 import ctypes
@@ -9,13 +10,20 @@ from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_
 
 _HC_PRE = Kernel("hc_pre", streams=ptr, fn=ptr, base=ptr, scale=ptr, collapsed=ptr, post=ptr, comb=ptr, T=long_,
                  n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, dtype=int_, num_threads=int_)
+_HC_PRE_NORM = Kernel("hc_pre_norm", streams=ptr, fn=ptr, base=ptr, scale=ptr, normed=ptr, post=ptr, comb=ptr,
+                      T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, norm_weight=ptr,
+                      w_dtype=int_, rms_eps=float_, dtype=int_, num_threads=int_)
+_HC_HEAD = Kernel("hc_head", streams=ptr, fn=ptr, base=ptr, scale=ptr, out=ptr, T=long_, n=long_, D=long_,
+                  eps=float_, norm_eps=float_, dtype=int_, num_threads=int_)
 _HC_POST = Kernel("hc_post", y=ptr, y_dtype=int_, streams=ptr, post=ptr, comb=ptr, out=ptr, T=long_, n=long_,
                   D=long_, dtype=int_, num_threads=int_)
 
 
 def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           sinkhorn_iters: int, eps: float, norm_eps: float
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+           sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None,
+           rms_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(collapsed, post, comb); with `norm_weight` `[D]` (hc_pre_norm) the collapse RMS-normalised
+    (eps `rms_eps`) in its place."""
     dtype = dtype_code(streams)
     if dtype is None or streams.dim() != 3 or streams.numel() == 0:
         return None
@@ -25,11 +33,21 @@ def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torc
         return None
     if not (fn.is_cpu and base.is_cpu and scale.is_cpu):
         return None
+    w_dtype = None if norm_weight is None else dtype_code(norm_weight)
+    if norm_weight is not None and (w_dtype is None or norm_weight.shape != (D,)):
+        return None
     s = streams.contiguous()
     f, b, sc = f32(fn), f32(base), f32(scale)
     collapsed = torch.empty((T, D), dtype=streams.dtype)
     post = torch.empty((T, n), dtype=torch.float32)
     comb = torch.empty((T, n, n), dtype=torch.float32)
+    if norm_weight is not None:
+        _HC_PRE_NORM(lib, streams=s.data_ptr(), fn=f.data_ptr(), base=b.data_ptr(), scale=sc.data_ptr(),
+                     normed=collapsed.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
+                     sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps,
+                     norm_weight=norm_weight.contiguous().data_ptr(), w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype,
+                     num_threads=threads())
+        return collapsed, post, comb
     _HC_PRE(lib, streams=s.data_ptr(), fn=f.data_ptr(), base=b.data_ptr(), scale=sc.data_ptr(),
             collapsed=collapsed.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
             sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, dtype=dtype, num_threads=threads())
@@ -48,4 +66,21 @@ def hc_post(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torc
     out = new_like(s)
     _HC_POST(lib, y=yc.data_ptr(), y_dtype=y_dtype, streams=s.data_ptr(), post=p.data_ptr(), comb=c.data_ptr(),
              out=out.data_ptr(), T=T, n=n, D=D, dtype=dtype, num_threads=threads())
+    return out
+
+
+def hc_head(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+            eps: float, norm_eps: float) -> torch.Tensor | None:
+    """The output head's collapse of streams `[T, n, D]` (fn `[n, nD]`, base `[n]`, scale `[1]`) -> `[T, D]`."""
+    dtype = dtype_code(streams)
+    if dtype is None or streams.dim() != 3 or streams.numel() == 0:
+        return None
+    T, n, D = streams.shape
+    if fn.shape != (n, n * D) or base.numel() != n or scale.numel() != 1 or not (fn.is_cpu and base.is_cpu
+                                                                                  and scale.is_cpu):
+        return None
+    s, f, b, sc = streams.contiguous(), f32(fn), f32(base), f32(scale)
+    out = torch.empty((T, D), dtype=streams.dtype)
+    _HC_HEAD(lib, streams=s.data_ptr(), fn=f.data_ptr(), base=b.data_ptr(), scale=sc.data_ptr(), out=out.data_ptr(),
+             T=T, n=n, D=D, eps=eps, norm_eps=norm_eps, dtype=dtype, num_threads=threads())
     return out

@@ -48,10 +48,9 @@ int moe_combine_rows(const void *rows, int dtype, long D, const int64_t *source_
         else where[t * k + j] = i;
     }
     if (status) { free(where); return 1; }  /* not one row per (token, choice): the caller's fallback */
-#pragma omp parallel num_threads(num_threads) if (n * D > PARALLEL_MIN_WORK)
-    {
+    PARALLEL_IF(n * D > PARALLEL_MIN_WORK, {
         float *r = malloc((size_t)D * sizeof(float));
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long t = 0; t < T; t++) {
             float *restrict y = out + (size_t)t * D;
             for (long j = 0; j < k; j++) {
@@ -64,7 +63,7 @@ int moe_combine_rows(const void *rows, int dtype, long D, const int64_t *source_
             }
         }
         free(r);
-    }
+    });
     free(where);
     return 0;
 }

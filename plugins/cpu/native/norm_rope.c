@@ -1,4 +1,4 @@
-/* rms_norm and rotary, in one pass over memory each. */
+/* rms_norm and rotary, in one pass over memory each, and rms_norm_rotary, the two in one call. */
 #include "common.h"
 
 /* ----- rms_norm: y = x * rsqrt(mean(x^2) + eps) [* w], in x's dtype ----- */
@@ -6,15 +6,14 @@
 void rms_norm(const void *x, long x_row_stride, const void *w, int w_dtype, void *out, long rows, long D,
               float eps, int dtype, int num_threads) {
     const size_t es = elem_size(dtype);
-#pragma omp parallel num_threads(num_threads) if (rows * D > PARALLEL_MIN_WORK && rows > 1)
-    {
+    PARALLEL_IF(rows * D > PARALLEL_MIN_WORK && rows > 1, {
         float *row = malloc((size_t)D * sizeof(float));
         float *wf = NULL;
         if (w) {
             wf = malloc((size_t)D * sizeof(float));
             load_row(w, w_dtype, wf, D);
         }
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long r = 0; r < rows; r++) {
             load_row((const char *)x + (size_t)r * x_row_stride * es, dtype, row, D);
             const float inv = 1.0f / sqrtf(sum_squares(row, D) / (float)D + eps);
@@ -27,7 +26,7 @@ void rms_norm(const void *x, long x_row_stride, const void *w, int w_dtype, void
         }
         free(wf);
         free(row);
-    }
+    });
 }
 
 /* ----- rotary: the last 2*half features as interleaved (even, odd) pairs, rotated per token -----
@@ -39,10 +38,9 @@ void rotary(const void *x, long x_stride_t, long x_stride_m, const float *cos_t,
     const size_t es = elem_size(dtype);
     const long r = 2 * half, keep = d - r;
     const float sign = inverse ? -1.0f : 1.0f;
-#pragma omp parallel num_threads(num_threads) if (T * M * d > PARALLEL_MIN_WORK && T > 1)
-    {
+    PARALLEL_IF(T * M * d > PARALLEL_MIN_WORK && T > 1, {
         float *pairs = malloc((size_t)(r > 0 ? r : 1) * sizeof(float));
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long t = 0; t < T; t++) {
             const float *restrict c = cos_t + t * half;
             const float *restrict s = sin_t + t * half;
@@ -61,5 +59,16 @@ void rotary(const void *x, long x_stride_t, long x_stride_m, const float *cos_t,
             }
         }
         free(pairs);
-    }
+    });
+}
+
+/* ----- rms_norm_rotary: rotary(rms_norm(x)) as the two calls in a row (the norm rounded to `dtype`) -----
+ * x [T*M, d] rows `x_row_stride` apart; out contiguous [T, M, d]; cos/sin fp32 [T, half]. */
+void rms_norm_rotary(const void *x, long x_row_stride, const void *w, int w_dtype, const float *cos_t,
+                     const float *sin_t, void *out, long T, long M, long d, long half, float eps, int dtype,
+                     int num_threads) {
+    void *normed = malloc((size_t)T * M * d * elem_size(dtype));
+    rms_norm(x, x_row_stride, w, w_dtype, normed, T * M, d, eps, dtype, num_threads);
+    rotary(normed, M * d, d, cos_t, sin_t, out, T, M, d, half, 0, dtype, num_threads);
+    free(normed);
 }

@@ -1,4 +1,4 @@
-"""rms_norm and rotary (norm_rope.c)."""
+"""rms_norm, rotary and rms_norm_rotary (norm_rope.c)."""
 from __future__ import annotations
 
 import ctypes
@@ -11,6 +11,9 @@ _RMS_NORM = Kernel("rms_norm", x=ptr, x_row_stride=long_, w=ptr, w_dtype=int_, o
                    eps=float_, dtype=int_, num_threads=int_)
 _ROTARY = Kernel("rotary", x=ptr, x_stride_t=long_, x_stride_m=long_, cos_t=ptr, sin_t=ptr, out=ptr, T=long_,
                  M=long_, d=long_, half=long_, inverse=int_, dtype=int_, num_threads=int_)
+
+_RMS_NORM_ROTARY = Kernel("rms_norm_rotary", x=ptr, x_row_stride=long_, w=ptr, w_dtype=int_, cos_t=ptr, sin_t=ptr,
+                          out=ptr, T=long_, M=long_, d=long_, half=long_, eps=float_, dtype=int_, num_threads=int_)
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
@@ -48,4 +51,29 @@ def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     _ROTARY(lib, x=view.data_ptr(), x_stride_t=view.stride(0), x_stride_m=view.stride(1), cos_t=c.data_ptr(),
             sin_t=s.data_ptr(), out=out.data_ptr(), T=T, M=view.shape[1], d=d, half=half, inverse=int(inverse),
             dtype=dtype, num_threads=threads())
+    return out
+
+
+def rms_norm_rotary(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor | None:
+    """`rotary(rms_norm(x, weight, eps), cos, sin, inverse=False)` in one call: x `[T, ..., d]`, cos/sin
+    `[T, r/2]` fp32; None for anything else."""
+    dtype = dtype_code(x)
+    if dtype is None or x.dim() < 2 or x.numel() == 0 or cos.dim() != 2 or cos.shape != sin.shape or not cos.is_cpu:
+        return None
+    T, half, d = x.shape[0], cos.shape[1], x.shape[-1]
+    if cos.shape[0] != T or half == 0 or 2 * half > d:
+        return None
+    w_dtype = 0 if weight is None else dtype_code(weight)
+    if weight is not None and (weight.shape != (d,) or w_dtype is None):
+        return None
+    flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, d)  # a 2-D row view keeps its stride
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    w = None if weight is None else weight.contiguous()
+    c, s = f32(cos), f32(sin)
+    out = new_like(x)
+    _RMS_NORM_ROTARY(lib, x=flat.data_ptr(), x_row_stride=flat.stride(0), w=None if w is None else w.data_ptr(),
+                     w_dtype=w_dtype, cos_t=c.data_ptr(), sin_t=s.data_ptr(), out=out.data_ptr(), T=T,
+                     M=flat.shape[0] // T, d=d, half=half, eps=eps, dtype=dtype, num_threads=threads())
     return out

@@ -9,11 +9,10 @@
 void indexer_scores(const void *q, const float *w, const void *keys, const uint8_t *mask, float *out, long B, long S,
                     long Hi, long di, long E, int dtype, int num_threads) {
     const size_t es = elem_size(dtype);
-#pragma omp parallel num_threads(num_threads) if (B * S * E * Hi * di > PARALLEL_MIN_WORK)
-    {
+    PARALLEL_IF(B * S * E * Hi * di > PARALLEL_MIN_WORK, {
         float *qf = malloc((size_t)Hi * di * sizeof(float));
         float *kf = malloc((size_t)di * sizeof(float));
-#pragma omp for schedule(static)
+        _Pragma("omp for schedule(static)")
         for (long bs = 0; bs < B * S; bs++) {
             const long b = bs / S;
             load_row((const char *)q + (size_t)bs * Hi * di * es, dtype, qf, Hi * di);
@@ -30,7 +29,7 @@ void indexer_scores(const void *q, const float *w, const void *keys, const uint8
                 for (long h = 0; h < Hi; h++) {
                     const float *qh = qf + (size_t)h * di;
                     float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
+                    _Pragma("omp simd reduction(+ : dot)")
                     for (long i = 0; i < di; i++) dot += qh[i] * kf[i];
                     score += wh[h] * (dot > 0.0f ? dot : 0.0f);
                 }
@@ -39,7 +38,7 @@ void indexer_scores(const void *q, const float *w, const void *keys, const uint8
         }
         free(kf);
         free(qf);
-    }
+    });
 }
 
 /* ----- moe_route_rows: per token, the k experts and their routing weights -----

@@ -1,0 +1,122 @@
+/* moe_layer_bf16: the MoE sub-layer of a decode step (a few bf16 tokens) in one call: the router's
+ * fp32 product and scores, the top-k (or hash) choice, the dispatch, the routed experts, the combine
+ * and the shared expert. Each stage is the kernel the composed path calls (selection.c, moe_rows.c,
+ * experts.c, gemv.c), so the composed and the fused path round at the same points; what the call
+ * saves is the Python between them (~10 torch ops and 6 wrapper calls per layer). */
+#include "common.h"
+
+/* the stages, defined in the other C files of the library */
+int moe_route_rows(const float *scores, const float *bias, const int64_t *hash_ids, int64_t *ids, float *weights,
+                   long T, long E, long k, float scaling);
+int moe_dispatch_rows(const int64_t *ids, long T, long k, long E, const void *x, long row_bytes, int64_t *counts,
+                      int64_t *source_token, int64_t *source_slot, void *rows, int num_threads);
+int experts_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, long E, const uint16_t *w13,
+                 const uint16_t *w2, long I, float limit, uint16_t *gate_up, uint16_t *hidden, uint16_t *out,
+                 int num_threads);
+int moe_combine_rows(const void *rows, int dtype, long D, const int64_t *source_token, const int64_t *source_slot,
+                     long T, long k, const float *weights, float *out, int num_threads);
+void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K, int num_threads);
+void gemv_tokens_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long m, long N, long K, int num_threads);
+
+/* the router's scoring functions (interface.routing_scores) */
+#define SCORE_SQRTSOFTPLUS 0
+#define SCORE_SIGMOID 1
+#define SCORE_SOFTMAX 2
+
+/* scores [T, E] = score_fn(x [T, D] (bf16, widened) @ gate [E, D]^T (fp32)) */
+static void router_scores(const uint16_t *x, const float *gate, float *scores, long T, long D, long E, int scoring) {
+    float *xf = malloc((size_t)D * sizeof(float));
+    for (long t = 0; t < T; t++) {
+        load_row(x + (size_t)t * D, DT_BF16, xf, D);
+        float *s = scores + (size_t)t * E;
+        for (long e = 0; e < E; e++) {
+            const float *restrict g = gate + (size_t)e * D;
+            float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+            for (long i = 0; i < D; i++) dot += g[i] * xf[i];
+            s[e] = dot;
+        }
+        if (scoring == SCORE_SOFTMAX) {
+            float top = -INFINITY, total = 0.0f;
+            for (long e = 0; e < E; e++) top = s[e] > top ? s[e] : top;
+            for (long e = 0; e < E; e++) total += (s[e] = expf(s[e] - top));
+            for (long e = 0; e < E; e++) s[e] /= total;
+        } else {
+            /* softplus as torch's (beta 1, threshold 20: the identity above it) */
+            for (long e = 0; e < E; e++)
+                s[e] = scoring == SCORE_SIGMOID ? sigmoid(s[e]) : sqrtf(s[e] > 20.0f ? s[e] : log1pf(expf(s[e])));
+        }
+    }
+    free(xf);
+}
+
+/* x @ W^T for T bf16 tokens, as the linear's decode paths compute it (one token: gemv_bf16) */
+static void tokens_product(const uint16_t *W, const uint16_t *X, uint16_t *Y, long T, long N, long K,
+                           int num_threads) {
+    if (T == 1) gemv_bf16(W, X, Y, N, K, num_threads);
+    else gemv_tokens_bf16(W, X, Y, T, N, K, num_threads);
+}
+
+/* ----- moe_layer_bf16 -----
+ * x [T, D] bf16; gate [E, D] fp32, bias [E] fp32 or NULL, hash_ids [T, k] int64 or NULL (hash layers);
+ * w13 [E, 2I, D], w2 [E, D, I] bf16 (the routed experts); sw13 [2SI, D], sw2 [D, SI] bf16 or NULL
+ * (the shared expert); out [T, D] bf16 = bf16(combine (fp32) + shared expert (bf16)). The shared
+ * expert's hidden row is rounded once (the swiglu kernel), or, with `round_silu`, where torch's bf16
+ * `silu(g) * u` rounds: silu's result, then the product (the composed path's swiglu for a few rows).
+ * Returns 0, or 1 (nothing written) at a hash id outside [0, E). */
+int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const float *bias, const int64_t *hash_ids,
+                   long E, long k, float scaling, int scoring, const uint16_t *w13, const uint16_t *w2, long I,
+                   const uint16_t *sw13, const uint16_t *sw2, long SI, float limit, int round_silu, uint16_t *out,
+                   int num_threads) {
+    const long n = T * k, wide = I > SI ? I : SI;
+    float *scores = malloc((size_t)T * E * sizeof(float));
+    float *weights = malloc((size_t)n * sizeof(float));
+    float *y = malloc((size_t)T * D * sizeof(float));
+    float *g = malloc((size_t)wide * sizeof(float)), *u = malloc((size_t)wide * sizeof(float));
+    int64_t *ids = malloc((size_t)n * sizeof(int64_t)), *counts = malloc((size_t)E * sizeof(int64_t));
+    int64_t *source_token = malloc((size_t)n * sizeof(int64_t)), *source_slot = malloc((size_t)n * sizeof(int64_t));
+    uint16_t *rows = malloc((size_t)n * D * sizeof(uint16_t)), *expert_out = malloc((size_t)n * D * sizeof(uint16_t));
+    uint16_t *gate_up = malloc((size_t)n * 2 * wide * sizeof(uint16_t));
+    uint16_t *hidden = malloc((size_t)n * wide * sizeof(uint16_t));
+    router_scores(x, gate, scores, T, D, E, scoring);
+    int status = moe_route_rows(scores, bias, hash_ids, ids, weights, T, E, k, scaling) != 0;
+    /* with valid ids the three stages below cannot fail: their checks hold by construction */
+    if (!status) status = moe_dispatch_rows(ids, T, k, E, x, D * 2, counts, source_token, source_slot, rows, num_threads);
+    if (!status) status = experts_bf16(rows, n, D, counts, E, w13, w2, I, limit, gate_up, hidden, expert_out, num_threads);
+    if (!status) status = moe_combine_rows(expert_out, DT_BF16, D, source_token, source_slot, T, k, weights, y, num_threads);
+    if (!status && sw13) {
+        /* shared expert: gate_up [T, 2SI] and hidden [T, SI] rounded to bf16 as the linear and swiglu do */
+        const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
+        tokens_product(sw13, x, gate_up, T, 2 * SI, D, num_threads);
+        for (long t = 0; t < T; t++) {
+            load_row(gate_up + (size_t)t * 2 * SI, DT_BF16, g, SI);
+            load_row(gate_up + (size_t)t * 2 * SI + SI, DT_BF16, u, SI);
+            if (round_silu) {
+                for (long i = 0; i < SI; i++) {
+                    const float gi = g[i] > hi ? hi : g[i], ui = u[i] > hi ? hi : (u[i] < lo ? lo : u[i]);
+                    g[i] = bf16_to_float(float_to_bf16(gi / (1.0f + vexpf(-gi)))) * ui;
+                }
+            } else {
+                swiglu_row(g, u, SI, hi, lo);
+            }
+            store_row(g, hidden + (size_t)t * SI, DT_BF16, SI);
+        }
+        tokens_product(sw2, hidden, expert_out, T, D, SI, num_threads);
+        for (long i = 0; i < T * D; i++) y[i] += bf16_to_float(expert_out[i]);
+    }
+    if (!status) store_row(y, out, DT_BF16, T * D);
+    free(hidden);
+    free(gate_up);
+    free(expert_out);
+    free(rows);
+    free(source_slot);
+    free(source_token);
+    free(counts);
+    free(ids);
+    free(u);
+    free(g);
+    free(y);
+    free(weights);
+    free(scores);
+    return status;
+}
