@@ -58,9 +58,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "no AVX2/FMA either (the plain C loops). For testing the lower tiers on a bigger CPU, or "
            "avoiding a broken path."),
     EnvVar("DEEPINFER_CPU_PACKED_WEIGHTS",
-           "cpu back end: 1 (default) keeps a oneDNN-blocked copy of each bf16 weight that a "
-           "multi-row linear reads (made at its second such use; 1.3x faster from 2 rows up, "
-           "costs the weights' size again in RAM); 0 uses the plain weights only.", kind=bool),
+           "cpu back end: 1 (default) keeps packed copies of the bf16 weights that linears read, "
+           "each made at its second use in its row range: the C register tiles' for decode batches "
+           "(AVX512-BF16: 1-64 rows; AVX2+FMA: every multi-row product) and oneDNN's blocked one "
+           "for the other multi-row products (each 1.1-3.7x faster, each costs the weights' size "
+           "again in RAM); 0 uses the plain weights only.", kind=bool),
     EnvVar("DEEPINFER_CPU_QUANTIZED_WEIGHTS",
            "cpu back end: 1 keeps a checkpoint's FP8/FP4 linear and expert weights quantised in memory "
            "(about the checkpoint's bytes; products of up to 128 rows run on the stored codes in C, larger "

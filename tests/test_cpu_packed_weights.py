@@ -77,7 +77,7 @@ def test_one_row_and_fp32_use_the_plain_weights():
 def test_environment_switch(monkeypatch):
     monkeypatch.setenv("DEEPINFER_CPU_PACKED_WEIGHTS", "0")
     kernels, w, x = NativeCpuKernels(), bf16(64, 32), bf16(4, 32)
-    assert kernels.packed_weights is None
+    assert kernels.packed_weights is None and kernels.tile_weights is None
     assert torch.equal(kernels.linear(x, w), kernels.linear(x, w))
     monkeypatch.setenv("DEEPINFER_CPU_PACKED_WEIGHTS", "sometimes")
     with pytest.raises(ValueError, match="DEEPINFER_CPU_PACKED_WEIGHTS"):

@@ -15,8 +15,8 @@ DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
 
 Decode-batch bf16 linears (2 to 64 rows; on AVX512-BF16 one row too; on AVX2+FMA every multi-row one,
 prefill included) run on C register tiles over copies of the weights packed for them
-(native/packed_gemm.c), the others on oneDNN-packed copies (packed_weights.py) unless
-DEEPINFER_CPU_PACKED_WEIGHTS=0.
+(native/packed_gemm.c), the other multi-row ones on oneDNN-packed copies (packed_weights.py);
+DEEPINFER_CPU_PACKED_WEIGHTS=0 turns both copies off (the plain weights through the C GEMVs and torch).
 
 Batch-invariant mode (`set_batch_invariant(True)`, the batch_invariant feature; needs the library):
 every product (linears, grouped projections, experts, mHC mixes, indexer scores) runs through one
@@ -211,7 +211,9 @@ class NativeCpuKernels(CpuKernels):
     def tile_weights(self) -> PackedWeights | None:
         """The weights packed for the C register tiles (packed_gemm.c) of decode batches."""
         lib = self.native_library
-        return None if lib is None else PackedWeights(pack=functools.partial(native.pack_bf16, lib))
+        if lib is None or not packed_weights.enabled():
+            return None
+        return PackedWeights(pack=functools.partial(native.pack_bf16, lib))
 
     @functools.cached_property
     def _packed_gemm_rows(self) -> tuple[int, int]:

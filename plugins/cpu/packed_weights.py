@@ -21,9 +21,15 @@ import torch
 from deepinfer import envs
 
 
+def enabled() -> bool:
+    """Packed copies of weights are allowed (DEEPINFER_CPU_PACKED_WEIGHTS, default on): oneDNN's here
+    and the C register tiles' (native/packed_gemm.c). Off, every product reads the plain weight."""
+    return envs.get_bool("DEEPINFER_CPU_PACKED_WEIGHTS", True)
+
+
 def available() -> bool:
     """oneDNN with bf16 support in this torch build, and not turned off (DEEPINFER_CPU_PACKED_WEIGHTS=0)."""
-    if not envs.get_bool("DEEPINFER_CPU_PACKED_WEIGHTS", True):
+    if not enabled():
         return False
     mkldnn = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
