@@ -94,3 +94,18 @@ def test_sink_attention_paths_match_the_definition(dtype, queries, flash_lse, mo
     assert got.shape == q.shape and got.dtype == dtype
     torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
     assert got[0, 0].abs().max() == 0
+
+
+def test_plain_kernels_op_table_stores_the_compressor_rows():
+    """Without the C library (a plain CpuKernels), V4's op table still stores a step's compressor rows:
+    its compress_store falls back to the op table's plain-torch default."""
+    from deepinfer.models.deepseek_v4.ops import FAMILY as DEEPSEEK_V4, DeepseekV4Ops
+
+    g = torch.Generator().manual_seed(5)
+    kv, score, ape = (torch.randn(3, 8, generator=g) for _ in range(3))
+    position_mod, ring_row = torch.tensor([1, 2, 0]), torch.tensor([4, 0, 5])
+    got, want = [torch.zeros(6, 8) for _ in range(2)], [torch.zeros(6, 8) for _ in range(2)]
+    CpuKernels().model_ops(DEEPSEEK_V4).compress_store(kv, score, ape, position_mod, ring_row, *got)
+    DeepseekV4Ops().compress_store(kv, score, ape, position_mod, ring_row, *want)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(got[0][4], kv[0]) and got[1].abs().sum() > 0

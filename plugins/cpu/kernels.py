@@ -84,12 +84,6 @@ class CpuDeepseekV4Ops(DeepseekV4Ops):
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.kernels.hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
 
-    def compress_store(self, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, position_mod: torch.Tensor,
-                       ring_row: torch.Tensor, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> bool:
-        """DeepseekV4Ops.compress_store where this object has a faster one (True: stored); False: the
-        op table's plain-torch default stores."""
-        return False
-
     def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                     sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -178,6 +172,12 @@ class CpuKernels(TorchKernels):
         flat = streams_f.flatten(-2)
         inv = torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
         return F.linear(flat, fn.float()).mul_(inv)
+
+    def compress_store(self, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, position_mod: torch.Tensor,
+                       ring_row: torch.Tensor, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> bool:
+        """DeepseekV4Ops.compress_store where this object has a faster one (True: stored); False: the
+        op table's plain-torch default stores."""
+        return False
 
     def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                     sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
