@@ -405,8 +405,11 @@ class NativeCpuKernels(CpuKernels):
                      shared_w2: torch.Tensor | None, top_k: int, routed_scaling_factor: float, scoring_func: str,
                      swiglu_limit: float) -> torch.Tensor:
         lib, out = self.native_library, None
-        # decode-sized bf16 batches in one C call (moe_layer.c), where the composed path would run the
-        # same C stages: the multi-token GEMV for the shared expert (not AMX tiles), the C expert kernel
+        # decode-sized bf16 batches in one C call (moe_layer.c): the C stages the composed path runs (router
+        # top-k, dispatch, expert kernel, combine), the router and shared-expert products on the C GEMVs.
+        # Not with AMX tiles. Where the composed path's linear takes the packed tiles instead (this
+        # tier's _PACKED_GEMM_ROWS), the shared expert's fp32 sums run in another order: same rounding
+        # points, possibly other last bits.
         if (lib is not None and not self.invariant and x.dim() == 2
                 and not any(isinstance(w, QuantizedWeight) for w in (w13, w2, shared_w13, shared_w2))
                 and x.shape[0] <= self._gemv_tokens_max_rows and (x.shape[0] == 1 or not self.native_amx)

@@ -38,7 +38,8 @@ class MoE:
             self.shared = (weights["fused_shared.weight"], weights["shared_experts.w2.weight"])
 
     def _local_experts(self, rows: torch.Tensor, plan: MoEDispatch) -> torch.Tensor:
-        w13, w2 = self.ep.weights(self.ep_key) if self.ep is not None else (self.w13, self.w2)
+        """This rank's experts on the rows the EP exchange brought (the load balancer may re-place them)."""
+        w13, w2 = self.ep.weights(self.ep_key)
         return self.accel.moe_experts(rows, plan, w13, w2, self.c.swiglu_limit)
 
     def run(self, x: torch.Tensor, step) -> torch.Tensor:

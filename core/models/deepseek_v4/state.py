@@ -254,7 +254,6 @@ class StepPlan(RaggedPlan):
         """How many compression windows of rate `rate` complete in this step (all sequences)."""
         return sum((c + n) // rate - c // rate for c, n in zip(self.ctx, self.q_lens))
 
-    # ----- compressor -----
     def compress_plan(self, rate: int, ring: int, overlap: bool) -> CompressPlan:
         key = (rate, ring, overlap)
         if key in self._compress_plans:

@@ -108,6 +108,30 @@ static inline float vexpf(float x) {
     return p * scale.f;
 }
 
+/* The experts' row ranges from the dispatch's counts (experts.c, quant_experts.c): expert e owns rows
+ * [offsets[e], offsets[e + 1]); `active` lists the experts with rows. Returns 1 (nothing allocated)
+ * when a count is negative or the counts do not add up to n, else 0 (the caller frees both arrays). */
+static int expert_ranges(const int64_t *counts, long E, long n, long **offsets_out, long **active_out,
+                         long *num_active) {
+    long *offsets = malloc((size_t)(E + 1) * sizeof(long));
+    offsets[0] = 0;
+    int bad = 0;
+    for (long e = 0; e < E; e++) {
+        bad |= counts[e] < 0;
+        offsets[e + 1] = offsets[e] + (long)counts[e];
+    }
+    if (bad || offsets[E] != n) {
+        free(offsets);
+        return 1;
+    }
+    long *active = malloc((size_t)E * sizeof(long));
+    *num_active = 0;
+    for (long e = 0; e < E; e++)
+        if (offsets[e + 1] > offsets[e]) active[(*num_active)++] = e;
+    *offsets_out = offsets, *active_out = active;
+    return 0;
+}
+
 /* silu(min(g, hi)) * clamp(u, lo, hi) in place of g (activation.c's swiglu, experts.c's hidden rows) */
 static void swiglu_row(float *restrict g, const float *restrict u, long I, float hi, float lo) {
     for (long i = 0; i < I; i++) {

@@ -25,21 +25,8 @@ static void expert_products(const uint16_t *W, long N, long K, const long *activ
 int experts_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, long E, const uint16_t *w13,
                  const uint16_t *w2, long I, float limit, uint16_t *gate_up, uint16_t *hidden, uint16_t *out,
                  int num_threads) {
-    long *offsets = malloc((size_t)(E + 1) * sizeof(long));
-    offsets[0] = 0;
-    int bad = 0;
-    for (long e = 0; e < E; e++) {
-        bad |= counts[e] < 0;
-        offsets[e + 1] = offsets[e] + (long)counts[e];
-    }
-    if (bad || offsets[E] != n) {
-        free(offsets);
-        return 1;
-    }
-    long *active = malloc((size_t)E * sizeof(long));
-    long num_active = 0;
-    for (long e = 0; e < E; e++)
-        if (offsets[e + 1] > offsets[e]) active[num_active++] = e;
+    long *offsets, *active, num_active;
+    if (expert_ranges(counts, E, n, &offsets, &active, &num_active)) return 1;
     const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
     const int amx = amx_usable() && D % 64 == 0 && I % 32 == 0;
     /* AMX: chunks of 16 tokens per expert and their packed copies; else fp32 copies of the inputs

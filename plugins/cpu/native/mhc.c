@@ -141,6 +141,16 @@ static void mix_rows(const float *restrict rows, long nb, const float *restrict 
     }
 }
 
+/* acc [D] = sum_j pre_j * X_j over one token's n streams `row` [n, D] (the collapse of hc_pre and hc_head) */
+static void collapse_row(const float *restrict row, const float *restrict pre, long n, long D, float *restrict acc) {
+    for (long i = 0; i < D; i++) acc[i] = pre[0] * row[i];
+    for (long j = 1; j < n; j++) {
+        const float pj = pre[j];
+        const float *restrict xj = row + j * D;
+        for (long i = 0; i < D; i++) acc[i] += pj * xj[i];
+    }
+}
+
 void hc_pre(const void *streams, const float *fn, const float *base, const float *scale, void *collapsed,
             float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
             int dtype, int num_threads) {
@@ -171,14 +181,7 @@ void hc_pre(const void *streams, const float *fn, const float *base, const float
             for (long r = 0; r < nb; r++) {
                 const long t = t0 + r;
                 hc_mixing(mix + r * mixes, base, scale, n, sinkhorn_iters, eps, pre, post + t * n, comb + t * n * n);
-                /* collapsed = sum_j pre_j * X_j */
-                const float *restrict row = rows + r * width;
-                for (long i = 0; i < D; i++) acc[i] = pre[0] * row[i];
-                for (long j = 1; j < n; j++) {
-                    const float pj = pre[j];
-                    const float *restrict xj = row + j * D;
-                    for (long i = 0; i < D; i++) acc[i] += pj * xj[i];
-                }
+                collapse_row(rows + r * width, pre, n, D, acc);
                 store_row(acc, (char *)collapsed + (size_t)t * D * es, dtype, D);
             }
         }
@@ -226,12 +229,7 @@ void hc_head(const void *streams, const float *fn, const float *base, const floa
                 for (long i = 0; i < width; i++) dot += f[i] * row[i];
                 pre[m] = sigmoid(dot * inv * scale[0] + base[m]) + eps;
             }
-            for (long i = 0; i < D; i++) acc[i] = pre[0] * row[i];
-            for (long j = 1; j < n; j++) {
-                const float pj = pre[j];
-                const float *restrict xj = row + j * D;
-                for (long i = 0; i < D; i++) acc[i] += pj * xj[i];
-            }
+            collapse_row(row, pre, n, D, acc);
             store_row(acc, (char *)out + (size_t)t * D * es, dtype, D);
         }
         free(pre);

@@ -16,18 +16,28 @@ _RMS_NORM_ROTARY = Kernel("rms_norm_rotary", x=ptr, x_row_stride=long_, w=ptr, w
                           out=ptr, T=long_, M=long_, d=long_, half=long_, eps=float_, dtype=int_, num_threads=int_)
 
 
+def _norm_rows(x: torch.Tensor, weight: torch.Tensor | None, D: int
+               ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """x as rows of D unit-stride elements (a 2-D row view keeps its stride), the contiguous weight and
+    its dtype code (0 without one); None for a weight the C norm does not take."""
+    w_dtype = 0 if weight is None else dtype_code(weight)
+    if weight is not None and (weight.shape != (D,) or w_dtype is None):
+        return None
+    flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, D)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    return flat, None if weight is None else weight.contiguous(), w_dtype
+
+
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
     dtype = dtype_code(x)
     if dtype is None or x.dim() == 0 or x.numel() == 0:
         return None
     D = x.shape[-1]
-    w_dtype = 0 if weight is None else dtype_code(weight)
-    if weight is not None and (weight.shape != (D,) or w_dtype is None):
+    rows = _norm_rows(x, weight, D)
+    if rows is None:
         return None
-    flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, D)  # a 2-D row view keeps its stride
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    w = None if weight is None else weight.contiguous()
+    flat, w, w_dtype = rows
     out = new_like(x)
     _RMS_NORM(lib, x=flat.data_ptr(), x_row_stride=flat.stride(0), w=None if w is None else w.data_ptr(),
               w_dtype=w_dtype, out=out.data_ptr(), rows=flat.shape[0], D=D, eps=eps, dtype=dtype,
@@ -64,13 +74,10 @@ def rms_norm_rotary(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | No
     T, half, d = x.shape[0], cos.shape[1], x.shape[-1]
     if cos.shape[0] != T or half == 0 or 2 * half > d:
         return None
-    w_dtype = 0 if weight is None else dtype_code(weight)
-    if weight is not None and (weight.shape != (d,) or w_dtype is None):
+    rows = _norm_rows(x, weight, d)
+    if rows is None:
         return None
-    flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, d)  # a 2-D row view keeps its stride
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
-    w = None if weight is None else weight.contiguous()
+    flat, w, w_dtype = rows
     c, s = f32(cos), f32(sin)
     out = new_like(x)
     _RMS_NORM_ROTARY(lib, x=flat.data_ptr(), x_row_stride=flat.stride(0), w=None if w is None else w.data_ptr(),

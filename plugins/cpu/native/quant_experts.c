@@ -54,21 +54,8 @@ int quant_experts(const void *rows, int x_dtype, long n, long D, const int64_t *
                   const uint8_t *w13, long w13_stride, const void *s13, long s13_stride, const uint8_t *w2,
                   long w2_stride, const void *s2, long s2_stride, int scale_e8m0, long block, long I, float limit,
                   void *out, int portable, int num_threads) {
-    long *offsets = malloc((size_t)(E + 1) * sizeof(long));
-    offsets[0] = 0;
-    int bad = 0;
-    for (long e = 0; e < E; e++) {
-        bad |= counts[e] < 0;
-        offsets[e + 1] = offsets[e] + (long)counts[e];
-    }
-    if (bad || offsets[E] != n) {
-        free(offsets);
-        return 1;
-    }
-    long *active = malloc((size_t)E * sizeof(long));
-    long num_active = 0;
-    for (long e = 0; e < E; e++)
-        if (offsets[e + 1] > offsets[e]) active[num_active++] = e;
+    long *offsets, *active, num_active;
+    if (expert_ranges(counts, E, n, &offsets, &active, &num_active)) return 1;
     const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
     float *xf = malloc((size_t)n * D * sizeof(float));
     float *gate_up = malloc((size_t)n * 2 * I * sizeof(float));
