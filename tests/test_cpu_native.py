@@ -10,7 +10,7 @@ import torch
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer_plugins.cpu import CpuAccelerator, native
 from deepinfer_plugins.cpu.kernels import CpuKernels
-from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
+from deepinfer_plugins.cpu.native_kernels import _MOE_FUSED_MAX_TOKENS, NativeCpuKernels
 
 REF = CpuKernels()
 SHAPES = [(1, 1024), (3, 64), (17, 256), (300, 512)]  # (T, D)
@@ -574,21 +574,38 @@ def moe_sublayer_exact(x, gate, bias, hash_ids, w13, w2, sw13, sw2, k, scaling, 
 
 MOE_CASES = [  # (T, D, E, k, inter, shared_inter, hashed, scoring): decode batches, hash layers, no shared
     (1, 256, 16, 4, 64, 64, False, "sqrtsoftplus"), (3, 128, 8, 2, 32, 48, True, "sqrtsoftplus"),
-    (8, 70, 16, 4, 48, 0, False, "sigmoid"), (2, 64, 6, 6, 32, 32, False, "softmax")]
+    (8, 70, 16, 4, 48, 0, False, "sigmoid"), (2, 64, 6, 6, 32, 32, False, "softmax"),
+    # batches of several rows per expert (the routed experts on the register tiles): odd K and N tails,
+    # experts with no rows, one with many
+    (16, 128, 16, 4, 40, 48, False, "sqrtsoftplus"), (64, 96, 8, 2, 24, 33, True, "sigmoid")]
 
 
 @pytest.mark.parametrize("T,D,E,k,inter,shared_inter,hashed,scoring", MOE_CASES)
 def test_moe_layer_bf16(nat, T, D, E, k, inter, shared_inter, hashed, scoring):
     case = moe_case(T, D, E, k, inter, shared_inter, hashed)
     args = (k, 1.5, scoring, 10.0)
+    lib = nat.native_library
+    x, gate, bias, hash_ids, w13, w2, sw13, sw2 = case
+    # the routed experts and the shared expert on their packed copies (register tiles) or the GEMVs
+    experts = native.pack_bf16(lib, w13), native.pack_bf16(lib, w2)
+    shared = (native.pack_bf16(lib, sw13), native.pack_bf16(lib, sw2)) if shared_inter else None
     for round_silu in (False, True):
-        got = native.moe_layer_bf16(nat.native_library, *case, *args, round_silu)
-        assert_close(got, moe_sublayer_exact(*case, *args, torch_swiglu=(False, round_silu)))
+        want = moe_sublayer_exact(*case, *args, torch_swiglu=(False, round_silu))
+        assert_close(native.moe_layer_bf16(lib, *case, *args, round_silu), want)
+        got = native.moe_layer_bf16(lib, *case, *args, round_silu, packed_experts=experts, packed_shared=shared)
+        assert_close(got, want)
+    # a packed copy of another layout than its weight's is not used (the plain weight is)
+    wrong = native.pack_bf16(lib, w13[:, :8].contiguous()), experts[1]
+    assert torch.equal(native.moe_layer_bf16(lib, *case, *args, packed_experts=wrong),
+                       native.moe_layer_bf16(lib, *case, *args))
     # the accelerator's op, fused where the composed path would run the same C stages (the shared
-    # expert's swiglu rounded as the composed path's: torch's ops below 4,096 elements): the same bits
-    # as the back end's own composition but where the router's fp32 sums differ (torch's vs the C dot)
-    composed = super(NativeCpuKernels, nat).moe_sublayer(*case, *args)
-    assert_close(nat.moe_sublayer(*case, *args), composed)
+    # expert's swiglu rounded as the composed path's: torch's ops below 4,096 elements, its products on
+    # the kernels the composed linear picks): the same bits as the back end's own composition but where
+    # the router's fp32 sums differ (torch's vs the C dot) and, on the tiles, the routed experts' sums.
+    # Twice: the weights are packed at their second use.
+    for _ in range(2):
+        composed = super(NativeCpuKernels, nat).moe_sublayer(*case, *args)
+        assert_close(nat.moe_sublayer(*case, *args), composed)
     # the plain-torch composition (CpuKernels, the spec) against the fp64 one with torch's roundings
     assert_close(REF.moe_sublayer(*case, *args), moe_sublayer_exact(*case, *args, torch_swiglu=(True, True)))
 
@@ -607,13 +624,37 @@ def test_moe_layer_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
     assert native.moe_layer_bf16(lib, x, gate, None, bad_hash, w13, w2, sw13, sw2, *args) is None  # id >= E
     with pytest.raises(Exception):  # the composed path names the bad id
         nat.moe_sublayer(x, gate, None, bad_hash, w13, w2, sw13, sw2, *args)
-    # more rows than the decode-batch GEMV takes, or fp32: the composed path, not the fused call
+    # more rows than the decode-batch GEMV takes without the register tiles (packing off), more than the
+    # fused call takes at all, or fp32: the composed path, not the fused call
     calls = []
-    monkeypatch.setattr(native, "moe_layer_bf16", lambda *a: calls.append(a) or None)
+    monkeypatch.setattr(native, "moe_layer_bf16", lambda *a, **kw: calls.append(kw) or None)
     many = make((nat._gemv_tokens_max_rows + 1, 64), torch.bfloat16)
-    assert nat.moe_sublayer(many, gate, bias, None, w13, w2, sw13, sw2, *args).shape == many.shape and not calls
-    nat.moe_sublayer(x.float(), gate, bias, None, w13.float(), w2.float(), sw13.float(), sw2.float(), *args)
+    with monkeypatch.context() as off:
+        off.setenv("DEEPINFER_CPU_PACKED_WEIGHTS", "0")
+        plain = NativeCpuKernels()
+        assert plain.moe_sublayer(many, gate, bias, None, w13, w2, sw13, sw2, *args).shape == many.shape
+    assert not calls
+    one_each = moe_case(_MOE_FUSED_MAX_TOKENS + 1, 64, 16, 1, 32, 32, False)
+    for _ in range(2):
+        assert nat.moe_sublayer(*one_each, 1, 1.0, "sigmoid", 0.0).shape == one_each[0].shape
+    assert not calls
+    one = x[:1].float()  # a row count the fused call takes on every tier (the portable one: one row)
+    nat.moe_sublayer(one, gate, bias, None, w13.float(), w2.float(), sw13.float(), sw2.float(), *args)
     assert len(calls) == 1  # tried (it declines fp32), then composed
+
+
+def test_moe_sublayer_runs_decode_batches_on_the_tiles(nat, monkeypatch):
+    """16 and 64 tokens: the fused call, its routed and shared experts on their packed copies from the
+    weights' second use (on the tiers with register tiles)."""
+    if nat.native_amx or nat._packed_gemm_rows == (0, 0):
+        pytest.skip("the fused MoE takes 16 tokens on the AVX2 and AVX512-BF16 register tiles (not with AMX)")
+    calls, fused = [], native.moe_layer_bf16
+    monkeypatch.setattr(native, "moe_layer_bf16", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
+    for T in (16, 64):
+        case = moe_case(T, 64, 16, 4, 32, 32, False)
+        for _ in range(2):
+            nat.moe_sublayer(*case, 4, 1.5, "sqrtsoftplus", 10.0)
+        assert calls[-1]["packed_experts"] is not None and calls[-1]["packed_shared"][0] is not None
 
 
 @pytest.mark.parametrize("T", [2, 20, 33])  # one partial tile of tokens, more than one

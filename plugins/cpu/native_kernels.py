@@ -89,6 +89,17 @@ _EXPERT_ROWS_PER_EXPERT_DOT = 16
 # fewer per layer at decode; prefill-sized batches keep torch's parallel top-k)
 _ROUTE_MAX_TOKENS = 64
 
+# The fused MoE sub-layer (moe_layer.c) of a bf16 decode batch: up to the multi-token GEMV's rows, and with
+# the register tiles (packed_gemm.c) up to _MOE_FUSED_MAX_TOKENS. Its routed experts run on the tiles over
+# packed copies of the expert weights (as many bytes again) from this many rows per expert on average, per
+# tier, else on the expert kernel's GEMVs. scripts/bench_moe_layer.py, the 161 M V4 checkpoint's shapes
+# (16 experts of 256 x 512 and 512 x 128, top-4, a 128-wide shared expert, 6 layers cycled), one thread,
+# AMD Zen 4, tiles vs GEMV experts: AVX512-BF16 0.90x at 1 row per expert (4 tokens), 1.09x at 2, 1.22x at
+# 4, 1.57x at 16; AVX2+FMA (emulated) 0.78x at 1, 0.89x at 2, 1.09x at 4, 1.25x at 16. The fused call
+# against the composed path: 1.71x / 1.77x at 16 / 64 tokens (AVX512-BF16), 1.30x / 1.42x (AVX2).
+_MOE_TILES_ROWS_PER_EXPERT = {"avx512-bf16": 2, "avx2-fma": 4, "portable": 1 << 62}
+_MOE_FUSED_MAX_TOKENS = 64
+
 # Elements below which swiglu stays on torch's four ops (cheaper than the call: 5.9 vs 6.6 us for one
 # 512-wide row); the fused MoE rounds its shared expert's swiglu as they do below it
 _SWIGLU_TORCH_MAX = 4096
@@ -404,19 +415,30 @@ class NativeCpuKernels(CpuKernels):
                      w2: torch.Tensor | QuantizedWeight, shared_w13: torch.Tensor | None,
                      shared_w2: torch.Tensor | None, top_k: int, routed_scaling_factor: float, scoring_func: str,
                      swiglu_limit: float) -> torch.Tensor:
-        lib, out = self.native_library, None
+        lib, out, rows = self.native_library, None, x.shape[0]
         # decode-sized bf16 batches in one C call (moe_layer.c): the C stages the composed path runs (router
-        # top-k, dispatch, expert kernel, combine), the router and shared-expert products on the C GEMVs.
-        # Not with AMX tiles. Where the composed path's linear takes the packed tiles instead (this
-        # tier's _PACKED_GEMM_ROWS), the shared expert's fp32 sums run in another order: same rounding
-        # points, possibly other last bits.
+        # top-k, dispatch, expert kernel, combine), the router on a C dot product (its fp32 sums in another
+        # order than torch's), the shared expert's products on the kernels the composed path's linear picks
+        # (the packed register tiles in this tier's _PACKED_GEMM_ROWS, else the C GEMVs: the same bits).
+        # From _MOE_TILES_ROWS_PER_EXPERT the routed experts run on the tiles over their packed copies: the
+        # expert kernel's roundings, its fp32 sums in another order (other last bits than the composed
+        # path's, within the tests' tolerance). Not with AMX tiles.
         if (lib is not None and not self.invariant and x.dim() == 2
                 and not any(isinstance(w, QuantizedWeight) for w in (w13, w2, shared_w13, shared_w2))
-                and x.shape[0] <= self._gemv_tokens_max_rows and (x.shape[0] == 1 or not self.native_amx)
-                and x.shape[0] * top_k <= self._native_expert_rows(w13.shape[0])):
-            round_silu = shared_w2 is not None and x.shape[0] * shared_w2.shape[1] < _SWIGLU_TORCH_MAX
-            out = native.moe_layer_bf16(lib, x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
-                                        routed_scaling_factor, scoring_func, swiglu_limit, round_silu)
+                and (rows == 1 or not self.native_amx) and rows * top_k <= self._native_expert_rows(w13.shape[0])):
+            low, high = self._packed_gemm_rows
+            tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None
+            experts = None
+            if tiles is not None and rows * top_k >= self._moe_tiles_rows_per_expert * w13.shape[0]:
+                experts = tiles.lookup(w13), tiles.lookup(w2)  # None at the weights' first use
+                experts = None if any(p is None for p in experts) else experts
+            if rows <= self._gemv_tokens_max_rows or (tiles is not None and rows <= _MOE_FUSED_MAX_TOKENS):
+                shared = None if tiles is None or shared_w13 is None else (tiles.lookup(shared_w13),
+                                                                           tiles.lookup(shared_w2))
+                round_silu = shared_w2 is not None and rows * shared_w2.shape[1] < _SWIGLU_TORCH_MAX
+                out = native.moe_layer_bf16(lib, x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2,
+                                            top_k, routed_scaling_factor, scoring_func, swiglu_limit, round_silu,
+                                            packed_experts=experts, packed_shared=shared)
         if out is not None:
             return out
         return super().moe_sublayer(x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
@@ -529,6 +551,12 @@ class NativeCpuKernels(CpuKernels):
         """Rows up to which a decode batch's linear runs on the C multi-token GEMV (its tier's limit)."""
         lib = self.native_library
         return 1 if lib is None else _GEMV_TOKENS_MAX_ROWS[native.gemv_tier(lib)]
+
+    @functools.cached_property
+    def _moe_tiles_rows_per_expert(self) -> int:
+        """Expert rows per expert (on average) from which the fused MoE's routed experts run on the tiles."""
+        lib = self.native_library
+        return 1 << 62 if lib is None else _MOE_TILES_ROWS_PER_EXPERT[native.gemv_tier(lib)]
 
     @functools.cached_property
     def native_amx(self) -> bool:

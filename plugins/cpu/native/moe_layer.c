@@ -1,8 +1,10 @@
 /* moe_layer_bf16: the MoE sub-layer of a decode step (a few bf16 tokens) in one call: the router's
  * fp32 product and scores, the top-k (or hash) choice, the dispatch, the routed experts, the combine
  * and the shared expert. Each stage is the kernel the composed path calls (selection.c, moe_rows.c,
- * experts.c, gemv.c), so the composed and the fused path round at the same points; what the call
- * saves is the Python between them (~10 torch ops and 6 wrapper calls per layer). */
+ * experts.c, gemv.c, packed_gemm.c), so the composed and the fused path round at the same points; what
+ * the call saves is the Python between them (~10 torch ops and 6 wrapper calls per layer). Batches of
+ * several rows per expert run the routed experts on the register tiles (experts_packed_bf16): the same
+ * roundings as the expert kernel's, the fp32 sums in another order. */
 #include "common.h"
 
 /* the stages, defined in the other C files of the library */
@@ -17,56 +19,130 @@ int moe_combine_rows(const void *rows, int dtype, long D, const int64_t *source_
                      long T, long k, const float *weights, float *out, int num_threads);
 void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K, int num_threads);
 void gemv_tokens_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long m, long N, long K, int num_threads);
+void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M, long N, long K, int num_threads);
+long packed_cols(void);
+int packed_rows_in_place(long K);
+size_t packed_rows_bytes(long M, long K);
+void packed_rows(const uint16_t *X, void *xs, long m0, long m1, long K);
+void packed_group_products(const uint16_t *P, size_t group_size, const void *xs, uint16_t *Y, const long *offsets,
+                           const long *active, long num_active, long N, long K);
 
 /* the router's scoring functions (interface.routing_scores) */
 #define SCORE_SQRTSOFTPLUS 0
 #define SCORE_SIGMOID 1
 #define SCORE_SOFTMAX 2
 
-/* scores [T, E] = score_fn(x [T, D] (bf16, widened) @ gate [E, D]^T (fp32)) */
-static void router_scores(const uint16_t *x, const float *gate, float *scores, long T, long D, long E, int scoring) {
-    float *xf = malloc((size_t)D * sizeof(float));
-    for (long t = 0; t < T; t++) {
-        load_row(x + (size_t)t * D, DT_BF16, xf, D);
-        float *s = scores + (size_t)t * E;
-        for (long e = 0; e < E; e++) {
-            const float *restrict g = gate + (size_t)e * D;
-            float dot = 0.0f;
+/* scores [T, E] = score_fn(x [T, D] (bf16, widened) @ gate [E, D]^T (fp32)); four experts per pass
+ * over x (four independent sums: a single one waits on its own adds), the tokens over the threads */
+static void router_scores(const uint16_t *x, const float *gate, float *scores, long T, long D, long E, int scoring,
+                          int num_threads) {
+#pragma omp parallel num_threads(num_threads) if (T * E * D > 4 * PARALLEL_MIN_WORK)
+    {
+        float *xf = malloc((size_t)D * sizeof(float));
+#pragma omp for schedule(static)
+        for (long t = 0; t < T; t++) {
+            load_row(x + (size_t)t * D, DT_BF16, xf, D);
+            float *s = scores + (size_t)t * E;
+            long e = 0;
+            for (; e + 4 <= E; e += 4) {
+                const float *restrict g0 = gate + (size_t)e * D, *restrict g1 = g0 + D, *restrict g2 = g1 + D,
+                                      *restrict g3 = g2 + D;
+                float d0 = 0.0f, d1 = 0.0f, d2 = 0.0f, d3 = 0.0f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+                for (long i = 0; i < D; i++) {
+                    d0 += g0[i] * xf[i];
+                    d1 += g1[i] * xf[i];
+                    d2 += g2[i] * xf[i];
+                    d3 += g3[i] * xf[i];
+                }
+                s[e] = d0, s[e + 1] = d1, s[e + 2] = d2, s[e + 3] = d3;
+            }
+            for (; e < E; e++) {
+                const float *restrict g = gate + (size_t)e * D;
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (long i = 0; i < D; i++) dot += g[i] * xf[i];
-            s[e] = dot;
+                for (long i = 0; i < D; i++) dot += g[i] * xf[i];
+                s[e] = dot;
+            }
+            if (scoring == SCORE_SOFTMAX) {
+                float top = -INFINITY, total = 0.0f;
+                for (long j = 0; j < E; j++) top = s[j] > top ? s[j] : top;
+                for (long j = 0; j < E; j++) total += (s[j] = expf(s[j] - top));
+                for (long j = 0; j < E; j++) s[j] /= total;
+            } else {
+                /* softplus as torch's (beta 1, threshold 20: the identity above it) */
+                for (long j = 0; j < E; j++)
+                    s[j] = scoring == SCORE_SIGMOID ? sigmoid(s[j]) : sqrtf(s[j] > 20.0f ? s[j] : log1pf(expf(s[j])));
+            }
         }
-        if (scoring == SCORE_SOFTMAX) {
-            float top = -INFINITY, total = 0.0f;
-            for (long e = 0; e < E; e++) top = s[e] > top ? s[e] : top;
-            for (long e = 0; e < E; e++) total += (s[e] = expf(s[e] - top));
-            for (long e = 0; e < E; e++) s[e] /= total;
-        } else {
-            /* softplus as torch's (beta 1, threshold 20: the identity above it) */
-            for (long e = 0; e < E; e++)
-                s[e] = scoring == SCORE_SIGMOID ? sigmoid(s[e]) : sqrtf(s[e] > 20.0f ? s[e] : log1pf(expf(s[e])));
-        }
+        free(xf);
     }
-    free(xf);
 }
 
-/* x @ W^T for T bf16 tokens, as the linear's decode paths compute it (one token: gemv_bf16) */
-static void tokens_product(const uint16_t *W, const uint16_t *X, uint16_t *Y, long T, long N, long K,
-                           int num_threads) {
-    if (T == 1) gemv_bf16(W, X, Y, N, K, num_threads);
+/* the routed experts on their packed copies (pw13 [E] x pack_bf16([2I, D]), pw2 [E] x pack_bf16([D, I])),
+ * as experts_bf16 on the register tiles: each expert's rows one product per weight (packed_gemm.c),
+ * the (expert, column panel) pairs over the threads; roundings as experts_bf16's */
+static int experts_packed_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, long E,
+                               const uint16_t *pw13, const uint16_t *pw2, long I, float limit, uint16_t *gate_up,
+                               uint16_t *hidden, uint16_t *out, int num_threads) {
+    long *offsets, *active, num_active;
+    if (expert_ranges(counts, E, n, &offsets, &active, &num_active)) return 1;
+    const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
+    const long cols = packed_cols();
+    const size_t size13 = (size_t)((2 * I + cols - 1) / cols) * ((D + 1) / 2) * cols * 2;
+    const size_t size2 = (size_t)((D + cols - 1) / cols) * ((I + 1) / 2) * cols * 2;
+    void *rows_x = packed_rows_in_place(D) ? NULL : malloc(packed_rows_bytes(n, D));
+    void *hidden_x = packed_rows_in_place(I) ? NULL : malloc(packed_rows_bytes(n, I));
+#pragma omp parallel num_threads(num_threads) if (n * D * I > PARALLEL_MIN_WORK)
+    {
+        float *g = malloc((size_t)I * sizeof(float)), *u = malloc((size_t)I * sizeof(float));
+        if (rows_x) {
+#pragma omp for schedule(static)
+            for (long t = 0; t < n; t++) packed_rows(rows, rows_x, t, t + 1, D);
+        }
+        packed_group_products(pw13, size13, rows_x ? rows_x : rows, gate_up, offsets, active, num_active, 2 * I, D);
+#pragma omp for schedule(static)
+        for (long t = 0; t < n; t++) {
+            load_row(gate_up + (size_t)t * 2 * I, DT_BF16, g, I);
+            load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
+            swiglu_row(g, u, I, hi, lo);
+            store_row(g, hidden + (size_t)t * I, DT_BF16, I);
+            if (hidden_x) packed_rows(hidden, hidden_x, t, t + 1, I);
+        }
+        packed_group_products(pw2, size2, hidden_x ? hidden_x : hidden, out, offsets, active, num_active, D, I);
+        free(u);
+        free(g);
+    }
+    free(hidden_x);
+    free(rows_x);
+    free(active);
+    free(offsets);
+    return 0;
+}
+
+/* x @ W^T for T bf16 tokens, as the linear's decode paths compute it: on the weight's packed copy P where
+ * given (packed_gemm_bf16), else one token on gemv_bf16, a few on gemv_tokens_bf16 */
+static void tokens_product(const uint16_t *W, const uint16_t *P, const uint16_t *X, uint16_t *Y, long T, long N,
+                           long K, int num_threads) {
+    if (P) packed_gemm_bf16(P, X, Y, T, N, K, num_threads);
+    else if (T == 1) gemv_bf16(W, X, Y, N, K, num_threads);
     else gemv_tokens_bf16(W, X, Y, T, N, K, num_threads);
 }
 
 /* ----- moe_layer_bf16 -----
  * x [T, D] bf16; gate [E, D] fp32, bias [E] fp32 or NULL, hash_ids [T, k] int64 or NULL (hash layers);
  * w13 [E, 2I, D], w2 [E, D, I] bf16 (the routed experts); sw13 [2SI, D], sw2 [D, SI] bf16 or NULL
- * (the shared expert); out [T, D] bf16 = bf16(combine (fp32) + shared expert (bf16)). The shared
+ * (the shared expert); pw13, pw2, psw13, psw2: their copies packed by pack_bf16 (an expert weight: E
+ * packed matrices one after the other) or NULL: the routed experts run on the register tiles where pw13
+ * and pw2 are given (else experts_bf16's GEMVs), a shared-expert product where its copy is (else the
+ * GEMVs); out [T, D] bf16 = bf16(combine (fp32) + shared expert (bf16)). The shared
  * expert's hidden row is rounded once (the swiglu kernel), or, with `round_silu`, where torch's bf16
  * `silu(g) * u` rounds: silu's result, then the product (the composed path's swiglu for a few rows).
  * Returns 0, or 1 (nothing written) at a hash id outside [0, E). */
 int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const float *bias, const int64_t *hash_ids,
                    long E, long k, float scaling, int scoring, const uint16_t *w13, const uint16_t *w2, long I,
-                   const uint16_t *sw13, const uint16_t *sw2, long SI, float limit, int round_silu, uint16_t *out,
+                   const uint16_t *sw13, const uint16_t *sw2, long SI, const uint16_t *pw13, const uint16_t *pw2,
+                   const uint16_t *psw13, const uint16_t *psw2, float limit, int round_silu, uint16_t *out,
                    int num_threads) {
     const long n = T * k, wide = I > SI ? I : SI;
     float *scores = malloc((size_t)T * E * sizeof(float));
@@ -78,16 +154,20 @@ int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const f
     uint16_t *rows = malloc((size_t)n * D * sizeof(uint16_t)), *expert_out = malloc((size_t)n * D * sizeof(uint16_t));
     uint16_t *gate_up = malloc((size_t)n * 2 * wide * sizeof(uint16_t));
     uint16_t *hidden = malloc((size_t)n * wide * sizeof(uint16_t));
-    router_scores(x, gate, scores, T, D, E, scoring);
+    router_scores(x, gate, scores, T, D, E, scoring, num_threads);
     int status = moe_route_rows(scores, bias, hash_ids, ids, weights, T, E, k, scaling) != 0;
     /* with valid ids the three stages below cannot fail: their checks hold by construction */
     if (!status) status = moe_dispatch_rows(ids, T, k, E, x, D * 2, counts, source_token, source_slot, rows, num_threads);
-    if (!status) status = experts_bf16(rows, n, D, counts, E, w13, w2, I, limit, gate_up, hidden, expert_out, num_threads);
+    if (!status)
+        status = pw13 && pw2 ? experts_packed_bf16(rows, n, D, counts, E, pw13, pw2, I, limit, gate_up, hidden, expert_out,
+                                                   num_threads)
+                             : experts_bf16(rows, n, D, counts, E, w13, w2, I, limit, gate_up, hidden, expert_out,
+                                            num_threads);
     if (!status) status = moe_combine_rows(expert_out, DT_BF16, D, source_token, source_slot, T, k, weights, y, num_threads);
     if (!status && sw13) {
         /* shared expert: gate_up [T, 2SI] and hidden [T, SI] rounded to bf16 as the linear and swiglu do */
         const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
-        tokens_product(sw13, x, gate_up, T, 2 * SI, D, num_threads);
+        tokens_product(sw13, psw13, x, gate_up, T, 2 * SI, D, num_threads);
         for (long t = 0; t < T; t++) {
             load_row(gate_up + (size_t)t * 2 * SI, DT_BF16, g, SI);
             load_row(gate_up + (size_t)t * 2 * SI + SI, DT_BF16, u, SI);
@@ -101,7 +181,7 @@ int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const f
             }
             store_row(g, hidden + (size_t)t * SI, DT_BF16, SI);
         }
-        tokens_product(sw2, hidden, expert_out, T, D, SI, num_threads);
+        tokens_product(sw2, psw2, hidden, expert_out, T, D, SI, num_threads);
         for (long i = 0; i < T * D; i++) y[i] += bf16_to_float(expert_out[i]);
     }
     if (!status) store_row(y, out, DT_BF16, T * D);

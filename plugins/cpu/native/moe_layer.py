@@ -6,10 +6,11 @@ import ctypes
 import torch
 
 from deepinfer_plugins.cpu.native.binding import Kernel, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
 _MOE_LAYER_BF16 = Kernel("moe_layer_bf16", restype=ctypes.c_int, x=ptr, T=long_, D=long_, gate=ptr, bias=ptr,
                          hash_ids=ptr, E=long_, k=long_, scaling=float_, scoring=int_, w13=ptr, w2=ptr, I=long_,
-                         sw13=ptr, sw2=ptr, SI=long_, limit=float_, round_silu=int_, out=ptr,
+                         sw13=ptr, sw2=ptr, SI=long_, pw13=ptr, pw2=ptr, psw13=ptr, psw2=ptr, limit=float_, round_silu=int_, out=ptr,
                          num_threads=int_)
 
 #: the router scoring functions the C code knows (moe_layer.c's SCORE_*)
@@ -20,15 +21,29 @@ def _usable(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.dtype is dtype and t.is_cpu and t.is_contiguous() and not t.requires_grad
 
 
+def _packed_ptr(lib: ctypes.CDLL, packed: torch.Tensor | None, weight: torch.Tensor | None) -> int | None:
+    """`packed`'s address if it is pack_bf16(weight) in this build's layout, else None (that product reads
+    the plain weight)."""
+    if packed is None or weight is None or not _usable(packed, torch.bfloat16):
+        return None
+    want = (*weight.shape[:-2], *packed_shape(lib, *weight.shape[-2:]))
+    return packed.data_ptr() if tuple(packed.shape) == want else None
+
+
 def moe_layer_bf16(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
                    hash_ids: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
                    shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
                    routed_scaling_factor: float, scoring_func: str, swiglu_limit: float,
-                   round_silu: bool = False) -> torch.Tensor | None:
+                   round_silu: bool = False, packed_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+                   ) -> torch.Tensor | None:
     """The MoE sub-layer (`MoEOps.moe_sublayer`) of a few bf16 tokens `x [T, D]` with bf16 experts, an
     fp32 router; None for anything else (or a hash id outside the experts: the reference reports it).
     `round_silu`: the shared expert's swiglu rounds where torch's bf16 ops do (silu, then the product),
-    else once, as the C swiglu and expert kernels."""
+    else once, as the C swiglu and expert kernels. `packed_experts` (pack_bf16 of w13 and w2): the routed
+    experts on the register tiles (packed_gemm.c), else on the multi-token GEMVs; `packed_shared`
+    (pack_bf16 of shared_w13, shared_w2, either None): those products on the tiles. A packed copy of
+    another shape than its weight's is not used."""
     scoring = SCORING_CODES.get(scoring_func)
     if (scoring is None or x.dim() != 2 or not _usable(x, torch.bfloat16) or not _usable(gate, torch.float32)
             or not (_usable(w13, torch.bfloat16) and _usable(w2, torch.bfloat16)) or w13.dim() != 3):
@@ -52,12 +67,18 @@ def moe_layer_bf16(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: 
         shared_inter = shared_w2.shape[1]
         if shared_w13.shape != (2 * shared_inter, D) or shared_w2.shape != (D, shared_inter):
             return None
+    pw13, pw2 = (None, None) if packed_experts is None else packed_experts
+    pw13, pw2 = _packed_ptr(lib, pw13, w13), _packed_ptr(lib, pw2, w2)
+    if pw13 is None or pw2 is None:
+        pw13 = pw2 = None
+    psw13, psw2 = (None, None) if packed_shared is None else packed_shared
     out = torch.empty((T, D), dtype=torch.bfloat16)
     status = _MOE_LAYER_BF16(
         lib, x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
         hash_ids=None if hash_ids is None else hash_ids.data_ptr(), E=E, k=top_k, scaling=routed_scaling_factor,
         scoring=scoring, w13=w13.data_ptr(), w2=w2.data_ptr(), I=inter,
         sw13=None if shared_w13 is None else shared_w13.data_ptr(),
-        sw2=None if shared_w2 is None else shared_w2.data_ptr(), SI=shared_inter, limit=swiglu_limit,
+        sw2=None if shared_w2 is None else shared_w2.data_ptr(), SI=shared_inter, pw13=pw13, pw2=pw2,
+        psw13=_packed_ptr(lib, psw13, shared_w13), psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit,
         round_silu=int(round_silu), out=out.data_ptr(), num_threads=threads())
     return None if status else out

@@ -22,15 +22,21 @@
 /* the largest tile (its accumulator array); tile_shape picks 4 x 4 or 8 x 3 */
 #define TILE_ROWS 8
 #define TILE_BLOCKS 4
+#define NARROWEST_TILE 3 /* tile_shape's fewest blocks */
+#define XROW_PER_PAIR 1  /* xrow_t words per K pair */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PACK_COLS 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS 3
+#define NARROWEST_TILE 3
+#define XROW_PER_PAIR 2
 #else
 #define PACK_COLS 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS 1
+#define NARROWEST_TILE 1
+#define XROW_PER_PAIR 2
 #endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -87,14 +93,13 @@ ALWAYS_INLINE void tile(const uint16_t *restrict P, const xrow_t *restrict xs, u
     }
 }
 
-static xrow_t *prepare_x(const uint16_t *X, long M, long K, long pairs) {
-    uint16_t *xs = malloc((size_t)M * pairs * 2 * sizeof(uint16_t));
-    for (long m = 0; m < M; m++) {
-        memcpy(xs + m * pairs * 2, X + m * K, (size_t)K * sizeof(uint16_t));
-        if (K & 1) xs[m * pairs * 2 + K] = 0;
-    }
-    return (xrow_t *)xs;
+/* one x row in that layout; with an even K the layout is the bf16 row itself (packed_rows_in_place) */
+static void prepare_row(const uint16_t *x, xrow_t *xs, long K) {
+    memcpy(xs, x, (size_t)K * sizeof(uint16_t));
+    if (K & 1) ((uint16_t *)xs)[K] = 0;
 }
+
+int packed_rows_in_place(long K) { return K % 2 == 0; }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* the x rows widened to fp32, K padded to an even count */
@@ -164,15 +169,34 @@ ALWAYS_INLINE void tile(const uint16_t *restrict P, const xrow_t *restrict xs, u
 #endif
 
 #if !defined(__AVX512BF16__)
-static xrow_t *prepare_x(const uint16_t *X, long M, long K, long pairs) {
-    float *xs = malloc((size_t)M * pairs * 2 * sizeof(float));
-    for (long m = 0; m < M; m++) {
-        load_row(X + m * K, DT_BF16, xs + m * pairs * 2, K);
-        if (K & 1) xs[m * pairs * 2 + K] = 0.0f;
-    }
-    return xs;
+/* one x row widened to fp32, K padded to even */
+static void prepare_row(const uint16_t *x, xrow_t *xs, long K) {
+    load_row(x, DT_BF16, xs, K);
+    if (K & 1) xs[K] = 0.0f;
+}
+
+int packed_rows_in_place(long K) {
+    (void)K;
+    return 0;
 }
 #endif
+
+/* The x rows in the layout the tiles read: packed_rows_bytes for M rows, rows [m0, m1) of X written by
+ * packed_rows (unless packed_rows_in_place(K): X itself is that layout). */
+size_t packed_rows_bytes(long M, long K) { return (size_t)M * ((K + 1) / 2) * XROW_PER_PAIR * sizeof(xrow_t); }
+
+void packed_rows(const uint16_t *X, void *xs, long m0, long m1, long K) {
+    const long stride = (K + 1) / 2 * XROW_PER_PAIR;
+    for (long m = m0; m < m1; m++) prepare_row(X + (size_t)m * K, (xrow_t *)xs + (size_t)m * stride, K);
+}
+
+static const xrow_t *prepare_x(const uint16_t *X, long M, long K, xrow_t **owned) {
+    *owned = NULL;
+    if (packed_rows_in_place(K)) return (const xrow_t *)X;
+    *owned = malloc(packed_rows_bytes(M, K));
+    packed_rows(X, *owned, 0, M, K);
+    return *owned;
+}
 
 /* one call per (mr, nr) so that every tile's loops unroll over constants and its sums stay in registers */
 #define TILE_CASE(MR, NR)                                                  \
@@ -212,27 +236,53 @@ static void tile_shape(long M, int *rows, int *blocks) {
 #endif
 }
 
+/* one panel (blocks [panel * width, + width)) of an M-row product, all its row groups */
+static void panel_pass(const uint16_t *P, const xrow_t *xs, uint16_t *Y, long M, long N, long pairs, long blocks,
+                       int rows, int width, long panel) {
+    const long b0 = panel * width, groups = (M + rows - 1) / rows;
+    const int nr = blocks - b0 < width ? (int)(blocks - b0) : width;
+    /* the next panel into L2, a share per row group: each group's pass prefetches its share in step
+     * with its pairs, so the next panel's first group does not wait on memory (measured: LM head, 16 rows,
+     * one thread, 144 -> 156 GFLOP/s). One group leaves it to the hardware prefetchers: a whole panel
+     * ahead made 1-4 rows 4 % (into L2) to 30 % (into L1) slower. */
+    const char *next = (const char *)(P + (size_t)(b0 + nr) * pairs * PACK_COLS * 2);
+    const long share = groups > 1 ? (long)nr * PACK_COLS * 4 / groups : 0; /* bytes per pair and group */
+    for (long g = 0; g < groups; g++) {
+        const long m0 = g * rows;
+        tile_dispatch(P, xs, Y, N, pairs, m0, b0, M - m0 < rows ? (int)(M - m0) : rows, nr, next + g * share * pairs,
+                      share);
+    }
+}
+
 void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M, long N, long K, int num_threads) {
     const long pairs = (K + 1) / 2, blocks = (N + PACK_COLS - 1) / PACK_COLS;
     int rows, width;
     tile_shape(M, &rows, &width);
-    const long panels = (blocks + width - 1) / width, groups = (M + rows - 1) / rows;
-    xrow_t *xs = prepare_x(X, M, K, pairs);
+    const long panels = (blocks + width - 1) / width;
+    xrow_t *owned;
+    const xrow_t *xs = prepare_x(X, M, K, &owned);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (M * N * K > PARALLEL_MIN_WORK)
-    for (long panel = 0; panel < panels; panel++) {
-        const long b0 = panel * width;
-        const int nr = blocks - b0 < width ? (int)(blocks - b0) : width;
-        /* the next panel into L2, a share per row group: each group's pass prefetches its share in step
-         * with its pairs, so the next panel's first group does not wait on memory (measured: LM head, 16 rows,
-         * one thread, 144 -> 156 GFLOP/s). One group leaves it to the hardware prefetchers: a whole panel
-         * ahead made 1-4 rows 4 % (into L2) to 30 % (into L1) slower. */
-        const char *next = (const char *)(P + (size_t)(b0 + nr) * pairs * PACK_COLS * 2);
-        const long share = groups > 1 ? (long)nr * PACK_COLS * 4 / groups : 0; /* bytes per pair and group */
-        for (long g = 0; g < groups; g++) {
-            const long m0 = g * rows;
-            tile_dispatch(P, xs, Y, N, pairs, m0, b0, M - m0 < rows ? (int)(M - m0) : rows, nr,
-                          next + g * share * pairs, share);
-        }
+    for (long panel = 0; panel < panels; panel++) panel_pass(P, xs, Y, M, N, pairs, blocks, rows, width, panel);
+    free(owned);
+}
+
+/* ----- packed_group_products: one product per group of rows, each on its own packed weight -----
+ * Group g (listed in `active`) owns rows [offsets[g], offsets[g + 1]) of xs (packed_rows' layout) and of
+ * Y [., N]; its weight [N, K] is packed (pack_bf16) at P + g * group_size elements. A group's tile
+ * shape follows its row count (tile_shape). The (group, panel) pairs are dealt to the threads as they
+ * come free: groups differ in rows, so equal counts of pairs would not be equal work. Work sharing
+ * inside the caller's parallel region (or on the calling thread alone), ending with its barrier. */
+void packed_group_products(const uint16_t *P, size_t group_size, const void *xs, uint16_t *Y, const long *offsets,
+                           const long *active, long num_active, long N, long K) {
+    const long pairs = (K + 1) / 2, blocks = (N + PACK_COLS - 1) / PACK_COLS;
+    const long most = (blocks + NARROWEST_TILE - 1) / NARROWEST_TILE; /* a group's panels at most */
+#pragma omp for schedule(dynamic, 1)
+    for (long it = 0; it < num_active * most; it++) {
+        const long g = active[it / most], panel = it % most, t = offsets[g], M = offsets[g + 1] - t;
+        int rows, width;
+        tile_shape(M, &rows, &width);
+        if (panel * width < blocks)
+            panel_pass(P + group_size * g, (const xrow_t *)xs + (size_t)t * pairs * XROW_PER_PAIR,
+                       Y + (size_t)t * N, M, N, pairs, blocks, rows, width, panel);
     }
-    free(xs);
 }
