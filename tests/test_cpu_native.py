@@ -326,6 +326,13 @@ def test_packed_gemm_bf16(nat, M, N, K):
     assert native.pack_bf16(lib, W.float()) is None
     if N > 1 and K > 1:
         assert native.pack_bf16(lib, W.t()) is None  # not contiguous
+    # x rows starting off a 4-byte boundary (an odd element offset): copied into the tiles' layout
+    odd = make((M * K + 1,), torch.bfloat16, 2)[1:].view(M, K)
+    assert torch.equal(native.packed_linear_bf16(lib, odd, packed, (N, K)),
+                       native.packed_linear_bf16(lib, odd.clone(), packed, (N, K)))
+    # a stack of weights: each packed as on its own
+    stack = make((3, N, K), torch.bfloat16, 3)
+    assert torch.equal(native.pack_bf16(lib, stack), torch.stack([native.pack_bf16(lib, w) for w in stack]))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 65, 300])

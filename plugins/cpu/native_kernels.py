@@ -92,12 +92,12 @@ _ROUTE_MAX_TOKENS = 64
 # The fused MoE sub-layer (moe_layer.c) of a bf16 decode batch: up to the multi-token GEMV's rows, and with
 # the register tiles (packed_gemm.c) up to _MOE_FUSED_MAX_TOKENS. Its routed experts run on the tiles over
 # packed copies of the expert weights (as many bytes again) from this many rows per expert on average, per
-# tier, else on the expert kernel's GEMVs. scripts/bench_moe_layer.py, the 161 M V4 checkpoint's shapes
-# (16 experts of 256 x 512 and 512 x 128, top-4, a 128-wide shared expert, 6 layers cycled), one thread,
-# AMD Zen 4, tiles vs GEMV experts: AVX512-BF16 0.90x at 1 row per expert (4 tokens), 1.09x at 2, 1.22x at
-# 4, 1.57x at 16; AVX2+FMA (emulated) 0.78x at 1, 0.89x at 2, 1.09x at 4, 1.25x at 16. The fused call
-# against the composed path: 1.71x / 1.77x at 16 / 64 tokens (AVX512-BF16), 1.30x / 1.42x (AVX2).
-_MOE_TILES_ROWS_PER_EXPERT = {"avx512-bf16": 2, "avx2-fma": 4, "portable": 1 << 62}
+# tier, else on the expert kernel's GEMVs. scripts/bench_moe_layer.py (the 161 M V4 checkpoint's MoE: 16
+# experts of 256 x 512 and 512 x 128, top-4, a 128-wide shared expert, 6 layers cycled), one thread, AMD
+# Zen 4, shared machine, two runs; the fused call with tiles against it with GEMV experts: AVX512-BF16
+# 0.90-0.94x at 1 row per expert (4 tokens), 0.96-1.09x at 2, 1.16-1.22x at 4, 1.57-1.60x at 16; AVX2+FMA
+# (emulated) 0.78-0.80x at 1, 0.89-0.92x at 2, 1.09-1.39x at 4, 1.25-1.36x at 16.
+_MOE_TILES_ROWS_PER_EXPERT = {"avx512-bf16": 3, "avx2-fma": 4, "portable": 1 << 62}
 _MOE_FUSED_MAX_TOKENS = 64
 
 # Elements below which swiglu stays on torch's four ops (cheaper than the call: 5.9 vs 6.6 us for one

@@ -21,7 +21,7 @@ void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K
 void gemv_tokens_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long m, long N, long K, int num_threads);
 void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M, long N, long K, int num_threads);
 long packed_cols(void);
-int packed_rows_in_place(long K);
+int packed_rows_in_place(const uint16_t *X, long K);
 size_t packed_rows_bytes(long M, long K);
 void packed_rows(const uint16_t *X, void *xs, long m0, long m1, long K);
 void packed_group_products(const uint16_t *P, size_t group_size, const void *xs, uint16_t *Y, const long *offsets,
@@ -91,8 +91,8 @@ static int experts_packed_bf16(const uint16_t *rows, long n, long D, const int64
     const long cols = packed_cols();
     const size_t size13 = (size_t)((2 * I + cols - 1) / cols) * ((D + 1) / 2) * cols * 2;
     const size_t size2 = (size_t)((D + cols - 1) / cols) * ((I + 1) / 2) * cols * 2;
-    void *rows_x = packed_rows_in_place(D) ? NULL : malloc(packed_rows_bytes(n, D));
-    void *hidden_x = packed_rows_in_place(I) ? NULL : malloc(packed_rows_bytes(n, I));
+    void *rows_x = packed_rows_in_place(rows, D) ? NULL : malloc(packed_rows_bytes(n, D));
+    void *hidden_x = packed_rows_in_place(hidden, I) ? NULL : malloc(packed_rows_bytes(n, I));
 #pragma omp parallel num_threads(num_threads) if (n * D * I > PARALLEL_MIN_WORK)
     {
         float *g = malloc((size_t)I * sizeof(float)), *u = malloc((size_t)I * sizeof(float));

@@ -16,26 +16,25 @@
  * - portable: the same tiles as plain loops over a block's 8 columns, which the compiler vectorises. */
 #include "common.h"
 
+#include <omp.h>
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define PACK_COLS 16
 /* the largest tile (its accumulator array); tile_shape picks 4 x 4 or 8 x 3 */
 #define TILE_ROWS 8
 #define TILE_BLOCKS 4
-#define NARROWEST_TILE 3 /* tile_shape's fewest blocks */
 #define XROW_PER_PAIR 1  /* xrow_t words per K pair */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PACK_COLS 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS 3
-#define NARROWEST_TILE 3
 #define XROW_PER_PAIR 2
 #else
 #define PACK_COLS 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS 1
-#define NARROWEST_TILE 1
 #define XROW_PER_PAIR 2
 #endif
 
@@ -93,13 +92,14 @@ ALWAYS_INLINE void tile(const uint16_t *restrict P, const xrow_t *restrict xs, u
     }
 }
 
-/* one x row in that layout; with an even K the layout is the bf16 row itself (packed_rows_in_place) */
+/* one x row in that layout; with an even K (and 4-byte aligned rows) the layout is the bf16 rows
+ * themselves (packed_rows_in_place) */
 static void prepare_row(const uint16_t *x, xrow_t *xs, long K) {
     memcpy(xs, x, (size_t)K * sizeof(uint16_t));
     if (K & 1) ((uint16_t *)xs)[K] = 0;
 }
 
-int packed_rows_in_place(long K) { return K % 2 == 0; }
+int packed_rows_in_place(const uint16_t *X, long K) { return K % 2 == 0 && (uintptr_t)X % 4 == 0; }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 /* the x rows widened to fp32, K padded to an even count */
@@ -175,14 +175,14 @@ static void prepare_row(const uint16_t *x, xrow_t *xs, long K) {
     if (K & 1) xs[K] = 0.0f;
 }
 
-int packed_rows_in_place(long K) {
-    (void)K;
+int packed_rows_in_place(const uint16_t *X, long K) {
+    (void)X, (void)K;
     return 0;
 }
 #endif
 
 /* The x rows in the layout the tiles read: packed_rows_bytes for M rows, rows [m0, m1) of X written by
- * packed_rows (unless packed_rows_in_place(K): X itself is that layout). */
+ * packed_rows (unless packed_rows_in_place(X, K): X itself is that layout). */
 size_t packed_rows_bytes(long M, long K) { return (size_t)M * ((K + 1) / 2) * XROW_PER_PAIR * sizeof(xrow_t); }
 
 void packed_rows(const uint16_t *X, void *xs, long m0, long m1, long K) {
@@ -192,7 +192,7 @@ void packed_rows(const uint16_t *X, void *xs, long m0, long m1, long K) {
 
 static const xrow_t *prepare_x(const uint16_t *X, long M, long K, xrow_t **owned) {
     *owned = NULL;
-    if (packed_rows_in_place(K)) return (const xrow_t *)X;
+    if (packed_rows_in_place(X, K)) return (const xrow_t *)X;
     *owned = malloc(packed_rows_bytes(M, K));
     packed_rows(X, *owned, 0, M, K);
     return *owned;
@@ -269,20 +269,36 @@ void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M,
 /* ----- packed_group_products: one product per group of rows, each on its own packed weight -----
  * Group g (listed in `active`) owns rows [offsets[g], offsets[g + 1]) of xs (packed_rows' layout) and of
  * Y [., N]; its weight [N, K] is packed (pack_bf16) at P + g * group_size elements. A group's tile
- * shape follows its row count (tile_shape). The (group, panel) pairs are dealt to the threads as they
- * come free: groups differ in rows, so equal counts of pairs would not be equal work. Work sharing
- * inside the caller's parallel region (or on the calling thread alone), ending with its barrier. */
+ * shape follows its row count (tile_shape). Work sharing inside the caller's parallel region (or on
+ * the calling thread alone), ending with a barrier: each thread takes a contiguous run of the (group,
+ * panel) pairs (the weights streamed in order, which the hardware prefetchers follow) of about equal
+ * cost, a panel costing its weight's stream plus its rows' products (groups differ in rows). */
+#define PANEL_STREAM_COST 8 /* a panel's weight stream, in rows' products (rows or weights dominate) */
+
 void packed_group_products(const uint16_t *P, size_t group_size, const void *xs, uint16_t *Y, const long *offsets,
                            const long *active, long num_active, long N, long K) {
     const long pairs = (K + 1) / 2, blocks = (N + PACK_COLS - 1) / PACK_COLS;
-    const long most = (blocks + NARROWEST_TILE - 1) / NARROWEST_TILE; /* a group's panels at most */
-#pragma omp for schedule(dynamic, 1)
-    for (long it = 0; it < num_active * most; it++) {
-        const long g = active[it / most], panel = it % most, t = offsets[g], M = offsets[g + 1] - t;
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    long total = 0;
+    for (long a = 0; a < num_active; a++) {
+        const long g = active[a], M = offsets[g + 1] - offsets[g];
+        total += blocks * (PANEL_STREAM_COST + M);
+    }
+    /* a panel belongs to the thread whose share holds its cost's midpoint */
+    const long start = total * me, stop = total * (me + 1); /* the share, scaled by team */
+    long before = 0;
+    for (long a = 0; a < num_active && before * team < stop; a++) {
+        const long g = active[a], t = offsets[g], M = offsets[g + 1] - t;
         int rows, width;
         tile_shape(M, &rows, &width);
-        if (panel * width < blocks)
-            panel_pass(P + group_size * g, (const xrow_t *)xs + (size_t)t * pairs * XROW_PER_PAIR,
-                       Y + (size_t)t * N, M, N, pairs, blocks, rows, width, panel);
+        for (long panel = 0; panel * width < blocks; panel++) {
+            const long nb = blocks - panel * width < width ? blocks - panel * width : width;
+            const long cost = nb * (PANEL_STREAM_COST + M), middle = (2 * before + cost) * team;
+            before += cost;
+            if (middle >= 2 * start && middle < 2 * stop)
+                panel_pass(P + group_size * g, (const xrow_t *)xs + (size_t)t * pairs * XROW_PER_PAIR,
+                           Y + (size_t)t * N, M, N, pairs, blocks, rows, width, panel);
+        }
     }
+#pragma omp barrier
 }
