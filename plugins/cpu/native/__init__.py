@@ -7,13 +7,13 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     activation.c / .py  swiglu
     gemv.c / .py        gemv_bf16, gemv_tokens_bf16, gemv_tier(_for), grouped_gemv_bf16, grouped_amx_bf16, linear_amx_bf16,
                         amx_usable, linear_rows (batch-invariant)
-    experts.c / .py     experts_bf16
+    experts.c / .py     experts_bf16; experts_packed_bf16 (on the register tiles, called by moe_layer.c only)
     attention.c / .py   sink_attention_decode, sink_attention_invariant (batch-invariant)
     moe_rows.c / .py    moe_dispatch_rows, moe_combine_rows
     sampling.c / .py    argmax_logsumexp
     selection.c / .py   indexer_scores (the lightning indexer's scores), moe_route_rows (the MoE router's top-k)
     packed_gemm.c / .py pack_bf16, packed_linear_bf16 (decode batches on weights packed for register tiles),
-                        packed_cols, packed_shape
+                        packed_cols, packed_shape; packed_group_products (one product per expert, in C only)
     moe_layer.c / .py   moe_layer_bf16 (a decode step's MoE sub-layer in one call, from the stages above)
     compressor.c / .py  compress_store (the compressor's ring writes of a decode step)
     quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored), quant_simd

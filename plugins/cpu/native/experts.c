@@ -1,5 +1,13 @@
-/* experts_bf16: the routed MoE experts of decode-sized batches. */
+/* experts_bf16 (and experts_packed_bf16, on the register tiles): the routed MoE experts of decode-sized batches. */
 #include "gemv.h"
+
+/* packed_gemm.c's products over packed weights (register tiles) */
+long packed_cols(void);
+int packed_rows_in_place(const uint16_t *X, long K);
+size_t packed_rows_bytes(long M, long K);
+void packed_rows(const uint16_t *X, void *xs, long m0, long m1, long K);
+void packed_group_products(const uint16_t *P, size_t group_size, const void *xs, uint16_t *Y, const long *offsets,
+                           const long *active, long num_active, long N, long K);
 
 /* ----- experts_bf16: the routed experts of a decode-sized batch, streaming each weight once -----
  * rows [n, D] grouped by expert (expert e owns counts[e] rows, after those of experts < e), w13 [E, 2I, D]
@@ -74,6 +82,49 @@ int experts_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, lo
     free(hidden_f);
     free(rows_f);
     free(first_chunk);
+    free(active);
+    free(offsets);
+    return 0;
+}
+
+/* ----- experts_packed_bf16: experts_bf16 on the register tiles -----
+ * The same rows, counts, scratch and roundings as experts_bf16, the weights' packed copies instead (pw13:
+ * E x pack_bf16([2I, D]), pw2: E x pack_bf16([D, I]), one after the other): each expert's rows are one
+ * product per weight (packed_gemm.c's packed_group_products, the (expert, column panel) pairs over the
+ * threads). For batches of several rows per expert, where the tiles' register sums beat the GEMVs'. */
+int experts_packed_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, long E,
+                        const uint16_t *pw13, const uint16_t *pw2, long I, float limit, uint16_t *gate_up,
+                        uint16_t *hidden, uint16_t *out, int num_threads) {
+    long *offsets, *active, num_active;
+    if (expert_ranges(counts, E, n, &offsets, &active, &num_active)) return 1;
+    const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
+    const long cols = packed_cols();
+    const size_t size13 = (size_t)((2 * I + cols - 1) / cols) * ((D + 1) / 2) * cols * 2;
+    const size_t size2 = (size_t)((D + cols - 1) / cols) * ((I + 1) / 2) * cols * 2;
+    void *rows_x = packed_rows_in_place(rows, D) ? NULL : malloc(packed_rows_bytes(n, D));
+    void *hidden_x = packed_rows_in_place(hidden, I) ? NULL : malloc(packed_rows_bytes(n, I));
+#pragma omp parallel num_threads(num_threads) if (n * D * I > PARALLEL_MIN_WORK)
+    {
+        float *g = malloc((size_t)I * sizeof(float)), *u = malloc((size_t)I * sizeof(float));
+        if (rows_x) {
+#pragma omp for schedule(static)
+            for (long t = 0; t < n; t++) packed_rows(rows, rows_x, t, t + 1, D);
+        }
+        packed_group_products(pw13, size13, rows_x ? rows_x : rows, gate_up, offsets, active, num_active, 2 * I, D);
+#pragma omp for schedule(static)
+        for (long t = 0; t < n; t++) {
+            load_row(gate_up + (size_t)t * 2 * I, DT_BF16, g, I);
+            load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
+            swiglu_row(g, u, I, hi, lo);
+            store_row(g, hidden + (size_t)t * I, DT_BF16, I);
+            if (hidden_x) packed_rows(hidden, hidden_x, t, t + 1, I);
+        }
+        packed_group_products(pw2, size2, hidden_x ? hidden_x : hidden, out, offsets, active, num_active, D, I);
+        free(u);
+        free(g);
+    }
+    free(hidden_x);
+    free(rows_x);
     free(active);
     free(offsets);
     return 0;

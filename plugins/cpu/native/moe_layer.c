@@ -20,12 +20,9 @@ int moe_combine_rows(const void *rows, int dtype, long D, const int64_t *source_
 void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K, int num_threads);
 void gemv_tokens_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long m, long N, long K, int num_threads);
 void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M, long N, long K, int num_threads);
-long packed_cols(void);
-int packed_rows_in_place(const uint16_t *X, long K);
-size_t packed_rows_bytes(long M, long K);
-void packed_rows(const uint16_t *X, void *xs, long m0, long m1, long K);
-void packed_group_products(const uint16_t *P, size_t group_size, const void *xs, uint16_t *Y, const long *offsets,
-                           const long *active, long num_active, long N, long K);
+int experts_packed_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, long E, const uint16_t *pw13,
+                        const uint16_t *pw2, long I, float limit, uint16_t *gate_up, uint16_t *hidden, uint16_t *out,
+                        int num_threads);
 
 /* the router's scoring functions (interface.routing_scores) */
 #define SCORE_SQRTSOFTPLUS 0
@@ -77,47 +74,6 @@ static void router_scores(const uint16_t *x, const float *gate, float *scores, l
         }
         free(xf);
     }
-}
-
-/* the routed experts on their packed copies (pw13 [E] x pack_bf16([2I, D]), pw2 [E] x pack_bf16([D, I])),
- * as experts_bf16 on the register tiles: each expert's rows one product per weight (packed_gemm.c),
- * the (expert, column panel) pairs over the threads; roundings as experts_bf16's */
-static int experts_packed_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, long E,
-                               const uint16_t *pw13, const uint16_t *pw2, long I, float limit, uint16_t *gate_up,
-                               uint16_t *hidden, uint16_t *out, int num_threads) {
-    long *offsets, *active, num_active;
-    if (expert_ranges(counts, E, n, &offsets, &active, &num_active)) return 1;
-    const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
-    const long cols = packed_cols();
-    const size_t size13 = (size_t)((2 * I + cols - 1) / cols) * ((D + 1) / 2) * cols * 2;
-    const size_t size2 = (size_t)((D + cols - 1) / cols) * ((I + 1) / 2) * cols * 2;
-    void *rows_x = packed_rows_in_place(rows, D) ? NULL : malloc(packed_rows_bytes(n, D));
-    void *hidden_x = packed_rows_in_place(hidden, I) ? NULL : malloc(packed_rows_bytes(n, I));
-#pragma omp parallel num_threads(num_threads) if (n * D * I > PARALLEL_MIN_WORK)
-    {
-        float *g = malloc((size_t)I * sizeof(float)), *u = malloc((size_t)I * sizeof(float));
-        if (rows_x) {
-#pragma omp for schedule(static)
-            for (long t = 0; t < n; t++) packed_rows(rows, rows_x, t, t + 1, D);
-        }
-        packed_group_products(pw13, size13, rows_x ? rows_x : rows, gate_up, offsets, active, num_active, 2 * I, D);
-#pragma omp for schedule(static)
-        for (long t = 0; t < n; t++) {
-            load_row(gate_up + (size_t)t * 2 * I, DT_BF16, g, I);
-            load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
-            swiglu_row(g, u, I, hi, lo);
-            store_row(g, hidden + (size_t)t * I, DT_BF16, I);
-            if (hidden_x) packed_rows(hidden, hidden_x, t, t + 1, I);
-        }
-        packed_group_products(pw2, size2, hidden_x ? hidden_x : hidden, out, offsets, active, num_active, D, I);
-        free(u);
-        free(g);
-    }
-    free(hidden_x);
-    free(rows_x);
-    free(active);
-    free(offsets);
-    return 0;
 }
 
 /* x @ W^T for T bf16 tokens, as the linear's decode paths compute it: on the weight's packed copy P where
