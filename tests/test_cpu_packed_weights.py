@@ -36,6 +36,9 @@ def test_only_contiguous_2d_bf16_weights():
     for w in (bf16(8, 16).float(), bf16(16, 8).t(), bf16(2, 8, 16)):
         assert table.lookup(w) is None and table.lookup(w) is None
     assert len(table) == 0
+    # a table whose packing takes stacks of matrices (the C tiles' expert weights) packs 3-D ones too
+    stacks, w = PackedWeights(pack=lambda w: w.clone(), stacks=True), bf16(2, 8, 16)
+    assert stacks.lookup(w) is None and torch.equal(stacks.lookup(w), w) and len(stacks) == 1
 
 
 def test_entries_go_with_their_weight_and_ids_are_checked():

@@ -47,10 +47,12 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 
 class PackedWeights:
     """Packed copies keyed by the weight tensor's identity (held weakly and checked on every hit, so a
-    reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout)."""
+    reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout);
+    `stacks`: it also packs 3-D weights, stacks of matrices (the routed experts)."""
 
-    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack) -> None:
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack, stacks: bool = False) -> None:
         self._pack = pack
+        self._dims = (2, 3) if stacks else (2,)
         # id(weight) -> (weak reference, packed copy or None after the first use)
         self._entries: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
 
@@ -58,9 +60,9 @@ class PackedWeights:
         return sum(packed is not None for _, packed in self._entries.values())
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of a contiguous 2-D bf16 `weight` (3-D, a stack of them, where this table's
-        `pack` takes one), or None on its first use (and for any other weight)."""
-        if (weight.dtype != torch.bfloat16 or weight.dim() not in (2, 3) or not weight.is_contiguous() or weight.requires_grad
+        """The packed copy of a contiguous 2-D bf16 `weight` (or 3-D, a stack of them, with `stacks`), or
+        None on its first use (and for any other weight)."""
+        if (weight.dtype != torch.bfloat16 or weight.dim() not in self._dims or not weight.is_contiguous() or weight.requires_grad
                 or weight.numel() == 0):
             return None
         key = id(weight)
