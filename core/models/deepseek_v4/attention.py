@@ -118,8 +118,8 @@ class Attention:
         for gi, g in enumerate(plan.groups):
             if g.key_ring_row_all is not None:  # decode: own key into the ring first, then keys read in place
                 window_flat.index_copy_(0, g.new_key_ring_row, kv if g.in_row_order else take_rows(kv, g.rows[:, 0]))
-                if g.in_row_order:  # the step's tokens in row order: no gather, no scatter
-                    out = self._decode_attention(q.unsqueeze(1), g, gi, plan, window_flat, index_q, index_w).squeeze(1)
+                if g.in_row_order:  # the step's tokens in row order: no scatter (gather is a view)
+                    out = self._decode_attention(g.gather(q), g, gi, plan, window_flat, index_q, index_w).squeeze(1)
                 else:
                     g.scatter(out, self._decode_attention(g.gather(q), g, gi, plan, window_flat, index_q, index_w))
                 continue

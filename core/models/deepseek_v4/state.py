@@ -114,9 +114,12 @@ class AttnGroup:
         return self.key_ring_row_all is not None
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """`t`'s rows of this group's queries, `[B, S, ...]` (a view for a single prefill block)."""
+        """`t`'s rows of this group's queries, `[B, S, ...]` (a view for a single prefill block and for
+        a step of decode tokens in row order)."""
         if self.first_row is not None:
             return t[self.first_row:self.first_row + self.rows.shape[1]].unsqueeze(0)
+        if self.in_row_order:
+            return t.unsqueeze(1)
         return take_rows(t, self.rows)
 
     def scatter(self, out: torch.Tensor, values: torch.Tensor) -> None:
