@@ -145,7 +145,8 @@ class CompressPlan:
     num_windows: int
     is_new: torch.Tensor  # [Nw, slots] the row is produced in this step
     new_row: torch.Tensor  # [Nw, slots]
-    ring_row: torch.Tensor  # [Nw, slots] flat index into [num_slots * Rc]
+    ring_row: torch.Tensor  # [Nw, slots] flat index into [num_slots * Rc] (0 where new or empty)
+    ring_row_all: torch.Tensor  # [Nw, slots] the same for new rows too, once stored (0 where empty)
     empty: torch.Tensor  # [Nw, slots] position < 0 (first CSA window: no previous Ca half)
     entry_row: torch.Tensor  # [Nw] row in the block-group tensor
     rope_pos: torch.Tensor  # [Nw] first position of the window (m * w)
@@ -186,6 +187,8 @@ class StepPlan(RaggedPlan):
         """`decode`: every item is a sequence's only new token (its one new key is its own).
         `local_row` (one item, context parallelism): the row of its first query in this rank's
         local tensors (queries and outputs), while its new keys stay rows of the whole step."""
+        if decode and local_row is None:
+            return self._decode_group(items)
         dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
         # per-item scalars on the host (no tensor op, no host sync): queries [a, b) of sequence i
         ctx_l = [self.ctx[i] for i, _, _ in items]
@@ -228,6 +231,33 @@ class StepPlan(RaggedPlan):
             group.rows = torch.where(q_valid, local_row + ar, 0)  # [1, S]: local rows
         elif len(items) == 1:
             group.first_row = self.row_start[items[0][0]] + items[0][1]
+        return group
+
+    def _decode_group(self, items: list[tuple[int, int, int]]) -> AttnGroup:
+        """`_group(items, decode=True)` in about half the tensor ops: one query per item, at position
+        ctx, whose valid keys are exactly [max(0, ctx - W + 1), ctx]; the per-item scalars go to the
+        device as one tensor (the same values as the general construction)."""
+        dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
+        seq_l = [i for i, _, _ in items]
+        ctx_l = [self.ctx[i] for i in seq_l]
+        slot_l = [self.slots[i] for i in seq_l]
+        key_start_l = [max(0, c - (W - 1)) for c in ctx_l]
+        end_l = [c + 1 for c in ctx_l]
+        Lw = max(e - k for e, k in zip(end_l, key_start_l))
+        host = torch.tensor([seq_l, end_l, [s * Rw + c % Rw for s, c in zip(slot_l, ctx_l)],
+                             ctx_l, slot_l, [self.row_start[i] for i in seq_l], key_start_l], device=dev)
+        seq, end, new_key_ring_row = host[0], host[1], host[2]
+        ctx, slot, start, key_start = host[3:].unsqueeze(2)  # [B, 1] each
+        key_pos = key_start + torch.arange(Lw, device=dev)
+        k_valid = key_pos <= ctx
+        key_is_new = key_pos >= ctx  # valid and new: the query's own key, row `start`
+        ring_pos = slot * Rw + key_pos % Rw
+        group = AttnGroup(seq, start, torch.ones_like(start, dtype=torch.bool), ctx, key_is_new,
+                          torch.where(key_pos == ctx, start, 0), torch.where(key_pos < ctx, ring_pos, 0),
+                          k_valid.unsqueeze(1), end, end_list=end_l)
+        group.new_key_ring_row = new_key_ring_row
+        group.key_ring_row_all = torch.where(k_valid, ring_pos, 0)
+        group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
         return group
 
     def _entry_rows(self, rate: int, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor,
@@ -277,9 +307,11 @@ class StepPlan(RaggedPlan):
         empty = pos < 0
         is_new = pos >= ctx
         new_row = torch.where(is_new, start + pos - ctx, 0)
-        ring_row = torch.where(~is_new & ~empty, slot * ring + pos % ring, 0)
+        ring_pos = slot * ring + pos % ring
+        ring_row = torch.where(~is_new & ~empty, ring_pos, 0)
         entry_row = self._entry_rows(rate, seq, w.unsqueeze(1), torch.ones_like(w, dtype=torch.bool).unsqueeze(1),
                                      max_entries=max(ws, default=-1) + 1)
-        plan = CompressPlan(len(ws), is_new, new_row, ring_row, empty, entry_row.squeeze(1), rate * w)
+        plan = CompressPlan(len(ws), is_new, new_row, ring_row, torch.where(empty, 0, ring_pos), empty,
+                            entry_row.squeeze(1), rate * w)
         self._compress_plans[key] = plan
         return plan
