@@ -187,7 +187,7 @@ class StepPlan(RaggedPlan):
         """`decode`: every item is a sequence's only new token (its one new key is its own).
         `local_row` (one item, context parallelism): the row of its first query in this rank's
         local tensors (queries and outputs), while its new keys stay rows of the whole step."""
-        if decode and local_row is None:
+        if decode:
             return self._decode_group(items)
         dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
         # per-item scalars on the host (no tensor op, no host sync): queries [a, b) of sequence i
@@ -215,18 +215,11 @@ class StepPlan(RaggedPlan):
         key_new_row = torch.where(k_valid & key_is_new, start + key_pos - ctx, 0)
         ring_pos = slot * Rw + key_pos % Rw
         key_ring_row = torch.where(k_valid & ~key_is_new, ring_pos, 0)
-        if decode:  # one query at ctx: the window [key_start, ctx] is exactly the valid keys
-            window_mask = k_valid.unsqueeze(1)
-        else:
-            kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
-            window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
+        kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
+        window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
         group = AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end,
                           end_list=end_l)
-        if decode:  # Rw = W + max_rollback >= W (ring_sizes)
-            group.new_key_ring_row = (slot * Rw + ctx % Rw).squeeze(1)
-            group.key_ring_row_all = torch.where(k_valid, ring_pos, 0)
-            group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
-        elif local_row is not None:
+        if local_row is not None:
             group.first_row = local_row
             group.rows = torch.where(q_valid, local_row + ar, 0)  # [1, S]: local rows
         elif len(items) == 1:
@@ -248,6 +241,7 @@ class StepPlan(RaggedPlan):
                              ctx_l, slot_l, [self.row_start[i] for i in seq_l], key_start_l], device=dev)
         seq, end, new_key_ring_row = host[0], host[1], host[2]
         ctx, slot, start, key_start = host[3:].unsqueeze(2)  # [B, 1] each
+        # Rw = W + max_rollback >= W (ring_sizes): the own key replaces position ctx - Rw, outside the window
         key_pos = key_start + torch.arange(Lw, device=dev)
         k_valid = key_pos <= ctx
         key_is_new = key_pos >= ctx  # valid and new: the query's own key, row `start`
