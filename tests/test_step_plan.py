@@ -2,6 +2,7 @@
 window count before a compression plan) give what the general formulas give."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deepinfer.models.batch import ForwardBatch
@@ -96,3 +97,23 @@ def test_decode_group_of_a_mixed_step():
     assert decode.decode and not decode.in_row_order and decode.seq.tolist() == [0, 2, 4]
     assert torch.equal(decode.rows[:, 0], torch.tensor([0, 6, 10]))
     assert_decode_group(p, decode, p._group(items))
+
+
+def test_first_entry_rows_equal_entry_rows():
+    """Every existing entry's rows straight from the block table's first columns are `entry_rows` of
+    entries 0..n-1; a missing block is refused as there."""
+    p = plan([0, 5, 37, 64], [1, 1, 1, 1], [3, 1, 2, 0])
+    group, seq = group_name(RATE), torch.tensor([2, 0, 3])
+    for counts in ([9, 0, 16], [0, 0, 0], [1, 4, 5]):
+        rows, valid = p.first_entry_rows(group, seq, counts)
+        E = max(counts)
+        want_valid = torch.arange(E) < torch.tensor(counts).unsqueeze(1)
+        want = p.entry_rows(group, seq, torch.arange(E).expand(3, E), want_valid, max_entries=E)
+        assert torch.equal(valid, want_valid) and rows.dtype == want.dtype and torch.equal(rows, want)
+    p.block_tables[group] = p.block_tables[group].clone()
+    p.block_tables[group][2, 1] = -1  # sequence 2's second block was never allocated
+    with pytest.raises(ValueError, match="lacks blocks"):
+        p.first_entry_rows(group, seq, [2 * BLOCK, 1, 1])
+    p.first_entry_rows(group, seq, [BLOCK, 1, 1])  # its first block only: fine
+    with pytest.raises(ValueError, match="too few"):
+        p.first_entry_rows(group, seq, [64 * BLOCK + 1, 1, 1])

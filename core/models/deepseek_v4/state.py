@@ -264,14 +264,11 @@ class StepPlan(RaggedPlan):
         if key not in self._entry_views:
             g = self.groups[group_index]
             ends = g.end_list if g.end_list is not None else g.end_pos.tolist()
-            count_l = [e // rate for e in ends]
-            E = max(count_l, default=0)
-            e = torch.arange(E, device=self.device)
-            valid = e < torch.tensor(count_l, device=self.device).unsqueeze(1)
-            flat = self._entry_rows(rate, g.seq, e.expand(len(count_l), E), valid, max_entries=E)
+            flat, valid = self.first_entry_rows(group_name(rate), g.seq, [e // rate for e in ends])
             if g.decode:  # the query is the item's last position: it sees every existing entry
                 visible = valid.unsqueeze(1)
             else:
+                e = torch.arange(valid.shape[1], device=self.device)
                 visible = valid.unsqueeze(1) & g.q_valid.unsqueeze(2) & (e < ((g.q_pos + 1) // rate).unsqueeze(2))
             self._entry_views[key] = EntryView(flat, visible)
         return self._entry_views[key]
