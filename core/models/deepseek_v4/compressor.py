@@ -48,7 +48,7 @@ class Compressor:
         if plan.windows_completed(self.rate):
             cp = plan.compress_plan(self.rate, ring, self.overlap)
             new = cp.is_new.unsqueeze(-1)
-            src_kv = torch.where(new, take_rows(kv, cp.new_row), take_rows(flat_kv, cp.ring_row_all))
+            src_kv = torch.where(new, take_rows(kv, cp.new_row), take_rows(flat_kv, cp.ring_row))
             src_score = torch.where(new, take_rows(score, cp.new_row), take_rows(flat_score, cp.ring_row))
             self._pool(src_kv, src_score, cp, rope, entries)
         write.store(flat_kv, kv)
