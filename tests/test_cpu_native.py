@@ -739,6 +739,35 @@ def test_sink_attention_decode(nat, B, S, H, d, L, dtype):
                                         mask, sinks, 1.0) is None  # kv of another dtype
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,d,parts", [(3, 4, 32, (7, 5)), (2, 20, 64, (9,)), (4, 16, 128, (12, 0))])
+def test_sink_attention_rows(nat, B, H, d, parts, dtype):
+    # keys read by index from one or two caches (a decode step's window ring and compressed entries)
+    # are the same keys, order and arithmetic as the C attention over the gathered, concatenated keys
+    g = torch.Generator().manual_seed(B * 10 + H)
+    q, sinks = make((B, 1, H, d), dtype, 1), torch.randn(H, generator=g)
+    caches = tuple(make((30 + i, d), dtype, 2 + i) for i in range(len(parts)))
+    rows = tuple(torch.randint(0, c.shape[0], (B, L), generator=g) for c, L in zip(caches, parts))
+    masks = tuple(torch.rand(B, 1, L, generator=g) > 0.3 for L in parts)
+    masks[0][-1] = False  # the last query sees only its compressed entries (or nothing)
+    got = nat.sink_attention_rows(q, caches, rows, masks, sinks, d ** -0.5)
+    kv = torch.cat([c[r] for c, r in zip(caches, rows)], dim=1)
+    mask = torch.cat(masks, dim=2)
+    assert torch.equal(got, nat.sink_attention(q, kv, mask, sinks, d ** -0.5))
+    # exact reference: fp64 softmax over the visible keys and the sink
+    logits = torch.einsum("bshd,bld->bshl", q.double(), kv.double()) * d ** -0.5
+    logits = logits.masked_fill(~mask.unsqueeze(2), float("-inf"))
+    full = torch.cat((logits, sinks.double().view(1, 1, H, 1).expand(B, 1, H, 1)), dim=-1)
+    want = torch.einsum("bshl,bld->bshd", torch.softmax(full, -1)[..., :kv.shape[1]], kv.double()).to(dtype)
+    assert_close(got, want)
+    bad = (rows[0].clone().fill_(caches[0].shape[0]),) + rows[1:]
+    with pytest.raises(IndexError, match="outside its cache"):
+        nat.sink_attention_rows(q, caches, bad, masks, sinks, d ** -0.5)
+    # another dtype of cache: the composed default (None from the C wrapper)
+    assert native.sink_attention_rows(nat.native_library, q, tuple(c.double() for c in caches), rows, masks, sinks,
+                                      1.0) is None
+
+
 # ----- build switches and instruction-set tiers -----
 # What each DEEPINFER_CPU_NATIVE_ISA switch must leave out of the build (native.build_isa names).
 SWITCHED_OFF = {"native": set(), "no-amx": {"amx"}, "no-avx512bf16": {"avx512bf16", "amx"},

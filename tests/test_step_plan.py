@@ -2,6 +2,7 @@
 window count before a compression plan) give what the general formulas give."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from deepinfer.models.batch import ForwardBatch
@@ -63,12 +64,56 @@ def test_decode_group_equals_the_general_formulas():
     p = plan(ctx, [1] * len(ctx), [6, 1, 2, 0])
     items = [(i, 0, 1) for i in range(len(ctx))]
     decode, general = p._group(items, decode=True), p._group(items)
-    for field in ("seq", "rows", "q_valid", "q_pos", "key_is_new", "key_new_row", "key_ring_row", "window_mask",
-                  "end_pos"):
-        assert torch.equal(getattr(decode, field), getattr(general, field)), field
-    assert decode.decode and not general.decode and decode.in_row_order
+    assert_decode_group(p, decode, general)
+    assert decode.in_row_order
     # every existing entry is visible to a decode query (its own position is the item's last)
     view = p.entry_view(0, RATE)
     count = torch.tensor([(c + 1) // RATE for c in ctx])
     E = int(count.max())
     assert torch.equal(view.visible[:, 0], torch.arange(E) < count.unsqueeze(1))
+
+
+def assert_decode_group(p: StepPlan, decode, general) -> None:
+    """`decode` (the decode construction) holds what the general formulas give for the same items,
+    and its own ring rows: the query's key at slot * Rw + ctx % Rw, the older keys where they are."""
+    for field in ("seq", "rows", "q_valid", "q_pos", "key_is_new", "key_new_row", "key_ring_row", "window_mask",
+                  "end_pos"):
+        want, got = getattr(general, field), getattr(decode, field)
+        assert got.dtype == want.dtype and torch.equal(got, want), field
+    assert decode.decode and not general.decode and decode.end_list == general.end_list
+    seqs = general.seq.tolist()
+    own = torch.tensor([p.slots[i] * RINGS.window + p.ctx[i] % RINGS.window for i in seqs])
+    assert torch.equal(decode.new_key_ring_row, own)
+    own_key = general.key_is_new & general.window_mask[:, 0]
+    assert torch.equal(decode.key_ring_row_all, torch.where(own_key, own.unsqueeze(1), general.key_ring_row))
+
+
+def test_decode_group_of_a_mixed_step():
+    """Decode tokens beside prefill chunks: the decode group's items are not the step's rows in order."""
+    ctx, q_lens = [7, 0, CONFIG.sliding_window + 9, 2, 1], [1, 5, 1, 3, 1]
+    p = plan(ctx, q_lens, [4, 0, 7, 2, 3])
+    decode = p.groups[0]
+    items = [(i, 0, 1) for i in (0, 2, 4)]
+    assert decode.decode and not decode.in_row_order and decode.seq.tolist() == [0, 2, 4]
+    assert torch.equal(decode.rows[:, 0], torch.tensor([0, 6, 10]))
+    assert_decode_group(p, decode, p._group(items))
+
+
+def test_first_entry_rows_equal_entry_rows():
+    """Every existing entry's rows straight from the block table's first columns are `entry_rows` of
+    entries 0..n-1; a missing block is refused as there."""
+    p = plan([0, 5, 37, 64], [1, 1, 1, 1], [3, 1, 2, 0])
+    group, seq = group_name(RATE), torch.tensor([2, 0, 3])
+    for counts in ([9, 0, 16], [0, 0, 0], [1, 4, 5]):
+        rows, valid = p.first_entry_rows(group, seq, counts)
+        E = max(counts)
+        want_valid = torch.arange(E) < torch.tensor(counts).unsqueeze(1)
+        want = p.entry_rows(group, seq, torch.arange(E).expand(3, E), want_valid, max_entries=E)
+        assert torch.equal(valid, want_valid) and rows.dtype == want.dtype and torch.equal(rows, want)
+    p.block_tables[group] = p.block_tables[group].clone()
+    p.block_tables[group][2, 1] = -1  # sequence 2's second block was never allocated
+    with pytest.raises(ValueError, match="lacks blocks"):
+        p.first_entry_rows(group, seq, [2 * BLOCK, 1, 1])
+    p.first_entry_rows(group, seq, [BLOCK, 1, 1])  # its first block only: fine
+    with pytest.raises(ValueError, match="too few"):
+        p.first_entry_rows(group, seq, [64 * BLOCK + 1, 1, 1])

@@ -45,7 +45,9 @@ from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeig
 #: of its overrides (see `_check_signatures`); it then runs only layouts of one EP and one CP group.
 #: 2.4 added the optional kernels `moe_sublayer` (the whole routed + shared MoE of one layer) and
 #: `rms_norm_rotary`, each with a default composed of the kernels it fuses.
-INTERFACE_VERSION = "2.4"
+#: 2.5 added the optional kernel `sink_attention_rows` (sink attention over keys read by index from
+#: cache tensors), with a default composed of row gathers and `sink_attention`.
+INTERFACE_VERSION = "2.5"
 
 
 class ProbeResult(BaseModel):
@@ -212,6 +214,21 @@ class AttentionOps(_Interface):
         q `[B, S, H, d]`; kv `[B, L, d]` (K = V); mask `[B, S, L]` bool, True = attend;
         sinks `[H]` fp32. Returns `[B, S, H, d]` in q's dtype. A row with no visible key
         attends to nothing (output 0; the sink absorbs all mass)."""
+
+    def sink_attention_rows(self, q: torch.Tensor, caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                            masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        """`sink_attention` over keys read by index: item b's keys are `caches[i][rows[i][b]]` for each
+        part i in turn (cache `[N_i, d]`, rows `[B, L_i]` int64 within `[0, N_i)`), masked by
+        `masks[i]` `[B, S, L_i]` -> `[B, S, H, d]`. Optional: this default gathers the rows and
+        concatenates the parts (keys and masks) before `sink_attention`; a back end reads the rows in
+        place (a decode step's window ring and compressed entries, without the copies)."""
+        if not caches or not len(caches) == len(rows) == len(masks):
+            raise ValueError(f"sink_attention_rows needs one or more parts with one rows and one mask tensor each; "
+                             f"got {len(caches)} caches, {len(rows)} rows, {len(masks)} masks")
+        keys = [c.index_select(0, r.reshape(-1)).view(*r.shape, c.shape[-1]) for c, r in zip(caches, rows)]
+        kv = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
+        mask = masks[0] if len(masks) == 1 else torch.cat(masks, dim=2)
+        return self.sink_attention(q, kv, mask, sinks, scale)
 
 
 def routing_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

@@ -227,6 +227,24 @@ def test_sink_attention_ragged_masks(acc, ref):
 
 
 @pytest.mark.level(1)
+def test_sink_attention_rows(acc, ref):
+    g = _gen(16)
+    for dtype in _dtypes(acc):
+        q = torch.randn(3, 1, 4, 32, generator=g).to(dtype)
+        window, entries = torch.randn(12, 32, generator=g).to(dtype), torch.randn(9, 32, generator=g).to(dtype)
+        rows = (torch.randint(0, 12, (3, 6), generator=g), torch.randint(0, 9, (3, 4), generator=g))
+        masks = (torch.rand(3, 1, 6, generator=g) > 0.3, torch.rand(3, 1, 4, generator=g) > 0.3)
+        masks[0][1] = False  # a sequence that sees only compressed entries
+        sinks = torch.randn(4, generator=g)
+        for parts in (1, 2):
+            caches = (window, entries)[:parts]
+            got = acc.sink_attention_rows(*_on(acc, q), tuple(_on(acc, *caches)), tuple(_on(acc, *rows[:parts])),
+                                          tuple(_on(acc, *masks[:parts])), *_on(acc, sinks), 32 ** -0.5)
+            want = ref.sink_attention_rows(q, caches, rows[:parts], masks[:parts], sinks, 32 ** -0.5)
+            _close(got, want, dtype, f"sink_attention_rows ({parts} parts)")
+
+
+@pytest.mark.level(1)
 @pytest.mark.family(DEEPSEEK_V4)
 def test_compress_pool(acc, ref):
     acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)

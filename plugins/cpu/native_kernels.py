@@ -348,6 +348,15 @@ class NativeCpuKernels(CpuKernels):
             out = native.sink_attention_decode(lib, q, kv, mask, sinks, scale)
         return super().sink_attention(q, kv, mask, sinks, scale) if out is None else out
 
+    def sink_attention_rows(self, q: torch.Tensor, caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                            masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float) -> torch.Tensor:
+        lib, out = self.native_library, None
+        # decode-sized queries read their keys in place (attention.c), the same C attention the
+        # composed path runs on the gathered keys; batch-invariant mode keeps the composed path
+        if lib is not None and not self.invariant and q.dim() == 4 and q.shape[1] <= _DECODE_QUERIES:
+            out = native.sink_attention_rows(lib, q, caches, rows, masks, sinks, scale)
+        return super().sink_attention_rows(q, caches, rows, masks, sinks, scale) if out is None else out
+
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):  # one (tiled) linear per group, see CpuKernels
             return super().grouped_linear(x, weight)

@@ -128,6 +128,27 @@ class RaggedPlan:
             max_entries = int(entries[valid].max()) + 1 if bool(valid.any()) else 0
         if max_entries == 0:
             return torch.zeros_like(entries)
+        table, bs = self._block_table(group, seq, max_entries), self.block_size
+        block = torch.where(valid, table.gather(1, torch.where(valid, entries // bs, 0)), 0)
+        self._check_blocks(group, block)
+        return torch.where(valid, block * bs + entries % bs, 0)
+
+    def first_entry_rows(self, group: str, seq: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`entry_rows` of entries 0 .. counts[b] - 1 of sequences `seq` `[B]` (every existing entry),
+        read from the block table's first columns as `block * block_size + 0..block_size-1`: the rows
+        `[B, E]` (E = max(counts), 0 past an item's count) and that validity mask `[B, E]`."""
+        dev, E = self.device, max(counts, default=0)
+        valid = torch.arange(E, device=dev) < torch.tensor(counts, device=dev).unsqueeze(1)
+        if E == 0:
+            return torch.zeros(valid.shape, dtype=torch.long, device=dev), valid
+        table, bs = self._block_table(group, seq, E), self.block_size
+        blocks = table[:, :-(-E // bs)].unsqueeze(2) * bs  # [B, blocks, 1]
+        rows = torch.where(valid, (blocks + torch.arange(bs, device=dev)).view(len(counts), -1)[:, :E], 0)
+        self._check_blocks(group, rows)  # a missing block (-1) gives negative rows
+        return rows, valid
+
+    def _block_table(self, group: str, seq: torch.Tensor, max_entries: int) -> torch.Tensor:
+        """Block group `group`'s table rows of sequences `seq`, checked to have columns for `max_entries`."""
         if group not in self.block_tables:
             raise ValueError(f"ForwardBatch.block_tables has no table for block group {group!r}")
         table = self.block_tables[group].to(self.device)[seq]
@@ -135,8 +156,10 @@ class RaggedPlan:
         if -(-max_entries // bs) > table.shape[1]:
             raise ValueError(f"block table of group {group!r} has {table.shape[1]} columns, too few for "
                              f"{max_entries} entries of {bs} per block")
-        block = torch.where(valid, table.gather(1, torch.where(valid, entries // bs, 0)), 0)
-        if int(block.min()) < 0:
+        return table
+
+    @staticmethod
+    def _check_blocks(group: str, addressed: torch.Tensor) -> None:
+        if addressed.numel() and int(addressed.min()) < 0:
             raise ValueError(f"block table of group {group!r} lacks blocks for existing entries; the cache manager "
                              f"must allocate ceil(entries / block_size) blocks per sequence")
-        return torch.where(valid, block * bs + entries % bs, 0)

@@ -166,4 +166,4 @@ def fused_parts(w: dict[str, torch.Tensor], names: tuple[str, ...], prefix: str)
 def split_fused(out: torch.Tensor, parts: tuple[list[str], list[int]]) -> dict[str, torch.Tensor]:
     """Split the output of a fused projection back into its parts, by name (see `fused_parts`)."""
     names, widths = parts
-    return dict(zip(names, out.split(widths, dim=-1)))
+    return dict(zip(names, out.split_with_sizes(widths, dim=-1)))  # Tensor.split's Python wrapper: ~2 us more

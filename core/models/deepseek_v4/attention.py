@@ -116,12 +116,15 @@ class Attention:
         decode_only = len(plan.groups) == 1 and plan.groups[0].in_row_order  # keys written as they are read
         out = None if decode_only else torch.empty_like(q)  # every query row belongs to one group
         for gi, g in enumerate(plan.groups):
-            if g.key_ring_row_all is not None:  # decode: own key into the ring first, then one gather
+            if g.key_ring_row_all is not None:  # decode: own key into the ring first, then keys read in place
                 window_flat.index_copy_(0, g.new_key_ring_row, kv if g.in_row_order else take_rows(kv, g.rows[:, 0]))
-                keys = take_rows(window_flat, g.key_ring_row_all)
-            else:
-                keys = torch.where(g.key_is_new.unsqueeze(-1), take_rows(kv, g.key_new_row),
-                                   take_rows(window_flat, g.key_ring_row))
+                if g.in_row_order:  # the step's tokens in row order: no scatter (gather is a view)
+                    out = self._decode_attention(g.gather(q), g, gi, plan, window_flat, index_q, index_w).squeeze(1)
+                else:
+                    g.scatter(out, self._decode_attention(g.gather(q), g, gi, plan, window_flat, index_q, index_w))
+                continue
+            keys = torch.where(g.key_is_new.unsqueeze(-1), take_rows(kv, g.key_new_row),
+                               take_rows(window_flat, g.key_ring_row))
             mask = g.window_mask
             if self.rate:
                 ev = plan.entry_view(gi, self.rate)
@@ -130,9 +133,6 @@ class Attention:
                 else:
                     ckeys, cmask = take_rows(st.entries, ev.flat), ev.visible
                 keys, mask = torch.cat((keys, ckeys), dim=1), torch.cat((mask, cmask), dim=2)
-            if out is None:  # the step's tokens in row order: no gather, no scatter
-                out = a.sink_attention(q.unsqueeze(1), keys, mask, w["attn_sink"], d ** -0.5).squeeze(1)
-                continue
             g.scatter(out, a.sink_attention(g.gather(q), keys, mask, w["attn_sink"], d ** -0.5))
 
         if not decode_only:
@@ -142,14 +142,36 @@ class Attention:
         grouped = a.grouped_linear(o, self.wo_a)
         return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
 
-    def _selected_entries(self, g, ev, index_q: torch.Tensor, index_w: torch.Tensor
+    def _decode_attention(self, q: torch.Tensor, g, gi: int, plan: StepPlan, window_flat: torch.Tensor,
+                          index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:
+        """A decode group's attention, q `[B, 1, H, d]` (one query per sequence, own key already in
+        the ring) -> `[B, 1, H, d]`: one `sink_attention_rows` over the window ring rows and the
+        visible (HCA) or picked (CSA) compressed entries, read by index from the cache."""
+        d = self.c.head_dim
+        caches, rows, masks = [window_flat], [g.key_ring_row_all], [g.window_mask]
+        if self.rate:
+            ev = plan.entry_view(gi, self.rate)
+            if self.type == CSA:
+                entry_rows, entry_mask = self._selected_entries(g, ev, index_q, index_w, lambda r: r)  # the rows
+            else:
+                entry_rows, entry_mask = ev.flat, ev.visible
+            caches.append(self.state.entries)
+            rows.append(entry_rows)
+            masks.append(entry_mask)
+        return self.accel.sink_attention_rows(q, tuple(caches), tuple(rows), tuple(masks), self.w["attn_sink"],
+                                              d ** -0.5)
+
+    def _selected_entries(self, g, ev, index_q: torch.Tensor, index_w: torch.Tensor,
+                          read: Callable[[torch.Tensor], torch.Tensor] | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer top-k per query, then the union of the picks of each item as its key set."""
+        """Indexer top-k per query, then the union of the picks of each item as its key set (`read`
+        of its entry rows, `selected_entry_keys`; default: the entries' keys)."""
         st = self.state
+        read = (lambda rows: take_rows(st.entries, rows)) if read is None else read
         # [B, S, k], -1 = none
         sel = self.ops.indexer_topk(g.gather(index_q), g.gather(index_w),
                                       take_rows(st.indexer_keys, ev.flat), ev.visible, self.c.index_topk)
-        return selected_entry_keys(lambda rows: take_rows(st.entries, rows), g, ev, sel)
+        return selected_entry_keys(read, g, ev, sel)
 
 
 def selected_entry_keys(read: Callable[[torch.Tensor], torch.Tensor], g, ev, sel: torch.Tensor

@@ -15,7 +15,7 @@ from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
-from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.models.deepseek_v4.state import CompressPlan, StepPlan
 
 
 class Compressor:
@@ -30,13 +30,18 @@ class Compressor:
         """kv, score `[T, coff*d_c]`: the attention input times `wkv` and `wgate` (computed by the
         caller in one fused projection); rows_* `[num_slots, Rc, coff*d_c]` fp32 (this layer);
         entries `[num_entries, d_c]` (this layer's block-group tensor)."""
-        a = self.accel
         ring = rows_kv.shape[1]
         flat_kv, flat_score = rows_kv.view(-1, rows_kv.shape[-1]), rows_score.view(-1, rows_score.shape[-1])
         write = plan.ring_write(ring)
-        if write.all_rows and not plan.windows_completed(self.rate):  # most decode steps: only the ring writes
+        if plan.decode_only or (write.all_rows and not plan.windows_completed(self.rate)):
+            # the ring writes first; at decode a completed window's rows are then all in the ring (the
+            # new row replaces position ctx - Rc, older than the window's first), read from there
             self.ops.compress_store(kv, score, self.ape, plan.position_mod(self.rate), write.ring_row, flat_kv,
                                     flat_score)
+            if plan.windows_completed(self.rate):
+                cp = plan.compress_plan(self.rate, ring, self.overlap)
+                self._pool(take_rows(flat_kv, cp.ring_row_all), take_rows(flat_score, cp.ring_row_all), cp, rope,
+                           entries)
             return
         kv = kv.float()
         score = self.ape.index_select(0, plan.position_mod(self.rate)).float().add_(score)  # z_t + ape[t mod m], fp32
@@ -45,16 +50,23 @@ class Compressor:
             new = cp.is_new.unsqueeze(-1)
             src_kv = torch.where(new, take_rows(kv, cp.new_row), take_rows(flat_kv, cp.ring_row))
             src_score = torch.where(new, take_rows(score, cp.new_row), take_rows(flat_score, cp.ring_row))
-            if self.overlap:  # previous window's Ca (first half of channels), own window's Cb
-                m, d = self.rate, self.out_dim
-                src_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)
-                src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
-            empty = cp.empty.unsqueeze(-1)
-            src_kv = src_kv.masked_fill(empty, 0.0)
-            src_score = src_score.masked_fill(empty, float("-inf"))
-            pooled = self.ops.compress_pool(src_kv, src_score).to(entries.dtype)
-            normed = a.rms_norm(pooled, self.norm, self.eps)
-            cos, sin = rope.cos_sin(cp.rope_pos, "compress")
-            entries[cp.entry_row] = a.rotary(normed, cos, sin, False)
+            self._pool(src_kv, src_score, cp, rope, entries)
         write.store(flat_kv, kv)
         write.store(flat_score, score)
+
+    def _pool(self, src_kv: torch.Tensor, src_score: torch.Tensor, cp: CompressPlan, rope: RotaryTables,
+              entries: torch.Tensor) -> None:
+        """The completed windows' entries from their raw rows `[Nw, slots, coff*d_c]` (fp32; score
+        with the position bias): pooled, normalised, rotated and written to `entries`."""
+        a = self.accel
+        if self.overlap:  # previous window's Ca (first half of channels), own window's Cb
+            m, d = self.rate, self.out_dim
+            src_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)
+            src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
+        empty = cp.empty.unsqueeze(-1)
+        src_kv = src_kv.masked_fill(empty, 0.0)
+        src_score = src_score.masked_fill(empty, float("-inf"))
+        pooled = self.ops.compress_pool(src_kv, src_score).to(entries.dtype)
+        normed = a.rms_norm(pooled, self.norm, self.eps)
+        cos, sin = rope.cos_sin(cp.rope_pos, "compress")
+        entries[cp.entry_row] = a.rotary(normed, cos, sin, False)

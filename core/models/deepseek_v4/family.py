@@ -16,7 +16,7 @@ from deepinfer.models.registry import ModelFamily, OpDefaults, activation_reserv
 # every op the V4 model code calls: the generic accelerator kernels, then V4's own (DeepseekV4Ops)
 REQUIRED_OPS = (
     "linear", "grouped_linear", "rms_norm", "rotary", "swiglu", "sink_attention",
-    "moe_route", "moe_dispatch", "moe_experts", "moe_combine", "moe_sublayer",
+    "sink_attention_rows", "moe_route", "moe_dispatch", "moe_experts", "moe_combine", "moe_sublayer",
     "hc_pre", "hc_pre_norm", "hc_post", "hc_head", "compress_store", "compress_pool", "indexer_topk",
 )
 # prefill runs in query blocks of this many tokens (bounded key ranges per block, see docs/model.md)

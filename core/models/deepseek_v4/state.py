@@ -114,9 +114,12 @@ class AttnGroup:
         return self.key_ring_row_all is not None
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
-        """`t`'s rows of this group's queries, `[B, S, ...]` (a view for a single prefill block)."""
+        """`t`'s rows of this group's queries, `[B, S, ...]` (a view for a single prefill block and for
+        a step of decode tokens in row order)."""
         if self.first_row is not None:
             return t[self.first_row:self.first_row + self.rows.shape[1]].unsqueeze(0)
+        if self.in_row_order:
+            return t.unsqueeze(1)
         return take_rows(t, self.rows)
 
     def scatter(self, out: torch.Tensor, values: torch.Tensor) -> None:
@@ -142,7 +145,8 @@ class CompressPlan:
     num_windows: int
     is_new: torch.Tensor  # [Nw, slots] the row is produced in this step
     new_row: torch.Tensor  # [Nw, slots]
-    ring_row: torch.Tensor  # [Nw, slots] flat index into [num_slots * Rc]
+    ring_row: torch.Tensor  # [Nw, slots] flat index into [num_slots * Rc] (0 where new or empty)
+    ring_row_all: torch.Tensor  # [Nw, slots] the same for new rows too, once stored (0 where empty)
     empty: torch.Tensor  # [Nw, slots] position < 0 (first CSA window: no previous Ca half)
     entry_row: torch.Tensor  # [Nw] row in the block-group tensor
     rope_pos: torch.Tensor  # [Nw] first position of the window (m * w)
@@ -183,6 +187,8 @@ class StepPlan(RaggedPlan):
         """`decode`: every item is a sequence's only new token (its one new key is its own).
         `local_row` (one item, context parallelism): the row of its first query in this rank's
         local tensors (queries and outputs), while its new keys stay rows of the whole step."""
+        if decode:
+            return self._decode_group(items)
         dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
         # per-item scalars on the host (no tensor op, no host sync): queries [a, b) of sequence i
         ctx_l = [self.ctx[i] for i, _, _ in items]
@@ -209,22 +215,43 @@ class StepPlan(RaggedPlan):
         key_new_row = torch.where(k_valid & key_is_new, start + key_pos - ctx, 0)
         ring_pos = slot * Rw + key_pos % Rw
         key_ring_row = torch.where(k_valid & ~key_is_new, ring_pos, 0)
-        if decode:  # one query at ctx: the window [key_start, ctx] is exactly the valid keys
-            window_mask = k_valid.unsqueeze(1)
-        else:
-            kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
-            window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
+        kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
+        window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
         group = AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end,
                           end_list=end_l)
-        if decode:  # Rw = W + max_rollback >= W (ring_sizes)
-            group.new_key_ring_row = (slot * Rw + ctx % Rw).squeeze(1)
-            group.key_ring_row_all = torch.where(k_valid, ring_pos, 0)
-            group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
-        elif local_row is not None:
+        if local_row is not None:
             group.first_row = local_row
             group.rows = torch.where(q_valid, local_row + ar, 0)  # [1, S]: local rows
         elif len(items) == 1:
             group.first_row = self.row_start[items[0][0]] + items[0][1]
+        return group
+
+    def _decode_group(self, items: list[tuple[int, int, int]]) -> AttnGroup:
+        """`_group(items, decode=True)` in about half the tensor ops: one query per item, at position
+        ctx, whose valid keys are exactly [max(0, ctx - W + 1), ctx]; the per-item scalars go to the
+        device as one tensor (the same values as the general construction)."""
+        dev, W, Rw = self.device, self.config.sliding_window, self.rings.window
+        seq_l = [i for i, _, _ in items]
+        ctx_l = [self.ctx[i] for i in seq_l]
+        slot_l = [self.slots[i] for i in seq_l]
+        key_start_l = [max(0, c - (W - 1)) for c in ctx_l]
+        end_l = [c + 1 for c in ctx_l]
+        Lw = max(e - k for e, k in zip(end_l, key_start_l))
+        host = torch.tensor([seq_l, end_l, [s * Rw + c % Rw for s, c in zip(slot_l, ctx_l)],
+                             ctx_l, slot_l, [self.row_start[i] for i in seq_l], key_start_l], device=dev)
+        seq, end, new_key_ring_row = host[0], host[1], host[2]
+        ctx, slot, start, key_start = host[3:].unsqueeze(2)  # [B, 1] each
+        # Rw = W + max_rollback >= W (ring_sizes): the own key replaces position ctx - Rw, outside the window
+        key_pos = key_start + torch.arange(Lw, device=dev)
+        k_valid = key_pos <= ctx
+        key_is_new = key_pos >= ctx  # valid and new: the query's own key, row `start`
+        ring_pos = slot * Rw + key_pos % Rw
+        group = AttnGroup(seq, start, torch.ones_like(start, dtype=torch.bool), ctx, key_is_new,
+                          torch.where(key_pos == ctx, start, 0), torch.where(key_pos < ctx, ring_pos, 0),
+                          k_valid.unsqueeze(1), end, end_list=end_l)
+        group.new_key_ring_row = new_key_ring_row
+        group.key_ring_row_all = torch.where(k_valid, ring_pos, 0)
+        group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
         return group
 
     def _entry_rows(self, rate: int, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor,
@@ -237,14 +264,11 @@ class StepPlan(RaggedPlan):
         if key not in self._entry_views:
             g = self.groups[group_index]
             ends = g.end_list if g.end_list is not None else g.end_pos.tolist()
-            count_l = [e // rate for e in ends]
-            E = max(count_l, default=0)
-            e = torch.arange(E, device=self.device)
-            valid = e < torch.tensor(count_l, device=self.device).unsqueeze(1)
-            flat = self._entry_rows(rate, g.seq, e.expand(len(count_l), E), valid, max_entries=E)
+            flat, valid = self.first_entry_rows(group_name(rate), g.seq, [e // rate for e in ends])
             if g.decode:  # the query is the item's last position: it sees every existing entry
                 visible = valid.unsqueeze(1)
             else:
+                e = torch.arange(valid.shape[1], device=self.device)
                 visible = valid.unsqueeze(1) & g.q_valid.unsqueeze(2) & (e < ((g.q_pos + 1) // rate).unsqueeze(2))
             self._entry_views[key] = EntryView(flat, visible)
         return self._entry_views[key]
@@ -274,9 +298,11 @@ class StepPlan(RaggedPlan):
         empty = pos < 0
         is_new = pos >= ctx
         new_row = torch.where(is_new, start + pos - ctx, 0)
-        ring_row = torch.where(~is_new & ~empty, slot * ring + pos % ring, 0)
+        ring_pos = slot * ring + pos % ring
+        ring_row = torch.where(~is_new & ~empty, ring_pos, 0)
         entry_row = self._entry_rows(rate, seq, w.unsqueeze(1), torch.ones_like(w, dtype=torch.bool).unsqueeze(1),
                                      max_entries=max(ws, default=-1) + 1)
-        plan = CompressPlan(len(ws), is_new, new_row, ring_row, empty, entry_row.squeeze(1), rate * w)
+        plan = CompressPlan(len(ws), is_new, new_row, ring_row, torch.where(empty, 0, ring_pos), empty,
+                            entry_row.squeeze(1), rate * w)
         self._compress_plans[key] = plan
         return plan

@@ -8,7 +8,8 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     gemv.c / .py        gemv_bf16, gemv_tokens_bf16, gemv_tier(_for), grouped_gemv_bf16, grouped_amx_bf16, linear_amx_bf16,
                         amx_usable, linear_rows (batch-invariant)
     experts.c / .py     experts_bf16; experts_packed_bf16 (on the register tiles, called by moe_layer.c only)
-    attention.c / .py   sink_attention_decode, sink_attention_invariant (batch-invariant)
+    attention.c / .py   sink_attention_decode, sink_attention_rows (keys read by index), sink_attention_invariant
+                        (batch-invariant)
     moe_rows.c / .py    moe_dispatch_rows, moe_combine_rows
     sampling.c / .py    argmax_logsumexp
     selection.c / .py   indexer_scores (the lightning indexer's scores), moe_route_rows (the MoE router's top-k)
@@ -27,7 +28,7 @@ outside what the C code handles (device, dtype, layout), so the caller falls bac
 kernel.
 """
 from deepinfer_plugins.cpu.native.activation import swiglu
-from deepinfer_plugins.cpu.native.attention import sink_attention_decode, sink_attention_invariant
+from deepinfer_plugins.cpu.native.attention import sink_attention_decode, sink_attention_invariant, sink_attention_rows
 from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, HEADERS, ISA_BITS, SOURCES, SWITCHED_OFF,
                                                 CacheError, CompilerError, _build, _compile, _compiler, _cpu_features,
                                                 _load, active_library, build_flags, build_isa, build_variant,
@@ -54,5 +55,5 @@ __all__ = [
     "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_bf16", "moe_route_rows",
     "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts", "quant_linear",
     "quant_simd", "rms_norm", "rms_norm_rotary", "rotary",
-    "sink_attention_decode", "sink_attention_invariant", "swiglu",
+    "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows", "swiglu",
 ]

@@ -1,5 +1,7 @@
-/* sink_attention_decode: decode attention with a per-head sink; sink_attention_invariant: the same
- * with each sequence's keys in a canonical order (the batch_invariant feature). */
+/* sink_attention_decode: decode attention with a per-head sink; sink_attention_rows: the same over
+ * keys read by index from cache tensors (a decode step's window ring and compressed entries);
+ * sink_attention_invariant: the same with each sequence's keys in a canonical order (the
+ * batch_invariant feature). */
 #include "common.h"
 
 /* ----- sink_attention_decode: MQA with a per-head sink, for queries that see few keys (decode) -----
@@ -14,8 +16,9 @@ typedef float lanes16 __attribute__((vector_size(ATTN_LANES * sizeof(float))));
 
 static inline size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
-/* The keys of batch item b are visited in the order order[b * L ..] (NULL: 0 .. L-1). */
-static void sink_attention(const void *q, const void *kv, const uint8_t *mask, const float *sinks, float scale,
+/* Key l of batch item b is the row at key_rows[b * L + l]; the keys are visited in the order
+ * order[b * L ..] (NULL: 0 .. L-1). */
+static void sink_attention(const void *q, const char *const *key_rows, const uint8_t *mask, const float *sinks, float scale,
                            void *out, long B, long S, long H, long L, long d, int dtype, const long *order,
                            int num_threads) {
     const size_t es = elem_size(dtype);
@@ -37,7 +40,7 @@ static void sink_attention(const void *q, const void *kv, const uint8_t *mask, c
             }
             const long *ord = order ? order + b * L : NULL;
             const uint8_t *visible = mask + (size_t)bs * L;
-            const char *keys = (const char *)kv + (size_t)b * L * d * es;
+            const char *const *keys = key_rows + b * L;
             lanes16 sink, top, sum;
             for (long h = 0; h < ATTN_LANES; h++) sink[h] = h < nh ? sinks[h0 + h] : 0.0f;
             top = sink;
@@ -47,7 +50,7 @@ static void sink_attention(const void *q, const void *kv, const uint8_t *mask, c
                 long idx[4], n = 0;
                 for (; l < L && n < 4; l++)
                     if (visible[KEY(l)]) idx[n++] = KEY(l);
-                for (long j = 0; j < n; j++) load_row(keys + (size_t)idx[j] * d * es, dtype, keys_f + j * d, d);
+                for (long j = 0; j < n; j++) load_row(keys[idx[j]], dtype, keys_f + j * d, d);
                 for (long j = n; j < 4; j++) memset(keys_f + j * d, 0, (size_t)d * sizeof(float));
                 lanes16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
                 const float *k0 = keys_f, *k1 = keys_f + d, *k2 = keys_f + 2 * d, *k3 = keys_f + 3 * d;
@@ -84,7 +87,7 @@ static void sink_attention(const void *q, const void *kv, const uint8_t *mask, c
                 const lanes16 zero = {0};
                 lanes16 p[4] = {zero, zero, zero, zero};
                 for (long j = 0; j < n; j++) {
-                    load_row(keys + (size_t)idx[j] * d * es, dtype, keys_f + j * d, d);
+                    load_row(keys[idx[j]], dtype, keys_f + j * d, d);
                     p[j] = probs[idx[j]];
                 }
                 for (long j = n; j < 4; j++) memset(keys_f + j * d, 0, (size_t)d * sizeof(float));
@@ -106,9 +109,55 @@ static void sink_attention(const void *q, const void *kv, const uint8_t *mask, c
 #undef KEY
 }
 
+/* kv [B, L, d] contiguous -> its B * L row addresses (caller frees) */
+static const char **contiguous_rows(const void *kv, long B, long L, size_t row_bytes) {
+    const char **rows = malloc((size_t)(B * L + 1) * sizeof(*rows));
+    for (long i = 0; i < B * L; i++) rows[i] = (const char *)kv + (size_t)i * row_bytes;
+    return rows;
+}
+
 void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, const float *sinks, float scale,
                            void *out, long B, long S, long H, long L, long d, int dtype, int num_threads) {
-    sink_attention(q, kv, mask, sinks, scale, out, B, S, H, L, d, dtype, NULL, num_threads);
+    const char **rows = contiguous_rows(kv, B, L, (size_t)d * elem_size(dtype));
+    sink_attention(q, rows, mask, sinks, scale, out, B, S, H, L, d, dtype, NULL, num_threads);
+    free(rows);
+}
+
+/* ----- sink_attention_rows: sink_attention_decode over keys read by index from cache tensors -----
+ * The key set of item b is part 0's rows rows0[b, 0..L0) of cache0 [n0, d], then part 1's rows
+ * rows1[b, 0..L1) of cache1 [n1, d] (L1 = 0: no part 1), with masks mask0 [B, S, L0] and mask1
+ * [B, S, L1]: the same keys, order and arithmetic as sink_attention_decode over the concatenation
+ * of the gathered rows and of the masks, without materialising either. Returns 0, or -1 (nothing
+ * written) when a row index is outside its cache. */
+int sink_attention_rows(const void *q, const void *cache0, const long *rows0, const uint8_t *mask0, long n0,
+                        long L0, const void *cache1, const long *rows1, const uint8_t *mask1, long n1, long L1,
+                        const float *sinks, float scale, void *out, long B, long S, long H, long d, int dtype,
+                        int num_threads) {
+    const size_t row_bytes = (size_t)d * elem_size(dtype);
+    const long L = L0 + L1;
+    const char **key_rows = malloc((size_t)(B * L + 1) * sizeof(*key_rows));
+    uint8_t *mask = malloc((size_t)(B * S * L + 1));
+    int status = 0;
+    for (long b = 0; b < B && status == 0; b++) {
+        for (long l = 0; l < L0; l++) {
+            const long r = rows0[b * L0 + l];
+            if (r < 0 || r >= n0) status = -1;
+            key_rows[b * L + l] = (const char *)cache0 + (size_t)(status ? 0 : r) * row_bytes;
+        }
+        for (long l = 0; l < L1; l++) {
+            const long r = rows1[b * L1 + l];
+            if (r < 0 || r >= n1) status = -1;
+            key_rows[b * L + L0 + l] = (const char *)cache1 + (size_t)(status ? 0 : r) * row_bytes;
+        }
+        for (long s = 0; s < S; s++) {
+            memcpy(mask + (b * S + s) * L, mask0 + (b * S + s) * L0, (size_t)L0);
+            if (L1) memcpy(mask + (b * S + s) * L + L0, mask1 + (b * S + s) * L1, (size_t)L1);
+        }
+    }
+    if (status == 0) sink_attention(q, key_rows, mask, sinks, scale, out, B, S, H, L, d, dtype, NULL, num_threads);
+    free(mask);
+    free(key_rows);
+    return status;
 }
 
 /* ----- canonical key order: indices 0..L-1 sorted by the bytes of their rows (merge sort, stable) ----- */
@@ -148,6 +197,8 @@ void sink_attention_invariant(const void *q, const void *kv, const uint8_t *mask
         }
         free(tmp);
     });
-    sink_attention(q, kv, mask, sinks, scale, out, B, S, H, L, d, dtype, order, num_threads);
+    const char **rows = contiguous_rows(kv, B, L, row_bytes);
+    sink_attention(q, rows, mask, sinks, scale, out, B, S, H, L, d, dtype, order, num_threads);
+    free(rows);
     free(order);
 }

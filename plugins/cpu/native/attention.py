@@ -1,5 +1,6 @@
-"""sink_attention_decode, decode attention with a per-head sink, and sink_attention_invariant, the
-same with each sequence's keys in a canonical order (attention.c)."""
+"""sink_attention_decode, decode attention with a per-head sink, sink_attention_rows, the same over
+keys read by index from cache tensors, and sink_attention_invariant, the same with each sequence's
+keys in a canonical order (attention.c)."""
 from __future__ import annotations
 
 import ctypes
@@ -12,6 +13,10 @@ _ARGUMENTS = dict(q=ptr, kv=ptr, mask=ptr, sinks=ptr, scale=float_, out=ptr, B=l
                   d=long_, dtype=int_, num_threads=int_)
 _SINK_ATTENTION_DECODE = Kernel("sink_attention_decode", **_ARGUMENTS)
 _SINK_ATTENTION_INVARIANT = Kernel("sink_attention_invariant", **_ARGUMENTS)
+_SINK_ATTENTION_ROWS = Kernel("sink_attention_rows", ctypes.c_int, q=ptr, cache0=ptr, rows0=ptr, mask0=ptr,
+                              n0=long_, L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, sinks=ptr,
+                              scale=float_, out=ptr, B=long_, S=long_, H=long_, d=long_, dtype=int_,
+                              num_threads=int_)
 
 
 def _call(kernel: Kernel, lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
@@ -42,3 +47,40 @@ def sink_attention_invariant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor
     bytes), so a query's result depends only on its query and its set of visible keys: not on their
     order in `kv`, on padding, or on the other sequences and queries of the call."""
     return _call(_SINK_ATTENTION_INVARIANT, lib, q, kv, mask, sinks, scale)
+
+
+def _rows_part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether one (cache, rows, mask) part is what sink_attention_rows reads: a contiguous cache
+    `[n, d]` of q's dtype, int64 rows `[B, L]`, bool mask `[B, S, L]`."""
+    B, S, _, d = q.shape
+    return (cache.dtype == q.dtype and cache.dim() == 2 and cache.shape[1] == d and cache.is_cpu
+            and cache.is_contiguous() and rows.dtype == torch.int64 and rows.dim() == 2 and rows.shape[0] == B
+            and mask.dtype == torch.bool and mask.shape == (B, S, rows.shape[1]))
+
+
+def sink_attention_rows(lib: ctypes.CDLL, q: torch.Tensor, caches: tuple[torch.Tensor, ...],
+                        rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor, ...], sinks: torch.Tensor,
+                        scale: float) -> torch.Tensor | None:
+    """`sink_attention_decode` of `q [B, S, H, d]` over the keys `caches[i][rows[i]]` of one or two
+    parts, masks `masks[i]` (the interface's `sink_attention_rows`), read by index in C; None for
+    input the C code does not handle. IndexError for a row outside its cache."""
+    dtype = dtype_code(q)
+    if (dtype is None or q.dim() != 4 or not 1 <= len(caches) <= 2 or len(rows) != len(caches)
+            or len(masks) != len(caches) or sinks.shape != (q.shape[2],)
+            or not all(_rows_part(q, c, r, m) for c, r, m in zip(caches, rows, masks))):
+        return None
+    B, S, H, d = q.shape
+    parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
+    c0, r0, m0 = parts[0]
+    c1, r1, m1 = parts[1] if len(parts) == 2 else (c0, r0[:, :0], m0[..., :0])
+    qc, s = q.contiguous(), f32(sinks)
+    out = torch.empty((B, S, H, d), dtype=q.dtype)
+    status = _SINK_ATTENTION_ROWS(lib, q=qc.data_ptr(), cache0=c0.data_ptr(), rows0=r0.data_ptr(),
+                                  mask0=m0.data_ptr(), n0=c0.shape[0], L0=r0.shape[1], cache1=c1.data_ptr(),
+                                  rows1=r1.data_ptr(), mask1=m1.data_ptr(), n1=c1.shape[0], L1=r1.shape[1],
+                                  sinks=s.data_ptr(), scale=scale, out=out.data_ptr(), B=B, S=S, H=H, d=d,
+                                  dtype=dtype, num_threads=threads())
+    if status != 0:
+        raise IndexError(f"sink_attention_rows: a row index is outside its cache (sizes "
+                         f"{[c.shape[0] for c in caches]}); the step plan's key rows must address the bound cache")
+    return out
