@@ -121,6 +121,58 @@ def test_hc_pre(nat, T, D, dtype):
     assert_close(spec[0], REF.rms_norm(spec_collapsed, norm, 1e-5))
 
 
+def hc_pre_exact(streams, fn, base, scale, iters, eps, norm_eps):
+    """hc_pre's (collapse, post, comb) in fp64, the collapse rounded once to the streams' dtype."""
+    n = streams.shape[1]
+    flat = streams.double().flatten(1)
+    mix = flat @ fn.double().t() * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    scale, base = scale.double(), base.double()
+    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+    comb = torch.softmax((mix[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)), -1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return (pre.unsqueeze(-1) * streams.double()).sum(1).to(streams.dtype), post.float(), comb.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 4, 16, 21, 70])
+def test_hc_pre_tiles(nat, T, dtype):
+    """The C hc_pre's row blocks (16 rows: 4-row tiles, then single rows; the Sinkhorn rounds one row
+    per vector lane), on fn itself and on its transposed copy, against fp64; hc_pre_norm on the
+    same tiles gives hc_pre's then rms_norm's bits."""
+    n, D = 4, 160
+    lib = nat.native_library
+    streams = make((T, n, D), dtype)
+    fn = make((n * (n + 2), n * D), torch.float32, 1) * 0.05
+    base, scale = make((n * (n + 2),), torch.float32, 2), make((3,), torch.float32, 3).abs() + 0.5
+    norm = make((D,), torch.bfloat16, 4)
+    want = hc_pre_exact(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    for fn_t in (None, native.transpose_fn(fn)):
+        got = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn_t)
+        assert_close(got[0], want[0])
+        for g, w in zip(got[1:], want[1:]):
+            assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
+        fused = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5, fn_t=fn_t)
+        assert torch.equal(fused[0], nat.rms_norm(got[0], norm, 1e-5))
+        assert torch.equal(fused[1], got[1]) and torch.equal(fused[2], got[2])
+    # a transposed copy of the wrong shape is refused (the caller falls back), not read out of bounds
+    assert native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn.t().contiguous()[:-1]) is None
+
+
+def test_hc_pre_keeps_one_transposed_fn(nat):
+    """The op table transposes a site's fn at its second call of 4 rows or more and reuses that copy."""
+    kernels = NativeCpuKernels()
+    n, D = 4, 64
+    fn = make((n * (n + 2), n * D), torch.float32, 1) * 0.05
+    assert kernels._hc_fn_t(make((8, n, D), torch.bfloat16), fn) is None  # first use
+    copy = kernels._hc_fn_t(make((8, n, D), torch.bfloat16), fn)
+    assert torch.equal(copy, fn.t()) and kernels._hc_fn_t(make((5, n, D), torch.bfloat16), fn) is copy
+    assert kernels._hc_fn_t(make((3, n, D), torch.bfloat16), fn) is None  # one row at a time below a tile
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,D", SHAPES)
 def test_hc_post(nat, T, D, dtype):

@@ -47,10 +47,12 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 
 class PackedWeights:
     """Packed copies keyed by the weight tensor's identity (held weakly and checked on every hit, so a
-    reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout)."""
+    reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout) of
+    weights in `dtype` (default bf16)."""
 
-    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack) -> None:
-        self._pack = pack
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        self._pack, self._dtype = pack, dtype
         # id(weight) -> (weak reference, packed copy or None after the first use)
         self._entries: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
 
@@ -58,9 +60,9 @@ class PackedWeights:
         return sum(packed is not None for _, packed in self._entries.values())
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of a contiguous 2-D bf16 `weight`, or None on its first use (and for any
-        other weight)."""
-        if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() or weight.requires_grad
+        """The packed copy of a contiguous 2-D `weight` of the table's dtype, or None on its first use
+        (and for any other weight)."""
+        if (weight.dtype != self._dtype or weight.dim() != 2 or not weight.is_contiguous() or weight.requires_grad
                 or weight.numel() == 0):
             return None
         key = id(weight)
