@@ -175,8 +175,8 @@ def test_hc_pre_keeps_one_transposed_fn(nat):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,D", SHAPES)
-def test_hc_post(nat, T, D, dtype):
-    n = 4
+@pytest.mark.parametrize("n", [4, 3])  # 4: the one-pass row (hc_post_row4), else the general loop
+def test_hc_post(nat, T, D, dtype, n):
     streams, y = make((T, n, D), dtype), make((T, D), dtype, 1)
     post = torch.sigmoid(make((T, n), torch.float32, 2)) * 2
     comb = torch.softmax(make((T, n, n), torch.float32, 3), dim=-1)

@@ -314,32 +314,52 @@ void hc_head(const void *streams, const float *fn, const float *base, const floa
 /* ----- hc_post: X'_k = post_k * y + sum_j comb[j, k] * X_j, per token -----
  * y [T, D] (y_dtype); streams [T, n, D] and out [T, n, D] (dtype); post [T, n], comb [T, n, n] fp32. */
 
+/* One token's n = 4 outputs in one pass over its rows (each feature's 5 inputs feed its 4 outputs from
+ * registers, instead of a pass over the row per output): the general loop's operations in its order. */
+static void hc_post_row4(const float *restrict src, const float *restrict yf, const float *restrict c,
+                         const float *restrict p, float *restrict acc, long D) {
+    const float *restrict x0 = src, *restrict x1 = src + D, *restrict x2 = src + 2 * D, *restrict x3 = src + 3 * D;
+    float *restrict o0 = acc, *restrict o1 = acc + D, *restrict o2 = acc + 2 * D, *restrict o3 = acc + 3 * D;
+    for (long i = 0; i < D; i++) {
+        float a0 = c[0] * x0[i], a1 = c[1] * x0[i], a2 = c[2] * x0[i], a3 = c[3] * x0[i];
+        a0 += c[4] * x1[i], a1 += c[5] * x1[i], a2 += c[6] * x1[i], a3 += c[7] * x1[i];
+        a0 += c[8] * x2[i], a1 += c[9] * x2[i], a2 += c[10] * x2[i], a3 += c[11] * x2[i];
+        a0 += c[12] * x3[i], a1 += c[13] * x3[i], a2 += c[14] * x3[i], a3 += c[15] * x3[i];
+        o0[i] = a0 + p[0] * yf[i], o1[i] = a1 + p[1] * yf[i], o2[i] = a2 + p[2] * yf[i], o3[i] = a3 + p[3] * yf[i];
+    }
+}
+
 void hc_post(const void *y, int y_dtype, const void *streams, const float *post, const float *comb, void *out,
              long T, long n, long D, int dtype, int num_threads) {
     const size_t es = elem_size(dtype), y_es = elem_size(y_dtype);
     PARALLEL_IF(T * n * D > PARALLEL_MIN_WORK && T > 1, {
-        float *src = malloc((size_t)(n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y */
-        float *acc = malloc((size_t)D * sizeof(float));
+        float *src = malloc((size_t)(2 * n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y, then the n outputs */
+        float *acc = src + (n + 1) * D;
         _Pragma("omp for schedule(static)")
         for (long t = 0; t < T; t++) {
             load_row((const char *)streams + (size_t)t * n * D * es, dtype, src, n * D);
             load_row((const char *)y + (size_t)t * D * y_es, y_dtype, src + n * D, D);
             const float *restrict yf = src + n * D;
             const float *restrict c = comb + t * n * n;
+            if (n == 4) {
+                hc_post_row4(src, yf, c, post + t * n, acc, D);
+                store_row(acc, (char *)out + (size_t)t * n * D * es, dtype, n * D);
+                continue;
+            }
             for (long k = 0; k < n; k++) {
+                float *restrict ak = acc + k * D;
                 const float ck0 = c[k];
-                for (long i = 0; i < D; i++) acc[i] = ck0 * src[i];
+                for (long i = 0; i < D; i++) ak[i] = ck0 * src[i];
                 for (long j = 1; j < n; j++) {
                     const float cjk = c[j * n + k];
                     const float *restrict xj = src + j * D;
-                    for (long i = 0; i < D; i++) acc[i] += cjk * xj[i];
+                    for (long i = 0; i < D; i++) ak[i] += cjk * xj[i];
                 }
                 const float pk = post[t * n + k];
-                for (long i = 0; i < D; i++) acc[i] += pk * yf[i];
-                store_row(acc, (char *)out + (size_t)(t * n + k) * D * es, dtype, D);
+                for (long i = 0; i < D; i++) ak[i] += pk * yf[i];
             }
+            store_row(acc, (char *)out + (size_t)t * n * D * es, dtype, n * D);
         }
-        free(acc);
         free(src);
     });
 }
