@@ -865,11 +865,12 @@ def check_every_kernel(lib):
         streams = make((17, 4, 64), dtype)
         fn = make((24, 256), torch.float32, 1) * 0.1
         base, scale = make((24,), torch.float32, 2), make((3,), torch.float32, 3).abs() + 0.5
-        got = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6)
         want = REF.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
-        assert_close(got[0], want[0])
-        for g, w in zip(got[1:], want[1:]):
-            assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
+        for fn_t in (native.transpose_fn(fn), None):  # the 4-row tiles on fn transposed, then on fn
+            got = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn_t)
+            assert_close(got[0], want[0])
+            for g, w in zip(got[1:], want[1:]):
+                assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
         norm = make((64,), torch.float32, 4)
         assert_close(native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5)[0],
                      REF.rms_norm(got[0], norm, 1e-5))
@@ -882,6 +883,8 @@ def check_every_kernel(lib):
                      hc_head_exact(streams, head_fn, head_base, scale[:1], 1e-6, 1e-6))
         y = make((17, 64), dtype, 4)
         assert_close(native.hc_post(lib, y, streams, want[1], want[2]), REF.hc_post(y, streams, want[1], want[2]))
+        post3, comb3 = want[1][:, :3].contiguous(), want[2][:, :3, :3].contiguous()  # n = 3: the general loop
+        assert_close(native.hc_post(lib, y, streams[:, :3], post3, comb3), REF.hc_post(y, streams[:, :3], post3, comb3))
         gate_up = make((17, 512), dtype) * 6
         assert_close(native.swiglu(lib, gate_up[:, :256], gate_up[:, 256:], 10.0),
                      REF.swiglu(gate_up[:, :256].float(), gate_up[:, 256:].float(), 10.0).to(dtype))
