@@ -3,17 +3,18 @@
 #include "common.h"
 
 /* ----- hc_pre: mHC mixing weights and the collapsed input of one unit, per token -----
- * streams [T, n, D]; fn [n*(n+2), n*D] fp32; base [n*(n+2)] fp32; scale [3] fp32.
- * Outputs: collapsed [T, D] (streams' dtype), post [T, n] fp32, comb [T, n, n] fp32. */
+ * streams [T, n, D]; fn [n*(n+2), n*D] fp32; fnT: fn transposed [n*D, n*(n+2)] or NULL; base
+ * [n*(n+2)] fp32; scale [3] fp32. Outputs: collapsed [T, D] (streams' dtype), post [T, n] fp32,
+ * comb [T, n, n] fp32. */
 
-/* Token rows that share one pass over fn (fn is read once per block instead of once per row). */
+/* Token rows of a mixing tile (fn or fnT is read once per tile instead of once per row). */
 #define HC_ROW_BLOCK 4
 
 /* Features per pass of the dot products below: the 4 row pieces (8 KiB) stay in L1 while every fn row
  * passes over them. */
 #define HC_CHUNK 512
 
-/* mix[r][m] = inv[r] * <row_r, fn_m> for the HC_ROW_BLOCK (4) token rows of a block, four fn rows
+/* mix[r][m] = inv[r] * <row_r, fn_m> for the HC_ROW_BLOCK (4) token rows of a tile, four fn rows
  * at a time (each loaded value feeds several multiply-adds) and over L1-sized pieces of the rows. */
 static void mix_full_block(const float *restrict rows, const float *restrict fn, long width, long mixes,
                            const float *restrict inv, float *restrict mix) {
@@ -69,8 +70,8 @@ static void mix_full_block(const float *restrict rows, const float *restrict fn,
         for (long m = 0; m < mixes; m++) mix[r * mixes + m] *= inv[r];
 }
 
-/* The same for the nb < HC_ROW_BLOCK rows of a last (or only: decode) block, one row at a time, four
- * fn rows per pass (four independent sums instead of one dependent chain). */
+/* The same for the nb < HC_ROW_BLOCK rows left after a block's tiles (decode at batch 1: the only
+ * one), one row at a time, four fn rows per pass (four independent sums instead of one chain). */
 static void mix_rows(const float *restrict rows, long nb, const float *restrict fn, long width, long mixes,
                      const float *restrict inv, float *restrict mix) {
     for (long r = 0; r < nb; r++) {
@@ -198,6 +199,22 @@ static inline __attribute__((always_inline)) void hc_logits(const float *restric
     }
 }
 
+/* A lone row's pre, post and comb (decode at batch 1), built for 256-bit vectors: at 512 bits gcc
+ * turns the one-lane loops into masked zmm code that made the whole hc_pre_norm call ~1 us (~20 %)
+ * slower. Element-wise arithmetic only, so the same bits at any vector width. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HC_VECTOR_256 __attribute__((target("prefer-vector-width=256")))
+#else
+#define HC_VECTOR_256
+#endif
+
+__attribute__((noinline)) HC_VECTOR_256 static void hc_coefficients_row(
+    const float *restrict mix, const float *restrict base, const float *restrict scale, long n, int sinkhorn_iters,
+    float eps, float *restrict pre, float *restrict post, float *restrict comb) {
+    hc_logits(mix, base, scale, n, eps, pre, post, comb, 0, 1);
+    sinkhorn_lanes(comb, n, sinkhorn_iters, eps, 1);
+}
+
 /* ----- hc_pre, and hc_pre_norm with the sub-layer's RMSNorm of the collapse in the same pass -----
  * Blocks of HC_LANES rows: their mixing products in 4-row tiles (over fnT when given and n = 4,
  * else the dot products; a block's last rows one at a time), their Sinkhorn rounds in the lanes, then
@@ -238,8 +255,7 @@ static void hc_pre_rows(const void *streams, const float *fn, const float *fnT, 
             if (r0 < nb) mix_rows(rows + r0 * width, nb - r0, fn, width, mixes, inv + r0, mix + r0 * mixes);
             const int L = nb == 1 ? 1 : HC_LANES;
             if (nb == 1) {
-                hc_logits(mix, base, scale, n, eps, pre, post + t0 * n, lanes, 0, 1);
-                sinkhorn_lanes(lanes, n, sinkhorn_iters, eps, 1);
+                hc_coefficients_row(mix, base, scale, n, sinkhorn_iters, eps, pre, post + t0 * n, lanes);
             } else {
                 for (long l = 0; l < n * n * HC_LANES; l++) lanes[l] = 1.0f;
                 for (long r = 0; r < nb; r++)
