@@ -9,7 +9,8 @@ A weight is packed at its second multi-row use by the same tensor object, so the
 (long-lived) are packed once, and the per-call views and temporaries that pass through `linear` are
 never packed. Entries go away with their weight. The cost is the packed weights' size again in RAM.
 The same table keeps the C kernels' packed copies (native.pack_bf16, the decode batches' register tiles)
-when given that packing function.
+when given that packing function, and the mHC sites' fp32 fn transposed for hc_pre's tiles
+(native.transpose_fn, a table of fp32 weights).
 """
 from __future__ import annotations
 
