@@ -121,10 +121,62 @@ def test_hc_pre(nat, T, D, dtype):
     assert_close(spec[0], REF.rms_norm(spec_collapsed, norm, 1e-5))
 
 
+def hc_pre_exact(streams, fn, base, scale, iters, eps, norm_eps):
+    """hc_pre's (collapse, post, comb) in fp64, the collapse rounded once to the streams' dtype."""
+    n = streams.shape[1]
+    flat = streams.double().flatten(1)
+    mix = flat @ fn.double().t() * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    scale, base = scale.double(), base.double()
+    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+    comb = torch.softmax((mix[:, 2 * n:] * scale[2] + base[2 * n:]).unflatten(-1, (n, n)), -1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return (pre.unsqueeze(-1) * streams.double()).sum(1).to(streams.dtype), post.float(), comb.float()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 4, 16, 21, 70])
+def test_hc_pre_tiles(nat, T, dtype):
+    """The C hc_pre's row blocks (16 rows: 4-row tiles, then single rows; the Sinkhorn rounds one row
+    per vector lane), on fn itself and on its transposed copy, against fp64; hc_pre_norm on the
+    same tiles gives hc_pre's then rms_norm's bits."""
+    n, D = 4, 160
+    lib = nat.native_library
+    streams = make((T, n, D), dtype)
+    fn = make((n * (n + 2), n * D), torch.float32, 1) * 0.05
+    base, scale = make((n * (n + 2),), torch.float32, 2), make((3,), torch.float32, 3).abs() + 0.5
+    norm = make((D,), torch.bfloat16, 4)
+    want = hc_pre_exact(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    for fn_t in (None, native.transpose_fn(fn)):
+        got = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn_t)
+        assert_close(got[0], want[0])
+        for g, w in zip(got[1:], want[1:]):
+            assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
+        fused = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5, fn_t=fn_t)
+        assert torch.equal(fused[0], nat.rms_norm(got[0], norm, 1e-5))
+        assert torch.equal(fused[1], got[1]) and torch.equal(fused[2], got[2])
+    # a transposed copy of the wrong shape is refused (the caller falls back), not read out of bounds
+    assert native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn.t().contiguous()[:-1]) is None
+
+
+def test_hc_pre_keeps_one_transposed_fn(nat):
+    """The op table transposes a site's fn at its second call of 4 rows or more and reuses that copy."""
+    kernels = NativeCpuKernels()
+    n, D = 4, 64
+    fn = make((n * (n + 2), n * D), torch.float32, 1) * 0.05
+    assert kernels._hc_fn_t(make((8, n, D), torch.bfloat16), fn) is None  # first use
+    copy = kernels._hc_fn_t(make((8, n, D), torch.bfloat16), fn)
+    assert torch.equal(copy, fn.t()) and kernels._hc_fn_t(make((5, n, D), torch.bfloat16), fn) is copy
+    assert kernels._hc_fn_t(make((3, n, D), torch.bfloat16), fn) is None  # one row at a time below a tile
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,D", SHAPES)
-def test_hc_post(nat, T, D, dtype):
-    n = 4
+@pytest.mark.parametrize("n", [4, 3])  # 4: the one-pass row (hc_post_row4), else the general loop
+def test_hc_post(nat, T, D, dtype, n):
     streams, y = make((T, n, D), dtype), make((T, D), dtype, 1)
     post = torch.sigmoid(make((T, n), torch.float32, 2)) * 2
     comb = torch.softmax(make((T, n, n), torch.float32, 3), dim=-1)
@@ -890,11 +942,12 @@ def check_every_kernel(lib):
         streams = make((17, 4, 64), dtype)
         fn = make((24, 256), torch.float32, 1) * 0.1
         base, scale = make((24,), torch.float32, 2), make((3,), torch.float32, 3).abs() + 0.5
-        got = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6)
         want = REF.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
-        assert_close(got[0], want[0])
-        for g, w in zip(got[1:], want[1:]):
-            assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
+        for fn_t in (native.transpose_fn(fn), None):  # the 4-row tiles on fn transposed, then on fn
+            got = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn_t)
+            assert_close(got[0], want[0])
+            for g, w in zip(got[1:], want[1:]):
+                assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
         norm = make((64,), torch.float32, 4)
         assert_close(native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5)[0],
                      REF.rms_norm(got[0], norm, 1e-5))
@@ -907,6 +960,8 @@ def check_every_kernel(lib):
                      hc_head_exact(streams, head_fn, head_base, scale[:1], 1e-6, 1e-6))
         y = make((17, 64), dtype, 4)
         assert_close(native.hc_post(lib, y, streams, want[1], want[2]), REF.hc_post(y, streams, want[1], want[2]))
+        post3, comb3 = want[1][:, :3].contiguous(), want[2][:, :3, :3].contiguous()  # n = 3: the general loop
+        assert_close(native.hc_post(lib, y, streams[:, :3], post3, comb3), REF.hc_post(y, streams[:, :3], post3, comb3))
         gate_up = make((17, 512), dtype) * 6
         assert_close(native.swiglu(lib, gate_up[:, :256], gate_up[:, 256:], 10.0),
                      REF.swiglu(gate_up[:, :256].float(), gate_up[:, 256:].float(), 10.0).to(dtype))

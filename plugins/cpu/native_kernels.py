@@ -227,6 +227,21 @@ class NativeCpuKernels(CpuKernels):
         return PackedWeights(pack=functools.partial(native.pack_bf16, lib), stacks=True)
 
     @functools.cached_property
+    def hc_weights(self) -> PackedWeights | None:
+        """The mHC sites' fn transposed for hc_pre's 4-row tiles (native.transpose_fn): decode batches
+        2.5x faster than the dot products on fn itself."""
+        if self.native_library is None or not packed_weights.enabled():
+            return None
+        return PackedWeights(pack=native.transpose_fn, dtype=torch.float32)
+
+    def _hc_fn_t(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor | None:
+        """fn's transposed copy for calls with a 4-row tile (None below 4 rows: one row reads fn itself)."""
+        if streams.shape[0] < 4 or fn.shape[0] != native.TRANSPOSED_MIXES:
+            return None
+        table = self.hc_weights
+        return None if table is None else table.lookup(fn)
+
+    @functools.cached_property
     def _packed_gemm_rows(self) -> tuple[int, int]:
         """Row counts (inclusive) whose bf16 linears run on the packed C tiles on this tier ((0, 0): none)."""
         lib = self.native_library
@@ -300,7 +315,8 @@ class NativeCpuKernels(CpuKernels):
             collapsed = _sum_fixed(streams_f * pre.unsqueeze(-1), -2).squeeze(-2).to(streams.dtype)
             return collapsed, post, comb
         lib = self.native_library
-        out = None if lib is None else native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
+        out = None if lib is None else native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                                     fn_t=self._hc_fn_t(streams, fn))
         return super().hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps) if out is None else out
 
     def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -308,7 +324,8 @@ class NativeCpuKernels(CpuKernels):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lib, out = self.native_library, None
         if lib is not None and not self.invariant:  # the two C kernels in one call
-            out = native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps)
+            out = native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps,
+                                self._hc_fn_t(streams, fn))
         if out is not None:
             return out
         return super().hc_pre_norm(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps)

@@ -9,7 +9,8 @@ A weight is packed at its second multi-row use by the same tensor object, so the
 (long-lived) are packed once, and the per-call views and temporaries that pass through `linear` are
 never packed. Entries go away with their weight. The cost is the packed weights' size again in RAM.
 The same table keeps the C kernels' packed copies (native.pack_bf16, the decode batches' register tiles)
-when given that packing function.
+when given that packing function, and the mHC sites' fp32 fn transposed for hc_pre's tiles
+(native.transpose_fn, a table of fp32 weights).
 """
 from __future__ import annotations
 
@@ -47,11 +48,13 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 
 class PackedWeights:
     """Packed copies keyed by the weight tensor's identity (held weakly and checked on every hit, so a
-    reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout);
-    `stacks`: it also packs 3-D weights, stacks of matrices (the routed experts)."""
+    reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout) of
+    weights in `dtype` (default bf16); `stacks`: it also packs 3-D weights, stacks of matrices (the routed
+    experts)."""
 
-    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack, stacks: bool = False) -> None:
-        self._pack = pack
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack,
+                 dtype: torch.dtype = torch.bfloat16, stacks: bool = False) -> None:
+        self._pack, self._dtype = pack, dtype
         self._dims = (2, 3) if stacks else (2,)
         # id(weight) -> (weak reference, packed copy or None after the first use)
         self._entries: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
@@ -60,10 +63,10 @@ class PackedWeights:
         return sum(packed is not None for _, packed in self._entries.values())
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of a contiguous 2-D bf16 `weight` (or 3-D, a stack of them, with `stacks`), or
-        None on its first use (and for any other weight)."""
-        if (weight.dtype != torch.bfloat16 or weight.dim() not in self._dims or not weight.is_contiguous() or weight.requires_grad
-                or weight.numel() == 0):
+        """The packed copy of a contiguous 2-D `weight` of the table's dtype (or 3-D, a stack of them, with
+        `stacks`), or None on its first use (and for any other weight)."""
+        if (weight.dtype != self._dtype or weight.dim() not in self._dims or not weight.is_contiguous()
+                or weight.requires_grad or weight.numel() == 0):
             return None
         key = id(weight)
         entry = self._entries.get(key)

@@ -37,7 +37,7 @@ from deepinfer_plugins.cpu.native.compressor import compress_store
 from deepinfer_plugins.cpu.native.experts import experts_bf16
 from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_tier, gemv_tier_for, gemv_tokens_bf16,
                                                grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16, linear_rows)
-from deepinfer_plugins.cpu.native.mhc import hc_head, hc_post, hc_pre
+from deepinfer_plugins.cpu.native.mhc import TRANSPOSED_MIXES, hc_head, hc_post, hc_pre, transpose_fn
 from deepinfer_plugins.cpu.native.moe_layer import moe_layer_bf16
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
 from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rms_norm_rotary, rotary
@@ -54,6 +54,6 @@ __all__ = [
     "grouped_amx_bf16", "grouped_gemv_bf16", "hc_head", "hc_post", "hc_pre", "indexer_scores", "library",
     "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_bf16", "moe_route_rows",
     "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts", "quant_linear",
-    "quant_simd", "rms_norm", "rms_norm_rotary", "rotary",
+    "quant_simd", "rms_norm", "rms_norm_rotary", "rotary", "TRANSPOSED_MIXES", "transpose_fn",
     "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows", "swiglu",
 ]

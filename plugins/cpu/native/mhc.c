@@ -3,58 +3,18 @@
 #include "common.h"
 
 /* ----- hc_pre: mHC mixing weights and the collapsed input of one unit, per token -----
- * streams [T, n, D]; fn [n*(n+2), n*D] fp32; base [n*(n+2)] fp32; scale [3] fp32.
- * Outputs: collapsed [T, D] (streams' dtype), post [T, n] fp32, comb [T, n, n] fp32. */
+ * streams [T, n, D]; fn [n*(n+2), n*D] fp32; fnT: fn transposed [n*D, n*(n+2)] or NULL; base
+ * [n*(n+2)] fp32; scale [3] fp32. Outputs: collapsed [T, D] (streams' dtype), post [T, n] fp32,
+ * comb [T, n, n] fp32. */
 
-/* Token rows that share one pass over fn (fn is read once per block instead of once per row). */
+/* Token rows of a mixing tile (fn or fnT is read once per tile instead of once per row). */
 #define HC_ROW_BLOCK 4
-
-static void hc_mixing(const float *restrict mix, const float *restrict base, const float *restrict scale, long n,
-                      int sinkhorn_iters, float eps, float *restrict pre, float *restrict post,
-                      float *restrict comb) {
-    for (long j = 0; j < n; j++) {
-        pre[j] = sigmoid(mix[j] * scale[0] + base[j]) + eps;
-        post[j] = 2.0f * sigmoid(mix[n + j] * scale[1] + base[n + j]);
-    }
-    /* comb = softmax over each row of the n x n block, plus eps */
-    for (long i = 0; i < n; i++) {
-        float *row = comb + i * n;
-        float mx = -INFINITY;
-        for (long k = 0; k < n; k++) {
-            row[k] = mix[2 * n + i * n + k] * scale[2] + base[2 * n + i * n + k];
-            mx = row[k] > mx ? row[k] : mx;
-        }
-        float total = 0.0f;
-        for (long k = 0; k < n; k++) {
-            row[k] = expf(row[k] - mx);
-            total += row[k];
-        }
-        for (long k = 0; k < n; k++) row[k] = row[k] / total + eps;
-    }
-    /* column normalisation, then (sinkhorn_iters - 1) rounds of rows then columns */
-    for (int it = 0; it < (sinkhorn_iters > 1 ? sinkhorn_iters : 1); it++) {
-        if (it > 0) {
-            for (long i = 0; i < n; i++) {
-                float total = 0.0f;
-                for (long k = 0; k < n; k++) total += comb[i * n + k];
-                total += eps;
-                for (long k = 0; k < n; k++) comb[i * n + k] /= total;
-            }
-        }
-        for (long k = 0; k < n; k++) {
-            float total = 0.0f;
-            for (long i = 0; i < n; i++) total += comb[i * n + k];
-            total += eps;
-            for (long i = 0; i < n; i++) comb[i * n + k] /= total;
-        }
-    }
-}
 
 /* Features per pass of the dot products below: the 4 row pieces (8 KiB) stay in L1 while every fn row
  * passes over them. */
 #define HC_CHUNK 512
 
-/* mix[r][m] = inv[r] * <row_r, fn_m> for the HC_ROW_BLOCK (4) token rows of a block, four fn rows
+/* mix[r][m] = inv[r] * <row_r, fn_m> for the HC_ROW_BLOCK (4) token rows of a tile, four fn rows
  * at a time (each loaded value feeds several multiply-adds) and over L1-sized pieces of the rows. */
 static void mix_full_block(const float *restrict rows, const float *restrict fn, long width, long mixes,
                            const float *restrict inv, float *restrict mix) {
@@ -110,8 +70,8 @@ static void mix_full_block(const float *restrict rows, const float *restrict fn,
         for (long m = 0; m < mixes; m++) mix[r * mixes + m] *= inv[r];
 }
 
-/* The same for the nb < HC_ROW_BLOCK rows of a last (or only: decode) block, one row at a time, four
- * fn rows per pass (four independent sums instead of one dependent chain). */
+/* The same for the nb < HC_ROW_BLOCK rows left after a block's tiles (decode at batch 1: the only
+ * one), one row at a time, four fn rows per pass (four independent sums instead of one chain). */
 static void mix_rows(const float *restrict rows, long nb, const float *restrict fn, long width, long mixes,
                      const float *restrict inv, float *restrict mix) {
     for (long r = 0; r < nb; r++) {
@@ -151,60 +111,189 @@ static void collapse_row(const float *restrict row, const float *restrict pre, l
     }
 }
 
-void hc_pre(const void *streams, const float *fn, const float *base, const float *scale, void *collapsed,
-            float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
-            int dtype, int num_threads) {
+/* ----- the 4-row tiles of the mixing product over fn transposed (fnT [n*D, mixes], mixes = 24: n = 4) -----
+ * Each feature's 24 weights are contiguous, so a row's 24 sums are three 8-wide vector accumulators
+ * fed by one broadcast of the feature (12 for the tile's 4 rows: 16 registers with the weights and the
+ * broadcast, AVX2's whole set), with no horizontal sums; 2.5x faster than the dot products above on
+ * the same 4 rows. Each (row, mix) sum runs over the features in order. */
+#define HC_T_MIXES 24
+
+static void mix_tile_t(const float *restrict rows, const float *restrict fnT, long width,
+                       const float *restrict inv, float *restrict mix) {
+    float a0[HC_T_MIXES] = {0}, a1[HC_T_MIXES] = {0}, a2[HC_T_MIXES] = {0}, a3[HC_T_MIXES] = {0};
+    const float *restrict x0 = rows, *restrict x1 = rows + width, *restrict x2 = rows + 2 * width;
+    const float *restrict x3 = rows + 3 * width;
+    for (long i = 0; i < width; i++) {
+        const float *restrict f = fnT + i * HC_T_MIXES;
+        const float v0 = x0[i], v1 = x1[i], v2 = x2[i], v3 = x3[i];
+#pragma omp simd
+        for (int m = 0; m < HC_T_MIXES; m++) {
+            a0[m] += v0 * f[m];
+            a1[m] += v1 * f[m];
+            a2[m] += v2 * f[m];
+            a3[m] += v3 * f[m];
+        }
+    }
+    for (int m = 0; m < HC_T_MIXES; m++) {
+        mix[m] = a0[m] * inv[0], mix[HC_T_MIXES + m] = a1[m] * inv[1];
+        mix[2 * HC_T_MIXES + m] = a2[m] * inv[2], mix[3 * HC_T_MIXES + m] = a3[m] * inv[3];
+    }
+}
+
+/* ----- the Sinkhorn rounds of L token rows at once, one vector lane per row -----
+ * c [n*n][L]: every step is the same for each row, so the loops over the lanes vectorise, and each
+ * lane gets the one-row recurrence's operations in its order (the same bits as one row alone: exact
+ * divisions, sums from 0 in index order). Unused lanes hold 1s. L is HC_LANES, or 1 for a lone row
+ * (decode at batch 1: 16 lanes of divisions cost it more than the scalar chain). */
+#define HC_LANES 16
+
+static inline __attribute__((always_inline)) void sinkhorn_lanes(float *restrict c, long n, int sinkhorn_iters,
+                                                                 float eps, const int L) {
+    float total[HC_LANES];
+    for (int it = 0; it < (sinkhorn_iters > 1 ? sinkhorn_iters : 1); it++) {
+        if (it > 0) {
+            for (long i = 0; i < n; i++) {
+                for (int l = 0; l < L; l++) total[l] = 0.0f;
+                for (long k = 0; k < n; k++)
+                    for (int l = 0; l < L; l++) total[l] += c[(i * n + k) * L + l];
+                for (int l = 0; l < L; l++) total[l] += eps;
+                for (long k = 0; k < n; k++)
+                    for (int l = 0; l < L; l++) c[(i * n + k) * L + l] /= total[l];
+            }
+        }
+        for (long k = 0; k < n; k++) {
+            for (int l = 0; l < L; l++) total[l] = 0.0f;
+            for (long i = 0; i < n; i++)
+                for (int l = 0; l < L; l++) total[l] += c[(i * n + k) * L + l];
+            for (int l = 0; l < L; l++) total[l] += eps;
+            for (long i = 0; i < n; i++)
+                for (int l = 0; l < L; l++) c[(i * n + k) * L + l] /= total[l];
+        }
+    }
+}
+
+/* pre, post and the softmaxed comb of one row (the steps before the Sinkhorn rounds); comb goes to
+ * lane `l` of the L-lane layout */
+static inline __attribute__((always_inline)) void hc_logits(const float *restrict mix, const float *restrict base,
+                                                            const float *restrict scale, long n, float eps,
+                                                            float *restrict pre, float *restrict post,
+                                                            float *restrict lanes, long l, const int L) {
+    for (long j = 0; j < n; j++) {
+        pre[j] = sigmoid(mix[j] * scale[0] + base[j]) + eps;
+        post[j] = 2.0f * sigmoid(mix[n + j] * scale[1] + base[n + j]);
+    }
+    /* comb = softmax over each row of the n x n block, plus eps */
+    for (long i = 0; i < n; i++) {
+        float *row = lanes + i * n * L + l; /* element k at row[k * L] */
+        float mx = -INFINITY;
+        for (long k = 0; k < n; k++) {
+            row[k * L] = mix[2 * n + i * n + k] * scale[2] + base[2 * n + i * n + k];
+            mx = row[k * L] > mx ? row[k * L] : mx;
+        }
+        float total = 0.0f;
+        for (long k = 0; k < n; k++) {
+            row[k * L] = expf(row[k * L] - mx);
+            total += row[k * L];
+        }
+        for (long k = 0; k < n; k++) row[k * L] = row[k * L] / total + eps;
+    }
+}
+
+/* A lone row's pre, post and comb (decode at batch 1), built for 256-bit vectors: at 512 bits gcc
+ * turns the one-lane loops into masked zmm code that made the whole hc_pre_norm call ~1 us (~20 %)
+ * slower. Element-wise arithmetic only, so the same bits at any vector width. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HC_VECTOR_256 __attribute__((target("prefer-vector-width=256")))
+#else
+#define HC_VECTOR_256
+#endif
+
+__attribute__((noinline)) HC_VECTOR_256 static void hc_coefficients_row(
+    const float *restrict mix, const float *restrict base, const float *restrict scale, long n, int sinkhorn_iters,
+    float eps, float *restrict pre, float *restrict post, float *restrict comb) {
+    hc_logits(mix, base, scale, n, eps, pre, post, comb, 0, 1);
+    sinkhorn_lanes(comb, n, sinkhorn_iters, eps, 1);
+}
+
+/* ----- hc_pre, and hc_pre_norm with the sub-layer's RMSNorm of the collapse in the same pass -----
+ * Blocks of HC_LANES rows: their mixing products in 4-row tiles (over fnT when given and n = 4,
+ * else the dot products; a block's last rows one at a time), their Sinkhorn rounds in the lanes, then
+ * each row's collapse (and norm) while the row is still in cache. */
+static void hc_pre_rows(const void *streams, const float *fn, const float *fnT, const float *base,
+                        const float *scale, void *out, float *post, float *comb, long T, long n, long D,
+                        int sinkhorn_iters, float eps, float norm_eps, const void *norm_weight, int w_dtype,
+                        float rms_eps, int dtype, int num_threads) {
     const size_t es = elem_size(dtype);
     const long width = n * D, mixes = n * (n + 2);
-    const long blocks = (T + HC_ROW_BLOCK - 1) / HC_ROW_BLOCK;
+    const long blocks = (T + HC_LANES - 1) / HC_LANES;
+    const int tiles_t = fnT != NULL && mixes == HC_T_MIXES;
     PARALLEL_IF(T * width > PARALLEL_MIN_WORK && blocks > 1, {
-        float *rows = malloc((size_t)HC_ROW_BLOCK * width * sizeof(float));
-        float *mix = malloc((size_t)HC_ROW_BLOCK * mixes * sizeof(float));
-        float *acc = malloc((size_t)D * sizeof(float));
-        float *pre = malloc((size_t)n * sizeof(float));
+        float *rows = malloc(((size_t)HC_LANES * (width + mixes + n + n * n) + 2 * D) * sizeof(float));
+        float *mix = rows + HC_LANES * width, *pre = mix + HC_LANES * mixes, *lanes = pre + HC_LANES * n;
+        float *acc = lanes + HC_LANES * n * n, *wf = acc + D;
+        const float *w = norm_weight != NULL && w_dtype == DT_F32 ? (const float *)norm_weight : wf;
+        if (norm_weight != NULL && w_dtype != DT_F32) load_row(norm_weight, w_dtype, wf, D);
         _Pragma("omp for schedule(static)")
         for (long b = 0; b < blocks; b++) {
-            const long t0 = b * HC_ROW_BLOCK;
-            const long nb = T - t0 < HC_ROW_BLOCK ? T - t0 : HC_ROW_BLOCK;
-            float inv[HC_ROW_BLOCK];
+            const long t0 = b * HC_LANES;
+            const long nb = T - t0 < HC_LANES ? T - t0 : HC_LANES;
+            float inv[HC_LANES];
             for (long r = 0; r < nb; r++) {
                 float *row = rows + r * width;
                 load_row((const char *)streams + (size_t)(t0 + r) * width * es, dtype, row, width);
                 inv[r] = 1.0f / sqrtf(sum_squares(row, width) / (float)width + norm_eps);
             }
-            /* mix[r][m] = inv_r * <row_r, fn_m> */
-            if (nb == HC_ROW_BLOCK) {
-                mix_full_block(rows, fn, width, mixes, inv, mix);
+            /* mix[r][m] = inv_r * <row_r, fn_m>, 4-row tiles then the last rows */
+            long r0 = 0;
+            for (; r0 + HC_ROW_BLOCK <= nb; r0 += HC_ROW_BLOCK) {
+                if (tiles_t) {
+                    mix_tile_t(rows + r0 * width, fnT, width, inv + r0, mix + r0 * mixes);
+                } else {
+                    mix_full_block(rows + r0 * width, fn, width, mixes, inv + r0, mix + r0 * mixes);
+                }
+            }
+            if (r0 < nb) mix_rows(rows + r0 * width, nb - r0, fn, width, mixes, inv + r0, mix + r0 * mixes);
+            const int L = nb == 1 ? 1 : HC_LANES;
+            if (nb == 1) {
+                hc_coefficients_row(mix, base, scale, n, sinkhorn_iters, eps, pre, post + t0 * n, lanes);
             } else {
-                mix_rows(rows, nb, fn, width, mixes, inv, mix);
+                for (long l = 0; l < n * n * HC_LANES; l++) lanes[l] = 1.0f;
+                for (long r = 0; r < nb; r++)
+                    hc_logits(mix + r * mixes, base, scale, n, eps, pre + r * n, post + (t0 + r) * n, lanes, r,
+                              HC_LANES);
+                sinkhorn_lanes(lanes, n, sinkhorn_iters, eps, HC_LANES);
             }
             for (long r = 0; r < nb; r++) {
                 const long t = t0 + r;
-                hc_mixing(mix + r * mixes, base, scale, n, sinkhorn_iters, eps, pre, post + t * n, comb + t * n * n);
-                collapse_row(rows + r * width, pre, n, D, acc);
-                store_row(acc, (char *)collapsed + (size_t)t * D * es, dtype, D);
+                for (long e = 0; e < n * n; e++) comb[t * n * n + e] = lanes[e * L + r];
+                collapse_row(rows + r * width, pre + r * n, n, D, acc);
+                if (norm_weight != NULL) { /* as rms_norm (norm_rope.c) on the collapse rounded to dtype */
+                    if (dtype == DT_BF16)
+                        for (long i = 0; i < D; i++) acc[i] = bf16_to_float(float_to_bf16(acc[i]));
+                    const float r_inv = 1.0f / sqrtf(sum_squares(acc, D) / (float)D + rms_eps);
+                    for (long i = 0; i < D; i++) acc[i] = (acc[i] * r_inv) * w[i];
+                }
+                store_row(acc, (char *)out + (size_t)t * D * es, dtype, D);
             }
         }
-        free(pre);
-        free(acc);
-        free(mix);
         free(rows);
     });
 }
 
-/* ----- hc_pre_norm: hc_pre, then the sub-layer's RMSNorm of the collapse (rms_norm, norm_rope.c) -----
- * As the two calls in a row: the collapse is rounded to `dtype` before it is normalised; normed [T, D]
- * in `dtype`, norm_weight [D] in w_dtype. */
-void rms_norm(const void *x, long x_row_stride, const void *w, int w_dtype, void *out, long rows, long D,
-              float eps, int dtype, int num_threads);
+void hc_pre(const void *streams, const float *fn, const float *fnT, const float *base, const float *scale,
+            void *collapsed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
+            float norm_eps, int dtype, int num_threads) {
+    hc_pre_rows(streams, fn, fnT, base, scale, collapsed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps, NULL,
+                DT_F32, 0.0f, dtype, num_threads);
+}
 
-void hc_pre_norm(const void *streams, const float *fn, const float *base, const float *scale, void *normed,
-                 float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
-                 const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
-    void *collapsed = malloc((size_t)T * D * elem_size(dtype));
-    hc_pre(streams, fn, base, scale, collapsed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps, dtype, num_threads);
-    rms_norm(collapsed, D, norm_weight, w_dtype, normed, T, D, rms_eps, dtype, num_threads);
-    free(collapsed);
+/* As the two calls hc_pre then rms_norm (norm_rope.c) in a row: the collapse is rounded to `dtype`
+ * before it is normalised; normed [T, D] in `dtype`, norm_weight [D] in w_dtype. */
+void hc_pre_norm(const void *streams, const float *fn, const float *fnT, const float *base, const float *scale,
+                 void *normed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
+                 float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
+    hc_pre_rows(streams, fn, fnT, base, scale, normed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps,
+                norm_weight, w_dtype, rms_eps, dtype, num_threads);
 }
 
 /* ----- hc_head: the output head's collapse, sum_j pre_j * X_j with pre = sigmoid(mix * scale + base) + eps -----
@@ -241,32 +330,52 @@ void hc_head(const void *streams, const float *fn, const float *base, const floa
 /* ----- hc_post: X'_k = post_k * y + sum_j comb[j, k] * X_j, per token -----
  * y [T, D] (y_dtype); streams [T, n, D] and out [T, n, D] (dtype); post [T, n], comb [T, n, n] fp32. */
 
+/* One token's n = 4 outputs in one pass over its rows (each feature's 5 inputs feed its 4 outputs from
+ * registers, instead of a pass over the row per output): the general loop's operations in its order. */
+static void hc_post_row4(const float *restrict src, const float *restrict yf, const float *restrict c,
+                         const float *restrict p, float *restrict acc, long D) {
+    const float *restrict x0 = src, *restrict x1 = src + D, *restrict x2 = src + 2 * D, *restrict x3 = src + 3 * D;
+    float *restrict o0 = acc, *restrict o1 = acc + D, *restrict o2 = acc + 2 * D, *restrict o3 = acc + 3 * D;
+    for (long i = 0; i < D; i++) {
+        float a0 = c[0] * x0[i], a1 = c[1] * x0[i], a2 = c[2] * x0[i], a3 = c[3] * x0[i];
+        a0 += c[4] * x1[i], a1 += c[5] * x1[i], a2 += c[6] * x1[i], a3 += c[7] * x1[i];
+        a0 += c[8] * x2[i], a1 += c[9] * x2[i], a2 += c[10] * x2[i], a3 += c[11] * x2[i];
+        a0 += c[12] * x3[i], a1 += c[13] * x3[i], a2 += c[14] * x3[i], a3 += c[15] * x3[i];
+        o0[i] = a0 + p[0] * yf[i], o1[i] = a1 + p[1] * yf[i], o2[i] = a2 + p[2] * yf[i], o3[i] = a3 + p[3] * yf[i];
+    }
+}
+
 void hc_post(const void *y, int y_dtype, const void *streams, const float *post, const float *comb, void *out,
              long T, long n, long D, int dtype, int num_threads) {
     const size_t es = elem_size(dtype), y_es = elem_size(y_dtype);
     PARALLEL_IF(T * n * D > PARALLEL_MIN_WORK && T > 1, {
-        float *src = malloc((size_t)(n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y */
-        float *acc = malloc((size_t)D * sizeof(float));
+        float *src = malloc((size_t)(2 * n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y, then the n outputs */
+        float *acc = src + (n + 1) * D;
         _Pragma("omp for schedule(static)")
         for (long t = 0; t < T; t++) {
             load_row((const char *)streams + (size_t)t * n * D * es, dtype, src, n * D);
             load_row((const char *)y + (size_t)t * D * y_es, y_dtype, src + n * D, D);
             const float *restrict yf = src + n * D;
             const float *restrict c = comb + t * n * n;
+            if (n == 4) {
+                hc_post_row4(src, yf, c, post + t * n, acc, D);
+                store_row(acc, (char *)out + (size_t)t * n * D * es, dtype, n * D);
+                continue;
+            }
             for (long k = 0; k < n; k++) {
+                float *restrict ak = acc + k * D;
                 const float ck0 = c[k];
-                for (long i = 0; i < D; i++) acc[i] = ck0 * src[i];
+                for (long i = 0; i < D; i++) ak[i] = ck0 * src[i];
                 for (long j = 1; j < n; j++) {
                     const float cjk = c[j * n + k];
                     const float *restrict xj = src + j * D;
-                    for (long i = 0; i < D; i++) acc[i] += cjk * xj[i];
+                    for (long i = 0; i < D; i++) ak[i] += cjk * xj[i];
                 }
                 const float pk = post[t * n + k];
-                for (long i = 0; i < D; i++) acc[i] += pk * yf[i];
-                store_row(acc, (char *)out + (size_t)(t * n + k) * D * es, dtype, D);
+                for (long i = 0; i < D; i++) ak[i] += pk * yf[i];
             }
+            store_row(acc, (char *)out + (size_t)t * n * D * es, dtype, n * D);
         }
-        free(acc);
         free(src);
     });
 }

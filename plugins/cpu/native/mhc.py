@@ -8,50 +8,68 @@ import torch
 
 from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr, threads
 
-_HC_PRE = Kernel("hc_pre", streams=ptr, fn=ptr, base=ptr, scale=ptr, collapsed=ptr, post=ptr, comb=ptr, T=long_,
-                 n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, dtype=int_, num_threads=int_)
-_HC_PRE_NORM = Kernel("hc_pre_norm", streams=ptr, fn=ptr, base=ptr, scale=ptr, normed=ptr, post=ptr, comb=ptr,
-                      T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, norm_weight=ptr,
-                      w_dtype=int_, rms_eps=float_, dtype=int_, num_threads=int_)
+_HC_PRE = Kernel("hc_pre", streams=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, collapsed=ptr, post=ptr, comb=ptr,
+                 T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, dtype=int_,
+                 num_threads=int_)
+_HC_PRE_NORM = Kernel("hc_pre_norm", streams=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, normed=ptr, post=ptr,
+                      comb=ptr, T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_,
+                      norm_weight=ptr, w_dtype=int_, rms_eps=float_, dtype=int_, num_threads=int_)
 _HC_HEAD = Kernel("hc_head", streams=ptr, fn=ptr, base=ptr, scale=ptr, out=ptr, T=long_, n=long_, D=long_,
                   eps=float_, norm_eps=float_, dtype=int_, num_threads=int_)
 _HC_POST = Kernel("hc_post", y=ptr, y_dtype=int_, streams=ptr, post=ptr, comb=ptr, out=ptr, T=long_, n=long_,
                   D=long_, dtype=int_, num_threads=int_)
 
+# The mixes (n * (n + 2), n = 4 streams) whose tiles read fn transposed (mhc.c: HC_T_MIXES).
+TRANSPOSED_MIXES = 24
+
+
+def transpose_fn(fn: torch.Tensor) -> torch.Tensor:
+    """hc_pre's `fn_t`: fn `[24, n*D]` transposed to `[n*D, 24]` fp32, what the C tiles of 4 token rows
+    read (one copy per weight, kept by the caller)."""
+    return fn.detach().float().t().contiguous()
+
 
 def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
            sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None,
-           rms_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+           rms_eps: float = 0.0, fn_t: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(collapsed, post, comb); with `norm_weight` `[D]` (hc_pre_norm) the collapse RMS-normalised
-    (eps `rms_eps`) in its place."""
+    (eps `rms_eps`) in its place. `fn_t`: `transpose_fn(fn)` where the caller keeps one (multi-row
+    calls then run on it, 2.5x faster), else None."""
     dtype = dtype_code(streams)
-    if dtype is None or streams.dim() != 3 or streams.numel() == 0:
+    if dtype is None or streams.dim() != 3:
         return None
     T, n, D = streams.shape
     mixes = n * (n + 2)
-    if fn.shape != (mixes, n * D) or base.numel() != mixes or scale.numel() < 3:
+    if streams.numel() == 0 or fn.shape != (mixes, n * D) or base.numel() != mixes or scale.numel() < 3:
         return None
     if not (fn.is_cpu and base.is_cpu and scale.is_cpu):
         return None
-    w_dtype = None if norm_weight is None else dtype_code(norm_weight)
-    if norm_weight is not None and (w_dtype is None or norm_weight.shape != (D,)):
-        return None
-    s = streams.contiguous()
+    if norm_weight is not None:
+        w_dtype = dtype_code(norm_weight)
+        if w_dtype is None or norm_weight.shape != (D,):
+            return None
+    t_ptr = None
+    if fn_t is not None:
+        if fn_t.shape != (n * D, TRANSPOSED_MIXES) or fn_t.dtype is not torch.float32 or not fn_t.is_contiguous():
+            return None
+        t_ptr = fn_t.data_ptr()
+    s = streams if streams.is_contiguous() else streams.contiguous()
     f, b, sc = f32(fn), f32(base), f32(scale)
-    collapsed = torch.empty((T, D), dtype=streams.dtype)
+    out = torch.empty((T, D), dtype=streams.dtype)
     post = torch.empty((T, n), dtype=torch.float32)
     comb = torch.empty((T, n, n), dtype=torch.float32)
     if norm_weight is not None:
-        _HC_PRE_NORM(lib, streams=s.data_ptr(), fn=f.data_ptr(), base=b.data_ptr(), scale=sc.data_ptr(),
-                     normed=collapsed.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
-                     sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps,
-                     norm_weight=norm_weight.contiguous().data_ptr(), w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype,
-                     num_threads=threads())
-        return collapsed, post, comb
-    _HC_PRE(lib, streams=s.data_ptr(), fn=f.data_ptr(), base=b.data_ptr(), scale=sc.data_ptr(),
-            collapsed=collapsed.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
-            sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, dtype=dtype, num_threads=threads())
-    return collapsed, post, comb
+        w = norm_weight if norm_weight.is_contiguous() else norm_weight.contiguous()
+        _HC_PRE_NORM(lib, streams=s.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr, base=b.data_ptr(), scale=sc.data_ptr(),
+                     normed=out.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
+                     sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, norm_weight=w.data_ptr(),
+                     w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype, num_threads=threads())
+    else:
+        _HC_PRE(lib, streams=s.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr, base=b.data_ptr(), scale=sc.data_ptr(),
+                collapsed=out.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
+                sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, dtype=dtype, num_threads=threads())
+    return out, post, comb
 
 
 def hc_post(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
