@@ -58,9 +58,9 @@ class PackedWeights:
         return sum(packed is not None for _, packed in self._entries.values())
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of a contiguous 2-D bf16 `weight`, or None on its first use (and for any
-        other weight)."""
-        if (weight.dtype != torch.bfloat16 or weight.dim() != 2 or not weight.is_contiguous() or weight.requires_grad
+        """The packed copy of a contiguous 2-D bf16 `weight` (or a 3-D stack of them, where the pack
+        function takes it), or None on its first use (and for any other weight)."""
+        if (weight.dtype != torch.bfloat16 or weight.dim() < 2 or not weight.is_contiguous() or weight.requires_grad
                 or weight.numel() == 0):
             return None
         key = id(weight)

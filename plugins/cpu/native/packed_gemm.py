@@ -29,14 +29,17 @@ def packed_shape(lib: ctypes.CDLL, N: int, K: int) -> tuple[int, int, int, int]:
 
 def pack_bf16(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor | None:
     """A contiguous 2-D bf16 CPU `weight` [N, K] in the packed layout (a new bf16 tensor of about the
-    same size: N rounded up to the block width, K to even), or None for anything else."""
-    if (weight.dtype is not torch.bfloat16 or weight.dim() != 2 or not weight.is_cpu or not weight.is_contiguous()
-            or weight.requires_grad or weight.numel() == 0):
+    same size: N rounded up to the block width, K to even), or None for anything else. A 3-D one
+    [E, N, K] (stacked experts or groups) gives [E, *packed_shape(N, K)]: each matrix packed apart."""
+    if (weight.dtype is not torch.bfloat16 or weight.dim() not in (2, 3) or not weight.is_cpu
+            or not weight.is_contiguous() or weight.requires_grad or weight.numel() == 0):
         return None
-    N, K = weight.shape
-    packed = torch.empty(packed_shape(lib, N, K), dtype=torch.bfloat16)
-    _PACK_BF16(lib, W=weight.data_ptr(), P=packed.data_ptr(), N=N, K=K, num_threads=threads())
-    return packed
+    N, K = weight.shape[-2:]
+    stack = weight.view(-1, N, K)
+    packed = torch.empty((stack.shape[0], *packed_shape(lib, N, K)), dtype=torch.bfloat16)
+    for w, p in zip(stack, packed):
+        _PACK_BF16(lib, W=w.data_ptr(), P=p.data_ptr(), N=N, K=K, num_threads=threads())
+    return packed if weight.dim() == 3 else packed[0]
 
 
 def packed_linear_bf16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, weight_shape: tuple[int, int]
