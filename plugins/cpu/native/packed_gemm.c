@@ -144,8 +144,9 @@ ALWAYS_INLINE void tile(const uint16_t *restrict P, const xrow_t *restrict xs, u
  * SLAB_ROWS rows, whose fp32 sums wait in `c` between the K blocks; a 4 x 2 tile (8 sums, 2 weight
  * vectors, 1 broadcast: no spill in 16 ymm registers) runs 2 loads and 4 broadcasts per 8 FMAs. The
  * same products summed in the same order as the tiles above: the same bits. One thread, against the
- * tiles above (scripts/bench_packed_gemm.py shapes, M = 16 to 512): 1.04-1.4x at 16 rows, 1.25-1.6x
- * from 32; 4 x 3 (12 sums) spilled or, with folded loads, ran 1.0-1.1x. */
+ * tiles above (a C harness alternating both, warm weights): 1.04-1.4x at 16 rows, 1.19-1.56x at 512 on
+ * the 161 M V4 checkpoint's shapes, 4096 x 512 and 512 x 2048; 4 x 3 tiles (12 sums) spilled or, with
+ * folded loads, ran 1.0-1.1x. */
 #define BLOCKED_MIN_ROWS 16
 #define BLOCKED_ROWS 4
 #define BLOCKED_BLOCKS 2
@@ -153,8 +154,9 @@ ALWAYS_INLINE void tile(const uint16_t *restrict P, const xrow_t *restrict xs, u
 #define KB_PAIRS 64  /* K pairs per block: a panel's block widened to fp32 is 16 x 128 x 4 B = 8 KB */
 #define SLAB_ROWS 64 /* rows per work item: a slab and a panel are the unit split over the threads */
 
-/* rows [0, mr) of a slab x 8 * nr columns over 2 * np k of the widened block wf [2 np][BLOCKED_COLS]: sums from c
- * (c [mr][BLOCKED_COLS], fp32) unless first; to c, or (last) rounded to bf16 into y (row stride N, cols columns) */
+/* rows [0, mr) of a slab x 8 * nr columns over 2 * np k of the widened block wf [2 np][BLOCKED_COLS]:
+ * sums from c (c [mr][BLOCKED_COLS], fp32) unless first; to c, or (last) rounded to bf16 into y (row
+ * stride N, cols columns) */
 ALWAYS_INLINE void block_tile(const float *restrict wf, const float *restrict x, long xstride, float *restrict c,
                               long np, const int mr, const int nr, int first, int last, uint16_t *restrict y,
                               long N, long cols) {
@@ -162,7 +164,8 @@ ALWAYS_INLINE void block_tile(const float *restrict wf, const float *restrict x,
 #pragma GCC unroll 8
     for (int i = 0; i < mr; i++)
 #pragma GCC unroll 8
-        for (int j = 0; j < nr; j++) acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * BLOCKED_COLS + 8 * j);
+        for (int j = 0; j < nr; j++)
+            acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * BLOCKED_COLS + 8 * j);
     for (long k = 0; k < 2 * np; k++) {
         __m256 w[BLOCKED_BLOCKS];
 #pragma GCC unroll 8
@@ -193,14 +196,14 @@ ALWAYS_INLINE void block_tile(const float *restrict wf, const float *restrict x,
     }
 }
 
-#define BLOCK_CASE(MR, NR)                                                                  \
-    case (MR) * 16 + (NR):                                                                  \
-        block_tile(wf, x, xstride, c, np, MR, NR, first, last, y, N, cols);                 \
+#define BLOCK_CASE(MR, NR)                                                  \
+    case (MR) * 16 + (NR):                                                  \
+        block_tile(wf, x, xstride, c, np, MR, NR, first, last, y, N, cols); \
         break;
 #define BLOCK_ROW_CASES(MR) BLOCK_CASE(MR, 1) BLOCK_CASE(MR, 2)
 
-static void block_dispatch(const float *restrict wf, const float *restrict x, long xstride, float *restrict c, long np,
-                           int mr, int nr, int first, int last, uint16_t *restrict y, long N, long cols) {
+static void block_dispatch(const float *restrict wf, const float *restrict x, long xstride, float *restrict c,
+                           long np, int mr, int nr, int first, int last, uint16_t *restrict y, long N, long cols) {
     switch (mr * 16 + nr) {
         BLOCK_ROW_CASES(1)
         BLOCK_ROW_CASES(2)
@@ -211,19 +214,22 @@ static void block_dispatch(const float *restrict wf, const float *restrict x, lo
 }
 
 /* pairs [p0, p0 + np) of nr column blocks of P (from block b0) widened to fp32: wf [2 np][BLOCKED_COLS] */
-static void widen_block(const uint16_t *restrict P, long pairs, long b0, int nr, long p0, long np, float *restrict wf) {
+static void widen_block(const uint16_t *restrict P, long pairs, long b0, int nr, long p0, long np,
+                        float *restrict wf) {
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int j = 0; j < nr; j++) {
         const uint16_t *restrict w = P + ((size_t)(b0 + j) * pairs + p0) * 16;
         for (long p = 0; p < np; p++) {
             const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + p * 16));
-            _mm256_storeu_ps(wf + (2 * p) * BLOCKED_COLS + 8 * j, _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)));
-            _mm256_storeu_ps(wf + (2 * p + 1) * BLOCKED_COLS + 8 * j, _mm256_castsi256_ps(_mm256_and_si256(wv, high)));
+            float *restrict even = wf + 2 * p * BLOCKED_COLS + 8 * j;
+            _mm256_storeu_ps(even, _mm256_castsi256_ps(_mm256_slli_epi32(wv, 16)));
+            _mm256_storeu_ps(even + BLOCKED_COLS, _mm256_castsi256_ps(_mm256_and_si256(wv, high)));
         }
     }
 }
 
-static void blocked_gemm(const uint16_t *P, const float *xs, uint16_t *Y, long M, long N, long pairs, int num_threads) {
+static void blocked_gemm(const uint16_t *P, const float *xs, uint16_t *Y, long M, long N, long pairs,
+                         int num_threads) {
     const long blocks = (N + 7) / 8, panels = (blocks + BLOCKED_BLOCKS - 1) / BLOCKED_BLOCKS;
     const long slabs = (M + SLAB_ROWS - 1) / SLAB_ROWS, xstride = 2 * pairs;
 #pragma omp parallel num_threads(num_threads) if (M * N * pairs > PARALLEL_MIN_WORK)
@@ -243,8 +249,8 @@ static void blocked_gemm(const uint16_t *P, const float *xs, uint16_t *Y, long M
                 const int first = p0 == 0, last = p0 + np == pairs;
                 for (long m0 = m_lo; m0 < m_hi; m0 += BLOCKED_ROWS) {
                     const int mr = m_hi - m0 < BLOCKED_ROWS ? (int)(m_hi - m0) : BLOCKED_ROWS;
-                    block_dispatch(wf, xs + m0 * xstride + 2 * p0, xstride, c + (m0 - m_lo) * BLOCKED_COLS, np, mr, nr, first,
-                                   last, Y + m0 * N + n0, N, cols);
+                    block_dispatch(wf, xs + m0 * xstride + 2 * p0, xstride, c + (m0 - m_lo) * BLOCKED_COLS, np, mr,
+                                   nr, first, last, Y + m0 * N + n0, N, cols);
                 }
             }
         }
