@@ -214,7 +214,7 @@ class NativeCpuKernels(CpuKernels):
         lib = self.native_library
         if lib is None or not packed_weights.enabled():
             return None
-        return PackedWeights(pack=functools.partial(native.pack_bf16, lib))
+        return PackedWeights(pack=functools.partial(native.pack_bf16, lib), stacks=True)
 
     @functools.cached_property
     def _packed_gemm_rows(self) -> tuple[int, int]:

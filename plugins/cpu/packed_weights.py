@@ -49,8 +49,9 @@ class PackedWeights:
     """Packed copies keyed by the weight tensor's identity (held weakly and checked on every hit, so a
     reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout)."""
 
-    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack) -> None:
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack, stacks: bool = False) -> None:
         self._pack = pack
+        self._dims = (2, 3) if stacks else (2,)  # stacks: 3-D stacks of matrices too (where `pack` takes them)
         # id(weight) -> (weak reference, packed copy or None after the first use)
         self._entries: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
 
@@ -58,10 +59,10 @@ class PackedWeights:
         return sum(packed is not None for _, packed in self._entries.values())
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of a contiguous 2-D bf16 `weight` (or a 3-D stack of them, where the pack
-        function takes it), or None on its first use (and for any other weight)."""
-        if (weight.dtype != torch.bfloat16 or weight.dim() < 2 or not weight.is_contiguous() or weight.requires_grad
-                or weight.numel() == 0):
+        """The packed copy of a contiguous 2-D bf16 `weight` (or, with `stacks`, a 3-D stack of them), or
+        None on its first use (and for any other weight)."""
+        if (weight.dtype != torch.bfloat16 or weight.dim() not in self._dims or not weight.is_contiguous()
+                or weight.requires_grad or weight.numel() == 0):
             return None
         key = id(weight)
         entry = self._entries.get(key)
