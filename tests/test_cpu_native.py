@@ -366,8 +366,9 @@ def check_packed_gemm(lib, M, N, K):
 
 # M across the 4-row tiles and their tails (1..65), N not a multiple of 16 (or of the 4-block panels),
 # K odd and not a multiple of 32
-@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 16, 31, 64, 65])
-@pytest.mark.parametrize("N,K", [(1, 1), (17, 33), (100, 70), (300, 2), (1000, 129)])
+# (from 32 rows on AVX2 the K-blocked tiles: slabs of 64 rows, blocks of 64 K pairs)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 16, 31, 32, 64, 65, 130])
+@pytest.mark.parametrize("N,K", [(1, 1), (17, 33), (100, 70), (300, 2), (1000, 129), (50, 300)])
 def test_packed_gemm_bf16(nat, M, N, K):
     lib = nat.native_library
     W, x, packed = check_packed_gemm(lib, M, N, K)
@@ -402,6 +403,63 @@ def test_linear_on_packed_tiles(rows):
     if low <= rows <= high:
         assert torch.equal(kernels.linear(x, W), native.packed_linear_bf16(kernels.native_library, x,
                                                                            kernels.tile_weights.lookup(W), W.shape))
+
+
+def test_packed_gemm_bf16_stacked(nat):
+    # a 3-D weight (stacked experts or groups): each matrix packed apart
+    lib, W = nat.native_library, make((3, 40, 70), torch.bfloat16)
+    packed = native.pack_bf16(lib, W)
+    assert packed.shape == (3, *native.packed_shape(lib, 40, 70))
+    for e in range(3):
+        assert torch.equal(packed[e], native.pack_bf16(lib, W[e].contiguous()))
+    assert native.pack_bf16(lib, make((2, 3, 40, 70), torch.bfloat16)) is None  # 4-D
+
+
+def test_moe_experts_on_packed_tiles(nat, monkeypatch):
+    # prefill-sized expert rows (above the C expert kernel's limit): from the stacks' second use, each
+    # expert's rows on the packed tiles where the tier's tile rows cover them, rounded where the
+    # composed path rounds (gate/up, swiglu, output)
+    counts, D, inter, limit = [40, 0, 35, 33], 64, 128, 7.0  # each expert's hidden >= 4096: the C swiglu
+    E, n = len(counts), sum(counts)
+    rows, w13, w2 = make((n, D), torch.bfloat16), make((E, 2 * inter, D), torch.bfloat16, 1), \
+        make((E, D, inter), torch.bfloat16, 2)
+    ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).view(n, 1)
+    grouped, plan = nat.moe_dispatch(rows, ids, E)
+    assert n > nat._native_expert_rows(E)
+    low, high = nat._packed_gemm_rows
+    for _ in range(3):
+        got = nat.moe_experts(grouped, plan, w13, w2, limit)
+    if not low <= max(counts) <= high:
+        assert nat._tile_experts(grouped, plan, w13, w2, limit) is None
+        return
+    assert_close(got, experts_reference(grouped, counts, w13, w2, limit))
+    lib, start, want = nat.native_library, 0, []
+    for e, c in enumerate(counts):
+        if c:
+            gu = native.packed_linear_bf16(lib, grouped[start:start + c], native.pack_bf16(lib, w13[e]), (2 * inter, D))
+            h = nat.swiglu(gu[:, :inter], gu[:, inter:], limit)
+            want.append(native.packed_linear_bf16(lib, h, native.pack_bf16(lib, w2[e]), (D, inter)))
+        start += c
+    assert torch.equal(got, torch.cat(want))
+    # where the tiles decline (here: a tile call that returns None) the composed path runs
+    monkeypatch.setattr(native, "packed_linear_bf16", lambda *a: None)
+    composed = CpuKernels.moe_experts(nat, grouped, plan, w13, w2, limit)
+    assert torch.equal(nat.moe_experts(grouped, plan, w13, w2, limit), composed)
+
+
+@pytest.mark.parametrize("T", [2, 40])
+def test_grouped_linear_on_packed_tiles(nat, T):
+    x, w = make((T, 3, 70), torch.bfloat16), make((3, 50, 70), torch.bfloat16, 1)
+    want = torch.einsum("tgk,gnk->tgn", x.double(), w.double()).to(torch.bfloat16)
+    for _ in range(3):
+        got = nat.grouped_linear(x, w)
+        assert_close(got, want)
+    low, high = nat._packed_gemm_rows
+    if max(low, 16) <= T <= high and not (nat.native_amx and T <= 64):  # from 16 tokens (a call per group)
+        packed = nat.tile_weights.lookup(w)
+        assert packed is not None
+        for g in range(3):
+            assert torch.equal(got[:, g], native.packed_linear_bf16(nat.native_library, x[:, g], packed[g], (50, 70)))
 
 
 def experts_reference(rows, counts, w13, w2, limit, torch_swiglu=False):

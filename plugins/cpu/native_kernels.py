@@ -37,7 +37,7 @@ from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, DeepseekV41Ops
 from deepinfer_plugins.cpu import native, packed_weights
-from deepinfer_plugins.cpu.kernels import CpuKernels, _pad_rows
+from deepinfer_plugins.cpu.kernels import _SKINNY_ROWS, CpuKernels, _pad_rows
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
 # When the C expert kernel beats the torch paths (32 experts of 1024 x 512, top-4, 2 threads).
@@ -75,7 +75,8 @@ _GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
 #   AVX2+FMA (emulated): 2-3 rows 0.96-1.56x the multi-token GEMV, 4 rows 1.22-1.28x, 16-64 rows 1.86-1.91x
 #     (67-70 GFLOP/s); one row 0.55-0.61x the GEMV (it widens bf16 pairs, the GEMV streams rows): not used.
 #     Prefill too: oneDNN has no AVX2 bf16 kernel, and torch's F.linear runs at 15-23 GFLOP/s, the tiles at
-#     47-71 (2.5-3.7x at 16, 128 and 512 rows).
+#     47-71 (2.5-3.7x at 16, 128 and 512 rows); so do the routed experts' rows and the grouped output
+#     projection above the C expert kernel's and the GEMV's limits (_tile_experts, _tile_grouped).
 # The portable tier is not measured: its products stay where they were.
 _PACKED_GEMM_ROWS = {"avx512-bf16": (1, 64), "avx2-fma": (2, 1 << 62), "portable": (0, 0)}
 # Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA and
@@ -384,7 +385,31 @@ class NativeCpuKernels(CpuKernels):
             out = native.grouped_gemv_bf16(lib, x, weight)
         elif lib is not None and x.shape[0] <= _GROUPED_AMX_MAX_TOKENS:
             out = native.grouped_amx_bf16(lib, x, weight)  # None without AMX
+        if out is None and lib is not None:
+            out = self._tile_grouped(x, weight)
         return super().grouped_linear(x, weight) if out is None else out
+
+    def _tile_grouped(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """x [T, G, K] by each group's weight [G, N, K] on the packed register tiles (the stack packed
+        once, from its second use) where the tier's tile rows cover T, from _SKINNY_ROWS tokens; None
+        otherwise. One thread, tiles against torch's batched products (cold weights): AVX2 2.1-3.3x at
+        16-64 tokens and 4.6-5.1x at 512 on 2 x 64 x 256 (the 161 M V4's) and 8 x 1024 x 4096, 0.5-0.65x
+        at 2-4 tokens on the small one (a call per group); AVX512-BF16 1.0-1.9x at 16-64 tokens."""
+        low, high = self._packed_gemm_rows
+        tiles = self.tile_weights
+        if (tiles is None or x.dtype != torch.bfloat16 or x.dim() != 3
+                or not max(low, _SKINNY_ROWS) <= x.shape[0] <= high):
+            return None
+        packed = tiles.lookup(weight)
+        if packed is None or packed.dim() != 5:
+            return None
+        out = torch.empty((x.shape[0], weight.shape[0], weight.shape[1]), dtype=x.dtype)
+        for g in range(weight.shape[0]):
+            y = native.packed_linear_bf16(self.native_library, x[:, g], packed[g], weight.shape[1:])
+            if y is None:
+                return None
+            out[:, g] = y
+        return out
 
     def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scaling_factor: float,
                   hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,7 +447,39 @@ class NativeCpuKernels(CpuKernels):
         out = None
         if lib is not None and rows.shape[0] <= self._native_expert_rows(w13.shape[0]):
             out = native.experts_bf16(lib, rows, plan.tokens_per_expert, w13, w2, swiglu_limit)
+        elif lib is not None:
+            out = self._tile_experts(rows, plan, w13, w2, swiglu_limit)
         return super().moe_experts(rows, plan, w13, w2, swiglu_limit) if out is None else out
+
+    def _tile_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
+                      swiglu_limit: float) -> torch.Tensor | None:
+        """Each expert's rows through the packed register tiles (both expert stacks packed once, from
+        their second use), rounded where the composed path rounds: gate/up, swiglu, output. None where
+        the tier's tile rows do not cover the largest expert's rows (or at the first use). On the AVX2
+        tier this is prefill's MoE: torch's bf16 GEMMs there (no oneDNN bf16 kernel) ran the 161 M V4
+        checkpoint's 16 experts at 128 rows each at ~3 GFLOP/s, two thirds of a 512-token prefill (one
+        thread); the tiles run them 3.8-5.2x faster. AVX512-BF16 (up to 64 rows per expert): 1.3-1.8x
+        torch's oneDNN GEMMs at 24-64 rows per expert."""
+        counts = plan.tokens_per_expert.tolist()
+        low, high = self._packed_gemm_rows
+        tiles = self.tile_weights
+        if tiles is None or rows.dtype != torch.bfloat16 or not counts or not low <= max(counts) <= high:
+            return None
+        p13, p2 = tiles.lookup(w13), tiles.lookup(w2)  # both looked up: each counts its uses
+        if p13 is None or p2 is None:
+            return None
+        lib, inter = self.native_library, w2.shape[2]
+        out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype)
+        start = 0
+        for e, count in enumerate(counts):
+            if count:
+                gate_up = native.packed_linear_bf16(lib, rows[start:start + count], p13[e], w13.shape[1:])
+                if gate_up is None:
+                    return None
+                h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
+                out[start:start + count] = native.packed_linear_bf16(lib, h, p2[e], w2.shape[1:])
+            start += count
+        return out
 
     def _quant_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor | QuantizedWeight,
                        w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor | None:
