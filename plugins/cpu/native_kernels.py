@@ -477,7 +477,10 @@ class NativeCpuKernels(CpuKernels):
                 if gate_up is None:
                     return None
                 h = self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit)
-                out[start:start + count] = native.packed_linear_bf16(lib, h, p2[e], w2.shape[1:])
+                y = native.packed_linear_bf16(lib, h, p2[e], w2.shape[1:])
+                if y is None:
+                    return None
+                out[start:start + count] = y
             start += count
         return out
 
