@@ -171,6 +171,7 @@ def test_hc_pre_keeps_one_transposed_fn(nat):
     copy = kernels._hc_fn_t(make((8, n, D), torch.bfloat16), fn)
     assert torch.equal(copy, fn.t()) and kernels._hc_fn_t(make((5, n, D), torch.bfloat16), fn) is copy
     assert kernels._hc_fn_t(make((3, n, D), torch.bfloat16), fn) is None  # one row at a time below a tile
+    assert kernels._hc_fn_t(make((8, n, D), torch.float32), fn) is None  # fp32 keeps the dot products on fn
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -236,8 +236,11 @@ class NativeCpuKernels(CpuKernels):
         return PackedWeights(pack=native.transpose_fn, dtype=torch.float32)
 
     def _hc_fn_t(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor | None:
-        """fn's transposed copy for calls with a 4-row tile (None below 4 rows: one row reads fn itself)."""
-        if streams.shape[0] < 4 or fn.shape[0] != native.TRANSPOSED_MIXES:
+        """fn's transposed copy for bf16 calls with a 4-row tile (None below 4 rows: one row reads fn itself).
+        The tiles sum in another order than the dot products on fn, and the copy exists only from the
+        site's second call: fp32 streams (the reference dtype) keep the dot products, so running the same
+        fp32 tokens twice gives the same bits."""
+        if streams.dtype != torch.bfloat16 or streams.shape[0] < 4 or fn.shape[0] != native.TRANSPOSED_MIXES:
             return None
         table = self.hc_weights
         return None if table is None else table.lookup(fn)
