@@ -9,6 +9,15 @@ void packed_rows(const uint16_t *X, void *xs, long m0, long m1, long K);
 void packed_group_products(const uint16_t *P, size_t group_size, const void *xs, uint16_t *Y, const long *offsets,
                            const long *active, long num_active, long N, long K);
 
+/* token t's hidden row [I] (bf16) = swiglu of its gate_up row [2I] (bf16: gate, then up), with g, u scratch */
+static void hidden_row(const uint16_t *gate_up, uint16_t *hidden, long t, long I, float *g, float *u, float hi,
+                       float lo) {
+    load_row(gate_up + (size_t)t * 2 * I, DT_BF16, g, I);
+    load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
+    swiglu_row(g, u, I, hi, lo);
+    store_row(g, hidden + (size_t)t * I, DT_BF16, I);
+}
+
 /* ----- experts_bf16: the routed experts of a decode-sized batch, streaming each weight once -----
  * rows [n, D] grouped by expert (expert e owns counts[e] rows, after those of experts < e), w13 [E, 2I, D]
  * (gate rows then up rows), w2 [E, D, I]; out [n, D]. Each block of 16 weight rows is read from
@@ -62,10 +71,7 @@ int experts_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, lo
         }
 #pragma omp for schedule(static)
         for (long t = 0; t < n; t++) {
-            load_row(gate_up + (size_t)t * 2 * I, DT_BF16, g, I);
-            load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
-            swiglu_row(g, u, I, hi, lo);
-            store_row(g, hidden + (size_t)t * I, DT_BF16, I);
+            hidden_row(gate_up, hidden, t, I, g, u, hi, lo);
             if (!amx) gemv_widen_x(hidden + (size_t)t * I, hidden_f + (size_t)t * I, I);
         }
         if (amx) {
@@ -113,10 +119,7 @@ int experts_packed_bf16(const uint16_t *rows, long n, long D, const int64_t *cou
         packed_group_products(pw13, size13, rows_x ? rows_x : rows, gate_up, offsets, active, num_active, 2 * I, D);
 #pragma omp for schedule(static)
         for (long t = 0; t < n; t++) {
-            load_row(gate_up + (size_t)t * 2 * I, DT_BF16, g, I);
-            load_row(gate_up + (size_t)t * 2 * I + I, DT_BF16, u, I);
-            swiglu_row(g, u, I, hi, lo);
-            store_row(g, hidden + (size_t)t * I, DT_BF16, I);
+            hidden_row(gate_up, hidden, t, I, g, u, hi, lo);
             if (hidden_x) packed_rows(hidden, hidden_x, t, t + 1, I);
         }
         packed_group_products(pw2, size2, hidden_x ? hidden_x : hidden, out, offsets, active, num_active, D, I);
