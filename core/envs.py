@@ -62,7 +62,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "each made at its second use in its row range: the C register tiles' for decode batches "
            "(AVX512-BF16: 1-64 rows; AVX2+FMA: every multi-row product) and oneDNN's blocked one "
            "for the other multi-row products (each 1.1-3.7x faster, each costs the weights' size "
-           "again in RAM); 0 uses the plain weights only.", kind=bool),
+           "again in RAM), the tiles' copies of the bf16 routed expert stacks (decode batches of several "
+           "rows per expert, AVX2 prefill) and the mHC sites' fn transposed (bf16 batches of 4+ rows); "
+           "0 uses the plain weights only.", kind=bool),
     EnvVar("DEEPINFER_CPU_QUANTIZED_WEIGHTS",
            "cpu back end: 1 keeps a checkpoint's FP8/FP4 linear and expert weights quantised in memory "
            "(about the checkpoint's bytes; products of up to 128 rows run on the stored codes in C, larger "
