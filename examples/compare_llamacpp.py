@@ -15,7 +15,8 @@ expert tensors as BF16 so both engines compute in bf16 on identical values.
 
 `race` times, in each round and in alternating order: prefill of one prompt (`--prompt-tokens`,
 default 512), batch-1 decode (`--decode-tokens`, default 64) and aggregate decode of every batch in
-`--batches` (default 16,64) at context `--context` (default 128). deepinfer runs through
+`--batches` (default 16,64), every decode after a context of `--context` tokens (default 128; llama-bench
+`-d`). deepinfer runs through
 `examples/benchmark.py` (speculation off, `OMP_NUM_THREADS=--threads`), llama.cpp through
 `llama-bench` and `llama-batched-bench` (`-t --threads`). It prints medians and the median of the
 per-round ratios (deepinfer / llama.cpp; above 1 means deepinfer is faster). Differences under ~20 %
@@ -177,9 +178,10 @@ def llamacpp_rate(fig: Figure, args: argparse.Namespace) -> float:
     """tokens/s of `fig` measured by llama-bench (prefill, batch 1) or llama-batched-bench."""
     bin_dir, t = Path(args.llama_bin), str(args.threads)
     if fig.batch == 1:
-        p, n = (args.prompt_tokens, 0) if fig.kind == "prefill" else (0, args.decode_tokens)
+        # decode after a context of --context tokens (`-d`, as deepinfer's side and the batched figures do)
+        p, n, d = (args.prompt_tokens, 0, 0) if fig.kind == "prefill" else (0, args.decode_tokens, args.context)
         rows = json.loads(_run_json([str(bin_dir / "llama-bench"), "-m", args.gguf, "-t", t, "-p", str(p),
-                                     "-n", str(n), "-r", "1", "-o", "json"]))
+                                     "-n", str(n), "-d", str(d), "-r", "1", "-o", "json"]))
         return float(rows[0]["avg_ts"])
     ctx = fig.batch * (args.context + args.decode_tokens) + 256
     text = _run_json([str(bin_dir / "llama-batched-bench"), "-m", args.gguf, "-t", t, "-c", str(ctx),

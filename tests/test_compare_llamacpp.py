@@ -87,6 +87,7 @@ import json, sys
 a = sys.argv[1:]
 assert a[a.index("-t") + 1] == "1", a
 p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
+assert int(a[a.index("-d") + 1]) == (16 if n else 0), a  # batch-1 decode after --context tokens
 print(json.dumps([{{"n_prompt": p, "n_gen": n, "avg_ts": 1000.0 if p else 50.0}}]))
 """
 FAKE_BATCHED = """#!{python}
