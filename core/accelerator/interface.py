@@ -47,7 +47,9 @@ from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeig
 #: `rms_norm_rotary`, each with a default composed of the kernels it fuses.
 #: 2.5 added the optional kernel `sink_attention_rows` (sink attention over keys read by index from
 #: cache tensors), with a default composed of row gathers and `sink_attention`.
-INTERFACE_VERSION = "2.5"
+#: 2.6 added the optional kernel `decode_attention_output` (a decode step's attention from the own key's
+#: write to the output projection), with a default composed of the kernels it fuses.
+INTERFACE_VERSION = "2.6"
 
 
 class ProbeResult(BaseModel):
@@ -229,6 +231,22 @@ class AttentionOps(_Interface):
         kv = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
         mask = masks[0] if len(masks) == 1 else torch.cat(masks, dim=2)
         return self.sink_attention(q, kv, mask, sinks, scale)
+
+    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
+                                sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        """A decode step's attention from its keys to its output, one query per sequence: each query's
+        own key `kv` `[B, d]` written into `caches[0]` at rows `key_rows` `[B]` (the window ring), then
+        `sink_attention_rows` of q `[B, H, d]` over the parts (`caches`, `rows`, `masks` as there, S = 1),
+        the inverse `rotary` (cos/sin `[B, r/2]`), the grouped output projection `wo_a` `[G, R, H*d/G]`
+        and `linear` by `wo_b` `[D, G*R]` -> `[B, D]` in q's dtype. Optional: this default makes those
+        calls; a back end fuses them (one call per layer instead of five and their glue)."""
+        caches[0].index_copy_(0, key_rows, kv)
+        o = self.sink_attention_rows(q.unsqueeze(1), caches, rows, masks, sinks, scale).squeeze(1)
+        o = self.rotary(o, cos, sin, True).view(q.shape[0], wo_a.shape[0], -1)
+        return self.linear(self.grouped_linear(o, wo_a).reshape(q.shape[0], -1), wo_b)
 
 
 def routing_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

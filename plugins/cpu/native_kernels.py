@@ -378,6 +378,46 @@ class NativeCpuKernels(CpuKernels):
             out = native.sink_attention_rows(lib, q, caches, rows, masks, sinks, scale)
         return super().sink_attention_rows(q, caches, rows, masks, sinks, scale) if out is None else out
 
+    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
+                                sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        # bf16 decode steps in one C call (attention_layer.c) where every stage is a C kernel the composed
+        # path would pick: one token (grouped GEMV, then the tiles if wo_b has its packed copy, else the
+        # GEMV), or _SKINNY_ROWS and more on the tiles. It runs only once the packed copies the composed
+        # calls would read exist (`peek` does not count a use): before, those calls run and count the
+        # uses that pack them, so both paths switch products at the same step.
+        lib, out = self.native_library, None
+        if (lib is not None and not self.invariant and q.dtype == torch.bfloat16 and q.dim() == 3
+                and not self.native_amx and not isinstance(wo_a, QuantizedWeight)
+                and not isinstance(wo_b, QuantizedWeight)):
+            products = self._decode_output_products(q.shape[0], wo_a, wo_b)
+            if products is not None:
+                out = native.attention_output_bf16(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin,
+                                                   wo_a, wo_b, *products)
+        if out is not None:
+            return out
+        return super().decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
+                                               wo_b)
+
+    def _decode_output_products(self, tokens: int, wo_a: torch.Tensor, wo_b: torch.Tensor
+                                ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """The packed copies (or None: the plain weight) of wo_a and wo_b that `grouped_linear` and `linear`
+        would read for `tokens` bf16 rows, where both run in C with the copies they need already made;
+        None otherwise."""
+        low, high = self._packed_gemm_rows
+        tiles = self.tile_weights if low <= tokens <= high else None
+        packed_b = None if tiles is None else tiles.peek(wo_b)
+        if tiles is not None and packed_b is None:
+            return None
+        if tokens == 1:
+            return None, packed_b
+        if tiles is None or tokens < max(low, _SKINNY_ROWS):
+            return None
+        packed_a = tiles.peek(wo_a)
+        return None if packed_a is None or packed_a.dim() != 5 else (packed_a, packed_b)
+
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):  # one (tiled) linear per group, see CpuKernels
             return super().grouped_linear(x, weight)

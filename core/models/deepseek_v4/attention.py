@@ -114,6 +114,11 @@ class Attention:
 
         window_flat = st.window.view(-1, d)
         decode_only = len(plan.groups) == 1 and plan.groups[0].in_row_order  # keys written as they are read
+        if decode_only and plan.split is None:  # the rest of the sub-layer in one (fusable) call
+            g = plan.groups[0]
+            caches, rows, masks = self._decode_keys(g, 0, plan, window_flat, index_q, index_w)
+            return a.decode_attention_output(q, kv, g.new_key_ring_row, caches, rows, masks, w["attn_sink"],
+                                             d ** -0.5, cos, sin, self.wo_a, w["wo_b.weight"])
         out = None if decode_only else torch.empty_like(q)  # every query row belongs to one group
         for gi, g in enumerate(plan.groups):
             if g.key_ring_row_all is not None:  # decode: own key into the ring first, then keys read in place
@@ -145,9 +150,15 @@ class Attention:
     def _decode_attention(self, q: torch.Tensor, g, gi: int, plan: StepPlan, window_flat: torch.Tensor,
                           index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:
         """A decode group's attention, q `[B, 1, H, d]` (one query per sequence, own key already in
-        the ring) -> `[B, 1, H, d]`: one `sink_attention_rows` over the window ring rows and the
-        visible (HCA) or picked (CSA) compressed entries, read by index from the cache."""
-        d = self.c.head_dim
+        the ring) -> `[B, 1, H, d]`: one `sink_attention_rows` over `_decode_keys`."""
+        caches, rows, masks = self._decode_keys(g, gi, plan, window_flat, index_q, index_w)
+        return self.accel.sink_attention_rows(q, caches, rows, masks, self.w["attn_sink"], self.c.head_dim ** -0.5)
+
+    def _decode_keys(self, g, gi: int, plan: StepPlan, window_flat: torch.Tensor, index_q: torch.Tensor | None,
+                     index_w: torch.Tensor | None
+                     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """A decode group's key set as `sink_attention_rows` parts (caches, rows, masks): the window
+        ring rows, then the visible (HCA) or picked (CSA) compressed entries, read by index from the cache."""
         caches, rows, masks = [window_flat], [g.key_ring_row_all], [g.window_mask]
         if self.rate:
             ev = plan.entry_view(gi, self.rate)
@@ -158,8 +169,7 @@ class Attention:
             caches.append(self.state.entries)
             rows.append(entry_rows)
             masks.append(entry_mask)
-        return self.accel.sink_attention_rows(q, tuple(caches), tuple(rows), tuple(masks), self.w["attn_sink"],
-                                              d ** -0.5)
+        return tuple(caches), tuple(rows), tuple(masks)
 
     def _selected_entries(self, g, ev, index_q: torch.Tensor, index_w: torch.Tensor,
                           read: Callable[[torch.Tensor], torch.Tensor] | None = None
