@@ -6,7 +6,6 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.attention import _rows_part
 from deepinfer_plugins.cpu.native.binding import Kernel, f32, float_, int_, long_, ptr, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
@@ -19,6 +18,16 @@ _ATTENTION_OUTPUT_BF16 = Kernel(
 
 def _bf16(t: torch.Tensor) -> bool:
     return t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() and not t.requires_grad
+
+
+def _part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether one (cache, rows, mask) key part is what the C call reads for queries `q [B, H, d]`: a
+    contiguous cache `[n, d]` of q's dtype, int64 rows `[B, L]`, bool mask `[B, 1, L]` (sink_attention_rows'
+    parts, S = 1)."""
+    B, _, d = q.shape
+    return (cache.dtype == q.dtype and cache.dim() == 2 and cache.shape[1] == d and cache.is_cpu
+            and cache.is_contiguous() and rows.dtype == torch.int64 and rows.dim() == 2 and rows.shape[0] == B
+            and mask.dtype == torch.bool and mask.shape == (B, 1, rows.shape[1]))
 
 
 def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
@@ -41,8 +50,7 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
             or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != B or not 0 < 2 * cos.shape[1] <= d
             or not cos.is_cpu or not sin.is_cpu):
         return None
-    q4 = q.unsqueeze(1)
-    if not all(_rows_part(q4, c, r, m) for c, r, m in zip(caches, rows, masks)):
+    if not all(_part(q, c, r, m) for c, r, m in zip(caches, rows, masks)):
         return None
     if (packed_wo_a is None or packed_wo_b is None) and B != 1:
         return None
@@ -52,16 +60,17 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
         return None
     parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
     c0, r0, m0 = parts[0]
-    c1, r1, m1 = parts[1] if len(parts) == 2 else (c0, r0[:, :0], m0[..., :0])
+    c1, r1, m1 = parts[1] if len(parts) == 2 else parts[0]
+    L1 = r1.shape[1] if len(parts) == 2 else 0
     kvc, kr, s, cs, sn = kv.contiguous(), key_rows.contiguous(), f32(sinks), f32(cos), f32(sin)
     out = torch.empty((B, wo_b.shape[0]), dtype=torch.bfloat16)
     status = _ATTENTION_OUTPUT_BF16(
         lib, q=q.data_ptr(), kv=kvc.data_ptr(), window=c0.data_ptr(), n0=c0.shape[0], key_rows=kr.data_ptr(),
         rows0=r0.data_ptr(), mask0=m0.data_ptr(), L0=r0.shape[1], cache1=c1.data_ptr(), rows1=r1.data_ptr(),
-        mask1=m1.data_ptr(), n1=c1.shape[0], L1=r1.shape[1], sinks=s.data_ptr(), scale=scale, cos_t=cs.data_ptr(),
+        mask1=m1.data_ptr(), n1=c1.shape[0], L1=L1, sinks=s.data_ptr(), scale=scale, cos_t=cs.data_ptr(),
         sin_t=sn.data_ptr(), half=cos.shape[1], wo_a=wo_a.data_ptr(),
         pwo_a=None if packed_wo_a is None else packed_wo_a.data_ptr(),
-        pa_size=0 if packed_wo_a is None else packed_wo_a[0].numel(), G=G, R=R, wo_b=wo_b.data_ptr(),
+        pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wo_b.data_ptr(),
         pwo_b=None if packed_wo_b is None else packed_wo_b.data_ptr(), D=wo_b.shape[0], out=out.data_ptr(), B=B,
         H=H, d=d, num_threads=threads())
     if status == -1:
