@@ -24,18 +24,38 @@ def composed(kernels: NativeCpuKernels, *args):
     return Accelerator.decode_attention_output(kernels, *args)
 
 
-@pytest.fixture
-def fused_calls(monkeypatch) -> list[int]:
-    """The token counts of the C calls that ran (a None from the wrapper is not counted)."""
-    calls, fused = [], native.attention_output_bf16
+def count_calls(monkeypatch, name: str) -> list[int]:
+    """The token counts of the C calls `native.<name>` that ran (a None from the wrapper is not counted)."""
+    calls, fused = [], getattr(native, name)
 
     def counted(*args, **kw):
         out = fused(*args, **kw)
         if out is not None:
             calls.append(args[1].shape[0])
         return out
-    monkeypatch.setattr(native, "attention_output_bf16", counted)
+    monkeypatch.setattr(native, name, counted)
     return calls
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    return count_calls(monkeypatch, "attention_output_bf16")
+
+
+@pytest.fixture
+def projection_calls(monkeypatch) -> list[int]:
+    return count_calls(monkeypatch, "attention_projections_bf16")
+
+
+def expected_calls(kernels: NativeCpuKernels, dtype: torch.dtype, tokens: int, smallest: int = 1) -> list[int]:
+    """The C calls of three calls on the same weights: on the tiles from the third (the copies are made at
+    a weight's second use), for one token without them on every call; none for fp32, AMX, or other sizes."""
+    low, high = kernels._packed_gemm_rows
+    if dtype != torch.bfloat16 or kernels.native_amx:
+        return []
+    if max(low, smallest) <= tokens <= high:
+        return [tokens]
+    return [tokens] * 3 if tokens == 1 else []
 
 
 def case(B: int, entries: int, dtype: torch.dtype, seed: int = 0):
@@ -85,12 +105,35 @@ def test_fused_matches_the_composed_kernels(B, entries, dtype, fused_calls):
         assert torch.equal(got, want)
         assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
     assert got.shape == (B, 96) and got.dtype == dtype
-    low, high = fused_side._packed_gemm_rows
-    expect = dtype == torch.bfloat16 and not fused_side.native_amx and (
-        B == 1 or (max(low, 16) <= B <= high))  # 2-15 tokens: wo_a on torch's bmm, so the composed path
-    assert bool(fused_calls) == expect
-    if expect:  # with the tiles from the third call, once the copies the composed path reads exist
-        assert fused_calls == [B] * (1 if low <= B <= high else 3)
+    # 2-15 tokens: wo_a on torch's bmm, so the composed path
+    assert fused_calls == expected_calls(fused_side, dtype, B, smallest=1 if B == 1 else 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_heads", [0, 4])  # sliding / HCA layers; CSA (the indexer's query)
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_fused_projections_match_the_composed_kernels(T, index_heads, dtype, projection_calls):
+    g = torch.Generator().manual_seed(T + index_heads)
+    D, rank, H, d, di, half = 96, 48, 4, 64, 32, 8
+
+    def rnd(*shape, std=1.0, dt=dtype):
+        return (torch.randn(shape, generator=g) * std).to(dt)
+    x = rnd(T, D)
+    fused_x = rnd(rank + d + 40, D, std=0.1)  # wq_a, wkv, then others (compressor inputs ...)
+    fused_qr = rnd(H * d + index_heads * di, rank, std=0.2)
+    q_norm, kv_norm = rnd(rank, dt=torch.float32) + 1, rnd(d, dt=torch.float32) + 1
+    angles, index_angles = torch.randn(T, half, generator=g), torch.randn(T, half, generator=g)
+    args = (x, fused_x, rank, q_norm, fused_qr, H, kv_norm, 1e-6, angles.cos(), angles.sin(), index_heads,
+            *((index_angles.cos(), index_angles.sin()) if index_heads else (None, None)))
+    fused_side, composed_side = fresh(), fresh()
+    for _ in range(3):
+        got = fused_side.attention_projections(*args)
+        want = Accelerator.attention_projections(composed_side, *args)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert got[1].shape == (T, H, d) and got[2].shape == (T, d) and got[0].shape == (T, rank + d + 40)
+    assert (got[3] is None) == (index_heads == 0)
+    assert projection_calls == expected_calls(fused_side, dtype, T)
 
 
 def test_bad_key_rows_are_refused():
@@ -113,7 +156,7 @@ def test_bad_key_rows_are_refused():
                                         None, None) is None
 
 
-def test_the_model_decodes_the_same_bits(fused_calls):
+def test_the_model_decodes_the_same_bits(fused_calls, projection_calls):
     """The tiny model (sliding, CSA and HCA layers) in bf16: ragged prefill, then decode steps of one
     and of 16 sequences, with the fused op and with the composed default; the mixed steps and the
     batches it does not take run the composed path on both."""
@@ -121,6 +164,7 @@ def test_the_model_decodes_the_same_bits(fused_calls):
     models = [build_our_model(hf, dtype=torch.bfloat16) for _ in range(2)]
     accel = models[1].blocks[0].attn.accel
     accel.decode_attention_output = lambda *args: composed(accel, *args)
+    accel.attention_projections = lambda *args: Accelerator.attention_projections(accel, *args)
     runners = [Runner(m, num_slots=16) for m in models]
     lengths = [3 + 5 * i for i in range(16)]  # ragged contexts across the compression boundaries
     for r in runners:
@@ -141,6 +185,6 @@ def test_the_model_decodes_the_same_bits(fused_calls):
     kernels = models[0].blocks[0].attn.accel
     low, high = kernels._packed_gemm_rows
     if not kernels.native_amx:
-        assert 1 in fused_calls  # one sequence's decode steps
+        assert 1 in fused_calls and 1 in projection_calls  # one sequence's decode steps
         if max(low, 16) <= 16 <= high:
-            assert 16 in fused_calls
+            assert 16 in fused_calls and 16 in projection_calls

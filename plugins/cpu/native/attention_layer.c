@@ -1,10 +1,14 @@
-/* attention_output_bf16: a decode step's attention from its keys to its output in one call (the
- * interface's decode_attention_output): each query's own key into the window ring, the sink attention
- * over the ring rows and the compressed entries read in place, the inverse rotary, the grouped output
- * projection wo_a and the output projection wo_b. Each stage is the kernel the composed path calls
- * (attention.c, norm_rope.c, gemv.c, packed_gemm.c), with its roundings to bf16 between them, so the
- * result is the composed path's bits; what the call saves is the Python between them (five wrapper
- * calls and ~10 torch ops per layer). */
+/* The attention sub-layer of a decode step in two calls (bf16):
+ * - attention_projections_bf16 (the interface's attention_projections): the fused input projection,
+ *   the query's low-rank norm, the fused query projection, the norms and rotaries of the query heads and
+ *   the key, and the indexer query's rotary;
+ * - attention_output_bf16 (decode_attention_output): each query's own key into the window ring, the
+ *   sink attention over the ring rows and the compressed entries read in place, the inverse rotary, the
+ *   grouped output projection wo_a and the output projection wo_b.
+ * (the compressors and the indexer's top-k run between them, as before). Each stage is the kernel the
+ * composed path calls (attention.c, norm_rope.c, gemv.c, packed_gemm.c), with its roundings to bf16
+ * between them, so the results are the composed path's bits; what the calls save is the Python between
+ * them (ten wrapper calls and ~20 torch ops per layer). */
 #include "common.h"
 
 /* the stages, defined in the other C files of the library */
@@ -12,11 +16,50 @@ int sink_attention_rows(const void *q, const void *cache0, const long *rows0, co
                         long L0, const void *cache1, const long *rows1, const uint8_t *mask1, long n1, long L1,
                         const float *sinks, float scale, void *out, long B, long S, long H, long d, int dtype,
                         int num_threads);
+void rms_norm(const void *x, long x_row_stride, const void *w, int w_dtype, void *out, long rows, long D,
+              float eps, int dtype, int num_threads);
+void rms_norm_rotary(const void *x, long x_row_stride, const void *w, int w_dtype, const float *cos_t,
+                     const float *sin_t, void *out, long T, long M, long d, long half, float eps, int dtype,
+                     int num_threads);
 void rotary(const void *x, long x_stride_t, long x_stride_m, const float *cos_t, const float *sin_t, void *out,
             long T, long M, long d, long half, int inverse, int dtype, int num_threads);
 void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K, int num_threads);
 void grouped_gemv_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long G, long N, long K, int num_threads);
 void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M, long N, long K, int num_threads);
+
+/* Y [T, N] = X [T, K] W^T on W's packed copy P, or for one token on W itself (the GEMV) */
+static void product(const uint16_t *W, const uint16_t *P, const uint16_t *X, uint16_t *Y, long T, long N, long K,
+                    int num_threads) {
+    if (P)
+        packed_gemm_bf16(P, X, Y, T, N, K, num_threads);
+    else
+        gemv_bf16(W, X, Y, N, K, num_threads);
+}
+
+/* x [T, D]; fused_x [Nx, D] (or its packed copy pfx), fused_qr [Nqr, rank] (or pfqr); q_norm, kv_norm
+ * [rank], [d] of dtype code qn_dtype, kv_dtype; cos/sin [T, half], icos/isin [T, ihalf] fp32 (Hi = 0: no
+ * indexer query). Out: px [T, Nx], q [T, H, d], kv [T, d], iq [T, Hi, (Nqr - H d) / Hi], all bf16. */
+void attention_projections_bf16(const uint16_t *x, long T, long D, const uint16_t *fused_x, const uint16_t *pfx,
+                                long Nx, long rank, const void *q_norm, int qn_dtype, const uint16_t *fused_qr,
+                                const uint16_t *pfqr, long Nqr, long H, long d, const void *kv_norm, int kv_dtype,
+                                float eps, const float *cos_t, const float *sin_t, long half, long Hi,
+                                const float *icos, const float *isin, long ihalf, uint16_t *px, uint16_t *q,
+                                uint16_t *kv, uint16_t *iq, int num_threads) {
+    uint16_t *qr = malloc((size_t)T * rank * 2), *pqr = malloc((size_t)T * Nqr * 2);
+    product(fused_x, pfx, x, px, T, Nx, D, num_threads);
+    rms_norm(px, Nx, q_norm, qn_dtype, qr, T, rank, eps, DT_BF16, num_threads);
+    product(fused_qr, pfqr, qr, pqr, T, Nqr, rank, num_threads);
+    for (long t = 0; t < T; t++) /* a token's heads are evenly spaced rows; the tokens are Nqr apart */
+        rms_norm_rotary(pqr + t * Nqr, d, NULL, 0, cos_t + t * half, sin_t + t * half, q + t * H * d, 1, H, d, half,
+                        eps, DT_BF16, num_threads);
+    rms_norm_rotary(px + rank, Nx, kv_norm, kv_dtype, cos_t, sin_t, kv, T, 1, d, half, eps, DT_BF16, num_threads);
+    if (Hi) {
+        const long di = (Nqr - H * d) / Hi;
+        rotary(pqr + H * d, Nqr, di, icos, isin, iq, T, Hi, di, ihalf, 0, DT_BF16, num_threads);
+    }
+    free(pqr);
+    free(qr);
+}
 
 /* q [B, H, d], kv [B, d] (the queries' own keys), window [n0, d] (written at key_rows [B]); the key
  * parts as sink_attention_rows takes them (S = 1); cos/sin [B, half] fp32. wo_a [G, R, K] (K = H d / G):
@@ -52,10 +95,7 @@ int attention_output_bf16(const uint16_t *q, const uint16_t *kv, uint16_t *windo
         } else {
             grouped_gemv_bf16(wo_a, rot, grouped, G, R, K, num_threads);
         }
-        if (pwo_b)
-            packed_gemm_bf16(pwo_b, grouped, out, B, D, G * R, num_threads);
-        else
-            gemv_bf16(wo_b, grouped, out, D, G * R, num_threads);
+        product(wo_b, pwo_b, grouped, out, B, D, G * R, num_threads);
     }
     free(grouped);
     free(rot);

@@ -1,12 +1,13 @@
-"""attention_output_bf16, a decode step's attention from the own keys' write to the output projection
-in one call (attention_layer.c)."""
+"""The attention sub-layer of a decode step in two calls (attention_layer.c): attention_projections_bf16,
+its input projections with their norms and rotaries, and attention_output_bf16, from the own keys' write
+to the output projection."""
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, f32, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
 _ATTENTION_OUTPUT_BF16 = Kernel(
@@ -15,9 +16,65 @@ _ATTENTION_OUTPUT_BF16 = Kernel(
     half=long_, wo_a=ptr, pwo_a=ptr, pa_size=long_, G=long_, R=long_, wo_b=ptr, pwo_b=ptr, D=long_, out=ptr, B=long_,
     H=long_, d=long_, num_threads=int_)
 
+_ATTENTION_PROJECTIONS_BF16 = Kernel(
+    "attention_projections_bf16", x=ptr, T=long_, D=long_, fused_x=ptr, pfx=ptr, Nx=long_, rank=long_, q_norm=ptr,
+    qn_dtype=int_, fused_qr=ptr, pfqr=ptr, Nqr=long_, H=long_, d=long_, kv_norm=ptr, kv_dtype=int_, eps=float_,
+    cos_t=ptr, sin_t=ptr, half=long_, Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr,
+    num_threads=int_)
+
 
 def _bf16(t: torch.Tensor) -> bool:
     return t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() and not t.requires_grad
+
+
+def _rotary_table(cos: torch.Tensor | None, sin: torch.Tensor | None, T: int, d: int) -> bool:
+    """cos/sin `[T, half]` fp32-able CPU tables that the C rotary takes for rows of d features."""
+    return (cos is not None and sin is not None and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == T
+            and 0 < 2 * cos.shape[1] <= d and cos.is_cpu and sin.is_cpu)
+
+
+def _packed_fits(lib: ctypes.CDLL, packed: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    return packed is None or packed.shape == packed_shape(lib, *weight.shape)
+
+
+def attention_projections_bf16(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor, rank: int,
+                               q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
+                               eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
+                               index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
+                               packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """`attention_projections` (the interface's) of bf16 tokens `x [T, D]` with bf16 weights, each product
+    on its packed copy when given, else (one token) on the plain weight; None for anything else."""
+    if x.dim() != 2 or not all(_bf16(t) for t in (x, fused_x, fused_qr)) or fused_x.dim() != 2 or fused_qr.dim() != 2:
+        return None
+    T, D = x.shape
+    (Nx, _), (Nqr, _), d = fused_x.shape, fused_qr.shape, kv_norm.shape[0]
+    qn_dtype, kv_dtype = dtype_code(q_norm), dtype_code(kv_norm)
+    if (fused_x.shape[1] != D or fused_qr.shape[1] != rank or not (0 < rank and rank + d <= Nx) or qn_dtype is None
+            or kv_dtype is None or q_norm.shape != (rank,) or kv_norm.dim() != 1 or heads * d > Nqr
+            or not _rotary_table(cos, sin, T, d) or (packed_x is None or packed_qr is None) and T != 1
+            or not (_packed_fits(lib, packed_x, fused_x) and _packed_fits(lib, packed_qr, fused_qr))):
+        return None
+    di = 0
+    if index_heads:
+        di = (Nqr - heads * d) // index_heads
+        if di * index_heads != Nqr - heads * d or not _rotary_table(index_cos, index_sin, T, di):
+            return None
+    qn, kn, cs, sn = q_norm.contiguous(), kv_norm.contiguous(), f32(cos), f32(sin)
+    ic, isn = (f32(index_cos), f32(index_sin)) if index_heads else (cs, sn)
+    px = torch.empty((T, Nx), dtype=torch.bfloat16)
+    q = torch.empty((T, heads, d), dtype=torch.bfloat16)
+    kv = torch.empty((T, d), dtype=torch.bfloat16)
+    iq = torch.empty((T, index_heads, di), dtype=torch.bfloat16) if index_heads else None
+    _ATTENTION_PROJECTIONS_BF16(
+        lib, x=x.data_ptr(), T=T, D=D, fused_x=fused_x.data_ptr(),
+        pfx=None if packed_x is None else packed_x.data_ptr(), Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
+        qn_dtype=qn_dtype, fused_qr=fused_qr.data_ptr(), pfqr=None if packed_qr is None else packed_qr.data_ptr(),
+        Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(),
+        sin_t=sn.data_ptr(), half=cos.shape[1], Hi=index_heads, icos=ic.data_ptr(), isin=isn.data_ptr(),
+        ihalf=ic.shape[1], px=px.data_ptr(), q=q.data_ptr(), kv=kv.data_ptr(),
+        iq=None if iq is None else iq.data_ptr(), num_threads=threads())
+    return px, q, kv, iq
 
 
 def _part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -56,7 +113,7 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
         return None
     if packed_wo_a is not None and packed_wo_a.shape != (G, *packed_shape(lib, R, K)):
         return None
-    if packed_wo_b is not None and packed_wo_b.shape != packed_shape(lib, *wo_b.shape):
+    if not _packed_fits(lib, packed_wo_b, wo_b):
         return None
     parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
     c0, r0, m0 = parts[0]
