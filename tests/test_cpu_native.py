@@ -990,7 +990,8 @@ def check_attention_layer(lib):
     g = torch.Generator().manual_seed(3)
     x, fused_x, fused_qr = make((1, 96), torch.bfloat16), make((48 + 64 + 8, 96), torch.bfloat16, 1) * 0.1, \
         make((2 * 64 + 2 * 32, 48), torch.bfloat16, 2) * 0.2
-    q_norm, kv_norm, angles = torch.rand(48, generator=g) + 0.5, torch.rand(64, generator=g) + 0.5, make((1, 8), torch.float32, 3)
+    q_norm, kv_norm = torch.rand(48, generator=g) + 0.5, torch.rand(64, generator=g) + 0.5
+    angles = make((1, 8), torch.float32, 3)
     cs = (angles.cos(), angles.sin())
     px, q, kv, iq = native.attention_projections_bf16(lib, x, fused_x, 48, q_norm, fused_qr, 2, kv_norm, 1e-6, *cs, 2,
                                                       *cs, None, None)
@@ -999,7 +1000,8 @@ def check_attention_layer(lib):
     assert torch.equal(q, native.rms_norm_rotary(lib, pqr[:, :128].reshape(1, 2, 64), None, 1e-6, *cs))
     assert torch.equal(kv, native.rms_norm_rotary(lib, px[:, 48:112], kv_norm, 1e-6, *cs))
     assert torch.equal(iq, native.rotary(lib, pqr[:, 128:].reshape(1, 2, 32), *cs, False))
-    window, entries, sinks = make((10, 64), torch.bfloat16, 4), make((6, 64), torch.bfloat16, 5), torch.randn(2, generator=g)
+    window, entries = make((10, 64), torch.bfloat16, 4), make((6, 64), torch.bfloat16, 5)
+    sinks = torch.randn(2, generator=g)
     rows, masks = (torch.tensor([[1, 4, 7]]), torch.tensor([[0, 5]])), (torch.ones(1, 1, 3, dtype=torch.bool),) * 2
     wo_a, wo_b = make((2, 16, 64), torch.bfloat16, 6) * 0.2, make((40, 32), torch.bfloat16, 7) * 0.2
     caches = (window.clone(), entries)
