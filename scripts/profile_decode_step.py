@@ -37,7 +37,8 @@ from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 # accelerator kernels and V4 ops timed on their own
 KERNELS = ("rms_norm", "rotary", "hc_pre", "hc_post", "hc_head", "swiglu", "sink_attention", "grouped_linear",
            "moe_route", "moe_dispatch", "moe_experts", "moe_combine", "indexer_topk", "compress_pool",
-           "argmax_logsumexp", "moe_sublayer", "rms_norm_rotary", "sink_attention_rows")
+           "argmax_logsumexp", "moe_sublayer", "rms_norm_rotary", "sink_attention_rows", "attention_projections",
+           "decode_attention_output")
 # model code whose own time (outside the kernels above) is its glue
 GLUE = ((attention.Attention, "forward"), (moe.MoE, "forward"), (compressor.Compressor, "update"),
         (state.StepPlan, "__init__"), (state.StepPlan, "_group"), (state.StepPlan, "entry_view"),

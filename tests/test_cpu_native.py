@@ -984,6 +984,37 @@ def test_switch_build(switch_builds, variant):
     check_every_kernel(lib)
 
 
+def check_attention_layer(lib):
+    """The two fused attention calls of one bf16 token (plain weights: the GEMVs) are the bits of the
+    same library's kernels called one by one (tests/test_cpu_attention_layer.py: the tiles, the model)."""
+    g = torch.Generator().manual_seed(3)
+    x, fused_x, fused_qr = make((1, 96), torch.bfloat16), make((48 + 64 + 8, 96), torch.bfloat16, 1) * 0.1, \
+        make((2 * 64 + 2 * 32, 48), torch.bfloat16, 2) * 0.2
+    q_norm, kv_norm = torch.rand(48, generator=g) + 0.5, torch.rand(64, generator=g) + 0.5
+    angles = make((1, 8), torch.float32, 3)
+    cs = (angles.cos(), angles.sin())
+    px, q, kv, iq = native.attention_projections_bf16(lib, x, fused_x, 48, q_norm, fused_qr, 2, kv_norm, 1e-6, *cs, 2,
+                                                      *cs, None, None)
+    assert torch.equal(px, native.gemv_bf16(lib, fused_x, x).view(1, -1))
+    pqr = native.gemv_bf16(lib, fused_qr, native.rms_norm(lib, px[:, :48], q_norm, 1e-6)).view(1, -1)
+    assert torch.equal(q, native.rms_norm_rotary(lib, pqr[:, :128].reshape(1, 2, 64), None, 1e-6, *cs))
+    assert torch.equal(kv, native.rms_norm_rotary(lib, px[:, 48:112], kv_norm, 1e-6, *cs))
+    assert torch.equal(iq, native.rotary(lib, pqr[:, 128:].reshape(1, 2, 32), *cs, False))
+    window, entries = make((10, 64), torch.bfloat16, 4), make((6, 64), torch.bfloat16, 5)
+    sinks = torch.randn(2, generator=g)
+    rows, masks = (torch.tensor([[1, 4, 7]]), torch.tensor([[0, 5]])), (torch.ones(1, 1, 3, dtype=torch.bool),) * 2
+    wo_a, wo_b = make((2, 16, 64), torch.bfloat16, 6) * 0.2, make((40, 32), torch.bfloat16, 7) * 0.2
+    caches = (window.clone(), entries)
+    got = native.attention_output_bf16(lib, q, kv, torch.tensor([7]), caches, rows, (masks[0], masks[1][..., :2]),
+                                       sinks, 0.125, *cs, wo_a, wo_b, None, None)
+    window[7] = kv[0]
+    assert torch.equal(caches[0], window)
+    o = native.sink_attention_rows(lib, q.unsqueeze(1), (window, entries), rows, (masks[0], masks[1][..., :2]),
+                                   sinks, 0.125).squeeze(1)
+    o = native.grouped_gemv_bf16(lib, native.rotary(lib, o, *cs, True).view(1, 2, 64), wo_a)
+    assert torch.equal(got, native.gemv_bf16(lib, wo_b, o.reshape(1, -1)).view(1, -1))
+
+
 def check_every_kernel(lib):
     """One or two cases of each C kernel of `lib` against the fp64 or plain-torch references."""
     assert not native.amx_usable(lib)
@@ -1065,6 +1096,7 @@ def check_every_kernel(lib):
     xg, wg = make((1, 3, 70), torch.bfloat16), make((3, 20, 70), torch.bfloat16, 1)
     want = torch.stack([wg[i].double() @ xg[0, i].double() for i in range(3)]).to(torch.bfloat16).unsqueeze(0)
     assert_close(native.grouped_gemv_bf16(lib, xg, wg), want)
+    check_attention_layer(lib)
     logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(0)) * 4
     logits[0, 3] = logits[0, 900] = 50.0
     index, log_norm = native.argmax_logsumexp(lib, logits)

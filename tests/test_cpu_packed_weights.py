@@ -29,6 +29,10 @@ def test_packed_at_the_second_use_of_the_same_weight():
     # a new view object each call (e.g. one expert of a stacked weight) is never packed
     stacked = bf16(4, 96, 64)
     assert all(table.lookup(stacked[1]) is None for _ in range(3)) and len(table) == 1
+    assert table.peek(w) is packed and table.peek(bf16(96, 64, seed=1)) is None
+    fresh = bf16(32, 64, seed=2)
+    assert all(table.peek(fresh) is None for _ in range(3))  # peeking counts no use
+    assert table.lookup(fresh) is None and table.peek(fresh) is None and table.lookup(fresh) is not None
 
 
 def test_only_contiguous_2d_bf16_weights():

@@ -47,7 +47,10 @@ from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeig
 #: `rms_norm_rotary`, each with a default composed of the kernels it fuses.
 #: 2.5 added the optional kernel `sink_attention_rows` (sink attention over keys read by index from
 #: cache tensors), with a default composed of row gathers and `sink_attention`.
-INTERFACE_VERSION = "2.5"
+#: 2.6 added the optional kernels `attention_projections` (the attention's input projections, norms and
+#: rotaries) and `decode_attention_output` (a decode step's attention from the own key's write to the
+#: output projection), each with a default composed of the kernels it fuses.
+INTERFACE_VERSION = "2.6"
 
 
 class ProbeResult(BaseModel):
@@ -229,6 +232,45 @@ class AttentionOps(_Interface):
         kv = keys[0] if len(keys) == 1 else torch.cat(keys, dim=1)
         mask = masks[0] if len(masks) == 1 else torch.cat(masks, dim=2)
         return self.sink_attention(q, kv, mask, sinks, scale)
+
+    def attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
+                              q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
+                              kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                              index_heads: int = 0, index_cos: torch.Tensor | None = None,
+                              index_sin: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The attention's queries and key from its input x `[T, D]`: `px = linear(x, fused_x)`, whose
+        first `rank` columns are the query's low-rank part and the next d its key (d = kv_norm's size,
+        the head size); `pqr = linear(rms_norm(px[:, :rank], q_norm), fused_qr)`, whose first `heads * d`
+        columns are the query heads and the rest (with `index_heads`) the indexer's query heads. Returns
+        (px, q = rms_norm_rotary of the heads `[T, heads, d]` (no weight), kv = rms_norm_rotary of the key
+        `[T, d]` (kv_norm), the indexer query heads rotated by (index_cos, index_sin) `[T, index_heads, .]`
+        or None); cos/sin `[T, r/2]`. Optional: this default makes those calls; a back end fuses them."""
+        T, d = x.shape[0], kv_norm.shape[0]
+        px = self.linear(x, fused_x)
+        pqr = self.linear(self.rms_norm(px[:, :rank], q_norm, eps), fused_qr)
+        q = self.rms_norm_rotary(pqr[:, :heads * d].reshape(T, heads, d), None, eps, cos, sin)
+        kv = self.rms_norm_rotary(px[:, rank:rank + d], kv_norm, eps, cos, sin)
+        index_q = None
+        if index_heads:
+            index_q = self.rotary(pqr[:, heads * d:].reshape(T, index_heads, -1), index_cos, index_sin, False)
+        return px, q, kv, index_q
+
+    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
+                                sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        """A decode step's attention from its keys to its output, one query per sequence: each query's
+        own key `kv` `[B, d]` written into `caches[0]` at rows `key_rows` `[B]` (the window ring), then
+        `sink_attention_rows` of q `[B, H, d]` over the parts (`caches`, `rows`, `masks` as there, S = 1),
+        the inverse `rotary` (cos/sin `[B, r/2]`), the grouped output projection `wo_a` `[G, R, H*d/G]`
+        and `linear` by `wo_b` `[D, G*R]` -> `[B, D]` in q's dtype. Optional: this default makes those
+        calls; a back end fuses them (one call per layer instead of five and their glue)."""
+        caches[0].index_copy_(0, key_rows, kv)
+        o = self.sink_attention_rows(q.unsqueeze(1), caches, rows, masks, sinks, scale).squeeze(1)
+        o = self.rotary(o, cos, sin, True).view(q.shape[0], wo_a.shape[0], -1)
+        return self.linear(self.grouped_linear(o, wo_a).reshape(q.shape[0], -1), wo_b)
 
 
 def routing_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

@@ -245,6 +245,68 @@ def test_sink_attention_rows(acc, ref):
 
 
 @pytest.mark.level(1)
+def test_attention_projections(acc, ref):
+    """The attention's input projections, norms and rotaries (with and without the indexer's query),
+    three times on the same weights (a back end may switch kernels once it has seen them)."""
+    g = _gen(17)
+    D, rank, H, d, Hi, di, half, T = 48, 24, 2, 32, 2, 16, 4, 2
+    for dtype in _dtypes(acc):
+        fused_x = (torch.randn(rank + d + 8, D, generator=g) * 0.2).to(dtype)
+        fused_qr = (torch.randn(H * d + Hi * di, rank, generator=g) * 0.3).to(dtype)
+        q_norm, kv_norm = torch.rand(rank, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+        angles = torch.randn(T, half, generator=g)
+        for index_heads in (0, Hi):
+            qr = fused_qr if index_heads else fused_qr[:H * d].contiguous()
+            for tokens in (1, T):
+                x = torch.randn(tokens, D, generator=g).to(dtype)
+                cs = (angles[:tokens].cos(), angles[:tokens].sin())
+                index = cs if index_heads else (None, None)
+                want = ref.attention_projections(x, fused_x, rank, q_norm, qr, H, kv_norm, 1e-6, *cs, index_heads,
+                                                 *index)
+                for _ in range(3):
+                    got = acc.attention_projections(*_on(acc, x, fused_x), rank, *_on(acc, q_norm, qr), H,
+                                                    *_on(acc, kv_norm), 1e-6, *_on(acc, *cs), index_heads,
+                                                    *(_on(acc, *index) if index_heads else index))
+                    for name, a, b in zip(("px", "q", "kv", "index_q"), got, want):
+                        assert (a is None) == (b is None), name
+                        if b is not None:
+                            _close(a, b, dtype, f"attention_projections {name} ({tokens} tokens)")
+
+
+@pytest.mark.level(1)
+def test_decode_attention_output(acc, ref):
+    """A decode step's attention from the own keys' write to the output projection, one and two key
+    parts, three times on the same weights."""
+    g = _gen(18)
+    B, H, d, G, R, D, half = 3, 4, 32, 2, 16, 24, 4
+    for dtype in _dtypes(acc):
+        wo_a = (torch.randn(G, R, H * d // G, generator=g) * 0.2).to(dtype)
+        wo_b = (torch.randn(D, G * R, generator=g) * 0.2).to(dtype)
+        sinks = torch.randn(H, generator=g)
+        angles = torch.randn(B, half, generator=g)
+        for tokens in (1, B):
+            q = torch.randn(tokens, H, d, generator=g).to(dtype)
+            kv = torch.randn(tokens, d, generator=g).to(dtype)
+            window, entries = torch.randn(12, d, generator=g).to(dtype), torch.randn(9, d, generator=g).to(dtype)
+            key_rows = torch.randperm(12, generator=g)[:tokens]
+            rows = (torch.cat((torch.randint(0, 12, (tokens, 5), generator=g), key_rows[:, None]), dim=1),
+                    torch.randint(0, 9, (tokens, 4), generator=g))
+            masks = (torch.rand(tokens, 1, 6, generator=g) > 0.3, torch.rand(tokens, 1, 4, generator=g) > 0.3)
+            cs = (angles[:tokens].cos(), angles[:tokens].sin())
+            for parts in (1, 2):
+                ref_caches = (window.clone(), entries)[:parts]
+                want = ref.decode_attention_output(q, kv, key_rows, ref_caches, rows[:parts], masks[:parts], sinks,
+                                                   d ** -0.5, *cs, wo_a, wo_b)
+                for _ in range(3):
+                    caches = tuple(_on(acc, window.clone(), entries))[:parts]
+                    got = acc.decode_attention_output(*_on(acc, q, kv, key_rows), caches,
+                                                      tuple(_on(acc, *rows[:parts])), tuple(_on(acc, *masks[:parts])),
+                                                      *_on(acc, sinks), d ** -0.5, *_on(acc, *cs, wo_a, wo_b))
+                    _close(got, want, dtype, f"decode_attention_output ({tokens} tokens, {parts} parts)")
+                    assert torch.equal(caches[0].cpu(), ref_caches[0]), "the own keys' rows of the window"
+
+
+@pytest.mark.level(1)
 @pytest.mark.family(DEEPSEEK_V4)
 def test_compress_pool(acc, ref):
     acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)

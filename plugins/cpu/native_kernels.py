@@ -378,6 +378,78 @@ class NativeCpuKernels(CpuKernels):
             out = native.sink_attention_rows(lib, q, caches, rows, masks, sinks, scale)
         return super().sink_attention_rows(q, caches, rows, masks, sinks, scale) if out is None else out
 
+    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
+                                sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        # bf16 decode steps in one C call (attention_layer.c) where every stage is a C kernel the composed
+        # path would pick: one token (grouped GEMV, then the tiles if wo_b has its packed copy, else the
+        # GEMV), or _SKINNY_ROWS and more on the tiles. It runs only once the packed copies the composed
+        # calls would read exist (`peek` does not count a use): before, those calls run and count the
+        # uses that pack them, so both paths switch products at the same step.
+        lib, out = self.native_library, None
+        if (lib is not None and not self.invariant and q.dtype == torch.bfloat16 and q.dim() == 3
+                and not self.native_amx and not isinstance(wo_a, QuantizedWeight)
+                and not isinstance(wo_b, QuantizedWeight)):
+            products = self._decode_output_products(q.shape[0], wo_a, wo_b)
+            if products is not None:
+                out = native.attention_output_bf16(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin,
+                                                   wo_a, wo_b, *products)
+        if out is not None:
+            return out
+        return super().decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
+                                               wo_b)
+
+    def attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
+                              q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
+                              kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                              index_heads: int = 0, index_cos: torch.Tensor | None = None,
+                              index_sin: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        # bf16 decode steps in one C call (attention_layer.c) where both products run on the kernels `linear`
+        # would pick (the tiles once the copies exist, or the GEMV for one token), see decode_attention_output
+        lib, out = self.native_library, None
+        if (lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2
+                and not isinstance(fused_x, QuantizedWeight) and not isinstance(fused_qr, QuantizedWeight)
+                and (x.shape[0] == 1 or not self.native_amx)):
+            copies = self._linear_copies(x.shape[0], fused_x, fused_qr)
+            if copies is not None:
+                out = native.attention_projections_bf16(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps,
+                                                        cos, sin, index_heads, index_cos, index_sin, *copies)
+        if out is not None:
+            return out
+        return super().attention_projections(x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin,
+                                             index_heads, index_cos, index_sin)
+
+    def _linear_copies(self, tokens: int, *weights: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
+        """The packed copies (or None: the plain weight, one token's GEMV) that `linear` reads for `tokens`
+        bf16 rows by each weight, where it runs on the C tiles or GEMV and the copies it needs exist; None
+        otherwise. `peek` counts no use: until the copies exist the composed calls run and count the uses
+        that make them, so the fused and the composed path switch products at the same step."""
+        low, high = self._packed_gemm_rows
+        tiles = self.tile_weights if low <= tokens <= high else None
+        if tiles is None:
+            return (None,) * len(weights) if tokens == 1 else None
+        copies = tuple(tiles.peek(w) for w in weights)
+        return None if any(c is None for c in copies) else copies
+
+    def _decode_output_products(self, tokens: int, wo_a: torch.Tensor, wo_b: torch.Tensor
+                                ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+        """The packed copies (or None: the plain weight) of wo_a and wo_b that `grouped_linear` and `linear`
+        would read for `tokens` bf16 rows, where both run in C with the copies they need already made;
+        None otherwise."""
+        copies = self._linear_copies(tokens, wo_b)
+        if copies is None:
+            return None
+        if tokens == 1:
+            return None, copies[0]
+        low, high = self._packed_gemm_rows
+        if tokens < max(low, _SKINNY_ROWS):  # tokens in the tiles' range (copies): wo_a on torch's bmm below
+            return None
+        packed_a = self.tile_weights.peek(wo_a)
+        return None if packed_a is None or packed_a.dim() != 5 else (packed_a, copies[0])
+
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):  # one (tiled) linear per group, see CpuKernels
             return super().grouped_linear(x, weight)

@@ -79,6 +79,12 @@ class PackedWeights:
         self._entries[key] = (weakref.ref(weight, self._forget(key)), None)
         return None
 
+    def peek(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """`weight`'s packed copy if it exists, without counting a use (a fused call that runs only where
+        the composed calls' `lookup`s would already find the copy)."""
+        entry = self._entries.get(id(weight))
+        return entry[1] if entry is not None and entry[0]() is weight else None
+
     def _forget(self, key: int):
         owner = weakref.ref(self)  # the callback must not keep this table alive
 

@@ -46,7 +46,11 @@ class Attention:
         self.ops = resolve_ops(accel) if ops is None else ops
         self.w = weights
         self.x_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_x.weight"], "attn.")
-        self.qr_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_qr.weight"], "attn.")
+        qr_parts = fused_parts(weights, FUSED_PROJECTIONS["attn.fused_qr.weight"], "attn.")
+        if self.x_parts[0][:2] != ["wq_a.weight", "wkv.weight"] or qr_parts[0][:1] != ["wq_b.weight"]:
+            raise ValueError(f"attention weights: fused_x must start with wq_a and wkv, fused_qr with wq_b "
+                             f"(weights.FUSED_PROJECTIONS); got {self.x_parts[0]} and {qr_parts[0]}")
+        self.q_rank = self.x_parts[1][0]  # wq_a's output width
         self.wo_a = group_rows(weights["wo_a.weight"], config.o_groups)  # [G, R, in] for grouped_linear
         self.rope_kind = "main" if layer_type == SLIDING else "compress"
         self.rate = config.compress_ratio_for(layer_type)
@@ -89,12 +93,13 @@ class Attention:
         T, H, d, eps = x.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
         cos, sin = cos_sin[self.rope_kind]
 
-        # one GEMV over the fused projections of x (weights.FUSED_PROJECTIONS), then of qr
-        px = split_fused(a.linear(x, w["fused_x.weight"]), self.x_parts)
-        qr = a.rms_norm(px["wq_a.weight"], w["q_norm.weight"], eps)
-        pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), self.qr_parts)
-        q = a.rms_norm_rotary(pqr["wq_b.weight"].reshape(T, H, d), None, eps, cos, sin)
-        kv = a.rms_norm_rotary(px["wkv.weight"], w["kv_norm.weight"], eps, cos, sin)
+        # one product over the fused projections of x (weights.FUSED_PROJECTIONS), then of qr (wq_b and
+        # the indexer's wq_b), with the query's and key's norms and rotaries
+        Hi = c.index_n_heads if self.indexer_compressor is not None else 0
+        px, q, kv, index_q = a.attention_projections(
+            x, w["fused_x.weight"], self.q_rank, w["q_norm.weight"], w["fused_qr.weight"], H,
+            w["kv_norm.weight"], eps, cos, sin, Hi, *(cos_sin["compress"] if Hi else (None, None)))
+        px = split_fused(px, self.x_parts)
         keyed = {"kv": kv, **{name: px[name] for name in self.key_inputs}}
         if plan.split is not None:  # context parallelism: every rank's rows of what other tokens read
             keyed = self._gather(keyed, plan.split)
@@ -103,17 +108,21 @@ class Attention:
         if self.compressor is not None:
             self.compressor.update(keyed["compressor.wkv.weight"], keyed["compressor.wgate.weight"], plan, rope,
                                    st.rows[0], st.rows[1], st.entries)
-        index_q = index_w = None
+        index_w = None
         if self.indexer_compressor is not None:
             self.indexer_compressor.update(keyed["indexer.compressor.wkv.weight"],
                                            keyed["indexer.compressor.wgate.weight"],
                                            plan, rope, st.indexer_rows[0], st.indexer_rows[1], st.indexer_keys)
-            Hi, di = c.index_n_heads, c.index_head_dim
-            index_q = a.rotary(pqr["indexer.wq_b.weight"].reshape(T, Hi, di), *cos_sin["compress"], False)
+            di = c.index_head_dim
             index_w = px["indexer.weights_proj.weight"].float() * (Hi ** -0.5 * di ** -0.5)
 
         window_flat = st.window.view(-1, d)
         decode_only = len(plan.groups) == 1 and plan.groups[0].in_row_order  # keys written as they are read
+        if decode_only and plan.split is None:  # the rest of the sub-layer in one (fusable) call
+            g = plan.groups[0]
+            caches, rows, masks = self._decode_keys(g, 0, plan, window_flat, index_q, index_w)
+            return a.decode_attention_output(q, kv, g.new_key_ring_row, caches, rows, masks, w["attn_sink"],
+                                             d ** -0.5, cos, sin, self.wo_a, w["wo_b.weight"])
         out = None if decode_only else torch.empty_like(q)  # every query row belongs to one group
         for gi, g in enumerate(plan.groups):
             if g.key_ring_row_all is not None:  # decode: own key into the ring first, then keys read in place
@@ -145,9 +154,15 @@ class Attention:
     def _decode_attention(self, q: torch.Tensor, g, gi: int, plan: StepPlan, window_flat: torch.Tensor,
                           index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:
         """A decode group's attention, q `[B, 1, H, d]` (one query per sequence, own key already in
-        the ring) -> `[B, 1, H, d]`: one `sink_attention_rows` over the window ring rows and the
-        visible (HCA) or picked (CSA) compressed entries, read by index from the cache."""
-        d = self.c.head_dim
+        the ring) -> `[B, 1, H, d]`: one `sink_attention_rows` over `_decode_keys`."""
+        caches, rows, masks = self._decode_keys(g, gi, plan, window_flat, index_q, index_w)
+        return self.accel.sink_attention_rows(q, caches, rows, masks, self.w["attn_sink"], self.c.head_dim ** -0.5)
+
+    def _decode_keys(self, g, gi: int, plan: StepPlan, window_flat: torch.Tensor, index_q: torch.Tensor | None,
+                     index_w: torch.Tensor | None
+                     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """A decode group's key set as `sink_attention_rows` parts (caches, rows, masks): the window
+        ring rows, then the visible (HCA) or picked (CSA) compressed entries, read by index from the cache."""
         caches, rows, masks = [window_flat], [g.key_ring_row_all], [g.window_mask]
         if self.rate:
             ev = plan.entry_view(gi, self.rate)
@@ -158,8 +173,7 @@ class Attention:
             caches.append(self.state.entries)
             rows.append(entry_rows)
             masks.append(entry_mask)
-        return self.accel.sink_attention_rows(q, tuple(caches), tuple(rows), tuple(masks), self.w["attn_sink"],
-                                              d ** -0.5)
+        return tuple(caches), tuple(rows), tuple(masks)
 
     def _selected_entries(self, g, ev, index_q: torch.Tensor, index_w: torch.Tensor,
                           read: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -17,6 +17,8 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
                         packed_cols, packed_shape; packed_group_products (one product per expert, in C only)
     moe_layer.c / .py   moe_layer_bf16 (a decode step's MoE sub-layer in one call, from the stages above)
     compressor.c / .py  compress_store (the compressor's ring writes of a decode step)
+    attention_layer.c / .py  attention_projections_bf16, attention_output_bf16 (a decode step's attention
+                        sub-layer in two calls, from the stages above)
     quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored), quant_simd
     quant_experts.c / .py  quant_experts (all routed experts of a step on FP4 / FP8-block weights, one call)
     isa.c               build_isa (its wrapper is in build.py)
@@ -29,6 +31,7 @@ kernel.
 """
 from deepinfer_plugins.cpu.native.activation import swiglu
 from deepinfer_plugins.cpu.native.attention import sink_attention_decode, sink_attention_invariant, sink_attention_rows
+from deepinfer_plugins.cpu.native.attention_layer import attention_output_bf16, attention_projections_bf16
 from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, HEADERS, ISA_BITS, SOURCES, SWITCHED_OFF,
                                                 CacheError, CompilerError, _build, _compile, _compiler, _cpu_features,
                                                 _load, active_library, build_flags, build_isa, build_variant,
@@ -49,7 +52,9 @@ from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_row
 
 __all__ = [
     "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "SWITCHED_OFF", "CacheError", "CompilerError",
-    "active_library", "amx_usable", "argmax_logsumexp", "build_flags", "build_isa", "build_variant", "cache_dir", "compress_store",
+    "active_library", "amx_usable", "argmax_logsumexp", "attention_output_bf16", "attention_projections_bf16",
+    "build_flags", "build_isa",
+    "build_variant", "cache_dir", "compress_store",
     "cache_root", "enabled", "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16",
     "grouped_amx_bf16", "grouped_gemv_bf16", "hc_head", "hc_post", "hc_pre", "indexer_scores", "library",
     "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_bf16", "moe_route_rows",

@@ -50,7 +50,7 @@ HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("isa.c", "norm_rope.c", "mhc.c", "activation.c", "gemv.c", "experts.c",
                                          "attention.c", "moe_rows.c", "sampling.c",
                                          "quant_gemv.c", "quant_experts.c", "selection.c", "packed_gemm.c",
-                                         "moe_layer.c", "compressor.c"))
+                                         "moe_layer.c", "compressor.c", "attention_layer.c"))
 HEADERS = tuple(HERE / name for name in ("common.h", "gemv.h", "quant.h"))
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp")
 # Build switches (DEEPINFER_CPU_NATIVE_ISA): extra flags after FLAGS. The C files pick their AMX,

@@ -1,0 +1,139 @@
+"""The attention sub-layer of a decode step in two calls (attention_layer.c): attention_projections_bf16,
+its input projections with their norms and rotaries, and attention_output_bf16, from the own keys' write
+to the output projection."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
+
+_ATTENTION_OUTPUT_BF16 = Kernel(
+    "attention_output_bf16", ctypes.c_int, q=ptr, kv=ptr, window=ptr, n0=long_, key_rows=ptr, rows0=ptr, mask0=ptr,
+    L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, sinks=ptr, scale=float_, cos_t=ptr, sin_t=ptr,
+    half=long_, wo_a=ptr, pwo_a=ptr, pa_size=long_, G=long_, R=long_, wo_b=ptr, pwo_b=ptr, D=long_, out=ptr, B=long_,
+    H=long_, d=long_, num_threads=int_)
+
+_ATTENTION_PROJECTIONS_BF16 = Kernel(
+    "attention_projections_bf16", x=ptr, T=long_, D=long_, fused_x=ptr, pfx=ptr, Nx=long_, rank=long_, q_norm=ptr,
+    qn_dtype=int_, fused_qr=ptr, pfqr=ptr, Nqr=long_, H=long_, d=long_, kv_norm=ptr, kv_dtype=int_, eps=float_,
+    cos_t=ptr, sin_t=ptr, half=long_, Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr,
+    num_threads=int_)
+
+
+def _bf16(t: torch.Tensor) -> bool:
+    return t.dtype is torch.bfloat16 and t.is_cpu and t.is_contiguous() and not t.requires_grad
+
+
+def _rotary_table(cos: torch.Tensor | None, sin: torch.Tensor | None, T: int, d: int) -> bool:
+    """cos/sin `[T, half]` fp32-able CPU tables that the C rotary takes for rows of d features."""
+    return (cos is not None and sin is not None and cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == T
+            and 0 < 2 * cos.shape[1] <= d and cos.is_cpu and sin.is_cpu)
+
+
+def _packed_fits(lib: ctypes.CDLL, packed: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    return packed is None or packed.shape == packed_shape(lib, *weight.shape)
+
+
+def attention_projections_bf16(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor, rank: int,
+                               q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
+                               eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
+                               index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
+                               packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None
+                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """`attention_projections` (the interface's) of bf16 tokens `x [T, D]` with bf16 weights, each product
+    on its packed copy when given, else (one token) on the plain weight; None for anything else."""
+    if x.dim() != 2 or not all(_bf16(t) for t in (x, fused_x, fused_qr)) or fused_x.dim() != 2 or fused_qr.dim() != 2:
+        return None
+    T, D = x.shape
+    (Nx, _), (Nqr, _), d = fused_x.shape, fused_qr.shape, kv_norm.shape[0]
+    qn_dtype, kv_dtype = dtype_code(q_norm), dtype_code(kv_norm)
+    if (fused_x.shape[1] != D or fused_qr.shape[1] != rank or not (0 < rank and rank + d <= Nx) or qn_dtype is None
+            or kv_dtype is None or q_norm.shape != (rank,) or kv_norm.dim() != 1 or heads * d > Nqr
+            or not _rotary_table(cos, sin, T, d) or (packed_x is None or packed_qr is None) and T != 1
+            or not (_packed_fits(lib, packed_x, fused_x) and _packed_fits(lib, packed_qr, fused_qr))):
+        return None
+    di = 0
+    if index_heads:
+        di = (Nqr - heads * d) // index_heads
+        if di * index_heads != Nqr - heads * d or not _rotary_table(index_cos, index_sin, T, di):
+            return None
+    qn, kn, cs, sn = q_norm.contiguous(), kv_norm.contiguous(), f32(cos), f32(sin)
+    ic, isn = (f32(index_cos), f32(index_sin)) if index_heads else (cs, sn)
+    px = torch.empty((T, Nx), dtype=torch.bfloat16)
+    q = torch.empty((T, heads, d), dtype=torch.bfloat16)
+    kv = torch.empty((T, d), dtype=torch.bfloat16)
+    iq = torch.empty((T, index_heads, di), dtype=torch.bfloat16) if index_heads else None
+    _ATTENTION_PROJECTIONS_BF16(
+        lib, x=x.data_ptr(), T=T, D=D, fused_x=fused_x.data_ptr(),
+        pfx=None if packed_x is None else packed_x.data_ptr(), Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
+        qn_dtype=qn_dtype, fused_qr=fused_qr.data_ptr(), pfqr=None if packed_qr is None else packed_qr.data_ptr(),
+        Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(),
+        sin_t=sn.data_ptr(), half=cos.shape[1], Hi=index_heads, icos=ic.data_ptr(), isin=isn.data_ptr(),
+        ihalf=ic.shape[1], px=px.data_ptr(), q=q.data_ptr(), kv=kv.data_ptr(),
+        iq=None if iq is None else iq.data_ptr(), num_threads=threads())
+    return px, q, kv, iq
+
+
+def _part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> bool:
+    """Whether one (cache, rows, mask) key part is what the C call reads for queries `q [B, H, d]`: a
+    contiguous cache `[n, d]` of q's dtype, int64 rows `[B, L]`, bool mask `[B, 1, L]` (sink_attention_rows'
+    parts, S = 1)."""
+    B, _, d = q.shape
+    return (cache.dtype == q.dtype and cache.dim() == 2 and cache.shape[1] == d and cache.is_cpu
+            and cache.is_contiguous() and rows.dtype == torch.int64 and rows.dim() == 2 and rows.shape[0] == B
+            and mask.dtype == torch.bool and mask.shape == (B, 1, rows.shape[1]))
+
+
+def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                          caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                          masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
+                          sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
+                          packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None
+                          ) -> torch.Tensor | None:
+    """`decode_attention_output` (the interface's) of bf16 queries `q [B, H, d]` with bf16 caches and
+    weights, the products on the packed copies given (pack_bf16 of wo_a's groups and of wo_b), else,
+    for one token, on the plain weights (the GEMVs); None for anything else, with nothing written.
+    IndexError for a key row outside its cache (the own keys then written, as the composed path does)."""
+    if q.dim() != 3 or not all(_bf16(t) for t in (q, wo_a, wo_b)) or wo_a.dim() != 3 or wo_b.dim() != 2:
+        return None
+    B, H, d = q.shape
+    G, R, K = wo_a.shape
+    if (G * K != H * d or wo_b.shape[1] != G * R or not 1 <= len(caches) <= 2 or len(rows) != len(caches)
+            or len(masks) != len(caches) or sinks.shape != (H,) or kv.shape != (B, d) or kv.dtype is not q.dtype
+            or key_rows.shape != (B,) or key_rows.dtype is not torch.int64 or not key_rows.is_cpu
+            or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != B or not 0 < 2 * cos.shape[1] <= d
+            or not cos.is_cpu or not sin.is_cpu):
+        return None
+    if not all(_part(q, c, r, m) for c, r, m in zip(caches, rows, masks)):
+        return None
+    if (packed_wo_a is None or packed_wo_b is None) and B != 1:
+        return None
+    if packed_wo_a is not None and packed_wo_a.shape != (G, *packed_shape(lib, R, K)):
+        return None
+    if not _packed_fits(lib, packed_wo_b, wo_b):
+        return None
+    parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
+    c0, r0, m0 = parts[0]
+    c1, r1, m1 = parts[1] if len(parts) == 2 else parts[0]
+    L1 = r1.shape[1] if len(parts) == 2 else 0
+    kvc, kr, s, cs, sn = kv.contiguous(), key_rows.contiguous(), f32(sinks), f32(cos), f32(sin)
+    out = torch.empty((B, wo_b.shape[0]), dtype=torch.bfloat16)
+    status = _ATTENTION_OUTPUT_BF16(
+        lib, q=q.data_ptr(), kv=kvc.data_ptr(), window=c0.data_ptr(), n0=c0.shape[0], key_rows=kr.data_ptr(),
+        rows0=r0.data_ptr(), mask0=m0.data_ptr(), L0=r0.shape[1], cache1=c1.data_ptr(), rows1=r1.data_ptr(),
+        mask1=m1.data_ptr(), n1=c1.shape[0], L1=L1, sinks=s.data_ptr(), scale=scale, cos_t=cs.data_ptr(),
+        sin_t=sn.data_ptr(), half=cos.shape[1], wo_a=wo_a.data_ptr(),
+        pwo_a=None if packed_wo_a is None else packed_wo_a.data_ptr(),
+        pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wo_b.data_ptr(),
+        pwo_b=None if packed_wo_b is None else packed_wo_b.data_ptr(), D=wo_b.shape[0], out=out.data_ptr(), B=B,
+        H=H, d=d, num_threads=threads())
+    if status == -1:
+        raise IndexError(f"decode_attention_output: an own key's row is outside the window cache (size "
+                         f"{c0.shape[0]}); the step plan's key rows must address the bound cache")
+    if status:
+        raise IndexError(f"decode_attention_output: a key row is outside its cache (sizes "
+                         f"{[c.shape[0] for c in caches]}); the step plan's key rows must address the bound cache")
+    return out

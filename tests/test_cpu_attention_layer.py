@@ -1,0 +1,190 @@
+"""The cpu back end's fused decode attention output (native/attention_layer.c, `decode_attention_output`):
+the same bits as the composed kernels it replaces, in the kernel and in the model, and the composed
+path wherever the C call does not apply."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.accelerator.interface import Accelerator
+from deepinfer_plugins.cpu import native
+from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
+from model_harness import Runner, build_hf_model, build_our_model
+
+
+def fresh() -> NativeCpuKernels:
+    kernels = NativeCpuKernels()
+    if kernels.native_library is None:
+        pytest.fail("the native library did not build; see the warning logged by deepinfer_plugins.cpu.native")
+    return kernels
+
+
+def composed(kernels: NativeCpuKernels, *args):
+    """The interface's default: the calls the fused op replaces, on these kernels."""
+    return Accelerator.decode_attention_output(kernels, *args)
+
+
+def count_calls(monkeypatch, name: str) -> list[int]:
+    """The token counts of the C calls `native.<name>` that ran (a None from the wrapper is not counted)."""
+    calls, fused = [], getattr(native, name)
+
+    def counted(*args, **kw):
+        out = fused(*args, **kw)
+        if out is not None:
+            calls.append(args[1].shape[0])
+        return out
+    monkeypatch.setattr(native, name, counted)
+    return calls
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    return count_calls(monkeypatch, "attention_output_bf16")
+
+
+@pytest.fixture
+def projection_calls(monkeypatch) -> list[int]:
+    return count_calls(monkeypatch, "attention_projections_bf16")
+
+
+def expected_calls(kernels: NativeCpuKernels, dtype: torch.dtype, tokens: int, smallest: int = 1) -> list[int]:
+    """The C calls of three calls on the same weights: on the tiles from the third (the copies are made at
+    a weight's second use), for one token without them on every call; none for fp32, AMX, or other sizes."""
+    low, high = kernels._packed_gemm_rows
+    if dtype != torch.bfloat16 or kernels.native_amx:
+        return []
+    if max(low, smallest) <= tokens <= high:
+        return [tokens]
+    return [tokens] * 3 if tokens == 1 else []
+
+
+def case(B: int, entries: int, dtype: torch.dtype, seed: int = 0):
+    """One layer's decode inputs: 8 heads of 64 (2 output groups of rank 32 into 96 features), a window
+    ring of 64 rows (own keys at distinct rows) and, with `entries`, a cache of 40 compressed entries;
+    ragged key sets (the last sequence sees one window key only)."""
+    g = torch.Generator().manual_seed(seed)
+    H, d, G, R, D, half, Lw = 8, 64, 2, 32, 96, 8, 12
+
+    def rnd(*shape, std=1.0):
+        return (torch.randn(shape, generator=g) * std).to(dtype)
+    q, kv = rnd(B, H, d), rnd(B, d)
+    window = rnd(64, d)
+    key_rows = torch.randperm(64, generator=g)[:B]
+    rows = [torch.randint(0, 64, (B, Lw), generator=g)]
+    rows[0][:, -1] = key_rows  # every query sees its own key
+    masks = [torch.rand(B, 1, Lw, generator=g) > 0.3]
+    masks[0][:, :, -1] = True
+    masks[0][-1, :, :-1] = False
+    caches = [window]
+    if entries:
+        caches.append(rnd(40, d))
+        rows.append(torch.randint(0, 40, (B, entries), generator=g))
+        masks.append(torch.rand(B, 1, entries, generator=g) > 0.5)
+    angles = torch.randn(B, half, generator=g)
+    sinks = torch.randn(H, generator=g)
+    wo_a, wo_b = rnd(G, R, H * d // G, std=0.05), rnd(D, G * R, std=0.1)
+    return q, kv, key_rows, caches, rows, masks, sinks, d ** -0.5, angles.cos(), angles.sin(), wo_a, wo_b
+
+
+def run(kernels, op, inputs):
+    """op on a copy of the caches -> (output, the caches after it)."""
+    q, kv, key_rows, caches, rows, masks, *rest = inputs
+    caches = tuple(c.clone() for c in caches)
+    return op(kernels, q, kv, key_rows, caches, tuple(rows), tuple(masks), *rest), caches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entries", [0, 7])  # a sliding layer; HCA / CSA (the entry rows given)
+@pytest.mark.parametrize("B", [1, 3, 16, 17])
+def test_fused_matches_the_composed_kernels(B, entries, dtype, fused_calls):
+    inputs = case(B, entries, dtype, seed=B + entries)
+    fused_side, composed_side = fresh(), fresh()  # each its own packed copies, made at the same uses
+    for _ in range(3):  # the tiles' copies are made at a weight's second use
+        got, got_caches = run(fused_side, NativeCpuKernels.decode_attention_output, inputs)
+        want, want_caches = run(composed_side, composed, inputs)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    assert got.shape == (B, 96) and got.dtype == dtype
+    # 2-15 tokens: wo_a on torch's bmm, so the composed path
+    assert fused_calls == expected_calls(fused_side, dtype, B, smallest=1 if B == 1 else 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index_heads", [0, 4])  # sliding / HCA layers; CSA (the indexer's query)
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_fused_projections_match_the_composed_kernels(T, index_heads, dtype, projection_calls):
+    g = torch.Generator().manual_seed(T + index_heads)
+    D, rank, H, d, di, half = 96, 48, 4, 64, 32, 8
+
+    def rnd(*shape, std=1.0, dt=dtype):
+        return (torch.randn(shape, generator=g) * std).to(dt)
+    x = rnd(T, D)
+    fused_x = rnd(rank + d + 40, D, std=0.1)  # wq_a, wkv, then others (compressor inputs ...)
+    fused_qr = rnd(H * d + index_heads * di, rank, std=0.2)
+    q_norm, kv_norm = rnd(rank, dt=torch.float32) + 1, rnd(d, dt=torch.float32) + 1
+    angles, index_angles = torch.randn(T, half, generator=g), torch.randn(T, half, generator=g)
+    args = (x, fused_x, rank, q_norm, fused_qr, H, kv_norm, 1e-6, angles.cos(), angles.sin(), index_heads,
+            *((index_angles.cos(), index_angles.sin()) if index_heads else (None, None)))
+    fused_side, composed_side = fresh(), fresh()
+    for _ in range(3):
+        got = fused_side.attention_projections(*args)
+        want = Accelerator.attention_projections(composed_side, *args)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b)
+    assert got[1].shape == (T, H, d) and got[2].shape == (T, d) and got[0].shape == (T, rank + d + 40)
+    assert (got[3] is None) == (index_heads == 0)
+    assert projection_calls == expected_calls(fused_side, dtype, T)
+
+
+def test_bad_key_rows_are_refused():
+    lib = fresh().native_library
+    q, kv, key_rows, caches, rows, masks, *rest = case(1, 7, torch.bfloat16)
+    window = caches[0].clone()
+    with pytest.raises(IndexError, match="outside the window"):  # before anything is written
+        native.attention_output_bf16(lib, q, kv, key_rows + 64, tuple(caches), tuple(rows), tuple(masks), *rest,
+                                     None, None)
+    assert torch.equal(caches[0], window)
+    with pytest.raises(IndexError, match="outside its cache"):
+        native.attention_output_bf16(lib, q, kv, key_rows, tuple(caches), (rows[0], rows[1] + 40), tuple(masks),
+                                     *rest, None, None)
+    # what the C call does not take: None, nothing written (the composed path runs)
+    cache_f = tuple(c.float() for c in caches)
+    assert native.attention_output_bf16(lib, q, kv, key_rows, cache_f, tuple(rows), tuple(masks), *rest,
+                                        None, None) is None
+    q3, kv3, rows3, masks3 = q.expand(3, -1, -1).contiguous(), kv.expand(3, -1), (), ()
+    assert native.attention_output_bf16(lib, q3, kv3, key_rows.expand(3), tuple(caches), rows3, masks3, *rest,
+                                        None, None) is None
+
+
+def test_the_model_decodes_the_same_bits(fused_calls, projection_calls):
+    """The tiny model (sliding, CSA and HCA layers) in bf16: ragged prefill, then decode steps of one
+    and of 16 sequences, with the fused op and with the composed default; the mixed steps and the
+    batches it does not take run the composed path on both."""
+    hf = build_hf_model()
+    models = [build_our_model(hf, dtype=torch.bfloat16) for _ in range(2)]
+    accel = models[1].blocks[0].attn.accel
+    accel.decode_attention_output = lambda *args: composed(accel, *args)
+    accel.attention_projections = lambda *args: Accelerator.attention_projections(accel, *args)
+    runners = [Runner(m, num_slots=16) for m in models]
+    lengths = [3 + 5 * i for i in range(16)]  # ragged contexts across the compression boundaries
+    for r in runners:
+        for i in range(16):
+            r.add(i)
+    outs = [r.step({0: list(range(1, 20))}) for r in runners]  # one prefill, then one sequence decodes
+    for step in range(3):
+        outs = [r.step({0: [int(o[0][-1].argmax())]}) for r, o in zip(runners, outs)]
+        assert torch.equal(outs[0][0], outs[1][0])
+    for r in runners:  # the other 15 prefill (ragged contexts): the composed path
+        r.step({i: [(7 * i + j) % 500 + 1 for j in range(lengths[i])] for i in range(1, 16)})
+    tokens = {i: [i + 1] for i in range(16)}
+    for step in range(4):
+        outs = [r.step(tokens) for r in runners]
+        for i in range(16):
+            assert torch.equal(outs[0][i], outs[1][i]), f"sequence {i}, decode step {step}"
+        tokens = {i: [int(outs[0][i][-1].argmax())] for i in range(16)}
+    kernels = models[0].blocks[0].attn.accel
+    low, high = kernels._packed_gemm_rows
+    if not kernels.native_amx:
+        assert 1 in fused_calls and 1 in projection_calls  # one sequence's decode steps
+        if max(low, 16) <= 16 <= high:
+            assert 16 in fused_calls and 16 in projection_calls
