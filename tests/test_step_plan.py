@@ -52,6 +52,18 @@ def test_ring_writes_every_row_and_a_subset():
         assert int((flat[:, 0] >= 0).sum()) == len(rows)
 
 
+def test_decode_ring_rows_from_the_host_equal_the_tensor_formulas():
+    p = plan([5, 0, 40, 129], [1, 1, 1, 1], [3, 0, 5, 7])
+    assert p.decode_only
+    for m in (RATE, CONFIG.hca_compress_rate, 9):
+        want = p.positions % m
+        got = p.position_mod(m)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        write = p.ring_write(m)
+        assert write.all_rows and torch.equal(write.rows, torch.arange(p.T))
+        assert torch.equal(write.ring_row, p.row_slot * m + want)
+
+
 def test_windows_completed_matches_the_compression_plan():
     for ctx, q_lens in (([3, 7, 0], [1, 1, 1]), ([4, 11], [1, 13]), ([0], [3])):
         p = plan(ctx, q_lens, list(range(len(ctx))))
@@ -104,12 +116,15 @@ def test_first_entry_rows_equal_entry_rows():
     entries 0..n-1; a missing block is refused as there."""
     p = plan([0, 5, 37, 64], [1, 1, 1, 1], [3, 1, 2, 0])
     group, seq = group_name(RATE), torch.tensor([2, 0, 3])
-    for counts in ([9, 0, 16], [0, 0, 0], [1, 4, 5]):
-        rows, valid = p.first_entry_rows(group, seq, counts)
-        E = max(counts)
-        want_valid = torch.arange(E) < torch.tensor(counts).unsqueeze(1)
-        want = p.entry_rows(group, seq, torch.arange(E).expand(3, E), want_valid, max_entries=E)
-        assert torch.equal(valid, want_valid) and rows.dtype == want.dtype and torch.equal(rows, want)
+    for counts in ([9, 0, 16], [0, 0, 0], [1, 4, 5], [1, BLOCK, 3]):  # the last: one block (E <= BLOCK)
+        for s, seq_list in ((seq, None), (seq, seq.tolist()), (torch.arange(4), [0, 1, 2, 3])):
+            counts_s = (counts + [2])[:len(seq_list)] if seq_list else counts
+            rows, valid = p.first_entry_rows(group, s, counts_s, seq_list)  # 0..B-1 reads the table in place
+            E = max(counts_s)
+            want_valid = torch.arange(E) < torch.tensor(counts_s).unsqueeze(1)
+            want = p.entry_rows(group, s, torch.arange(E).expand(len(counts_s), E), want_valid, max_entries=E)
+            assert torch.equal(valid, want_valid) and rows.dtype == want.dtype and torch.equal(rows, want)
+            assert rows.is_contiguous()
     p.block_tables[group] = p.block_tables[group].clone()
     p.block_tables[group][2, 1] = -1  # sequence 2's second block was never allocated
     with pytest.raises(ValueError, match="lacks blocks"):
@@ -117,3 +132,18 @@ def test_first_entry_rows_equal_entry_rows():
     p.first_entry_rows(group, seq, [BLOCK, 1, 1])  # its first block only: fine
     with pytest.raises(ValueError, match="too few"):
         p.first_entry_rows(group, seq, [64 * BLOCK + 1, 1, 1])
+
+
+@pytest.mark.parametrize("q_lens", [[1, 1], [1, 3]])
+def test_positions_other_than_context_plus_offsets_are_refused(q_lens):
+    ctx = [5, 9]
+    T = sum(q_lens)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, q_lens)])
+    positions[-1] += 1
+    table = torch.arange(2 * 8).view(2, 8)
+    batch = ForwardBatch(input_ids=torch.zeros(T, dtype=torch.long), positions=positions, query_lens=q_lens,
+                         context_lens=ctx, slots=torch.tensor([0, 1]),
+                         block_tables={group_name(r): table for r in (RATE, CONFIG.hca_compress_rate)},
+                         logits_indices=torch.tensor([T - 1]))
+    with pytest.raises(ValueError, match="context_len \\+ 0..query_len-1"):
+        StepPlan(batch, CONFIG, RINGS, BLOCK, num_slots=8)

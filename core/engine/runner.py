@@ -23,6 +23,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
 from deepinfer.engine.scheduler import ModelRunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from deepinfer.engine.speculative import DraftRows, SpeculativeDecoder
+from deepinfer.models.batch import long_tensor
 from deepinfer.models.interface import ForwardBatch
 from deepinfer.sampling_params import SamplingParams
 
@@ -100,24 +101,22 @@ class ModelRunner:
 
         block_tables = {}
         for name in self.group_names:
-            width = max([len(s.block_ids.get(name, ())) for s in sched.scheduled] + [1])
-            table = torch.full((len(sched.scheduled), width), -1, dtype=torch.int64)
-            for i, s in enumerate(sched.scheduled):
-                ids = s.block_ids.get(name, [])
-                if ids:
-                    table[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            block_tables[name] = table.to(self.device)
+            # padded with -1 on the host, then one tensor (three ops per sequence when filled row by row)
+            ids = [s.block_ids.get(name, ()) for s in sched.scheduled]
+            width = max([len(b) for b in ids] + [1])
+            flat = [i for b in ids for i in (*b, *[-1] * (width - len(b)))]
+            block_tables[name] = long_tensor(flat, self.device).view(len(ids), width)
 
         batch = ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=self.device),
+            input_ids=long_tensor(input_ids, self.device),
+            positions=long_tensor(positions, self.device),
             query_lens=[s.query_len for s in sched.scheduled],
             context_lens=[s.context_len for s in sched.scheduled],
-            slots=torch.tensor([s.slot for s in sched.scheduled], dtype=torch.int64, device=self.device),
+            slots=long_tensor([s.slot for s in sched.scheduled], self.device),
             block_tables=block_tables,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=self.device),
+            logits_indices=long_tensor(logits_indices, self.device),
             return_streams=bool(stream_indices),
-            stream_indices=torch.tensor(stream_indices, dtype=torch.int64, device=self.device) if stream_indices else None,
+            stream_indices=long_tensor(stream_indices, self.device) if stream_indices else None,
             prompt_lens=[s.request.num_prompt_tokens for s in sched.scheduled],
         )
         step = PreparedStep(sched=sched, batch=batch,

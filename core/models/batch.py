@@ -6,9 +6,20 @@ positions `context_len + 0..query_len-1`.
 """
 from __future__ import annotations
 
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def long_tensor(values: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """A 1-D int64 tensor of Python ints on `device`, through an `array` buffer: ~3x faster than
+    `torch.tensor(values)` for the short lists a step turns into tensors (a dozen per forward)."""
+    if not values:
+        return torch.empty(0, dtype=torch.long, device=device)
+    t = torch.frombuffer(array("q", values), dtype=torch.long)  # keeps the array alive
+    return t if device is None else t.to(device)
 
 
 @dataclass

@@ -262,9 +262,14 @@ class NativeCpuKernels(CpuKernels):
         tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None
         packed = None if tiles is None else tiles.lookup(weight)  # None at a weight's first use
         if packed is not None:
-            y = native.packed_linear_bf16(lib, x.reshape(rows, x.shape[-1]), packed, weight.shape)
-            if y is not None:
-                return y.view(*x.shape[:-1], weight.shape[0])
+            if x.dim() == 2:  # already [rows, K] and the product [rows, N]: no reshape, no view (2 ops a call)
+                y = native.packed_linear_bf16(lib, x, packed, weight.shape)
+                if y is not None:
+                    return y
+            else:
+                y = native.packed_linear_bf16(lib, x.reshape(rows, x.shape[-1]), packed, weight.shape)
+                if y is not None:
+                    return y.view(*x.shape[:-1], weight.shape[0])
         if lib is not None and rows == 1:  # one bf16 token (decode): straight to the C GEMV
             y = native.gemv_bf16(lib, weight, x)
             if y is not None:

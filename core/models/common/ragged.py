@@ -20,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from deepinfer.models.batch import ForwardBatch
+from deepinfer.models.batch import ForwardBatch, long_tensor
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -66,22 +66,28 @@ class RaggedPlan:
             self.row_start[i] = self.row_start[i - 1] + self.q_lens[i - 1]
         #: a step of one new token per sequence (decode): row i is sequence i at position ctx[i]
         self.decode_only = all(n == 1 for n in self.q_lens)
-        if self.decode_only:  # the same tensors, from the Python lists directly
+        if self.decode_only:  # the same tensors, from the Python lists directly (checked on the host)
             self.row_seq = torch.arange(B, device=dev)
-            expected = torch.tensor(self.ctx, dtype=torch.long, device=dev)
+            if batch.positions.tolist() != self.ctx:
+                self._bad_positions()
+            self.positions = long_tensor(self.ctx, dev)
         else:
             q_lens_t = torch.tensor(self.q_lens, device=dev)
             self.row_seq = torch.repeat_interleave(torch.arange(B, device=dev), q_lens_t)
             ctx_t = torch.tensor(self.ctx, device=dev)
             start_t = torch.tensor(self.row_start, device=dev)
             expected = ctx_t[self.row_seq] + torch.arange(self.T, device=dev) - start_t[self.row_seq]
-        if not torch.equal(batch.positions.to(dev).long(), expected):
-            raise ValueError("ForwardBatch.positions must be context_len + 0..query_len-1 for every sequence "
-                             "(state is addressed by absolute position)")
-        self.positions = expected
+            if not torch.equal(batch.positions.to(dev).long(), expected):
+                self._bad_positions()
+            self.positions = expected
         self.block_tables = batch.block_tables
         self._ring_writes: dict[int, RingWrite] = {}
         self._position_mods: dict[int, torch.Tensor] = {}
+
+    @staticmethod
+    def _bad_positions() -> None:
+        raise ValueError("ForwardBatch.positions must be context_len + 0..query_len-1 for every sequence "
+                         "(state is addressed by absolute position)")
 
     @property
     def num_seqs(self) -> int:
@@ -92,24 +98,33 @@ class RaggedPlan:
         return self.ctx[i] + self.q_lens[i]
 
     def position_mod(self, m: int) -> torch.Tensor:
-        """`positions % m` (computed once per step)."""
+        """`positions % m` (computed once per step; from the host's context lengths at decode)."""
         if m not in self._position_mods:
-            self._position_mods[m] = self.positions % m
+            self._position_mods[m] = long_tensor([c % m for c in self.ctx], self.device) if self.decode_only \
+                else self.positions % m
         return self._position_mods[m]
+
+    @cached_property
+    def row_ids(self) -> torch.Tensor:
+        """`[T]` 0..T-1."""
+        return torch.arange(self.T, device=self.device)
 
     @cached_property
     def row_slot(self) -> torch.Tensor:
         """`[T]` each row's sequence slot."""
-        slots = torch.tensor(self.slots, dtype=torch.long, device=self.device)
+        slots = long_tensor(self.slots, self.device)
         return slots if self.decode_only else slots[self.row_seq]
 
     def ring_write(self, ring: int) -> RingWrite:
         """The new rows to store in a ring of `ring` positions: the last `ring` of each sequence."""
         if ring not in self._ring_writes:
             dev = self.device
-            if max(self.q_lens, default=0) <= ring:  # every row (the usual case; always at decode)
-                rows = torch.arange(self.T, device=dev)
-                self._ring_writes[ring] = RingWrite(rows, self.row_slot * ring + self.position_mod(ring), True)
+            if self.decode_only:  # row i: sequence i's one new position, its ring row from the host lists
+                ring_row = long_tensor([s * ring + c % ring for s, c in zip(self.slots, self.ctx)], dev)
+                self._ring_writes[ring] = RingWrite(self.row_ids, ring_row, True)
+                return self._ring_writes[ring]
+            if max(self.q_lens, default=0) <= ring:  # every row (the usual case)
+                self._ring_writes[ring] = RingWrite(self.row_ids, self.row_slot * ring + self.position_mod(ring), True)
                 return self._ring_writes[ring]
             end = torch.tensor([c + n for c, n in zip(self.ctx, self.q_lens)], device=dev)[self.row_seq]
             keep = self.positions >= end - ring
@@ -133,33 +148,50 @@ class RaggedPlan:
         self._check_blocks(group, block)
         return torch.where(valid, block * bs + entries % bs, 0)
 
-    def first_entry_rows(self, group: str, seq: torch.Tensor, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def first_entry_rows(self, group: str, seq: torch.Tensor, counts: list[int], seq_list: list[int] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """`entry_rows` of entries 0 .. counts[b] - 1 of sequences `seq` `[B]` (every existing entry),
         read from the block table's first columns as `block * block_size + 0..block_size-1`: the rows
-        `[B, E]` (E = max(counts), 0 past an item's count) and that validity mask `[B, E]`."""
-        dev, E = self.device, max(counts, default=0)
-        valid = torch.arange(E, device=dev) < torch.tensor(counts, device=dev).unsqueeze(1)
+        `[B, E]` (E = max(counts), 0 past an item's count) and that validity mask `[B, E]`.
+        `seq_list`: `seq` on the host, when the caller has it (0..B-1 then reads the table as it is)."""
+        dev, E, B = self.device, max(counts, default=0), len(counts)
+        entry = torch.arange(E, device=dev)
+        valid = entry < long_tensor(counts, dev).unsqueeze(1)
         if E == 0:
             return torch.zeros(valid.shape, dtype=torch.long, device=dev), valid
-        table, bs = self._block_table(group, seq, E), self.block_size
-        blocks = table[:, :-(-E // bs)].unsqueeze(2) * bs  # [B, blocks, 1]
-        rows = torch.where(valid, (blocks + torch.arange(bs, device=dev)).view(len(counts), -1)[:, :E], 0)
-        self._check_blocks(group, rows)  # a missing block (-1) gives negative rows
-        return rows, valid
+        bs = self.block_size
+        nb = -(-E // bs)
+        blocks = self._block_table(group, seq, E, seq_list)[:, :nb]  # [B, nb]
+        # a missing block (-1) of an existing entry, checked on the host (a few numbers per sequence)
+        for b, row in enumerate(blocks.tolist()):
+            if min(row[:-(-counts[b] // bs)], default=0) < 0:
+                self._missing_blocks(group)
+        if nb == 1:  # every entry in the first block (up to block_size entries): no [B, nb, bs] detour
+            rows = blocks * bs + entry
+        else:
+            rows = (blocks.unsqueeze(2) * bs + torch.arange(bs, device=dev)).view(B, -1)[:, :E]
+        return rows * valid, valid  # 0 past an item's count (torch.where's values in one op: integers)
 
-    def _block_table(self, group: str, seq: torch.Tensor, max_entries: int) -> torch.Tensor:
+    def _block_table(self, group: str, seq: torch.Tensor, max_entries: int, seq_list: list[int] | None = None
+                     ) -> torch.Tensor:
         """Block group `group`'s table rows of sequences `seq`, checked to have columns for `max_entries`."""
         if group not in self.block_tables:
             raise ValueError(f"ForwardBatch.block_tables has no table for block group {group!r}")
-        table = self.block_tables[group].to(self.device)[seq]
+        table = self.block_tables[group].to(self.device)
+        if seq_list is None or len(seq_list) != table.shape[0] or seq_list != list(range(len(seq_list))):
+            table = table[seq]
         bs = self.block_size
         if -(-max_entries // bs) > table.shape[1]:
             raise ValueError(f"block table of group {group!r} has {table.shape[1]} columns, too few for "
                              f"{max_entries} entries of {bs} per block")
         return table
 
-    @staticmethod
-    def _check_blocks(group: str, addressed: torch.Tensor) -> None:
+    @classmethod
+    def _check_blocks(cls, group: str, addressed: torch.Tensor) -> None:
         if addressed.numel() and int(addressed.min()) < 0:
-            raise ValueError(f"block table of group {group!r} lacks blocks for existing entries; the cache manager "
-                             f"must allocate ceil(entries / block_size) blocks per sequence")
+            cls._missing_blocks(group)
+
+    @staticmethod
+    def _missing_blocks(group: str) -> None:
+        raise ValueError(f"block table of group {group!r} lacks blocks for existing entries; the cache manager "
+                         f"must allocate ceil(entries / block_size) blocks per sequence")

@@ -194,15 +194,15 @@ class DeepseekV4ForCausalLM:
         ids, positions = batch.input_ids.to(self.device), plan.positions
         if split is not None:  # this rank's rows only; attention gathers what it needs of the others
             ids, positions = ids[split.local_rows], positions[split.local_rows]
-        cos_sin = {k: self.rope.cos_sin(positions, k) for k in ("main", "compress")}
-        x = self.top["embed.weight"][ids]
+        cos_sin = self.rope.cos_sin_all(positions)
+        x = self.top["embed.weight"].index_select(0, ids)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         step = StepInputs(ids, plan, self.rope, cos_sin)
         for blk in self.blocks:
             streams = blk.run(streams, step)
         if split is not None:  # every rank samples (and drafts) from the whole step's final streams
             streams = split.gather(streams)
-        picked = streams[batch.logits_indices.to(self.device)]
+        picked = streams.index_select(0, batch.logits_indices.to(self.device))
         logits = self._logits(picked, self.top["hc_head_fn"], self.top["hc_head_base"], self.top["hc_head_scale"],
                               self.top["norm.weight"])
         return ForwardOutput(logits=logits, streams=self._streams_out(batch, streams, picked))
@@ -221,7 +221,7 @@ class DeepseekV4ForCausalLM:
         plan = self._plan(batch)
         ids = next_token_ids.to(self.device)
         eps = c.rms_norm_eps
-        cos_sin = {k: self.rope.cos_sin(plan.positions, k) for k in ("main", "compress")}
+        cos_sin = self.rope.cos_sin_all(plan.positions)
         e = a.linear(a.rms_norm(self.top["embed.weight"][ids], w["enorm.weight"], eps), w["e_proj.weight"])
         h = a.linear(a.rms_norm(streams.to(self.dtype), w["hnorm.weight"], eps), w["h_proj.weight"])
         x = self.mtp_block.run(e.unsqueeze(1) + h, StepInputs(ids, plan, self.rope, cos_sin))

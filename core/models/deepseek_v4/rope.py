@@ -45,5 +45,13 @@ class RotaryTables:
         }
 
     def cos_sin(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq[kind]
+        return self._cos_sin(positions.to(torch.float32).unsqueeze(-1), kind)
+
+    def cos_sin_all(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`cos_sin(positions, kind)` of every frequency set (the positions cast once)."""
+        column = positions.to(torch.float32).unsqueeze(-1)
+        return {kind: self._cos_sin(column, kind) for kind in self.inv_freq}
+
+    def _cos_sin(self, column: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = column * self.inv_freq[kind]
         return freqs.cos(), freqs.sin()

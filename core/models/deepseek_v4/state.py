@@ -25,7 +25,7 @@ from functools import cached_property
 
 import torch
 
-from deepinfer.models.batch import ForwardBatch
+from deepinfer.models.batch import ForwardBatch, long_tensor
 from deepinfer.models.cache_layout import BlockGroup, CacheLayout, StateTensor
 from deepinfer.models.common.ragged import RaggedPlan, RingWrite, take_rows  # noqa: F401  (re-exported)
 from deepinfer.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
@@ -107,6 +107,7 @@ class AttnGroup:
     in_row_order: bool = False  # rows are exactly 0..T-1 (a step of decode tokens only): no gather
     first_row: int | None = None  # a single prefill block: its rows are first_row .. first_row + S - 1
     end_list: list[int] | None = None  # end_pos on the host
+    seq_list: list[int] | None = None  # seq on the host
 
     @property
     def decode(self) -> bool:
@@ -218,7 +219,7 @@ class StepPlan(RaggedPlan):
         kp, qp = key_pos.unsqueeze(1), q_pos.unsqueeze(2)
         window_mask = k_valid.unsqueeze(1) & q_valid.unsqueeze(2) & (kp <= qp) & (kp > qp - W)
         group = AttnGroup(seq, rows, q_valid, q_pos, key_is_new, key_new_row, key_ring_row, window_mask, end,
-                          end_list=end_l)
+                          end_list=end_l, seq_list=[i for i, _, _ in items])
         if local_row is not None:
             group.first_row = local_row
             group.rows = torch.where(q_valid, local_row + ar, 0)  # [1, S]: local rows
@@ -237,20 +238,22 @@ class StepPlan(RaggedPlan):
         key_start_l = [max(0, c - (W - 1)) for c in ctx_l]
         end_l = [c + 1 for c in ctx_l]
         Lw = max(e - k for e, k in zip(end_l, key_start_l))
-        host = torch.tensor([seq_l, end_l, [s * Rw + c % Rw for s, c in zip(slot_l, ctx_l)],
-                             ctx_l, slot_l, [self.row_start[i] for i in seq_l], key_start_l], device=dev)
+        host = long_tensor([*seq_l, *end_l, *(s * Rw + c % Rw for s, c in zip(slot_l, ctx_l)), *ctx_l,
+                            *(s * Rw for s in slot_l), *(self.row_start[i] for i in seq_l), *key_start_l],
+                           dev).view(7, len(items))
         seq, end, new_key_ring_row = host[0], host[1], host[2]
-        ctx, slot, start, key_start = host[3:].unsqueeze(2)  # [B, 1] each
+        ctx, slot_base, start, key_start = host[3:].unsqueeze(2)  # [B, 1] each
         # Rw = W + max_rollback >= W (ring_sizes): the own key replaces position ctx - Rw, outside the window
         key_pos = key_start + torch.arange(Lw, device=dev)
         k_valid = key_pos <= ctx
         key_is_new = key_pos >= ctx  # valid and new: the query's own key, row `start`
-        ring_pos = slot * Rw + key_pos % Rw
+        ring_pos = key_pos % Rw + slot_base
+        # an index times a mask is torch.where(mask, index, 0) in one op fewer (integers: exact)
         group = AttnGroup(seq, start, torch.ones_like(start, dtype=torch.bool), ctx, key_is_new,
-                          torch.where(key_pos == ctx, start, 0), torch.where(key_pos < ctx, ring_pos, 0),
-                          k_valid.unsqueeze(1), end, end_list=end_l)
+                          start * (key_pos == ctx), ring_pos * (key_pos < ctx), k_valid.unsqueeze(1), end,
+                          end_list=end_l, seq_list=seq_l)
         group.new_key_ring_row = new_key_ring_row
-        group.key_ring_row_all = torch.where(k_valid, ring_pos, 0)
+        group.key_ring_row_all = ring_pos * k_valid
         group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
         return group
 
@@ -264,7 +267,7 @@ class StepPlan(RaggedPlan):
         if key not in self._entry_views:
             g = self.groups[group_index]
             ends = g.end_list if g.end_list is not None else g.end_pos.tolist()
-            flat, valid = self.first_entry_rows(group_name(rate), g.seq, [e // rate for e in ends])
+            flat, valid = self.first_entry_rows(group_name(rate), g.seq, [e // rate for e in ends], g.seq_list)
             if g.decode:  # the query is the item's last position: it sees every existing entry
                 visible = valid.unsqueeze(1)
             else:

@@ -292,7 +292,7 @@ class DeepseekV41ForCausalLM:
         positions = plan.positions
         if cp_split is not None:
             ids, positions = ids[cp_split.local_rows], positions[cp_split.local_rows]
-        cos_sin = {k: self.rope.cos_sin(positions, k) for k in ("main", "compress")}
+        cos_sin = self.rope.cos_sin_all(positions)
         streams = self.top["embed.weight"][ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         pre = torch.zeros((ids.shape[0], c.hc_mult), dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0  # the first site reads stream 0

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -21,9 +22,9 @@ def argmax_logsumexp(lib: ctypes.CDLL, logits: torch.Tensor) -> tuple[torch.Tens
     log_norm = torch.empty(L, dtype=torch.float32)
     _ARGMAX_LOGSUMEXP(lib, logits=logits.data_ptr(), L=L, V=V, stride=logits.stride(0), index=index.data_ptr(),
                       log_norm=log_norm.data_ptr(), num_threads=threads())
-    odd = ~torch.isfinite(log_norm)
-    if odd.any():  # an infinite or NaN maximum (or an overflowing sum): torch's semantics for those rows
-        rows = odd.nonzero().squeeze(1)
+    if not all(map(math.isfinite, log_norm.tolist())):  # checked on the host: a few ops fewer per step
+        # an infinite or NaN maximum (or an overflowing sum): torch's semantics for those rows
+        rows = (~torch.isfinite(log_norm)).nonzero().squeeze(1)
         index[rows] = logits[rows].max(dim=-1).indices
         log_norm[rows] = torch.logsumexp(logits[rows], dim=-1)
     return index, log_norm
