@@ -125,6 +125,29 @@ def test_fp8_subnormal_codes_and_fp32_scales(lib):
         _check(native.quant_linear(lib, x, w, portable=portable), x, _fp8_reference(w.data, w.scale, 32))
 
 
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_every_code_with_bf16_rows(lib, block):
+    # bf16 rows take the AVX512-BF16 loops where built (the codes decoded to bf16): every e4m3 code,
+    # subnormals and both zeros included, in blocks of 64 and of 32 codes, a strided x, 1 to 5 rows
+    w = _fp8_weight(68, 256, block, seed=4)
+    w.data.view(torch.uint8)[:, :] = torch.arange(256, dtype=torch.uint8).roll(3)  # every code in each row
+    w.data.view(torch.uint8)[(w.data.view(torch.uint8) & 0x7F) == 0x7F] = 0x01  # no NaN codes
+    wide = torch.randn(5, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for rows in (1, 2, 3, 5):
+        x = wide[:rows, 20:276]
+        for portable in _paths(lib):
+            _check(native.quant_linear(lib, x, w, portable=portable), x, _fp8_reference(w.data, w.scale, block))
+
+
+def test_bf16_results_are_the_fp32_sums_rounded_once(lib):
+    for w in (_fp4_weight(36, 128, seed=6), _fp8_weight(36, 128, 32, seed=6)):
+        x = torch.randn(3, 128).to(torch.bfloat16)
+        for portable in _paths(lib):
+            y32 = native.quant_linear(lib, x, w, portable=portable)
+            assert torch.equal(native.quant_linear(lib, x, w, portable=portable, out_dtype=torch.bfloat16),
+                               y32.bfloat16())
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows(lib):
     w4, w8 = _fp4_weight(96, 128, seed=1), _fp8_weight(96, 128, 32, seed=2)
     x = torch.randn(7, 128)

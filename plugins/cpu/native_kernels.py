@@ -292,8 +292,8 @@ class NativeCpuKernels(CpuKernels):
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
         if lib is None or self.invariant or rows > _QUANT_MAX_ROWS or weight.dim() != 2:
             return None
-        y = native.quant_linear(lib, x.reshape(rows, x.shape[-1]), weight)
-        return None if y is None else y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        y = native.quant_linear(lib, x.reshape(rows, x.shape[-1]), weight, out_dtype=x.dtype)
+        return None if y is None else y.view(*x.shape[:-1], y.shape[1])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         lib = self.native_library
