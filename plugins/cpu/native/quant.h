@@ -8,7 +8,9 @@
  * (`scale_e8m0` says which), indexed from `scale` as the whole weight's (FP4 [out, in/32], FP8
  * [ceil(out/B), ceil(in/B)]). All arithmetic is fp32; a code times a power of two is exact in fp32,
  * so the only rounding is the sums'. Each output row's sum runs in the same order whatever `rows` is.
- * The AVX2 versions need AVX2 and FMA (QUANT_AVX2); the portable ones (plain C) are always there.
+ * The AVX2 versions need AVX2 and FMA (QUANT_AVX2); the portable ones (plain C) are always there. The
+ * AVX512-BF16 ones (QUANT_AVX512BF16; FP8's also AVX512-VBMI, QUANT_FP8_BF16) take bf16 activations and
+ * decode the codes to bf16 (exact), so that vdpbf16ps forms the exact products 32 at a time.
  */
 #ifndef DEEPINFER_CPU_NATIVE_QUANT_H
 #define DEEPINFER_CPU_NATIVE_QUANT_H

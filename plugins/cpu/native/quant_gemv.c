@@ -12,8 +12,10 @@
  * only rounding is the sums'.
  *
  * Each output row's sum runs in the same order whatever `rows` is, and threads split the output
- * rows only. The loops are quant.h's (shared with quant_experts.c): AVX2 + FMA where compiled, and
- * in every build the portable versions (plain C), which the tests run too.
+ * rows only. The loops are quant.h's (shared with quant_experts.c): for bf16 x on AVX512-BF16 the
+ * codes decoded to bf16 and multiplied exactly by vdpbf16ps (FP4; FP8 where the build also has
+ * AVX512-VBMI for its byte look-ups), else AVX2 + FMA fp32 loops where compiled, and in every build
+ * the portable versions (plain C), which the tests run too. y is fp32 or bf16 (rounded once).
  */
 #include "quant.h"
 
