@@ -185,3 +185,20 @@ def test_the_cpu_back_end_runs_decode_products_on_the_codes(lib, monkeypatch):
     assert calls == [3, _QUANT_MAX_ROWS]
     kernels.linear(torch.randn(_QUANT_MAX_ROWS + 1, 128, dtype=torch.bfloat16), w)  # prefill-sized: the tile path
     assert calls == [3, _QUANT_MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_products_are_the_per_group_products(lib, rows, x_dtype):
+    from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
+
+    kernels = NativeCpuKernels()
+    kernels.__dict__["native_library"] = lib
+    for parts in ([_fp8_weight(40, 256, 128, seed=g) for g in range(3)], [_fp4_weight(40, 64, seed=g) for g in range(3)]):
+        w = QuantizedWeight(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block,
+                            torch.bfloat16)
+        x = torch.randn(rows, 3, w.shape[2]).to(x_dtype)
+        want = torch.stack([native.quant_linear(lib, x[:, g], parts[g], out_dtype=x_dtype) for g in range(3)], dim=1)
+        assert torch.equal(native.quant_grouped_linear(lib, x, w, out_dtype=x_dtype), want)
+        assert torch.equal(kernels.grouped_linear(x, w), want)  # the back end's decode path
+        assert native.quant_grouped_linear(lib, x[:, :2], w) is None  # groups do not match

@@ -379,8 +379,12 @@ class NativeCpuKernels(CpuKernels):
         return super().sink_attention_rows(q, caches, rows, masks, sinks, scale) if out is None else out
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):  # one (tiled) linear per group, see CpuKernels
-            return super().grouped_linear(x, weight)
+        if isinstance(weight, QuantizedWeight):
+            lib, out = self.native_library, None
+            if lib is not None and not self.invariant and x.shape[0] <= _QUANT_MAX_ROWS:
+                # decode sizes: each group quant_linear's products (the per-group linears' bits), one call
+                out = native.quant_grouped_linear(lib, x, weight, out_dtype=x.dtype)
+            return super().grouped_linear(x, weight) if out is None else out  # one (tiled) linear per group
         if self.invariant:  # a few groups: one fixed-order product each
             return torch.stack([self._rows(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
         lib, out = self.native_library, None

@@ -18,7 +18,8 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     moe_layer.c / .py   moe_layer_bf16 (a decode step's MoE sub-layer in one call, from the stages above),
                         moe_layer_quant (the same with FP4 / FP8 experts as stored)
     compressor.c / .py  compress_store (the compressor's ring writes of a decode step)
-    quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored), quant_simd
+    quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored),
+                        quant_grouped_linear, quant_simd
     quant_experts.c / .py  quant_experts (all routed experts of a step on FP4 / FP8-block weights, one call)
     isa.c               build_isa (its wrapper is in build.py)
     common.h, gemv.h,   what the C files share (bf16 conversions, ISA checks, the bf16 products,
@@ -44,7 +45,7 @@ from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch
 from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rms_norm_rotary, rotary
 from deepinfer_plugins.cpu.native.packed_gemm import pack_bf16, packed_cols, packed_linear_bf16, packed_shape
 from deepinfer_plugins.cpu.native.quant_experts import quant_experts
-from deepinfer_plugins.cpu.native.quant_gemv import quant_linear, quant_simd
+from deepinfer_plugins.cpu.native.quant_gemv import quant_grouped_linear, quant_linear, quant_simd
 from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
 from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_rows
 
@@ -54,7 +55,7 @@ __all__ = [
     "cache_root", "enabled", "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16",
     "grouped_amx_bf16", "grouped_gemv_bf16", "hc_head", "hc_post", "hc_pre", "indexer_scores", "library",
     "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_bf16", "moe_layer_quant", "moe_route_rows",
-    "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts", "quant_linear",
+    "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts", "quant_grouped_linear", "quant_linear",
     "quant_simd", "rms_norm", "rms_norm_rotary", "rotary", "TRANSPOSED_MIXES", "transpose_fn",
     "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows", "swiglu",
 ]

@@ -104,6 +104,27 @@ void fp8_linear(const void *x, int x_dtype, long x_stride, long rows, long in, c
                  num_threads);
 }
 
+/* quant_linear per group: x [rows, G, in], w [G, out, in] (FP4 codes [G, out, in/2]) with scales
+ * [G, ...] (`scale_group` elements a group), y [rows, G, out] in `y_dtype`; each group's products are
+ * quant_linear's on that group (the same bits as one call per group). */
+void quant_grouped_linear(int fp4, const void *x, int x_dtype, long rows, long G, long in, const uint8_t *w,
+                          const void *scale, long scale_group, int scale_e8m0, long block, long out, void *y,
+                          int y_dtype, int num_threads) {
+    const size_t w_group = (size_t)out * (fp4 ? in / 2 : in), y_size = elem_size(y_dtype);
+    const size_t s_size = scale_e8m0 ? 1 : sizeof(float);
+    void *yg = rows == 1 ? NULL : malloc((size_t)rows * out * y_size);
+    for (long g = 0; g < G; g++) {
+        const void *xg = (const char *)x + (size_t)g * in * elem_size(x_dtype);
+        const void *sg = (const char *)scale + (size_t)g * scale_group * s_size;
+        void *dst = yg ? yg : (char *)y + (size_t)g * out * y_size;
+        quant_linear(fp4, 0, xg, x_dtype, G * in, rows, in, w + g * w_group, sg, scale_e8m0, fp4 ? FP4_GROUP : block,
+                     out, dst, y_dtype, num_threads);
+        for (long r = 0; yg && r < rows; r++)
+            memcpy((char *)y + ((size_t)r * G + g) * out * y_size, (char *)yg + (size_t)r * out * y_size, out * y_size);
+    }
+    free(yg);
+}
+
 /* 1 when the fast (AVX2 + FMA) loops were compiled in, else 0: only the portable ones exist */
 int quant_simd(void) {
 #ifdef QUANT_AVX2

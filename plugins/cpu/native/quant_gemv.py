@@ -13,6 +13,9 @@ _COMMON = dict(x=ptr, x_dtype=int_, x_stride=long_, rows=long_, in_=long_, w=ptr
 _FP4_LINEAR = Kernel("fp4_linear", **_COMMON, out=long_, y=ptr, y_dtype=int_, portable=int_, num_threads=int_)
 _FP8_LINEAR = Kernel("fp8_linear", **_COMMON, block=long_, out=long_, y=ptr, y_dtype=int_, portable=int_,
                      num_threads=int_)
+_QUANT_GROUPED_LINEAR = Kernel("quant_grouped_linear", fp4=int_, x=ptr, x_dtype=int_, rows=long_, G=long_, in_=long_,
+                               w=ptr, scale=ptr, scale_group=long_, scale_e8m0=int_, block=long_, out=long_, y=ptr,
+                               y_dtype=int_, num_threads=int_)
 _QUANT_SIMD = Kernel("quant_simd", restype=ctypes.c_int)
 
 
@@ -48,4 +51,28 @@ def quant_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight, por
         _FP4_LINEAR(lib, **args)
     else:
         _FP8_LINEAR(lib, **args, block=weight.block)
+    return y
+
+
+def quant_grouped_linear(lib: ctypes.CDLL, x: torch.Tensor, weight: QuantizedWeight,
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """The grouped projection `y[:, g] = x[:, g] @ weight[g].T` (`x [rows, G, in]` fp32/bf16, `weight
+    [G, out, in]` FP4 or FP8 blocks) -> `[rows, G, out]` in `out_dtype` (fp32 or bf16): each group
+    quant_linear's products, in one call; None for anything else."""
+    x_dtype, y_dtype = dtype_code(x), DTYPE_CODES.get(out_dtype)
+    data, scale = weight.data, weight.scale
+    if (x_dtype is None or y_dtype is None or x.dim() != 3 or data.dim() != 3 or not x.is_contiguous()
+            or not (data.is_cpu and scale.is_cpu) or not data.is_contiguous() or not scale.is_contiguous()):
+        return None
+    fp4 = data.dtype is not torch.float8_e4m3fn
+    rows, groups, in_ = x.shape
+    out = data.shape[1]
+    if groups != data.shape[0] or in_ != (data.shape[2] * 2 if fp4 else data.shape[2]) or (fp4 and in_ % FP4_GROUP):
+        return None
+    y = torch.empty((rows, groups, out), dtype=out_dtype)
+    if y.numel():
+        _QUANT_GROUPED_LINEAR(lib, fp4=int(fp4), x=x.data_ptr(), x_dtype=x_dtype, rows=rows, G=groups, in_=in_,
+                              w=data.data_ptr(), scale=scale.data_ptr(), scale_group=scale.stride(0),
+                              scale_e8m0=int(scale.dtype is torch.float8_e8m0fnu), block=weight.block, out=out,
+                              y=y.data_ptr(), y_dtype=y_dtype, num_threads=threads())
     return y
