@@ -125,6 +125,29 @@ def test_fp8_subnormal_codes_and_fp32_scales(lib):
         _check(native.quant_linear(lib, x, w, portable=portable), x, _fp8_reference(w.data, w.scale, 32))
 
 
+@pytest.mark.parametrize("block", [128, 32])
+def test_fp8_every_code_with_bf16_rows(lib, block):
+    # bf16 rows take the AVX512-BF16 loops where built (the codes decoded to bf16): every e4m3 code,
+    # subnormals and both zeros included, in blocks of 64 and of 32 codes, a strided x, 1 to 5 rows
+    w = _fp8_weight(68, 256, block, seed=4)
+    w.data.view(torch.uint8)[:, :] = torch.arange(256, dtype=torch.uint8).roll(3)  # every code in each row
+    w.data.view(torch.uint8)[(w.data.view(torch.uint8) & 0x7F) == 0x7F] = 0x01  # no NaN codes
+    wide = torch.randn(5, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for rows in (1, 2, 3, 5):
+        x = wide[:rows, 20:276]
+        for portable in _paths(lib):
+            _check(native.quant_linear(lib, x, w, portable=portable), x, _fp8_reference(w.data, w.scale, block))
+
+
+def test_bf16_results_are_the_fp32_sums_rounded_once(lib):
+    for w in (_fp4_weight(36, 128, seed=6), _fp8_weight(36, 128, 32, seed=6)):
+        x = torch.randn(3, 128).to(torch.bfloat16)
+        for portable in _paths(lib):
+            y32 = native.quant_linear(lib, x, w, portable=portable)
+            assert torch.equal(native.quant_linear(lib, x, w, portable=portable, out_dtype=torch.bfloat16),
+                               y32.bfloat16())
+
+
 def test_a_rows_result_does_not_depend_on_the_other_rows(lib):
     w4, w8 = _fp4_weight(96, 128, seed=1), _fp8_weight(96, 128, 32, seed=2)
     x = torch.randn(7, 128)
@@ -162,3 +185,20 @@ def test_the_cpu_back_end_runs_decode_products_on_the_codes(lib, monkeypatch):
     assert calls == [3, _QUANT_MAX_ROWS]
     kernels.linear(torch.randn(_QUANT_MAX_ROWS + 1, 128, dtype=torch.bfloat16), w)  # prefill-sized: the tile path
     assert calls == [3, _QUANT_MAX_ROWS]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_products_are_the_per_group_products(lib, rows, x_dtype):
+    from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
+
+    kernels = NativeCpuKernels()
+    kernels.__dict__["native_library"] = lib
+    for parts in ([_fp8_weight(40, 256, 128, seed=g) for g in range(3)], [_fp4_weight(40, 64, seed=g) for g in range(3)]):
+        w = QuantizedWeight(torch.stack([p.data for p in parts]), torch.stack([p.scale for p in parts]), parts[0].block,
+                            torch.bfloat16)
+        x = torch.randn(rows, 3, w.shape[2]).to(x_dtype)
+        want = torch.stack([native.quant_linear(lib, x[:, g], parts[g], out_dtype=x_dtype) for g in range(3)], dim=1)
+        assert torch.equal(native.quant_grouped_linear(lib, x, w, out_dtype=x_dtype), want)
+        assert torch.equal(kernels.grouped_linear(x, w), want)  # the back end's decode path
+        assert native.quant_grouped_linear(lib, x[:, :2], w) is None  # groups do not match

@@ -297,8 +297,8 @@ class NativeCpuKernels(CpuKernels):
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
         if lib is None or self.invariant or rows > _QUANT_MAX_ROWS or weight.dim() != 2:
             return None
-        y = native.quant_linear(lib, x.reshape(rows, x.shape[-1]), weight)
-        return None if y is None else y.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+        y = native.quant_linear(lib, x.reshape(rows, x.shape[-1]), weight, out_dtype=x.dtype)
+        return None if y is None else y.view(*x.shape[:-1], y.shape[1])
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         lib = self.native_library
@@ -456,8 +456,12 @@ class NativeCpuKernels(CpuKernels):
         return None if packed_a is None or packed_a.dim() != 5 else (packed_a, copies[0])
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-        if isinstance(weight, QuantizedWeight):  # one (tiled) linear per group, see CpuKernels
-            return super().grouped_linear(x, weight)
+        if isinstance(weight, QuantizedWeight):
+            lib, out = self.native_library, None
+            if lib is not None and not self.invariant and x.shape[0] <= _QUANT_MAX_ROWS:
+                # decode sizes: each group quant_linear's products (the per-group linears' bits), one call
+                out = native.quant_grouped_linear(lib, x, weight, out_dtype=x.dtype)
+            return super().grouped_linear(x, weight) if out is None else out  # one (tiled) linear per group
         if self.invariant:  # a few groups: one fixed-order product each
             return torch.stack([self._rows(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
         lib, out = self.native_library, None
@@ -582,6 +586,11 @@ class NativeCpuKernels(CpuKernels):
                      shared_w2: torch.Tensor | None, top_k: int, routed_scaling_factor: float, scoring_func: str,
                      swiglu_limit: float) -> torch.Tensor:
         lib, out, rows = self.native_library, None, x.shape[0]
+        if any(isinstance(w, QuantizedWeight) for w in (w13, w2, shared_w13, shared_w2)):
+            out = self._quant_moe_sublayer(x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
+                                           routed_scaling_factor, scoring_func, swiglu_limit)
+            if out is not None:
+                return out
         # decode-sized bf16 batches in one C call (moe_layer.c): the C stages the composed path runs (router
         # top-k, dispatch, expert kernel, combine), the router on a C dot product (its fp32 sums in another
         # order than torch's), the shared expert's products on the kernels the composed path's linear picks
@@ -609,6 +618,33 @@ class NativeCpuKernels(CpuKernels):
             return out
         return super().moe_sublayer(x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
                                     routed_scaling_factor, scoring_func, swiglu_limit)
+
+    def _quant_moe_sublayer(self, x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
+                            hash_ids: torch.Tensor | None, w13: torch.Tensor | QuantizedWeight,
+                            w2: torch.Tensor | QuantizedWeight, shared_w13: torch.Tensor | QuantizedWeight | None,
+                            shared_w2: torch.Tensor | QuantizedWeight | None, top_k: int, routed_scaling_factor: float,
+                            scoring_func: str, swiglu_limit: float) -> torch.Tensor | None:
+        """The MoE sub-layer of a bf16 decode batch (up to _MOE_FUSED_MAX_TOKENS tokens) with routed experts
+        kept quantised in one C call (moe_layer_quant): the stages the composed path runs on them (the C
+        router top-k, dispatch, quant_experts, combine; a quantised shared expert's products on quant_gemv.c,
+        a bf16 one's on the kernels the composed linear picks), the router's fp32 sums on a C dot product (in
+        another order than torch's, as moe_layer_bf16). None: the composed path."""
+        lib, rows = self.native_library, x.shape[0]
+        if (lib is None or self.invariant or x.dim() != 2 or x.dtype != torch.bfloat16 or rows > _MOE_FUSED_MAX_TOKENS
+                or not isinstance(w13, QuantizedWeight) or not isinstance(w2, QuantizedWeight)):
+            return None
+        packed_shared = None
+        if shared_w13 is not None and not isinstance(shared_w13, QuantizedWeight):
+            low, high = self._packed_gemm_rows
+            tiles = self.tile_weights if low <= rows <= high else None
+            if (rows > 1 and self.native_amx) or (tiles is None and rows > self._gemv_tokens_max_rows):
+                return None  # the composed linear would take oneDNN's or the AMX products
+            if tiles is not None:
+                packed_shared = tiles.lookup(shared_w13), tiles.lookup(shared_w2)
+        round_silu = shared_w2 is not None and rows * shared_w2.shape[1] < _SWIGLU_TORCH_MAX
+        return native.moe_layer_quant(lib, x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
+                                      routed_scaling_factor, scoring_func, swiglu_limit, round_silu,
+                                      packed_shared=packed_shared)
 
     def _experts_invariant(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                            swiglu_limit: float) -> torch.Tensor:

@@ -15,11 +15,13 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     selection.c / .py   indexer_scores (the lightning indexer's scores), moe_route_rows (the MoE router's top-k)
     packed_gemm.c / .py pack_bf16, packed_linear_bf16 (decode batches on weights packed for register tiles),
                         packed_cols, packed_shape; packed_group_products (one product per expert, in C only)
-    moe_layer.c / .py   moe_layer_bf16 (a decode step's MoE sub-layer in one call, from the stages above)
+    moe_layer.c / .py   moe_layer_bf16 (a decode step's MoE sub-layer in one call, from the stages above),
+                        moe_layer_quant (the same with FP4 / FP8 experts as stored)
     compressor.c / .py  compress_store (the compressor's ring writes of a decode step)
     attention_layer.c / .py  attention_projections_bf16, attention_output_bf16 (a decode step's attention
                         sub-layer in two calls, from the stages above)
-    quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored), quant_simd
+    quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored),
+                        quant_grouped_linear, quant_simd
     quant_experts.c / .py  quant_experts (all routed experts of a step on FP4 / FP8-block weights, one call)
     isa.c               build_isa (its wrapper is in build.py)
     common.h, gemv.h,   what the C files share (bf16 conversions, ISA checks, the bf16 products,
@@ -41,24 +43,24 @@ from deepinfer_plugins.cpu.native.experts import experts_bf16
 from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_tier, gemv_tier_for, gemv_tokens_bf16,
                                                grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16, linear_rows)
 from deepinfer_plugins.cpu.native.mhc import TRANSPOSED_MIXES, hc_head, hc_post, hc_pre, transpose_fn
-from deepinfer_plugins.cpu.native.moe_layer import moe_layer_bf16
+from deepinfer_plugins.cpu.native.moe_layer import moe_layer_bf16, moe_layer_quant
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
 from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rms_norm_rotary, rotary
 from deepinfer_plugins.cpu.native.packed_gemm import pack_bf16, packed_cols, packed_linear_bf16, packed_shape
 from deepinfer_plugins.cpu.native.quant_experts import quant_experts
-from deepinfer_plugins.cpu.native.quant_gemv import quant_linear, quant_simd
+from deepinfer_plugins.cpu.native.quant_gemv import quant_grouped_linear, quant_linear, quant_simd
 from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
 from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_rows
 
 __all__ = [
     "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "SWITCHED_OFF", "CacheError", "CompilerError",
     "active_library", "amx_usable", "argmax_logsumexp", "attention_output_bf16", "attention_projections_bf16",
-    "build_flags", "build_isa",
-    "build_variant", "cache_dir", "compress_store",
-    "cache_root", "enabled", "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16",
-    "grouped_amx_bf16", "grouped_gemv_bf16", "hc_head", "hc_post", "hc_pre", "indexer_scores", "library",
-    "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_bf16", "moe_route_rows",
-    "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts", "quant_linear",
-    "quant_simd", "rms_norm", "rms_norm_rotary", "rotary", "TRANSPOSED_MIXES", "transpose_fn",
-    "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows", "swiglu",
+    "build_flags", "build_isa", "build_variant", "cache_dir", "compress_store", "cache_root", "enabled",
+    "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16",
+    "grouped_gemv_bf16", "hc_head", "hc_post", "hc_pre", "indexer_scores", "library", "linear_amx_bf16",
+    "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_bf16", "moe_layer_quant", "moe_route_rows",
+    "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts",
+    "quant_grouped_linear", "quant_linear", "quant_simd", "rms_norm", "rms_norm_rotary", "rotary",
+    "TRANSPOSED_MIXES", "transpose_fn", "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows",
+    "swiglu",
 ]

@@ -23,6 +23,24 @@ void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M,
 int experts_packed_bf16(const uint16_t *rows, long n, long D, const int64_t *counts, long E, const uint16_t *pw13,
                         const uint16_t *pw2, long I, float limit, uint16_t *gate_up, uint16_t *hidden, uint16_t *out,
                         int num_threads);
+int quant_experts(const void *rows, int x_dtype, long n, long D, const int64_t *counts, long E, int fp4,
+                  const uint8_t *w13, long w13_stride, const void *s13, long s13_stride, const uint8_t *w2,
+                  long w2_stride, const void *s2, long s2_stride, int scale_e8m0, long block, long I, float limit,
+                  void *out, int portable, int num_threads);
+void fp4_linear(const void *x, int x_dtype, long x_stride, long rows, long in, const uint8_t *w, const void *scale,
+                int scale_e8m0, long out, void *y, int y_dtype, int portable, int num_threads);
+void fp8_linear(const void *x, int x_dtype, long x_stride, long rows, long in, const uint8_t *w, const void *scale,
+                int scale_e8m0, long block, long out, void *y, int y_dtype, int portable, int num_threads);
+
+/* FP4 / FP8-block weights as stored (quant_gemv.c, quant_experts.c): the routed experts' stacks
+ * (`*_stride`: per expert, codes in bytes, scales in elements) or the shared expert's pair */
+typedef struct {
+    int fp4, scale_e8m0;
+    long block;
+    const uint8_t *w13, *w2;
+    const void *s13, *s2;
+    long w13_stride, s13_stride, w2_stride, s2_stride;
+} quant_pair;
 
 /* the router's scoring functions (interface.routing_scores) */
 #define SCORE_SQRTSOFTPLUS 0
@@ -85,6 +103,13 @@ static void tokens_product(const uint16_t *W, const uint16_t *P, const uint16_t 
     else gemv_tokens_bf16(W, X, Y, T, N, K, num_threads);
 }
 
+/* tokens_product on a quantised weight (`w`, `s`: one of q's pair), rounded to bf16 as the linear's */
+static void quant_product(const quant_pair *q, const uint8_t *w, const void *s, const uint16_t *X, uint16_t *Y,
+                          long T, long N, long K, int num_threads) {
+    if (q->fp4) fp4_linear(X, DT_BF16, K, T, K, w, s, q->scale_e8m0, N, Y, DT_BF16, 0, num_threads);
+    else fp8_linear(X, DT_BF16, K, T, K, w, s, q->scale_e8m0, q->block, N, Y, DT_BF16, 0, num_threads);
+}
+
 /* ----- moe_layer_bf16 -----
  * x [T, D] bf16; gate [E, D] fp32, bias [E] fp32 or NULL, hash_ids [T, k] int64 or NULL (hash layers);
  * w13 [E, 2I, D], w2 [E, D, I] bf16 (the routed experts); sw13 [2SI, D], sw2 [D, SI] bf16 or NULL
@@ -95,11 +120,11 @@ static void tokens_product(const uint16_t *W, const uint16_t *P, const uint16_t 
  * expert's hidden row is rounded once (the swiglu kernel), or, with `round_silu`, where torch's bf16
  * `silu(g) * u` rounds: silu's result, then the product (the composed path's swiglu for a few rows).
  * Returns 0, or 1 (nothing written) at a hash id outside [0, E). */
-int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const float *bias, const int64_t *hash_ids,
-                   long E, long k, float scaling, int scoring, const uint16_t *w13, const uint16_t *w2, long I,
-                   const uint16_t *sw13, const uint16_t *sw2, long SI, const uint16_t *pw13, const uint16_t *pw2,
-                   const uint16_t *psw13, const uint16_t *psw2, float limit, int round_silu, uint16_t *out,
-                   int num_threads) {
+static int moe_layer(const uint16_t *x, long T, long D, const float *gate, const float *bias, const int64_t *hash_ids,
+                     long E, long k, float scaling, int scoring, const uint16_t *w13, const uint16_t *w2,
+                     const quant_pair *qe, long I, const uint16_t *sw13, const uint16_t *sw2, const quant_pair *qs,
+                     long SI, const uint16_t *pw13, const uint16_t *pw2, const uint16_t *psw13, const uint16_t *psw2,
+                     float limit, int round_silu, uint16_t *out, int num_threads) {
     const long n = T * k, wide = I > SI ? I : SI;
     float *scores = malloc((size_t)T * E * sizeof(float));
     float *weights = malloc((size_t)n * sizeof(float));
@@ -114,16 +139,21 @@ int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const f
     int status = moe_route_rows(scores, bias, hash_ids, ids, weights, T, E, k, scaling) != 0;
     /* with valid ids the three stages below cannot fail: their checks hold by construction */
     if (!status) status = moe_dispatch_rows(ids, T, k, E, x, D * 2, counts, source_token, source_slot, rows, num_threads);
-    if (!status)
+    if (!status && qe)
+        status = quant_experts(rows, DT_BF16, n, D, counts, E, qe->fp4, qe->w13, qe->w13_stride, qe->s13,
+                               qe->s13_stride, qe->w2, qe->w2_stride, qe->s2, qe->s2_stride, qe->scale_e8m0,
+                               qe->block, I, limit, expert_out, 0, num_threads);
+    else if (!status)
         status = pw13 && pw2 ? experts_packed_bf16(rows, n, D, counts, E, pw13, pw2, I, limit, gate_up, hidden, expert_out,
                                                    num_threads)
                              : experts_bf16(rows, n, D, counts, E, w13, w2, I, limit, gate_up, hidden, expert_out,
                                             num_threads);
     if (!status) status = moe_combine_rows(expert_out, DT_BF16, D, source_token, source_slot, T, k, weights, y, num_threads);
-    if (!status && sw13) {
+    if (!status && (sw13 || qs)) {
         /* shared expert: gate_up [T, 2SI] and hidden [T, SI] rounded to bf16 as the linear and swiglu do */
         const float hi = limit > 0.0f ? limit : INFINITY, lo = limit > 0.0f ? -limit : -INFINITY;
-        tokens_product(sw13, psw13, x, gate_up, T, 2 * SI, D, num_threads);
+        if (qs) quant_product(qs, qs->w13, qs->s13, x, gate_up, T, 2 * SI, D, num_threads);
+        else tokens_product(sw13, psw13, x, gate_up, T, 2 * SI, D, num_threads);
         for (long t = 0; t < T; t++) {
             load_row(gate_up + (size_t)t * 2 * SI, DT_BF16, g, SI);
             load_row(gate_up + (size_t)t * 2 * SI + SI, DT_BF16, u, SI);
@@ -137,7 +167,8 @@ int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const f
             }
             store_row(g, hidden + (size_t)t * SI, DT_BF16, SI);
         }
-        tokens_product(sw2, psw2, hidden, expert_out, T, D, SI, num_threads);
+        if (qs) quant_product(qs, qs->w2, qs->s2, hidden, expert_out, T, D, SI, num_threads);
+        else tokens_product(sw2, psw2, hidden, expert_out, T, D, SI, num_threads);
         for (long i = 0; i < T * D; i++) y[i] += bf16_to_float(expert_out[i]);
     }
     if (!status) store_row(y, out, DT_BF16, T * D);
@@ -155,4 +186,35 @@ int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const f
     free(weights);
     free(scores);
     return status;
+}
+
+int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const float *bias, const int64_t *hash_ids,
+                   long E, long k, float scaling, int scoring, const uint16_t *w13, const uint16_t *w2, long I,
+                   const uint16_t *sw13, const uint16_t *sw2, long SI, const uint16_t *pw13, const uint16_t *pw2,
+                   const uint16_t *psw13, const uint16_t *psw2, float limit, int round_silu, uint16_t *out,
+                   int num_threads) {
+    return moe_layer(x, T, D, gate, bias, hash_ids, E, k, scaling, scoring, w13, w2, NULL, I, sw13, sw2, NULL, SI,
+                     pw13, pw2, psw13, psw2, limit, round_silu, out, num_threads);
+}
+
+/* ----- moe_layer_quant: moe_layer_bf16 with the routed experts as stored -----
+ * The routed experts FP4 or FP8 blocks (quant_experts' arguments: both stacks one format, `e_*`), the
+ * shared expert bf16 (sw13, sw2, their packed copies psw13, psw2 or NULL), quantised (`s_fp4` 0 or 1:
+ * FP8 or FP4 codes in sw13/sw2 with scales ss13/ss2, `s_*` their format; `s_fp4` -1: bf16) or absent
+ * (sw13 NULL). Each stage is the call the composed path makes (quant_experts for the routed experts,
+ * fp8_linear / fp4_linear rounded to bf16 for the shared expert's products), so the two round alike. */
+int moe_layer_quant(const uint16_t *x, long T, long D, const float *gate, const float *bias, const int64_t *hash_ids,
+                    long E, long k, float scaling, int scoring, int e_fp4, const uint8_t *w13, long w13_stride,
+                    const void *s13, long s13_stride, const uint8_t *w2, long w2_stride, const void *s2,
+                    long s2_stride, int e_scale_e8m0, long e_block, long I, const void *sw13, const void *sw2,
+                    const void *ss13, const void *ss2, int s_fp4, int s_scale_e8m0, long s_block, long SI,
+                    const uint16_t *psw13, const uint16_t *psw2, float limit, int round_silu, uint16_t *out,
+                    int num_threads) {
+    const quant_pair qe = {e_fp4, e_scale_e8m0, e_block, w13, w2, s13, s2, w13_stride, s13_stride, w2_stride,
+                           s2_stride};
+    const quant_pair qs = {s_fp4 == 1, s_scale_e8m0, s_block, sw13, sw2, ss13, ss2, 0, 0, 0, 0};
+    const int quant_shared = sw13 && s_fp4 >= 0;
+    return moe_layer(x, T, D, gate, bias, hash_ids, E, k, scaling, scoring, NULL, NULL, &qe, I,
+                     quant_shared ? NULL : sw13, quant_shared ? NULL : sw2, quant_shared ? &qs : NULL, SI, NULL, NULL,
+                     quant_shared ? NULL : psw13, quant_shared ? NULL : psw2, limit, round_silu, out, num_threads);
 }

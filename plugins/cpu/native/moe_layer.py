@@ -5,13 +5,22 @@ import ctypes
 
 import torch
 
+from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
 from deepinfer_plugins.cpu.native.binding import Kernel, float_, int_, long_, ptr, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
+from deepinfer_plugins.cpu.native.quant_experts import expert_stacks
 
 _MOE_LAYER_BF16 = Kernel("moe_layer_bf16", restype=ctypes.c_int, x=ptr, T=long_, D=long_, gate=ptr, bias=ptr,
                          hash_ids=ptr, E=long_, k=long_, scaling=float_, scoring=int_, w13=ptr, w2=ptr, I=long_,
                          sw13=ptr, sw2=ptr, SI=long_, pw13=ptr, pw2=ptr, psw13=ptr, psw2=ptr, limit=float_, round_silu=int_, out=ptr,
                          num_threads=int_)
+
+_MOE_LAYER_QUANT = Kernel("moe_layer_quant", restype=ctypes.c_int, x=ptr, T=long_, D=long_, gate=ptr, bias=ptr,
+                          hash_ids=ptr, E=long_, k=long_, scaling=float_, scoring=int_, fp4=int_, w13=ptr,
+                          w13_stride=long_, s13=ptr, s13_stride=long_, w2=ptr, w2_stride=long_, s2=ptr,
+                          s2_stride=long_, scale_e8m0=int_, block=long_, I=long_, sw13=ptr, sw2=ptr, ss13=ptr,
+                          ss2=ptr, s_fp4=int_, s_scale_e8m0=int_, s_block=long_, SI=long_, psw13=ptr, psw2=ptr,
+                          limit=float_, round_silu=int_, out=ptr, num_threads=int_)
 
 #: the router scoring functions the C code knows (moe_layer.c's SCORE_*)
 SCORING_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -81,4 +90,84 @@ def moe_layer_bf16(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: 
         sw2=None if shared_w2 is None else shared_w2.data_ptr(), SI=shared_inter, pw13=pw13, pw2=pw2,
         psw13=_packed_ptr(lib, psw13, shared_w13), psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit,
         round_silu=int(round_silu), out=out.data_ptr(), num_threads=threads())
+    return None if status else out
+
+
+def _router(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None,
+            top_k: int, scoring_func: str) -> tuple[int, torch.Tensor | None] | None:
+    """(scoring code, hash ids as int64) for the C call, or None where it does not take these inputs."""
+    scoring = SCORING_CODES.get(scoring_func)
+    if (scoring is None or x.dim() != 2 or not _usable(x, torch.bfloat16) or not _usable(gate, torch.float32)
+            or gate.shape != (gate.shape[0], x.shape[1]) or not 0 < top_k <= gate.shape[0]):
+        return None
+    if bias is not None and not (_usable(bias, torch.float32) and bias.shape == (gate.shape[0],)):
+        return None
+    if hash_ids is not None:
+        if hash_ids.shape != (x.shape[0], top_k) or not hash_ids.is_cpu:
+            return None
+        hash_ids = hash_ids.long().contiguous()
+    return scoring, hash_ids
+
+
+def _quant_shared(sw13: QuantizedWeight, sw2: QuantizedWeight, D: int) -> dict | None:
+    """The C arguments of a quantised shared expert (`sw13 [2SI, D]`, `sw2 [D, SI]`, one format), or None."""
+    if not isinstance(sw13, QuantizedWeight) or not isinstance(sw2, QuantizedWeight):
+        return None
+    if not all(w.dim() == 2 and w.data.is_cpu and w.scale.is_cpu and w.data.is_contiguous() and w.scale.is_contiguous()
+               for w in (sw13, sw2)):
+        return None
+    si = sw2.shape[1]
+    fp4 = sw13.kind == "fp4"
+    if (sw13.kind != sw2.kind or sw13.scale.dtype != sw2.scale.dtype or (not fp4 and sw13.block != sw2.block)
+            or sw13.shape != (2 * si, D) or sw2.shape != (D, si) or (fp4 and (D % FP4_GROUP or si % FP4_GROUP))):
+        return None
+    return dict(sw13=sw13.data.data_ptr(), sw2=sw2.data.data_ptr(), ss13=sw13.scale.data_ptr(),
+                ss2=sw2.scale.data_ptr(), s_fp4=int(fp4), s_scale_e8m0=int(sw13.scale.dtype == torch.float8_e8m0fnu),
+                s_block=sw13.block, SI=si)
+
+
+def moe_layer_quant(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                    hash_ids: torch.Tensor | None, w13: QuantizedWeight, w2: QuantizedWeight,
+                    shared_w13: torch.Tensor | QuantizedWeight | None,
+                    shared_w2: torch.Tensor | QuantizedWeight | None, top_k: int, routed_scaling_factor: float,
+                    scoring_func: str, swiglu_limit: float, round_silu: bool = False,
+                    packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+                    ) -> torch.Tensor | None:
+    """`moe_layer_bf16` with the routed experts kept quantised (FP4 or FP8-block stacks, as quant_experts
+    takes them) and the shared expert bf16 (`packed_shared` as there), quantised (both FP4 or both FP8) or
+    absent; None for anything else."""
+    router = _router(x, gate, bias, hash_ids, top_k, scoring_func)
+    if router is None:
+        return None
+    scoring, hash_ids = router
+    T, D = x.shape
+    stacks = expert_stacks(w13, w2, D)
+    if stacks is None or stacks["E"] != gate.shape[0]:
+        return None
+    if shared_w13 is None or shared_w2 is None:
+        if shared_w13 is not shared_w2:
+            return None
+        shared = dict(sw13=None, sw2=None, ss13=None, ss2=None, s_fp4=-1, s_scale_e8m0=0, s_block=0, SI=0)
+    elif isinstance(shared_w13, QuantizedWeight):
+        shared = _quant_shared(shared_w13, shared_w2, D)
+        if shared is None:
+            return None
+    else:
+        if not (_usable(shared_w13, torch.bfloat16) and _usable(shared_w2, torch.bfloat16)):
+            return None
+        si = shared_w2.shape[1]
+        if shared_w13.shape != (2 * si, D) or shared_w2.shape != (D, si):
+            return None
+        shared = dict(sw13=shared_w13.data_ptr(), sw2=shared_w2.data_ptr(), ss13=None, ss2=None, s_fp4=-1,
+                      s_scale_e8m0=0, s_block=0, SI=si)
+    psw13, psw2 = (None, None) if packed_shared is None else packed_shared
+    if shared["s_fp4"] >= 0:
+        psw13 = psw2 = None
+    out = torch.empty((T, D), dtype=torch.bfloat16)
+    status = _MOE_LAYER_QUANT(
+        lib, x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+        hash_ids=None if hash_ids is None else hash_ids.data_ptr(), k=top_k, scaling=routed_scaling_factor,
+        scoring=scoring, **stacks, **shared, psw13=_packed_ptr(lib, psw13, shared_w13),
+        psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit, round_silu=int(round_silu), out=out.data_ptr(),
+        num_threads=threads())
     return None if status else out

@@ -8,7 +8,9 @@
  * (`scale_e8m0` says which), indexed from `scale` as the whole weight's (FP4 [out, in/32], FP8
  * [ceil(out/B), ceil(in/B)]). All arithmetic is fp32; a code times a power of two is exact in fp32,
  * so the only rounding is the sums'. Each output row's sum runs in the same order whatever `rows` is.
- * The AVX2 versions need AVX2 and FMA (QUANT_AVX2); the portable ones (plain C) are always there.
+ * The AVX2 versions need AVX2 and FMA (QUANT_AVX2); the portable ones (plain C) are always there. The
+ * AVX512-BF16 ones (QUANT_AVX512BF16; FP8's also AVX512-VBMI, QUANT_FP8_BF16) take bf16 activations and
+ * decode the codes to bf16 (exact), so that vdpbf16ps forms the exact products 32 at a time.
  */
 #ifndef DEEPINFER_CPU_NATIVE_QUANT_H
 #define DEEPINFER_CPU_NATIVE_QUANT_H
@@ -286,6 +288,155 @@ static inline __attribute__((always_inline)) void fp4_tile_bf16(const uint16_t *
         case 3: fp4_tile_bf16(xb, r0, 3, in, w, scale, scale_e8m0, o, no, y, out, folded); break;            \
         default: fp4_tile_bf16(xb, r0, 4, in, w, scale, scale_e8m0, o, no, y, out, folded); break;           \
     }
+
+#if defined(__AVX512VBMI__)
+#define QUANT_FP8_BF16 1
+
+/* e4m3 magnitudes (code & 0x7F) as bf16 bits, every one exact: low and high bytes. Normal codes are
+ * their exponent and mantissa bits in bf16's places, the exponent rebased by +120; the subnormal ones
+ * (magnitude 1..7: m * 2^-9) are normal bf16 numbers. */
+static const uint8_t FP8_BF16_LO[128] = {
+    0x00, 0x00, 0x80, 0xC0, 0x00, 0x20, 0x40, 0x60, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0,
+    0x00, 0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0x80, 0x90, 0xA0, 0xB0, 0xC0, 0xD0, 0xE0, 0xF0};
+static const uint8_t FP8_BF16_HI[128] = {
+    0x00, 0x3B, 0x3B, 0x3B, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C, 0x3C,
+    0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D, 0x3D,
+    0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E, 0x3E,
+    0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F, 0x3F,
+    0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
+    0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41, 0x41,
+    0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42, 0x42,
+    0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43, 0x43};
+
+/* 64 e4m3 codes -> two registers of 32 bf16 weights (each the low 8 codes of every 16, then the high 8): each byte's bf16 low and high bytes by two 128-entry
+ * byte look-ups on the magnitude (vpermi2b ignores the sign bit), the sign put back, the two interleaved */
+static inline void fp8_bf16x64(const uint8_t *p, __m512i lo0, __m512i lo1, __m512i hi0, __m512i hi1, __m512i *a,
+                               __m512i *b) {
+    const __m512i codes = _mm512_loadu_si512((const void *)p);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, codes, lo1);
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, codes, hi1), codes,
+                                                 _mm512_set1_epi8((char)0x80), 0xF8); /* a | (b & c) */
+    *a = _mm512_unpacklo_epi8(lo, hi), *b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* the same for 32 codes (blocks of 32) into one register (the look-ups on 512-bit registers: the
+ * 256-bit vpermi2b indexes 64 entries only) */
+static inline __m512i fp8_bf16x32(const uint8_t *p, __m512i lo0, __m512i lo1, __m512i hi0, __m512i hi1) {
+    const __m512i codes = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p));
+    const __m256i lo = _mm512_castsi512_si256(_mm512_permutex2var_epi8(lo0, codes, lo1));
+    const __m256i hi = _mm512_castsi512_si256(_mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, codes, hi1),
+                                                                        codes, _mm512_set1_epi8((char)0x80), 0xF8));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi8(lo, hi)), _mm256_unpackhi_epi8(lo, hi), 1);
+}
+
+/* fp8_tile_avx2 on AVX512-BF16 for bf16 activation rows `xb` (x_stride elements apart, read in place)
+ * and `no` (1 or 4) output rows from o (o a multiple of 4 when no is 4 and the block a multiple of 32,
+ * so the four rows share their scales' row), `chunk` codes at a time (64 where the block is a multiple
+ * of 64, else 32): each chunk is decoded once into bf16 weights, the activations' 128-bit quarters put in
+ * the same order (one shuffle per register of x, shared by the output rows), then one vdpbf16ps per 32
+ * weights and row (exact products summed in pairs into 16 fp32 lanes); a block's sums times its scale
+ * are added up in fp32, then the 16 lanes. While four rows are summed, the four rows 8 further on are
+ * prefetched (short rows: too short for the hardware prefetchers). */
+static inline __attribute__((always_inline)) void fp8_tile_bf16(const uint16_t *xb, long x_stride, long r0,
+                                                                const long nr, long in,
+                                                                const uint8_t *w, const void *scale, int scale_e8m0,
+                                                                long block, const long chunk, long o, const long no,
+                                                                float *y, long out) {
+    const __m512i lo0 = _mm512_loadu_si512((const void *)FP8_BF16_LO);
+    const __m512i lo1 = _mm512_loadu_si512((const void *)(FP8_BF16_LO + 64));
+    const __m512i hi0 = _mm512_loadu_si512((const void *)FP8_BF16_HI);
+    const __m512i hi1 = _mm512_loadu_si512((const void *)(FP8_BF16_HI + 64));
+    const long blocks = in / block;
+    const size_t scale_row = (size_t)(o / block) * blocks;
+    const char *ahead = (const char *)(w + (size_t)(o + 8) * in);
+    __m512 acc[4][QUANT_ROW_TILE];
+    for (long j = 0; j < no; j++)
+        for (long t = 0; t < nr; t++) acc[j][t] = _mm512_setzero_ps();
+    for (long b = 0; b < blocks; b++) {
+        __m512 part[4][QUANT_ROW_TILE];
+        for (long j = 0; j < no; j++)
+            for (long t = 0; t < nr; t++) part[j][t] = _mm512_setzero_ps();
+        for (long i = b * block; i < (b + 1) * block; i += chunk) {
+            if (no == 4)
+                for (long line = 0; line < 4 * chunk; line += 64) _mm_prefetch(ahead + 4 * i + line, _MM_HINT_T0);
+            /* x in the decoders' order: 64 codes -> {0-7, 16-23, 32-39, 48-55} and {8-15, 24-31, ...};
+             * 32 -> {0-7, 16-23, 8-15, 24-31} (8 bf16 per 128-bit quarter) */
+            __m512bh xa[QUANT_ROW_TILE], xz[QUANT_ROW_TILE];
+            for (long t = 0; t < nr; t++) {
+                const uint16_t *xt = xb + (size_t)(r0 + t) * x_stride + i;
+                const __m512i x0 = _mm512_loadu_si512((const void *)xt);
+                if (chunk == 64) {
+                    const __m512i x1 = _mm512_loadu_si512((const void *)(xt + 32));
+                    xa[t] = (__m512bh)_mm512_shuffle_i64x2(x0, x1, 0x88), xz[t] = (__m512bh)_mm512_shuffle_i64x2(x0, x1, 0xDD);
+                } else {
+                    xa[t] = (__m512bh)_mm512_shuffle_i64x2(x0, x0, 0xD8);
+                }
+            }
+            for (long j = 0; j < no; j++) {
+                const uint8_t *codes = w + (size_t)(o + j) * in + i;
+                if (chunk == 64) {
+                    __m512i wa, wz;
+                    fp8_bf16x64(codes, lo0, lo1, hi0, hi1, &wa, &wz);
+                    for (long t = 0; t < nr; t++) {
+                        part[j][t] = _mm512_dpbf16_ps(part[j][t], (__m512bh)wa, xa[t]);
+                        part[j][t] = _mm512_dpbf16_ps(part[j][t], (__m512bh)wz, xz[t]);
+                    }
+                } else {
+                    const __m512i wv = fp8_bf16x32(codes, lo0, lo1, hi0, hi1);
+                    for (long t = 0; t < nr; t++) part[j][t] = _mm512_dpbf16_ps(part[j][t], (__m512bh)wv, xa[t]);
+                }
+            }
+        }
+        const __m512 s = _mm512_set1_ps(scale_at(scale, scale_e8m0, scale_row + b));
+        for (long j = 0; j < no; j++)
+            for (long t = 0; t < nr; t++) acc[j][t] = _mm512_fmadd_ps(part[j][t], s, acc[j][t]);
+    }
+    for (long t = 0; t < nr; t++) {
+        float *yt = y + (r0 + t) * out + o;
+        if (no == 4) _mm_storeu_ps(yt, reduce4_ps(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+        else *yt = _mm512_reduce_add_ps(acc[0][t]);
+    }
+}
+
+/* The chunk fp8_rows_bf16 decodes a weight of `block`s by (0: not one it takes, block not a multiple of 32) */
+static inline long fp8_chunk(long block) { return block % 64 == 0 ? 64 : block % 32 == 0 ? 32 : 0; }
+
+/* Output rows o .. o + no - 1 (`no` 1 or 4) of an FP8-block weight (block a multiple of 32 that tiles
+ * `in`) against `rows` bf16 rows (x_stride elements apart): tiles of up to 2 rows with four output rows
+ * (their accumulators fill the registers), of up to 4 with one */
+static void fp8_rows_bf16(const uint16_t *xb, long x_stride, long rows, long in, const uint8_t *w, const void *scale,
+                          int scale_e8m0, long block, long o, long no, float *y, long out) {
+#define FP8_TILE(nr, no, chunk) fp8_tile_bf16(xb, x_stride, r0, nr, in, w, scale, scale_e8m0, block, chunk, o, no, y, out)
+#define FP8_TILES(chunk)                                                                                  \
+    if (no == 4) {                                                                                        \
+        for (; r0 + 2 <= rows; r0 += 2) FP8_TILE(2, 4, chunk);                                            \
+        if (r0 < rows) FP8_TILE(1, 4, chunk);                                                             \
+    } else {                                                                                              \
+        for (; r0 < rows; r0 += QUANT_ROW_TILE) {                                                         \
+            switch (rows - r0 < QUANT_ROW_TILE ? rows - r0 : QUANT_ROW_TILE) {                            \
+                case 1: FP8_TILE(1, 1, chunk); break;                                                     \
+                case 2: FP8_TILE(2, 1, chunk); break;                                                     \
+                case 3: FP8_TILE(3, 1, chunk); break;                                                     \
+                default: FP8_TILE(4, 1, chunk); break;                                                    \
+            }                                                                                             \
+        }                                                                                                 \
+    }
+    long r0 = 0;
+    if (fp8_chunk(block) == 64) {
+        FP8_TILES(64)
+    } else {
+        FP8_TILES(32)
+    }
+#undef FP8_TILES
+#undef FP8_TILE
+}
+#endif
 
 /* Output rows o .. o + no - 1 (`no` 1 or 4) of an FP4 weight against `rows` bf16 rows in fp4_lane_order */
 static void fp4_rows_bf16(const uint16_t *xb, long rows, long in, const uint8_t *w, const void *scale,

@@ -10,8 +10,9 @@
  * gate/up and the down product rounded to x_dtype, swiglu in fp32 with one rounding to x_dtype (as
  * experts_bf16). Work items are (active expert, block of 16 output rows), dealt to the threads
  * evenly; a block's codes are decoded once per 4 of its expert's rows: to fp32 (AVX2, portable), or,
- * FP4 with bf16 rows on AVX512-BF16, to a register of 32 bf16 weights that vdpbf16ps multiplies with
- * each row's bf16 values exactly (the rows copied once in the order the decoder yields the weights).
+ * with bf16 rows on AVX512-BF16 (FP4; FP8 where the build has AVX512-VBMI and the blocks tile D and I
+ * by multiples of 32), to registers of bf16 weights that vdpbf16ps multiplies with each row's bf16
+ * values exactly (FP4: the rows copied once in the order the decoder yields the weights).
  * A row's results do not depend on the other rows. Returns 1 (nothing written) when the counts are
  * negative or do not add up to n, else 0. */
 #include "quant.h"
@@ -38,7 +39,13 @@ static void expert_products(int fp4, int portable, const uint8_t *w, long w_stri
         if (xb) {
             for (long o = n0; o < n1;) {
                 const long no = o + 4 <= n1 ? 4 : 1;
-                fp4_rows_bf16(xb + (size_t)t * K, count, K, we, se, scale_e8m0, o, no, y + (size_t)t * N, N);
+#ifdef QUANT_FP8_BF16
+                if (!fp4)
+                    fp8_rows_bf16(xb + (size_t)t * K, K, count, K, we, se, scale_e8m0, block, o, no, y + (size_t)t * N,
+                                  N);
+                else
+#endif
+                    fp4_rows_bf16(xb + (size_t)t * K, count, K, we, se, scale_e8m0, o, no, y + (size_t)t * N, N);
                 o += no;
             }
             continue;
@@ -61,29 +68,33 @@ int quant_experts(const void *rows, int x_dtype, long n, long D, const int64_t *
     float *gate_up = malloc((size_t)n * 2 * I * sizeof(float));
     float *hidden = malloc((size_t)n * I * sizeof(float));
     float *y = malloc((size_t)n * D * sizeof(float));
-    /* bf16 rows on AVX512-BF16 (FP4): the products take them as they are, exactly */
+    /* bf16 rows on AVX512-BF16 (FP4; FP8 on AVX512-VBMI builds, blocks of a multiple of 32 that tile D
+     * and I): the products take them as they are, exactly; FP4 in fp4_lane_order, FP8 in order */
 #ifdef QUANT_AVX512BF16
-    const int bf16_dot = fp4 && !portable && x_dtype == DT_BF16;
+    int bf16_dot = fp4 && !portable && x_dtype == DT_BF16;
+#ifdef QUANT_FP8_BF16
+    bf16_dot |= !fp4 && !portable && x_dtype == DT_BF16 && fp8_chunk(block) && D % block == 0 && I % block == 0;
+#endif
 #else
     const int bf16_dot = 0;
 #endif
     uint16_t *hidden_b = bf16_dot ? malloc((size_t)n * I * sizeof(uint16_t)) : NULL;
-    uint16_t *rows_b = bf16_dot ? malloc((size_t)n * D * sizeof(uint16_t)) : NULL;
+    uint16_t *rows_b = bf16_dot && fp4 ? malloc((size_t)n * D * sizeof(uint16_t)) : NULL;
 #pragma omp parallel num_threads(num_threads) if (n * D * I > PARALLEL_MIN_WORK)
     {
 #pragma omp for schedule(static)
         for (long t = 0; t < n; t++) {
             const void *row = (const char *)rows + (size_t)t * D * elem_size(x_dtype);
 #ifdef QUANT_AVX512BF16
-            if (rows_b) {
-                fp4_lane_order_bf16(row, rows_b + (size_t)t * D, D);
+            if (bf16_dot) { /* FP8: the rows as they are */
+                if (rows_b) fp4_lane_order_bf16(row, rows_b + (size_t)t * D, D);
                 continue;
             }
 #endif
             load_row(row, x_dtype, xf + (size_t)t * D, D);
         }
         expert_products(fp4, portable, w13, w13_stride, s13, s13_stride, scale_e8m0, block, 2 * I, D, active,
-                        num_active, offsets, xf, rows_b, gate_up);
+                        num_active, offsets, xf, bf16_dot && !fp4 ? (const uint16_t *)rows : rows_b, gate_up);
 #pragma omp for schedule(static)
         for (long t = 0; t < n; t++) {
             float *g = gate_up + (size_t)t * 2 * I, *h = hidden + (size_t)t * I;
@@ -93,7 +104,7 @@ int quant_experts(const void *rows, int x_dtype, long n, long D, const int64_t *
             for (long i = 0; i < I; i++) h[i] = round_to(h[i], x_dtype);
 #ifdef QUANT_AVX512BF16
             if (hidden_b)
-                for (long i = 0; i < I; i++) hidden_b[(size_t)t * I + i] = float_to_bf16(h[fp4_lane_order(i)]);
+                for (long i = 0; i < I; i++) hidden_b[(size_t)t * I + i] = float_to_bf16(h[fp4 ? fp4_lane_order(i) : i]);
 #endif
         }
         expert_products(fp4, portable, w2, w2_stride, s2, s2_stride, scale_e8m0, block, D, I, active, num_active,
