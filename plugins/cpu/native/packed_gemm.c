@@ -26,17 +26,22 @@
 #define TILE_ROWS 8
 #define TILE_BLOCKS 4
 #define XROW_PER_PAIR 1  /* xrow_t words per K pair */
+#define ONE_GROUP_PREFETCH 0 /* panel_pass: a tile of all the rows prefetches the next panel too */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PACK_COLS 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS 3
 #define XROW_PER_PAIR 2
+/* one thread, cold weights, a C harness alternating both: 1.4-2.0x at 1-4 rows on 129,280 x 512, 1.3-1.8x
+ * on the 161 M V4's experts (256 x 512, 512 x 128) */
+#define ONE_GROUP_PREFETCH 1
 #else
 #define PACK_COLS 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS 1
 #define XROW_PER_PAIR 2
+#define ONE_GROUP_PREFETCH 0 /* the portable tiles prefetch nothing */
 #endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -244,36 +249,46 @@ static void widen_block(const uint16_t *restrict P, long pairs, long b0, int nr,
     }
 }
 
+/* per-thread scratch of blocked_panel: a widened K block and a slab's sums between the K blocks */
+typedef struct {
+    float wf[2 * KB_PAIRS * BLOCKED_COLS] __attribute__((aligned(32)));
+    float c[SLAB_ROWS * BLOCKED_COLS] __attribute__((aligned(32)));
+} blocked_scratch;
+
+/* rows [m_lo, m_hi) (at most SLAB_ROWS) of Y x one panel (blocks [panel * BLOCKED_BLOCKS, + 2)) */
+static void blocked_panel(const uint16_t *P, const float *xs, uint16_t *Y, long m_lo, long m_hi, long N, long pairs,
+                          long blocks, long panel, blocked_scratch *s) {
+    const long b0 = panel * BLOCKED_BLOCKS, xstride = 2 * pairs;
+    const int nr = blocks - b0 < BLOCKED_BLOCKS ? (int)(blocks - b0) : BLOCKED_BLOCKS;
+    const long n0 = b0 * 8, cols = N - n0 < 8L * nr ? N - n0 : 8L * nr;
+    const long groups = (m_hi - m_lo + BLOCKED_ROWS - 1) / BLOCKED_ROWS; /* of <= 6 rows, even */
+    for (long p0 = 0; p0 < pairs; p0 += KB_PAIRS) {
+        const long np = pairs - p0 < KB_PAIRS ? pairs - p0 : KB_PAIRS;
+        widen_block(P, pairs, b0, nr, p0, np, s->wf);
+        const int first = p0 == 0, last = p0 + np == pairs;
+        /* widened next: this panel's next K block, or the next panel's first */
+        const char *ahead = (const char *)(P + (last ? (size_t)(b0 + nr) * pairs : (size_t)b0 * pairs + p0 + np) * 16);
+        for (long g = 0, m0 = m_lo; g < groups; g++) {
+            const int mr = (int)((m_hi - m_lo) * (g + 1) / groups - (m0 - m_lo));
+            block_dispatch(s->wf, xs + m0 * xstride + 2 * p0, xstride, s->c + (m0 - m_lo) * BLOCKED_COLS, np, mr, nr,
+                           first, last, Y + m0 * N + n0, N, cols, g == 0 ? ahead : NULL, pairs * 32);
+            m0 += mr;
+        }
+    }
+}
+
 static void blocked_gemm(const uint16_t *P, const float *xs, uint16_t *Y, long M, long N, long pairs,
                          int num_threads) {
     const long blocks = (N + 7) / 8, panels = (blocks + BLOCKED_BLOCKS - 1) / BLOCKED_BLOCKS;
-    const long slabs = (M + SLAB_ROWS - 1) / SLAB_ROWS, xstride = 2 * pairs;
+    const long slabs = (M + SLAB_ROWS - 1) / SLAB_ROWS;
 #pragma omp parallel num_threads(num_threads) if (M * N * pairs > PARALLEL_MIN_WORK)
     {
-        float wf[2 * KB_PAIRS * BLOCKED_COLS] __attribute__((aligned(32)));
-        float c[SLAB_ROWS * BLOCKED_COLS] __attribute__((aligned(32)));
+        blocked_scratch scratch;
 #pragma omp for schedule(static)
         for (long item = 0; item < panels * slabs; item++) {
             const long panel = item / slabs, m_lo = (item % slabs) * SLAB_ROWS;
-            const long m_hi = M - m_lo < SLAB_ROWS ? M : m_lo + SLAB_ROWS;
-            const long b0 = panel * BLOCKED_BLOCKS;
-            const int nr = blocks - b0 < BLOCKED_BLOCKS ? (int)(blocks - b0) : BLOCKED_BLOCKS;
-            const long n0 = b0 * 8, cols = N - n0 < 8L * nr ? N - n0 : 8L * nr;
-            const long groups = (m_hi - m_lo + BLOCKED_ROWS - 1) / BLOCKED_ROWS; /* of <= 6 rows, even */
-            for (long p0 = 0; p0 < pairs; p0 += KB_PAIRS) {
-                const long np = pairs - p0 < KB_PAIRS ? pairs - p0 : KB_PAIRS;
-                widen_block(P, pairs, b0, nr, p0, np, wf);
-                const int first = p0 == 0, last = p0 + np == pairs;
-                /* widened next: this panel's next K block, or the next panel's first */
-                const char *ahead = (const char *)(P + (last ? (size_t)(b0 + nr) * pairs
-                                                              : (size_t)b0 * pairs + p0 + np) * 16);
-                for (long g = 0, m0 = m_lo; g < groups; g++) {
-                    const int mr = (int)((m_hi - m_lo) * (g + 1) / groups - (m0 - m_lo));
-                    block_dispatch(wf, xs + m0 * xstride + 2 * p0, xstride, c + (m0 - m_lo) * BLOCKED_COLS, np, mr,
-                                   nr, first, last, Y + m0 * N + n0, N, cols, g == 0 ? ahead : NULL, pairs * 32);
-                    m0 += mr;
-                }
-            }
+            blocked_panel(P, xs, Y, m_lo, M - m_lo < SLAB_ROWS ? M : m_lo + SLAB_ROWS, N, pairs, blocks, panel,
+                          &scratch);
         }
     }
 }
@@ -379,10 +394,12 @@ static void panel_pass(const uint16_t *P, const xrow_t *xs, uint16_t *Y, long M,
     const int nr = blocks - b0 < width ? (int)(blocks - b0) : width;
     /* the next panel into L2, a share per row group: each group's pass prefetches its share in step
      * with its pairs, so the next panel's first group does not wait on memory (measured: LM head, 16 rows,
-     * one thread, 144 -> 156 GFLOP/s). One group leaves it to the hardware prefetchers: a whole panel
-     * ahead made 1-4 rows 4 % (into L2) to 30 % (into L1) slower. */
+     * one thread, 144 -> 156 GFLOP/s). With AVX512-BF16 one group leaves it to the hardware prefetchers:
+     * a whole panel ahead made 1-4 rows 4 % (into L2) to 30 % (into L1) slower, and again 0.8-1.3x
+     * (noise) at 1-4 rows; the AVX2 tiles, slower per pair, gain from it (ONE_GROUP_PREFETCH). */
     const char *next = (const char *)(P + (size_t)(b0 + nr) * pairs * PACK_COLS * 2);
-    const long share = groups > 1 ? (long)nr * PACK_COLS * 4 / groups : 0; /* bytes per pair and group */
+    /* bytes per pair and group */
+    const long share = groups > 1 || ONE_GROUP_PREFETCH ? (long)nr * PACK_COLS * 4 / groups : 0;
     for (long g = 0; g < groups; g++) {
         const long m0 = g * rows;
         tile_dispatch(P, xs, Y, N, pairs, m0, b0, M - m0 < rows ? (int)(M - m0) : rows, nr, next + g * share * pairs,
@@ -412,7 +429,8 @@ void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M,
 /* ----- packed_group_products: one product per group of rows, each on its own packed weight -----
  * Group g (listed in `active`) owns rows [offsets[g], offsets[g + 1]) of xs (packed_rows' layout) and of
  * Y [., N]; its weight [N, K] is packed (pack_bf16) at P + g * group_size elements. A group's tile
- * shape follows its row count (tile_shape). Work sharing inside the caller's parallel region (or on
+ * shape follows its row count (tile_shape; on AVX2 the K-blocked tiles from BLOCKED_MIN_ROWS rows: the
+ * MoE at 64 tokens, ~16 rows per expert). Work sharing inside the caller's parallel region (or on
  * the calling thread alone), ending with a barrier: each thread takes a contiguous run of the (group,
  * panel) pairs (the weights streamed in order, which the hardware prefetchers follow) of about equal
  * cost, a panel costing its weight's stream plus its rows' products (groups differ in rows). */
@@ -430,17 +448,32 @@ void packed_group_products(const uint16_t *P, size_t group_size, const void *xs,
     /* a panel belongs to the thread whose share holds its cost's midpoint */
     const long start = total * me, stop = total * (me + 1); /* the share, scaled by team */
     long before = 0;
+#if defined(BLOCKED_MIN_ROWS)
+    blocked_scratch scratch; /* for the groups of BLOCKED_MIN_ROWS rows or more */
+#endif
     for (long a = 0; a < num_active && before * team < stop; a++) {
         const long g = active[a], t = offsets[g], M = offsets[g + 1] - t;
         int rows, width;
         tile_shape(M, &rows, &width);
+#if defined(BLOCKED_MIN_ROWS)
+        if (M >= BLOCKED_MIN_ROWS) width = BLOCKED_BLOCKS; /* blocked_panel's panels */
+#endif
+        const uint16_t *Pg = P + group_size * g;
+        const xrow_t *xg = (const xrow_t *)xs + (size_t)t * pairs * XROW_PER_PAIR;
         for (long panel = 0; panel * width < blocks; panel++) {
             const long nb = blocks - panel * width < width ? blocks - panel * width : width;
             const long cost = nb * (PANEL_STREAM_COST + M), middle = (2 * before + cost) * team;
             before += cost;
-            if (middle >= 2 * start && middle < 2 * stop)
-                panel_pass(P + group_size * g, (const xrow_t *)xs + (size_t)t * pairs * XROW_PER_PAIR,
-                           Y + (size_t)t * N, M, N, pairs, blocks, rows, width, panel);
+            if (middle < 2 * start || middle >= 2 * stop) continue;
+#if defined(BLOCKED_MIN_ROWS)
+            if (M >= BLOCKED_MIN_ROWS) {
+                for (long m_lo = 0; m_lo < M; m_lo += SLAB_ROWS)
+                    blocked_panel(Pg, xg, Y + (size_t)t * N, m_lo, M - m_lo < SLAB_ROWS ? M : m_lo + SLAB_ROWS, N,
+                                  pairs, blocks, panel, &scratch);
+                continue;
+            }
+#endif
+            panel_pass(Pg, xg, Y + (size_t)t * N, M, N, pairs, blocks, rows, width, panel);
         }
     }
 #pragma omp barrier
