@@ -64,8 +64,8 @@ def main() -> None:
             times: dict[str, list[float]] = {name: [] for name in paths}
             for fn in paths.values():
                 fn(0)
-            for _ in range(args.rounds):
-                for name, fn in paths.items():
+            for r in range(args.rounds):  # every other round in reverse: no path always follows another
+                for name, fn in (list(paths.items()) if r % 2 == 0 else list(paths.items())[::-1]):
                     t0 = time.perf_counter()
                     for c in range(calls):
                         fn(c % copies)
