@@ -367,7 +367,7 @@ def check_packed_gemm(lib, M, N, K):
 
 # M across the 4-row tiles and their tails (1..65), N not a multiple of 16 (or of the 4-block panels),
 # K odd and not a multiple of 32
-# (from 32 rows on AVX2 the K-blocked tiles: slabs of 64 rows, blocks of 64 K pairs)
+# (from 7 rows on AVX2 the K-blocked tiles: groups of <= 6 rows, slabs of 64 rows, blocks of 64 K pairs)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 8, 13, 16, 31, 32, 64, 65, 130])
 @pytest.mark.parametrize("N,K", [(1, 1), (17, 33), (100, 70), (300, 2), (1000, 129), (50, 300)])
 def test_packed_gemm_bf16(nat, M, N, K):

@@ -12,8 +12,8 @@
  * group and from L2 by the others; the panels are split over the threads, the weight streamed once.
  * - AVX512-BF16: vdpbf16ps multiplies a block's 16 column pairs by the broadcast x pair, 16 fp32 sums;
  * - AVX2 + FMA: a block's 8 column pairs are widened to fp32 by one shift (even k) and one mask (odd k),
- *   x rows are widened to fp32 once, two FMAs per pair; from BLOCKED_MIN_ROWS rows (prefill, the experts'
- *   rows) K-blocked 4 x 2 tiles on a panel's block widened once for a slab of rows (blocked_gemm);
+ *   x rows are widened to fp32 once, two FMAs per pair; from BLOCKED_MIN_ROWS rows K-blocked 6 x 2 tiles
+ *   on a panel's block widened once for a slab of rows (blocked_gemm);
  * - portable: the same tiles as plain loops over a block's 8 columns, which the compiler vectorises. */
 #include "common.h"
 
@@ -26,17 +26,22 @@
 #define TILE_ROWS 8
 #define TILE_BLOCKS 4
 #define XROW_PER_PAIR 1  /* xrow_t words per K pair */
+#define ONE_GROUP_PREFETCH 0 /* panel_pass: a tile of all the rows prefetches the next panel too */
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define PACK_COLS 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS 3
 #define XROW_PER_PAIR 2
+/* one thread, cold weights, a C harness alternating both: 1.4-2.0x at 1-4 rows on 129,280 x 512, 1.3-1.8x
+ * on the 161 M V4's experts (256 x 512, 512 x 128) */
+#define ONE_GROUP_PREFETCH 1
 #else
 #define PACK_COLS 8
 #define TILE_ROWS 4
 #define TILE_BLOCKS 1
 #define XROW_PER_PAIR 2
+#define ONE_GROUP_PREFETCH 0 /* the portable tiles prefetch nothing */
 #endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -143,17 +148,21 @@ ALWAYS_INLINE void tile(const uint16_t *restrict P, const xrow_t *restrict xs, u
     }
 }
 
-/* Many rows (prefill, the experts' rows) on AVX2: the tiles above widen every weight pair once per 4
- * rows, and GCC folds their weight loads into the FMAs. Here a panel's weights are widened to fp32 once
- * per block of KB_PAIRS pairs (8 KB, in L1 with the 4 rows' 2 KB of x) and reused by a slab of
- * SLAB_ROWS rows, whose fp32 sums wait in `c` between the K blocks; a 4 x 2 tile (8 sums, 2 weight
- * vectors, 1 broadcast: no spill in 16 ymm registers) runs 2 loads and 4 broadcasts per 8 FMAs. The
- * same products summed in the same order as the tiles above: the same bits. One thread, against the
- * tiles above (a C harness alternating both, warm weights): 1.04-1.4x at 16 rows, 1.19-1.56x at 512 on
- * the 161 M V4 checkpoint's shapes, 4096 x 512 and 512 x 2048; 4 x 3 tiles (12 sums) spilled or, with
- * folded loads, ran 1.0-1.1x. */
-#define BLOCKED_MIN_ROWS 16
-#define BLOCKED_ROWS 4
+/* From BLOCKED_MIN_ROWS rows (decode batches, prefill, the experts' rows) on AVX2: the tiles above widen
+ * every weight pair once per 4 rows, and GCC folds their weight loads into the FMAs. Here a panel's
+ * weights are widened to fp32 once per block of KB_PAIRS pairs (8 KB, in L1 with the rows' x) and reused
+ * by a slab of SLAB_ROWS rows, whose fp32 sums wait in `c` between the K blocks. A 6 x 2 tile (12 sums,
+ * 2 weight vectors, 1 broadcast: 15 of the 16 ymm registers) runs 2 loads and 6 broadcasts per 12 FMAs,
+ * enough independent sums to cover the FMA latency on both pipes; a slab's rows are split into groups of
+ * at most 6, as even as possible. The first group's pass prefetches the weights widened next (this
+ * panel's next K block, or the next panel's first) into L1, a line per two k: without it every widening
+ * waited on memory. The same products summed in the same order as the tiles above: the same bits.
+ * One thread, cold weights, 129,280 x 512 (a C harness alternating both): the prefetch 1.32x and 6 x 2
+ * over 4 x 2 another 1.1x at 16 rows (1.45x together), 1.17x at 64; 4 x 3 (16 registers) 0.85-0.92x
+ * of 6 x 2; blocks of 32 or 128 pairs no better; from 7 rows 1.1-1.25x the tiles above, at 4-6 rows
+ * 0.7-1.0x. */
+#define BLOCKED_MIN_ROWS 7
+#define BLOCKED_ROWS 6
 #define BLOCKED_BLOCKS 2
 #define BLOCKED_COLS (8 * BLOCKED_BLOCKS)
 #define KB_PAIRS 64  /* K pairs per block: a panel's block widened to fp32 is 16 x 128 x 4 B = 8 KB */
@@ -161,10 +170,10 @@ ALWAYS_INLINE void tile(const uint16_t *restrict P, const xrow_t *restrict xs, u
 
 /* rows [0, mr) of a slab x 8 * nr columns over 2 * np k of the widened block wf [2 np][BLOCKED_COLS]:
  * sums from c (c [mr][BLOCKED_COLS], fp32) unless first; to c, or (last) rounded to bf16 into y (row
- * stride N, cols columns) */
+ * stride N, cols columns); with `ahead`, the prefetch of nr blocks ahead_stride bytes apart */
 ALWAYS_INLINE void block_tile(const float *restrict wf, const float *restrict x, long xstride, float *restrict c,
                               long np, const int mr, const int nr, int first, int last, uint16_t *restrict y,
-                              long N, long cols) {
+                              long N, long cols, const char *ahead, long ahead_stride) {
     __m256 acc[BLOCKED_ROWS][BLOCKED_BLOCKS];
 #pragma GCC unroll 8
     for (int i = 0; i < mr; i++)
@@ -172,6 +181,10 @@ ALWAYS_INLINE void block_tile(const float *restrict wf, const float *restrict x,
         for (int j = 0; j < nr; j++)
             acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(c + i * BLOCKED_COLS + 8 * j);
     for (long k = 0; k < 2 * np; k++) {
+        if (ahead && !(k & 1)) {
+            const long line = k >> 1; /* the next K block's lines, dealt to its nr blocks in turn */
+            _mm_prefetch(ahead + (line % nr) * ahead_stride + (line / nr) * 64, _MM_HINT_T0);
+        }
         __m256 w[BLOCKED_BLOCKS];
 #pragma GCC unroll 8
         for (int j = 0; j < nr; j++) {
@@ -201,19 +214,22 @@ ALWAYS_INLINE void block_tile(const float *restrict wf, const float *restrict x,
     }
 }
 
-#define BLOCK_CASE(MR, NR)                                                  \
-    case (MR) * 16 + (NR):                                                  \
-        block_tile(wf, x, xstride, c, np, MR, NR, first, last, y, N, cols); \
+#define BLOCK_CASE(MR, NR)                                                                        \
+    case (MR) * 16 + (NR):                                                                        \
+        block_tile(wf, x, xstride, c, np, MR, NR, first, last, y, N, cols, ahead, ahead_stride); \
         break;
 #define BLOCK_ROW_CASES(MR) BLOCK_CASE(MR, 1) BLOCK_CASE(MR, 2)
 
 static void block_dispatch(const float *restrict wf, const float *restrict x, long xstride, float *restrict c,
-                           long np, int mr, int nr, int first, int last, uint16_t *restrict y, long N, long cols) {
+                           long np, int mr, int nr, int first, int last, uint16_t *restrict y, long N, long cols,
+                           const char *ahead, long ahead_stride) {
     switch (mr * 16 + nr) {
         BLOCK_ROW_CASES(1)
         BLOCK_ROW_CASES(2)
         BLOCK_ROW_CASES(3)
         BLOCK_ROW_CASES(4)
+        BLOCK_ROW_CASES(5)
+        BLOCK_ROW_CASES(6)
         default: abort();
     }
 }
@@ -233,31 +249,46 @@ static void widen_block(const uint16_t *restrict P, long pairs, long b0, int nr,
     }
 }
 
+/* per-thread scratch of blocked_panel: a widened K block and a slab's sums between the K blocks */
+typedef struct {
+    float wf[2 * KB_PAIRS * BLOCKED_COLS] __attribute__((aligned(32)));
+    float c[SLAB_ROWS * BLOCKED_COLS] __attribute__((aligned(32)));
+} blocked_scratch;
+
+/* rows [m_lo, m_hi) (at most SLAB_ROWS) of Y x one panel (blocks [panel * BLOCKED_BLOCKS, + 2)) */
+static void blocked_panel(const uint16_t *P, const float *xs, uint16_t *Y, long m_lo, long m_hi, long N, long pairs,
+                          long blocks, long panel, blocked_scratch *s) {
+    const long b0 = panel * BLOCKED_BLOCKS, xstride = 2 * pairs;
+    const int nr = blocks - b0 < BLOCKED_BLOCKS ? (int)(blocks - b0) : BLOCKED_BLOCKS;
+    const long n0 = b0 * 8, cols = N - n0 < 8L * nr ? N - n0 : 8L * nr;
+    const long groups = (m_hi - m_lo + BLOCKED_ROWS - 1) / BLOCKED_ROWS; /* of <= 6 rows, even */
+    for (long p0 = 0; p0 < pairs; p0 += KB_PAIRS) {
+        const long np = pairs - p0 < KB_PAIRS ? pairs - p0 : KB_PAIRS;
+        widen_block(P, pairs, b0, nr, p0, np, s->wf);
+        const int first = p0 == 0, last = p0 + np == pairs;
+        /* widened next: this panel's next K block, or the next panel's first */
+        const char *ahead = (const char *)(P + (last ? (size_t)(b0 + nr) * pairs : (size_t)b0 * pairs + p0 + np) * 16);
+        for (long g = 0, m0 = m_lo; g < groups; g++) {
+            const int mr = (int)((m_hi - m_lo) * (g + 1) / groups - (m0 - m_lo));
+            block_dispatch(s->wf, xs + m0 * xstride + 2 * p0, xstride, s->c + (m0 - m_lo) * BLOCKED_COLS, np, mr, nr,
+                           first, last, Y + m0 * N + n0, N, cols, g == 0 ? ahead : NULL, pairs * 32);
+            m0 += mr;
+        }
+    }
+}
+
 static void blocked_gemm(const uint16_t *P, const float *xs, uint16_t *Y, long M, long N, long pairs,
                          int num_threads) {
     const long blocks = (N + 7) / 8, panels = (blocks + BLOCKED_BLOCKS - 1) / BLOCKED_BLOCKS;
-    const long slabs = (M + SLAB_ROWS - 1) / SLAB_ROWS, xstride = 2 * pairs;
+    const long slabs = (M + SLAB_ROWS - 1) / SLAB_ROWS;
 #pragma omp parallel num_threads(num_threads) if (M * N * pairs > PARALLEL_MIN_WORK)
     {
-        float wf[2 * KB_PAIRS * BLOCKED_COLS] __attribute__((aligned(32)));
-        float c[SLAB_ROWS * BLOCKED_COLS] __attribute__((aligned(32)));
+        blocked_scratch scratch;
 #pragma omp for schedule(static)
         for (long item = 0; item < panels * slabs; item++) {
             const long panel = item / slabs, m_lo = (item % slabs) * SLAB_ROWS;
-            const long m_hi = M - m_lo < SLAB_ROWS ? M : m_lo + SLAB_ROWS;
-            const long b0 = panel * BLOCKED_BLOCKS;
-            const int nr = blocks - b0 < BLOCKED_BLOCKS ? (int)(blocks - b0) : BLOCKED_BLOCKS;
-            const long n0 = b0 * 8, cols = N - n0 < 8L * nr ? N - n0 : 8L * nr;
-            for (long p0 = 0; p0 < pairs; p0 += KB_PAIRS) {
-                const long np = pairs - p0 < KB_PAIRS ? pairs - p0 : KB_PAIRS;
-                widen_block(P, pairs, b0, nr, p0, np, wf);
-                const int first = p0 == 0, last = p0 + np == pairs;
-                for (long m0 = m_lo; m0 < m_hi; m0 += BLOCKED_ROWS) {
-                    const int mr = m_hi - m0 < BLOCKED_ROWS ? (int)(m_hi - m0) : BLOCKED_ROWS;
-                    block_dispatch(wf, xs + m0 * xstride + 2 * p0, xstride, c + (m0 - m_lo) * BLOCKED_COLS, np, mr,
-                                   nr, first, last, Y + m0 * N + n0, N, cols);
-                }
-            }
+            blocked_panel(P, xs, Y, m_lo, M - m_lo < SLAB_ROWS ? M : m_lo + SLAB_ROWS, N, pairs, blocks, panel,
+                          &scratch);
         }
     }
 }
@@ -363,10 +394,12 @@ static void panel_pass(const uint16_t *P, const xrow_t *xs, uint16_t *Y, long M,
     const int nr = blocks - b0 < width ? (int)(blocks - b0) : width;
     /* the next panel into L2, a share per row group: each group's pass prefetches its share in step
      * with its pairs, so the next panel's first group does not wait on memory (measured: LM head, 16 rows,
-     * one thread, 144 -> 156 GFLOP/s). One group leaves it to the hardware prefetchers: a whole panel
-     * ahead made 1-4 rows 4 % (into L2) to 30 % (into L1) slower. */
+     * one thread, 144 -> 156 GFLOP/s). With AVX512-BF16 one group leaves it to the hardware prefetchers:
+     * a whole panel ahead made 1-4 rows 4 % (into L2) to 30 % (into L1) slower, and again 0.8-1.3x
+     * (noise) at 1-4 rows; the AVX2 tiles, slower per pair, gain from it (ONE_GROUP_PREFETCH). */
     const char *next = (const char *)(P + (size_t)(b0 + nr) * pairs * PACK_COLS * 2);
-    const long share = groups > 1 ? (long)nr * PACK_COLS * 4 / groups : 0; /* bytes per pair and group */
+    /* bytes per pair and group */
+    const long share = groups > 1 || ONE_GROUP_PREFETCH ? (long)nr * PACK_COLS * 4 / groups : 0;
     for (long g = 0; g < groups; g++) {
         const long m0 = g * rows;
         tile_dispatch(P, xs, Y, N, pairs, m0, b0, M - m0 < rows ? (int)(M - m0) : rows, nr, next + g * share * pairs,
@@ -396,7 +429,8 @@ void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M,
 /* ----- packed_group_products: one product per group of rows, each on its own packed weight -----
  * Group g (listed in `active`) owns rows [offsets[g], offsets[g + 1]) of xs (packed_rows' layout) and of
  * Y [., N]; its weight [N, K] is packed (pack_bf16) at P + g * group_size elements. A group's tile
- * shape follows its row count (tile_shape). Work sharing inside the caller's parallel region (or on
+ * shape follows its row count (tile_shape; on AVX2 the K-blocked tiles from BLOCKED_MIN_ROWS rows: the
+ * MoE at 64 tokens, ~16 rows per expert). Work sharing inside the caller's parallel region (or on
  * the calling thread alone), ending with a barrier: each thread takes a contiguous run of the (group,
  * panel) pairs (the weights streamed in order, which the hardware prefetchers follow) of about equal
  * cost, a panel costing its weight's stream plus its rows' products (groups differ in rows). */
@@ -414,17 +448,32 @@ void packed_group_products(const uint16_t *P, size_t group_size, const void *xs,
     /* a panel belongs to the thread whose share holds its cost's midpoint */
     const long start = total * me, stop = total * (me + 1); /* the share, scaled by team */
     long before = 0;
+#if defined(BLOCKED_MIN_ROWS)
+    blocked_scratch scratch; /* for the groups of BLOCKED_MIN_ROWS rows or more */
+#endif
     for (long a = 0; a < num_active && before * team < stop; a++) {
         const long g = active[a], t = offsets[g], M = offsets[g + 1] - t;
         int rows, width;
         tile_shape(M, &rows, &width);
+#if defined(BLOCKED_MIN_ROWS)
+        if (M >= BLOCKED_MIN_ROWS) width = BLOCKED_BLOCKS; /* blocked_panel's panels */
+#endif
+        const uint16_t *Pg = P + group_size * g;
+        const xrow_t *xg = (const xrow_t *)xs + (size_t)t * pairs * XROW_PER_PAIR;
         for (long panel = 0; panel * width < blocks; panel++) {
             const long nb = blocks - panel * width < width ? blocks - panel * width : width;
             const long cost = nb * (PANEL_STREAM_COST + M), middle = (2 * before + cost) * team;
             before += cost;
-            if (middle >= 2 * start && middle < 2 * stop)
-                panel_pass(P + group_size * g, (const xrow_t *)xs + (size_t)t * pairs * XROW_PER_PAIR,
-                           Y + (size_t)t * N, M, N, pairs, blocks, rows, width, panel);
+            if (middle < 2 * start || middle >= 2 * stop) continue;
+#if defined(BLOCKED_MIN_ROWS)
+            if (M >= BLOCKED_MIN_ROWS) {
+                for (long m_lo = 0; m_lo < M; m_lo += SLAB_ROWS)
+                    blocked_panel(Pg, xg, Y + (size_t)t * N, m_lo, M - m_lo < SLAB_ROWS ? M : m_lo + SLAB_ROWS, N,
+                                  pairs, blocks, panel, &scratch);
+                continue;
+            }
+#endif
+            panel_pass(Pg, xg, Y + (size_t)t * N, M, N, pairs, blocks, rows, width, panel);
         }
     }
 #pragma omp barrier
