@@ -262,14 +262,10 @@ class NativeCpuKernels(CpuKernels):
         tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None
         packed = None if tiles is None else tiles.lookup(weight)  # None at a weight's first use
         if packed is not None:
-            if x.dim() == 2:  # already [rows, K] and the product [rows, N]: no reshape, no view (2 ops a call)
-                y = native.packed_linear_bf16(lib, x, packed, weight.shape)
-                if y is not None:
-                    return y
-            else:
-                y = native.packed_linear_bf16(lib, x.reshape(rows, x.shape[-1]), packed, weight.shape)
-                if y is not None:
-                    return y.view(*x.shape[:-1], weight.shape[0])
+            flat = x.dim() == 2  # already [rows, K] and the product [rows, N]: no reshape, no view (2 ops a call)
+            y = native.packed_linear_bf16(lib, x if flat else x.reshape(rows, x.shape[-1]), packed, weight.shape)
+            if y is not None:
+                return y if flat else y.view(*x.shape[:-1], weight.shape[0])
         if lib is not None and rows == 1:  # one bf16 token (decode): straight to the C GEMV
             y = native.gemv_bf16(lib, weight, x)
             if y is not None:
@@ -586,7 +582,8 @@ class NativeCpuKernels(CpuKernels):
                      shared_w2: torch.Tensor | None, top_k: int, routed_scaling_factor: float, scoring_func: str,
                      swiglu_limit: float) -> torch.Tensor:
         lib, out, rows = self.native_library, None, x.shape[0]
-        if any(isinstance(w, QuantizedWeight) for w in (w13, w2, shared_w13, shared_w2)):
+        quantised = any(isinstance(w, QuantizedWeight) for w in (w13, w2, shared_w13, shared_w2))
+        if quantised:
             out = self._quant_moe_sublayer(x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
                                            routed_scaling_factor, scoring_func, swiglu_limit)
             if out is not None:
@@ -598,8 +595,7 @@ class NativeCpuKernels(CpuKernels):
         # From _MOE_TILES_ROWS_PER_EXPERT the routed experts run on the tiles over their packed copies: the
         # expert kernel's roundings, its fp32 sums in another order (other last bits than the composed
         # path's, within the tests' tolerance). Not with AMX tiles.
-        if (lib is not None and not self.invariant and x.dim() == 2
-                and not any(isinstance(w, QuantizedWeight) for w in (w13, w2, shared_w13, shared_w2))
+        if (lib is not None and not self.invariant and x.dim() == 2 and not quantised
                 and (rows == 1 or not self.native_amx) and rows * top_k <= self._native_expert_rows(w13.shape[0])):
             low, high = self._packed_gemm_rows
             tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None

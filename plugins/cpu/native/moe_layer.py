@@ -39,60 +39,6 @@ def _packed_ptr(lib: ctypes.CDLL, packed: torch.Tensor | None, weight: torch.Ten
     return packed.data_ptr() if tuple(packed.shape) == want else None
 
 
-def moe_layer_bf16(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
-                   hash_ids: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
-                   shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
-                   routed_scaling_factor: float, scoring_func: str, swiglu_limit: float,
-                   round_silu: bool = False, packed_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
-                   ) -> torch.Tensor | None:
-    """The MoE sub-layer (`MoEOps.moe_sublayer`) of a few bf16 tokens `x [T, D]` with bf16 experts, an
-    fp32 router; None for anything else (or a hash id outside the experts: the reference reports it).
-    `round_silu`: the shared expert's swiglu rounds where torch's bf16 ops do (silu, then the product),
-    else once, as the C swiglu and expert kernels. `packed_experts` (pack_bf16 of w13 and w2): the routed
-    experts on the register tiles (packed_gemm.c), else on the multi-token GEMVs; `packed_shared`
-    (pack_bf16 of shared_w13, shared_w2, either None): those products on the tiles. A packed copy of
-    another shape than its weight's is not used."""
-    scoring = SCORING_CODES.get(scoring_func)
-    if (scoring is None or x.dim() != 2 or not _usable(x, torch.bfloat16) or not _usable(gate, torch.float32)
-            or not (_usable(w13, torch.bfloat16) and _usable(w2, torch.bfloat16)) or w13.dim() != 3):
-        return None
-    T, D = x.shape
-    E, two_i, _ = w13.shape
-    inter = two_i // 2
-    if (gate.shape != (E, D) or w13.shape[2] != D or two_i % 2 or w2.shape != (E, D, inter)
-            or not 0 < top_k <= E):
-        return None
-    if bias is not None and not (_usable(bias, torch.float32) and bias.shape == (E,)):
-        return None
-    if hash_ids is not None:
-        if hash_ids.shape != (T, top_k) or not hash_ids.is_cpu:
-            return None
-        hash_ids = hash_ids.long().contiguous()
-    shared_inter = 0
-    if shared_w13 is not None:
-        if shared_w2 is None or not (_usable(shared_w13, torch.bfloat16) and _usable(shared_w2, torch.bfloat16)):
-            return None
-        shared_inter = shared_w2.shape[1]
-        if shared_w13.shape != (2 * shared_inter, D) or shared_w2.shape != (D, shared_inter):
-            return None
-    pw13, pw2 = (None, None) if packed_experts is None else packed_experts
-    pw13, pw2 = _packed_ptr(lib, pw13, w13), _packed_ptr(lib, pw2, w2)
-    if pw13 is None or pw2 is None:
-        pw13 = pw2 = None
-    psw13, psw2 = (None, None) if packed_shared is None else packed_shared
-    out = torch.empty((T, D), dtype=torch.bfloat16)
-    status = _MOE_LAYER_BF16(
-        lib, x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
-        hash_ids=None if hash_ids is None else hash_ids.data_ptr(), E=E, k=top_k, scaling=routed_scaling_factor,
-        scoring=scoring, w13=w13.data_ptr(), w2=w2.data_ptr(), I=inter,
-        sw13=None if shared_w13 is None else shared_w13.data_ptr(),
-        sw2=None if shared_w2 is None else shared_w2.data_ptr(), SI=shared_inter, pw13=pw13, pw2=pw2,
-        psw13=_packed_ptr(lib, psw13, shared_w13), psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit,
-        round_silu=int(round_silu), out=out.data_ptr(), num_threads=threads())
-    return None if status else out
-
-
 def _router(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, hash_ids: torch.Tensor | None,
             top_k: int, scoring_func: str) -> tuple[int, torch.Tensor | None] | None:
     """(scoring code, hash ids as int64) for the C call, or None where it does not take these inputs."""
@@ -107,6 +53,64 @@ def _router(x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None, hash
             return None
         hash_ids = hash_ids.long().contiguous()
     return scoring, hash_ids
+
+
+def _bf16_shared(sw13: torch.Tensor | None, sw2: torch.Tensor | None, D: int) -> dict | None:
+    """The C arguments of a bf16 shared expert (`sw13 [2SI, D]`, `sw2 [D, SI]`) or of none (both None);
+    None for anything else."""
+    if sw13 is None or sw2 is None:
+        return dict(sw13=None, sw2=None, SI=0) if sw13 is sw2 else None
+    if not (_usable(sw13, torch.bfloat16) and _usable(sw2, torch.bfloat16)):
+        return None
+    si = sw2.shape[1]
+    if sw13.shape != (2 * si, D) or sw2.shape != (D, si):
+        return None
+    return dict(sw13=sw13.data_ptr(), sw2=sw2.data_ptr(), SI=si)
+
+
+def moe_layer_bf16(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                   hash_ids: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
+                   shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
+                   routed_scaling_factor: float, scoring_func: str, swiglu_limit: float,
+                   round_silu: bool = False, packed_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+                   ) -> torch.Tensor | None:
+    """The MoE sub-layer (`MoEOps.moe_sublayer`) of a few bf16 tokens `x [T, D]` with bf16 experts, an
+    fp32 router; None for anything else (or a hash id outside the experts: the reference reports it).
+    `round_silu`: the shared expert's swiglu rounds where torch's bf16 ops do (silu, then the product),
+    else once, as the C swiglu and expert kernels. `packed_experts` (pack_bf16 of w13 and w2): the routed
+    experts on the register tiles (packed_gemm.c), else on the multi-token GEMVs; `packed_shared`
+    (pack_bf16 of shared_w13, shared_w2, either None): those products on the tiles. A packed copy of
+    another shape than its weight's is not used."""
+    router = _router(x, gate, bias, hash_ids, top_k, scoring_func)
+    if router is None or not (_usable(w13, torch.bfloat16) and _usable(w2, torch.bfloat16)) or w13.dim() != 3:
+        return None
+    scoring, hash_ids = router
+    T, D = x.shape
+    E, two_i, _ = w13.shape
+    inter = two_i // 2
+    if gate.shape[0] != E or w13.shape[2] != D or two_i % 2 or w2.shape != (E, D, inter):
+        return None
+    shared = _bf16_shared(shared_w13, shared_w2, D)
+    if shared is None:
+        return None
+    pw13, pw2 = (None, None) if packed_experts is None else packed_experts
+    pw13, pw2 = _packed_ptr(lib, pw13, w13), _packed_ptr(lib, pw2, w2)
+    if pw13 is None or pw2 is None:
+        pw13 = pw2 = None
+    psw13, psw2 = (None, None) if packed_shared is None else packed_shared
+    out = torch.empty((T, D), dtype=torch.bfloat16)
+    status = _MOE_LAYER_BF16(
+        lib, x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+        hash_ids=None if hash_ids is None else hash_ids.data_ptr(), E=E, k=top_k, scaling=routed_scaling_factor,
+        scoring=scoring, w13=w13.data_ptr(), w2=w2.data_ptr(), I=inter, **shared, pw13=pw13, pw2=pw2,
+        psw13=_packed_ptr(lib, psw13, shared_w13), psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit,
+        round_silu=int(round_silu), out=out.data_ptr(), num_threads=threads())
+    return None if status else out
+
+
+
+
 
 
 def _quant_shared(sw13: QuantizedWeight, sw2: QuantizedWeight, D: int) -> dict | None:
@@ -144,25 +148,15 @@ def moe_layer_quant(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias:
     stacks = expert_stacks(w13, w2, D)
     if stacks is None or stacks["E"] != gate.shape[0]:
         return None
-    if shared_w13 is None or shared_w2 is None:
-        if shared_w13 is not shared_w2:
-            return None
-        shared = dict(sw13=None, sw2=None, ss13=None, ss2=None, s_fp4=-1, s_scale_e8m0=0, s_block=0, SI=0)
-    elif isinstance(shared_w13, QuantizedWeight):
+    if isinstance(shared_w13, QuantizedWeight):
         shared = _quant_shared(shared_w13, shared_w2, D)
-        if shared is None:
-            return None
     else:
-        if not (_usable(shared_w13, torch.bfloat16) and _usable(shared_w2, torch.bfloat16)):
-            return None
-        si = shared_w2.shape[1]
-        if shared_w13.shape != (2 * si, D) or shared_w2.shape != (D, si):
-            return None
-        shared = dict(sw13=shared_w13.data_ptr(), sw2=shared_w2.data_ptr(), ss13=None, ss2=None, s_fp4=-1,
-                      s_scale_e8m0=0, s_block=0, SI=si)
-    psw13, psw2 = (None, None) if packed_shared is None else packed_shared
-    if shared["s_fp4"] >= 0:
-        psw13 = psw2 = None
+        shared = _bf16_shared(shared_w13, shared_w2, D)
+        if shared is not None:
+            shared.update(ss13=None, ss2=None, s_fp4=-1, s_scale_e8m0=0, s_block=0)
+    if shared is None:
+        return None
+    psw13, psw2 = (None, None) if packed_shared is None else packed_shared  # the C code ignores them when quantised
     out = torch.empty((T, D), dtype=torch.bfloat16)
     status = _MOE_LAYER_QUANT(
         lib, x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
