@@ -631,6 +631,8 @@ class NativeCpuKernels(CpuKernels):
             return None
         packed_shared = None
         if shared_w13 is not None and not isinstance(shared_w13, QuantizedWeight):
+            if isinstance(shared_w2, QuantizedWeight):  # a mixed pair (w1, w3 off block rows): composed path
+                return None
             low, high = self._packed_gemm_rows
             tiles = self.tile_weights if low <= rows <= high else None
             if (rows > 1 and self.native_amx) or (tiles is None and rows > self._gemv_tokens_max_rows):
