@@ -452,6 +452,8 @@ class NativeCpuKernels(CpuKernels):
         plain = [w for w in weights if not isinstance(w, QuantizedWeight)]
         if tokens > _QUANT_MAX_ROWS or plain and tokens > 1 and self.native_amx:
             return None
+        if not plain:
+            return (None,) * len(weights)
         copies = iter(self._linear_copies(tokens, *plain) or ())
         out = tuple(None if isinstance(w, QuantizedWeight) else next(copies, False) for w in weights)
         return None if any(c is False for c in out) else out

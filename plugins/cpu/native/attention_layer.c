@@ -38,7 +38,8 @@ void quant_grouped_linear(int fp4, const void *x, int x_dtype, long rows, long G
                           int y_dtype, int num_threads);
 
 /* A weight of the sub-layer's products: bf16 (`w`, or its packed copy `packed` where not NULL) or the
- * codes `w` of an FP8-block / FP4 weight as stored with their `scale` (ue8m0 bytes or fp32) */
+ * codes `w` of an FP8-block / FP4 weight as stored with their `scale` (ue8m0 bytes or fp32); the
+ * quantised calls take it by pointer (attention_layer_quant.py's WeightRef, the same fields) */
 enum { W_BF16 = 0, W_FP8 = 1, W_FP4 = 2 };
 typedef struct {
     int format;
@@ -126,20 +127,14 @@ void attention_projections_bf16(const uint16_t *x, long T, long D, const uint16_
                 half, Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
 }
 
-/* projections where each weight is bf16 (x_format / qr_format W_BF16: x_w plain or x_packed) or FP8-block
- * / FP4 codes x_w with their scales x_scale (ue8m0 where x_e8m0, else fp32), FP8 blocks of x_block */
-void attention_projections_quant(const uint16_t *x, long T, long D, int x_format, const void *x_w,
-                                 const uint16_t *x_packed, const void *x_scale, int x_e8m0, long x_block, long Nx,
-                                 long rank, const void *q_norm, int qn_dtype, int qr_format, const void *qr_w,
-                                 const uint16_t *qr_packed, const void *qr_scale, int qr_e8m0, long qr_block,
-                                 long Nqr, long H, long d, const void *kv_norm, int kv_dtype, float eps,
-                                 const float *cos_t, const float *sin_t, long half, long Hi, const float *icos,
-                                 const float *isin, long ihalf, uint16_t *px, uint16_t *q, uint16_t *kv, uint16_t *iq,
-                                 int num_threads) {
-    const weight_ref fx = {x_format, x_w, x_packed, x_scale, x_e8m0, x_block};
-    const weight_ref fqr = {qr_format, qr_w, qr_packed, qr_scale, qr_e8m0, qr_block};
-    projections(x, T, D, &fx, Nx, rank, q_norm, qn_dtype, &fqr, Nqr, H, d, kv_norm, kv_dtype, eps, cos_t, sin_t,
-                half, Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
+/* projections where each weight is bf16 (plain, or its packed copy) or FP8-block / FP4 codes */
+void attention_projections_quant(const uint16_t *x, long T, long D, const weight_ref *fx, long Nx, long rank,
+                                 const void *q_norm, int qn_dtype, const weight_ref *fqr, long Nqr, long H, long d,
+                                 const void *kv_norm, int kv_dtype, float eps, const float *cos_t, const float *sin_t,
+                                 long half, long Hi, const float *icos, const float *isin, long ihalf, uint16_t *px,
+                                 uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
+    projections(x, T, D, fx, Nx, rank, q_norm, qn_dtype, fqr, Nqr, H, d, kv_norm, kv_dtype, eps, cos_t, sin_t, half,
+                Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
 }
 
 /* q [B, H, d], kv [B, d] (the queries' own keys), window [n0, d] (written at key_rows [B]); the key
@@ -184,18 +179,14 @@ int attention_output_bf16(const uint16_t *q, const uint16_t *kv, uint16_t *windo
                   sin_t, half, &a, pa_size, G, R, &b, D, out, B, H, d, num_threads);
 }
 
-/* output where each weight is bf16 (a_format / b_format W_BF16: as attention_output_bf16 takes it) or
- * FP8-block / FP4 codes with their scales (as attention_projections_quant's; wo_a's [G, ...] per group) */
+/* output where each weight is bf16 (as attention_output_bf16 takes it) or FP8-block / FP4 codes (wo_a's
+ * scales [G, ...], one weight's a group) */
 int attention_output_quant(const uint16_t *q, const uint16_t *kv, uint16_t *window, long n0, const long *key_rows,
                            const long *rows0, const uint8_t *mask0, long L0, const uint16_t *cache1,
                            const long *rows1, const uint8_t *mask1, long n1, long L1, const float *sinks, float scale,
-                           const float *cos_t, const float *sin_t, long half, int a_format, const void *a_w,
-                           const uint16_t *a_packed, const void *a_scale, int a_e8m0, long a_block, long pa_size,
-                           long G, long R, int b_format, const void *b_w, const uint16_t *b_packed,
-                           const void *b_scale, int b_e8m0, long b_block, long D, uint16_t *out, long B, long H,
-                           long d, int num_threads) {
-    const weight_ref a = {a_format, a_w, a_packed, a_scale, a_e8m0, a_block};
-    const weight_ref b = {b_format, b_w, b_packed, b_scale, b_e8m0, b_block};
+                           const float *cos_t, const float *sin_t, long half, const weight_ref *wo_a, long pa_size,
+                           long G, long R, const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d,
+                           int num_threads) {
     return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, sinks, scale, cos_t,
-                  sin_t, half, &a, pa_size, G, R, &b, D, out, B, H, d, num_threads);
+                  sin_t, half, wo_a, pa_size, G, R, wo_b, D, out, B, H, d, num_threads);
 }

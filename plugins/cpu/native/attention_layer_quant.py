@@ -5,6 +5,7 @@ bf16 (as attention_layer.py's bf16 calls take it)."""
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -13,52 +14,62 @@ from deepinfer_plugins.cpu.native.attention_layer import _bf16, _packed_fits, _p
 from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
-# a weight's C arguments: its format (attention_layer.c's W_BF16, W_FP8, W_FP4), the bf16 weight or the
-# codes, the bf16 weight's packed copy, the scales, whether they are ue8m0 (else fp32), the FP8 block
+# attention_layer.c's weight formats
 _W_BF16, _W_FP8, _W_FP4 = 0, 1, 2
 
 
-def _weight_args(prefix: str) -> dict:
-    return {f"{prefix}_format": int_, f"{prefix}_w": ptr, f"{prefix}_packed": ptr, f"{prefix}_scale": ptr,
-            f"{prefix}_e8m0": int_, f"{prefix}_block": long_}
+class WeightRef(ctypes.Structure):
+    """attention_layer.c's `weight_ref`: a bf16 weight (`w`, or its `packed` copy) or FP8-block / FP4
+    codes `w` with their scales (ue8m0 where `scale_e8m0`, else fp32) and FP8 block."""
+    _fields_ = [("format", ctypes.c_int), ("w", ctypes.c_void_p), ("packed", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("scale_e8m0", ctypes.c_int), ("block", ctypes.c_long)]
 
 
 _ATTENTION_PROJECTIONS_QUANT = Kernel(
-    "attention_projections_quant", x=ptr, T=long_, D=long_, **_weight_args("x"), Nx=long_, rank=long_, q_norm=ptr,
-    qn_dtype=int_, **_weight_args("qr"), Nqr=long_, H=long_, d=long_, kv_norm=ptr, kv_dtype=int_, eps=float_,
-    cos_t=ptr, sin_t=ptr, half=long_, Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr,
-    num_threads=int_)
+    "attention_projections_quant", x=ptr, T=long_, D=long_, fx=ptr, Nx=long_, rank=long_, q_norm=ptr, qn_dtype=int_,
+    fqr=ptr, Nqr=long_, H=long_, d=long_, kv_norm=ptr, kv_dtype=int_, eps=float_, cos_t=ptr, sin_t=ptr, half=long_,
+    Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr, num_threads=int_)
 
 _ATTENTION_OUTPUT_QUANT = Kernel(
     "attention_output_quant", ctypes.c_int, q=ptr, kv=ptr, window=ptr, n0=long_, key_rows=ptr, rows0=ptr, mask0=ptr,
     L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, sinks=ptr, scale=float_, cos_t=ptr, sin_t=ptr,
-    half=long_, **_weight_args("a"), pa_size=long_, G=long_, R=long_, **_weight_args("b"), D=long_, out=ptr, B=long_,
-    H=long_, d=long_, num_threads=int_)
+    half=long_, wo_a=ptr, pa_size=long_, G=long_, R=long_, wo_b=ptr, D=long_, out=ptr, B=long_, H=long_, d=long_,
+    num_threads=int_)
+
+# a quantised weight's (logical shape, WeightRef, its address), made at its first call: its storage never
+# changes (QuantizedWeight is frozen), and the entry goes with the weight
+_QUANT_REFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _quant_ref(weight: QuantizedWeight, dims: int) -> tuple[tuple[int, ...], WeightRef, int] | None:
+    data, scale = weight.data, weight.scale
+    if data.dim() != dims or not (data.is_cpu and scale.is_cpu and data.is_contiguous() and scale.is_contiguous()):
+        return None
+    fp4 = data.dtype is not torch.float8_e4m3fn
+    shape = (*data.shape[:-1], data.shape[-1] * 2) if fp4 else tuple(data.shape)
+    if fp4 and shape[-1] % FP4_GROUP:
+        return None
+    ref = WeightRef(_W_FP4 if fp4 else _W_FP8, data.data_ptr(), None, scale.data_ptr(),
+                    int(scale.dtype is torch.float8_e8m0fnu), weight.block)
+    return shape, ref, ctypes.addressof(ref)
 
 
 def _weight(weight: torch.Tensor | QuantizedWeight, packed: torch.Tensor | None, dims: int
-            ) -> tuple[tuple[int, ...], tuple] | None:
-    """(the logical shape, the C arguments) of a `dims`-D weight: FP8-block or FP4 codes as stored (FP4 rows
-    whole scale groups), or bf16 with its packed copy or None; None for anything else."""
+            ) -> tuple[tuple[int, ...], WeightRef, int] | None:
+    """(the logical shape, the WeightRef, its address) of a `dims`-D weight: FP8-block or FP4 codes as stored
+    (FP4 rows whole scale groups), or bf16 with its packed copy or None; None for anything else."""
     if isinstance(weight, QuantizedWeight):
-        data, scale = weight.data, weight.scale
-        if data.dim() != dims or not (data.is_cpu and scale.is_cpu and data.is_contiguous()
-                                      and scale.is_contiguous()):
-            return None
-        fp4 = data.dtype is not torch.float8_e4m3fn
-        shape = (*data.shape[:-1], data.shape[-1] * 2) if fp4 else tuple(data.shape)
-        if fp4 and shape[-1] % FP4_GROUP:
-            return None
-        return shape, (_W_FP4 if fp4 else _W_FP8, data.data_ptr(), None, scale.data_ptr(),
-                       int(scale.dtype is torch.float8_e8m0fnu), weight.block)
+        entry = _QUANT_REFS.get(weight)
+        if entry is None:
+            entry = _quant_ref(weight, dims)
+            if entry is None:
+                return None
+            _QUANT_REFS[weight] = entry
+        return entry if len(entry[0]) == dims else None
     if not _bf16(weight) or weight.dim() != dims:
         return None
-    return tuple(weight.shape), (_W_BF16, weight.data_ptr(), None if packed is None else packed.data_ptr(), None, 0, 0)
-
-
-def _keywords(prefix: str, args: tuple) -> dict:
-    return dict(zip((f"{prefix}_format", f"{prefix}_w", f"{prefix}_packed", f"{prefix}_scale", f"{prefix}_e8m0",
-                     f"{prefix}_block"), args))
+    ref = WeightRef(_W_BF16, weight.data_ptr(), None if packed is None else packed.data_ptr(), None, 0, 0)
+    return weight.shape, ref, ctypes.addressof(ref)
 
 
 def attention_projections_quant(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight,
@@ -79,8 +90,8 @@ def attention_projections_quant(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torc
     qn_dtype, kv_dtype = dtype_code(q_norm), dtype_code(kv_norm)
     if (in_x != D or in_qr != rank or not (0 < rank and rank + d <= Nx) or qn_dtype is None or kv_dtype is None
             or q_norm.shape != (rank,) or kv_norm.dim() != 1 or heads * d > Nqr or not _rotary_table(cos, sin, T, d)
-            or packed_x is None and wx[1][0] == _W_BF16 and T != 1
-            or packed_qr is None and wqr[1][0] == _W_BF16 and T != 1
+            or packed_x is None and wx[1].format == _W_BF16 and T != 1
+            or packed_qr is None and wqr[1].format == _W_BF16 and T != 1
             or not (_packed_fits(lib, packed_x, fused_x) and _packed_fits(lib, packed_qr, fused_qr))):
         return None
     di = 0
@@ -95,8 +106,8 @@ def attention_projections_quant(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torc
     kv = torch.empty((T, d), dtype=torch.bfloat16)
     iq = torch.empty((T, index_heads, di), dtype=torch.bfloat16) if index_heads else None
     _ATTENTION_PROJECTIONS_QUANT(
-        lib, x=x.data_ptr(), T=T, D=D, **_keywords("x", wx[1]), Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
-        qn_dtype=qn_dtype, **_keywords("qr", wqr[1]), Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(),
+        lib, x=x.data_ptr(), T=T, D=D, fx=wx[2], Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
+        qn_dtype=qn_dtype, fqr=wqr[2], Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(),
         kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(), half=cos.shape[1], Hi=index_heads,
         icos=ic.data_ptr(), isin=isn.data_ptr(), ihalf=ic.shape[1], px=px.data_ptr(), q=q.data_ptr(),
         kv=kv.data_ptr(), iq=None if iq is None else iq.data_ptr(), num_threads=threads())
@@ -128,7 +139,7 @@ def attention_output_quant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, 
         return None
     if not all(_part(q, c, r, m) for c, r, m in zip(caches, rows, masks)):
         return None
-    if B != 1 and (packed_wo_a is None and wa[1][0] == _W_BF16 or packed_wo_b is None and wb[1][0] == _W_BF16):
+    if B != 1 and (packed_wo_a is None and wa[1].format == _W_BF16 or packed_wo_b is None and wb[1].format == _W_BF16):
         return None
     if packed_wo_a is not None and packed_wo_a.shape != (G, *packed_shape(lib, R, K)):
         return None
@@ -144,8 +155,8 @@ def attention_output_quant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, 
         lib, q=q.data_ptr(), kv=kvc.data_ptr(), window=c0.data_ptr(), n0=c0.shape[0], key_rows=kr.data_ptr(),
         rows0=r0.data_ptr(), mask0=m0.data_ptr(), L0=r0.shape[1], cache1=c1.data_ptr(), rows1=r1.data_ptr(),
         mask1=m1.data_ptr(), n1=c1.shape[0], L1=L1, sinks=s.data_ptr(), scale=scale, cos_t=cs.data_ptr(),
-        sin_t=sn.data_ptr(), half=cos.shape[1], **_keywords("a", wa[1]),
-        pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, **_keywords("b", wb[1]), D=D,
+        sin_t=sn.data_ptr(), half=cos.shape[1], wo_a=wa[2],
+        pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wb[2], D=D,
         out=out.data_ptr(), B=B, H=H, d=d, num_threads=threads())
     if status == -1:
         raise IndexError(f"decode_attention_output: an own key's row is outside the window cache (size "
