@@ -1,15 +1,19 @@
-"""The cpu back end's fused decode attention output (native/attention_layer.c, `decode_attention_output`):
-the same bits as the composed kernels it replaces, in the kernel and in the model, and the composed
-path wherever the C call does not apply."""
+"""The cpu back end's fused decode attention sub-layer (native/attention_layer.c, `attention_projections`
+and `decode_attention_output`): the same bits as the composed kernels it replaces, in the kernel and in
+the model, and the composed path wherever the C call does not apply; with bf16 weights, and with FP8-block
+/ FP4 ones (some bf16) on the native, AVX2 (no-avx512) and portable (no-avx2) builds."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer_plugins.cpu import native
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 from model_harness import Runner, build_hf_model, build_our_model
+from test_cpu_quant_experts import lib  # noqa: F401 (the per-build library fixture)
+from test_cpu_quant_gemv import _fp4_weight, _fp8_weight
 
 
 def fresh() -> NativeCpuKernels:
@@ -188,3 +192,107 @@ def test_the_model_decodes_the_same_bits(fused_calls, projection_calls):
         assert 1 in fused_calls and 1 in projection_calls  # one sequence's decode steps
         if max(low, 16) <= 16 <= high:
             assert 16 in fused_calls and 16 in projection_calls
+
+
+# ----- the same two calls on weights kept quantised (attention_layer_quant.py) -----
+
+def _quant(kind: str, w: torch.Tensor, block: int = 32):
+    """w (logical [*, out, in]) as `kind`: 'bf16' itself, else FP8-block / FP4 codes (test_cpu_quant_gemv's
+    random codes, their scales brought near unit products), grouped like w."""
+    if kind == "bf16":
+        return w
+    out, inp = w.shape[-2], w.shape[-1]
+    rows = out * (w.shape[0] if w.dim() == 3 else 1)
+    made = _fp4_weight(rows, inp, seed=rows + inp) if kind == "fp4" else \
+        _fp8_weight(rows, inp, block, seed=rows + inp, fp32_scales=kind == "fp8-f32")
+    scale = made.scale
+    if scale.dtype is torch.float8_e8m0fnu:  # codes up to 6 / 448: products near unit size
+        scale = (scale.view(torch.uint8).int() - (7 if kind == "fp4" else 12)).to(torch.uint8).view(scale.dtype)
+    else:
+        scale = scale / 2 ** 12
+    made = QuantizedWeight(made.data, scale, made.block, made.dtype)
+    return made.unflatten_rows(w.shape[0]) if w.dim() == 3 else made
+
+
+def _quant_kernels(library) -> NativeCpuKernels:
+    kernels = NativeCpuKernels()
+    kernels.__dict__["native_library"] = library  # this build's kernels for every stage
+    return kernels
+
+
+
+
+QUANT_PROJECTIONS = [("fp8", "fp8"), ("fp4", "bf16"), ("bf16", "fp8-f32"), ("fp8-128", "fp4")]
+
+
+@pytest.mark.parametrize("kinds", QUANT_PROJECTIONS, ids=["-".join(k) for k in QUANT_PROJECTIONS])
+@pytest.mark.parametrize("index_heads", [0, 4])
+@pytest.mark.parametrize("T", [1, 3])
+def test_quantised_projections_match_the_composed_kernels(lib, T, index_heads, kinds, monkeypatch):  # noqa: F811
+    calls = count_calls(monkeypatch, "attention_projections_quant")
+    g = torch.Generator().manual_seed(T + index_heads)
+    D, rank, H, d, di, half = 128, 64, 4, 64, 32, 8
+    x = torch.randn(T, D, generator=g).bfloat16()
+    shapes = ((rank + d + 40, D), (H * d + index_heads * di, rank))
+    fused_x, fused_qr = (_quant(k.removesuffix("-128"), (torch.randn(s, generator=g) / s[1] ** 0.5).bfloat16(),
+                                128 if k.endswith("-128") else 32) for k, s in zip(kinds, shapes))
+    q_norm, kv_norm = torch.randn(rank, generator=g) + 1, torch.randn(d, generator=g) + 1
+    angles, index_angles = torch.randn(T, half, generator=g), torch.randn(T, half, generator=g)
+    args = (x, fused_x, rank, q_norm, fused_qr, H, kv_norm, 1e-6, angles.cos(), angles.sin(), index_heads,
+            *((index_angles.cos(), index_angles.sin()) if index_heads else (None, None)))
+    fused_side, composed_side = _quant_kernels(lib), _quant_kernels(lib)
+    for _ in range(3):
+        got = fused_side.attention_projections(*args)
+        want = Accelerator.attention_projections(composed_side, *args)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b)
+    quantised = all(isinstance(w, QuantizedWeight) for w in (fused_x, fused_qr))
+    assert calls == ([T] * 3 if quantised else expected_calls(fused_side, torch.bfloat16, T))
+
+
+QUANT_OUTPUTS = [("fp8", "fp8"), ("bf16", "fp8"), ("fp4", "fp8-f32"), ("fp8", "bf16"), ("fp8-f32", "fp4")]
+
+
+@pytest.mark.parametrize("kinds", QUANT_OUTPUTS, ids=["-".join(k) for k in QUANT_OUTPUTS])
+@pytest.mark.parametrize("entries", [0, 7])
+@pytest.mark.parametrize("B", [1, 3, 16])
+def test_quantised_output_matches_the_composed_kernels(lib, B, entries, kinds, monkeypatch):  # noqa: F811
+    calls = count_calls(monkeypatch, "attention_output_quant")
+    *inputs, wo_a, wo_b = case(B, entries, torch.bfloat16, seed=B + entries)
+    wo_a, wo_b = _quant(kinds[0], wo_a), _quant(kinds[1], wo_b)
+    inputs = (*inputs, wo_a, wo_b)
+    fused_side, composed_side = _quant_kernels(lib), _quant_kernels(lib)
+    for _ in range(3):
+        got, got_caches = run(fused_side, NativeCpuKernels.decode_attention_output, inputs)
+        want, want_caches = run(composed_side, composed, inputs)
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+    assert got.shape == (B, 96) and got.dtype == torch.bfloat16
+    quantised_a, quantised_b = isinstance(wo_a, QuantizedWeight), isinstance(wo_b, QuantizedWeight)
+    if quantised_a and quantised_b:
+        expected = [B] * 3
+    elif quantised_a:  # wo_b's product as for bf16 weights
+        expected = expected_calls(fused_side, torch.bfloat16, B)
+    else:  # a bf16 wo_a: one token's grouped GEMV; 2-15 tokens on torch's bmm (the composed path)
+        expected = [1] * 3 if B == 1 else expected_calls(fused_side, torch.bfloat16, B, smallest=16)
+    assert calls == expected
+
+
+def test_quantised_bad_key_rows_are_refused():
+    lib = fresh().native_library
+    *inputs, wo_a, wo_b = case(1, 7, torch.bfloat16)
+    q, kv, key_rows, caches, rows, masks, *rest = (*inputs, _quant("fp8", wo_a), _quant("fp8", wo_b))
+    window = caches[0].clone()
+    with pytest.raises(IndexError, match="outside the window"):
+        native.attention_output_quant(lib, q, kv, key_rows + 64, tuple(caches), tuple(rows), tuple(masks), *rest,
+                                      None, None)
+    assert torch.equal(caches[0], window)
+    with pytest.raises(IndexError, match="outside its cache"):
+        native.attention_output_quant(lib, q, kv, key_rows, tuple(caches), (rows[0], rows[1] + 40), tuple(masks),
+                                      *rest, None, None)
+    # what the C call does not take: None, nothing written (the composed path runs)
+    cache_f = tuple(c.float() for c in caches)
+    assert native.attention_output_quant(lib, q, kv, key_rows, cache_f, tuple(rows), tuple(masks), *rest,
+                                         None, None) is None
+    assert native.attention_output_quant(lib, q, kv, key_rows, tuple(caches), tuple(rows), tuple(masks), *rest[:-1],
+                                         rest[-1].dequantize(torch.float32), None, None) is None

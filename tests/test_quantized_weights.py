@@ -398,3 +398,41 @@ def test_batch_invariant_mode_holds_on_quantised_weights(v41_path, clean_env):
         one.shutdown()
         many.shutdown()
     assert batched == alone
+
+
+def test_the_fused_quantised_attention_decodes_the_composed_bits(v4_path, clean_env, monkeypatch):
+    """bf16 decode with the FP8 attention weights kept quantised: the cpu back end's two attention calls
+    (attention_layer.c on the codes) give the same tokens and log-probabilities as the composed kernels."""
+    from deepinfer import LLM
+    from deepinfer.accelerator.interface import Accelerator
+    from deepinfer.sampling_params import SamplingParams
+    from deepinfer_plugins.cpu import native
+    from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
+
+    if native.library() is None:
+        pytest.skip("the cpu back end's C kernels are not available here")
+    clean_env.setenv("DEEPINFER_CPU_QUANTIZED_WEIGHTS", "1")
+    calls = []
+    for name in ("attention_projections_quant", "attention_output_quant"):
+        def counted(*args, _fn=getattr(native, name), _name=name, **kw):
+            out = _fn(*args, **kw)
+            calls.append(_name if out is not None else None)
+            return out
+        monkeypatch.setattr(native, name, counted)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=20)
+    prompts = [{"prompt_token_ids": [5, 17, 42, 99, 7]}, {"prompt_token_ids": [300, 11, 250]}]
+
+    def generate() -> list:
+        llm = LLM(model=str(v4_path), accelerator="cpu", dtype="bfloat16", max_model_len=64, max_num_seqs=1)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+                for o in outs]
+
+    fused = generate()
+    assert {"attention_projections_quant", "attention_output_quant"} <= set(calls)
+    monkeypatch.setattr(NativeCpuKernels, "attention_projections", Accelerator.attention_projections)
+    monkeypatch.setattr(NativeCpuKernels, "decode_attention_output", Accelerator.decode_attention_output)
+    assert generate() == fused

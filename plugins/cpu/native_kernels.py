@@ -390,9 +390,14 @@ class NativeCpuKernels(CpuKernels):
         # calls would read exist (`peek` does not count a use): before, those calls run and count the
         # uses that pack them, so both paths switch products at the same step.
         lib, out = self.native_library, None
-        if (lib is not None and not self.invariant and q.dtype == torch.bfloat16 and q.dim() == 3
-                and not self.native_amx and not isinstance(wo_a, QuantizedWeight)
-                and not isinstance(wo_b, QuantizedWeight)):
+        quantised = isinstance(wo_a, QuantizedWeight) or isinstance(wo_b, QuantizedWeight)
+        if quantised and lib is not None and not self.invariant and q.dtype == torch.bfloat16 and q.dim() == 3:
+            products = self._quant_output_products(q.shape[0], wo_a, wo_b)  # the same call, on the codes
+            if products is not None:
+                out = native.attention_output_quant(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos,
+                                                    sin, wo_a, wo_b, *products)
+        elif (lib is not None and not self.invariant and q.dtype == torch.bfloat16 and q.dim() == 3
+                and not self.native_amx):
             products = self._decode_output_products(q.shape[0], wo_a, wo_b)
             if products is not None:
                 out = native.attention_output_bf16(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin,
@@ -411,8 +416,13 @@ class NativeCpuKernels(CpuKernels):
         # bf16 decode steps in one C call (attention_layer.c) where both products run on the kernels `linear`
         # would pick (the tiles once the copies exist, or the GEMV for one token), see decode_attention_output
         lib, out = self.native_library, None
-        if (lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2
-                and not isinstance(fused_x, QuantizedWeight) and not isinstance(fused_qr, QuantizedWeight)
+        quantised = isinstance(fused_x, QuantizedWeight) or isinstance(fused_qr, QuantizedWeight)
+        if quantised and lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2:
+            copies = self._quant_linear_copies(x.shape[0], fused_x, fused_qr)  # the same call, on the codes
+            if copies is not None:
+                out = native.attention_projections_quant(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm,
+                                                         eps, cos, sin, index_heads, index_cos, index_sin, *copies)
+        elif (lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2
                 and (x.shape[0] == 1 or not self.native_amx)):
             copies = self._linear_copies(x.shape[0], fused_x, fused_qr)
             if copies is not None:
@@ -434,6 +444,33 @@ class NativeCpuKernels(CpuKernels):
             return (None,) * len(weights) if tokens == 1 else None
         copies = tuple(tiles.peek(w) for w in weights)
         return None if any(c is None for c in copies) else copies
+
+    def _quant_linear_copies(self, tokens: int, *weights: torch.Tensor | QuantizedWeight
+                             ) -> tuple[torch.Tensor | None, ...] | None:
+        """`_linear_copies` where some weights are kept quantised: None (the codes) for those, where `linear`
+        runs on them (up to _QUANT_MAX_ROWS tokens), and the bf16 ones' copies as there; None otherwise."""
+        plain = [w for w in weights if not isinstance(w, QuantizedWeight)]
+        if tokens > _QUANT_MAX_ROWS or plain and tokens > 1 and self.native_amx:
+            return None
+        if not plain:
+            return (None,) * len(weights)
+        copies = iter(self._linear_copies(tokens, *plain) or ())
+        out = tuple(None if isinstance(w, QuantizedWeight) else next(copies, False) for w in weights)
+        return None if any(c is False for c in out) else out
+
+    def _quant_output_products(self, tokens: int, wo_a: torch.Tensor | QuantizedWeight,
+                               wo_b: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor | None, ...] | None:
+        """`_decode_output_products` where wo_a or wo_b is kept quantised: None (the codes) for it, where
+        `grouped_linear` / `linear` run on them (up to _QUANT_MAX_ROWS tokens); None otherwise."""
+        copies = self._quant_linear_copies(tokens, wo_b)
+        if copies is None or isinstance(wo_a, QuantizedWeight):
+            return None if copies is None else (None, *copies)
+        # a bf16 wo_a: as _decode_output_products picks its product (one token: the grouped GEMV)
+        if self.native_amx or tokens == 1:
+            return None if self.native_amx else (None, *copies)
+        low, high = self._packed_gemm_rows
+        packed_a = self.tile_weights.peek(wo_a) if max(low, _SKINNY_ROWS) <= tokens <= high else None
+        return None if packed_a is None or packed_a.dim() != 5 else (packed_a, *copies)
 
     def _decode_output_products(self, tokens: int, wo_a: torch.Tensor, wo_b: torch.Tensor
                                 ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
@@ -631,6 +668,8 @@ class NativeCpuKernels(CpuKernels):
             return None
         packed_shared = None
         if shared_w13 is not None and not isinstance(shared_w13, QuantizedWeight):
+            if isinstance(shared_w2, QuantizedWeight):  # a mixed pair (w1, w3 off block rows): composed path
+                return None
             low, high = self._packed_gemm_rows
             tiles = self.tile_weights if low <= rows <= high else None
             if (rows > 1 and self.native_amx) or (tiles is None and rows > self._gemv_tokens_max_rows):

@@ -8,7 +8,10 @@
  * (the compressors and the indexer's top-k run between them, as before). Each stage is the kernel the
  * composed path calls (attention.c, norm_rope.c, gemv.c, packed_gemm.c), with its roundings to bf16
  * between them, so the results are the composed path's bits; what the calls save is the Python between
- * them (ten wrapper calls and ~20 torch ops per layer). */
+ * them (ten wrapper calls and ~20 torch ops per layer).
+ * attention_projections_quant and attention_output_quant are the same two calls where any of the four
+ * weights is kept as FP8-block or FP4 codes (the others bf16): such a product is quant_gemv.c's, rounded
+ * to bf16 as the composed linear / grouped_linear round it. */
 #include "common.h"
 
 /* the stages, defined in the other C files of the library */
@@ -26,29 +29,79 @@ void rotary(const void *x, long x_stride_t, long x_stride_m, const float *cos_t,
 void gemv_bf16(const uint16_t *W, const uint16_t *x, uint16_t *y, long N, long K, int num_threads);
 void grouped_gemv_bf16(const uint16_t *W, const uint16_t *X, uint16_t *Y, long G, long N, long K, int num_threads);
 void packed_gemm_bf16(const uint16_t *P, const uint16_t *X, uint16_t *Y, long M, long N, long K, int num_threads);
+void fp4_linear(const void *x, int x_dtype, long x_stride, long rows, long in, const uint8_t *w, const void *scale,
+                int scale_e8m0, long out, void *y, int y_dtype, int portable, int num_threads);
+void fp8_linear(const void *x, int x_dtype, long x_stride, long rows, long in, const uint8_t *w, const void *scale,
+                int scale_e8m0, long block, long out, void *y, int y_dtype, int portable, int num_threads);
+void quant_grouped_linear(int fp4, const void *x, int x_dtype, long rows, long G, long in, const uint8_t *w,
+                          const void *scale, long scale_group, int scale_e8m0, long block, long out, void *y,
+                          int y_dtype, int num_threads);
 
-/* Y [T, N] = X [T, K] W^T on W's packed copy P, or for one token on W itself (the GEMV) */
-static void product(const uint16_t *W, const uint16_t *P, const uint16_t *X, uint16_t *Y, long T, long N, long K,
-                    int num_threads) {
-    if (P)
-        packed_gemm_bf16(P, X, Y, T, N, K, num_threads);
+/* A weight of the sub-layer's products: bf16 (`w`, or its packed copy `packed` where not NULL) or the
+ * codes `w` of an FP8-block / FP4 weight as stored with their `scale` (ue8m0 bytes or fp32); the
+ * quantised calls take it by pointer (attention_layer_quant.py's WeightRef, the same fields) */
+enum { W_BF16 = 0, W_FP8 = 1, W_FP4 = 2 };
+typedef struct {
+    int format;
+    const void *w;
+    const uint16_t *packed;
+    const void *scale;
+    int scale_e8m0;
+    long block;
+} weight_ref;
+
+#define FP4_SCALE_GROUP 32 /* FP4 weights per scale (quant.h's FP4_GROUP) */
+
+/* Y [T, N] = X [T, K] W^T rounded to bf16: on the codes (quant_gemv.c), on W's packed copy, or for one
+ * token on W itself (the GEMV) */
+static void product(const weight_ref *W, const uint16_t *X, uint16_t *Y, long T, long N, long K, int num_threads) {
+    if (W->format == W_FP8)
+        fp8_linear(X, DT_BF16, K, T, K, W->w, W->scale, W->scale_e8m0, W->block, N, Y, DT_BF16, 0, num_threads);
+    else if (W->format == W_FP4)
+        fp4_linear(X, DT_BF16, K, T, K, W->w, W->scale, W->scale_e8m0, N, Y, DT_BF16, 0, num_threads);
+    else if (W->packed)
+        packed_gemm_bf16(W->packed, X, Y, T, N, K, num_threads);
     else
-        gemv_bf16(W, X, Y, N, K, num_threads);
+        gemv_bf16(W->w, X, Y, N, K, num_threads);
 }
 
-/* x [T, D]; fused_x [Nx, D] (or its packed copy pfx), fused_qr [Nqr, rank] (or pfqr); q_norm, kv_norm
- * [rank], [d] of dtype code qn_dtype, kv_dtype; cos/sin [T, half], icos/isin [T, ihalf] fp32 (Hi = 0: no
- * indexer query). Out: px [T, Nx], q [T, H, d], kv [T, d], iq [T, Hi, (Nqr - H d) / Hi], all bf16. */
-void attention_projections_bf16(const uint16_t *x, long T, long D, const uint16_t *fused_x, const uint16_t *pfx,
-                                long Nx, long rank, const void *q_norm, int qn_dtype, const uint16_t *fused_qr,
-                                const uint16_t *pfqr, long Nqr, long H, long d, const void *kv_norm, int kv_dtype,
-                                float eps, const float *cos_t, const float *sin_t, long half, long Hi,
-                                const float *icos, const float *isin, long ihalf, uint16_t *px, uint16_t *q,
-                                uint16_t *kv, uint16_t *iq, int num_threads) {
+/* grouped [B, G, R] = the products of rot [B, G, K] by wo_a [G, R, K] group by group: on the codes (one
+ * quant_grouped_linear), on the packed copy of each group (`pa_size` elements apart), or for one token
+ * on wo_a itself (grouped_gemv_bf16) */
+static void grouped_product(const weight_ref *A, long pa_size, const uint16_t *rot, uint16_t *grouped, long B,
+                            long G, long R, long K, int num_threads) {
+    if (A->format != W_BF16) {
+        const int fp4 = A->format == W_FP4;
+        const long scale_group = fp4 ? R * (K / FP4_SCALE_GROUP)
+                                     : ((R + A->block - 1) / A->block) * ((K + A->block - 1) / A->block);
+        quant_grouped_linear(fp4, rot, DT_BF16, B, G, K, A->w, A->scale, scale_group, A->scale_e8m0, A->block, R,
+                             grouped, DT_BF16, num_threads);
+    } else if (A->packed) { /* one packed product per group, its rows gathered as the composed path's x[:, g] */
+        uint16_t *xg = malloc((size_t)B * K * 2), *yg = malloc((size_t)B * R * 2);
+        for (long g = 0; g < G; g++) {
+            for (long b = 0; b < B; b++) memcpy(xg + b * K, rot + (b * G + g) * K, (size_t)K * 2);
+            packed_gemm_bf16(A->packed + (size_t)g * pa_size, xg, yg, B, R, K, num_threads);
+            for (long b = 0; b < B; b++) memcpy(grouped + (b * G + g) * R, yg + b * R, (size_t)R * 2);
+        }
+        free(yg);
+        free(xg);
+    } else {
+        grouped_gemv_bf16(A->w, rot, grouped, G, R, K, num_threads);
+    }
+}
+
+/* x [T, D]; fused_x [Nx, D], fused_qr [Nqr, rank] (weight_ref); q_norm, kv_norm [rank], [d] of dtype code
+ * qn_dtype, kv_dtype; cos/sin [T, half], icos/isin [T, ihalf] fp32 (Hi = 0: no indexer query). Out: px
+ * [T, Nx], q [T, H, d], kv [T, d], iq [T, Hi, (Nqr - H d) / Hi], all bf16. */
+static void projections(const uint16_t *x, long T, long D, const weight_ref *fx, long Nx, long rank,
+                        const void *q_norm, int qn_dtype, const weight_ref *fqr, long Nqr, long H, long d,
+                        const void *kv_norm, int kv_dtype, float eps, const float *cos_t, const float *sin_t,
+                        long half, long Hi, const float *icos, const float *isin, long ihalf, uint16_t *px,
+                        uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
     uint16_t *qr = malloc((size_t)T * rank * 2), *pqr = malloc((size_t)T * Nqr * 2);
-    product(fused_x, pfx, x, px, T, Nx, D, num_threads);
+    product(fx, x, px, T, Nx, D, num_threads);
     rms_norm(px, Nx, q_norm, qn_dtype, qr, T, rank, eps, DT_BF16, num_threads);
-    product(fused_qr, pfqr, qr, pqr, T, Nqr, rank, num_threads);
+    product(fqr, qr, pqr, T, Nqr, rank, num_threads);
     for (long t = 0; t < T; t++) /* a token's heads are evenly spaced rows; the tokens are Nqr apart */
         rms_norm_rotary(pqr + t * Nqr, d, NULL, 0, cos_t + t * half, sin_t + t * half, q + t * H * d, 1, H, d, half,
                         eps, DT_BF16, num_threads);
@@ -61,18 +114,39 @@ void attention_projections_bf16(const uint16_t *x, long T, long D, const uint16_
     free(qr);
 }
 
+/* projections on bf16 weights: fused_x, fused_qr plain (one token: the GEMVs) or their packed copies
+ * pfx, pfqr */
+void attention_projections_bf16(const uint16_t *x, long T, long D, const uint16_t *fused_x, const uint16_t *pfx,
+                                long Nx, long rank, const void *q_norm, int qn_dtype, const uint16_t *fused_qr,
+                                const uint16_t *pfqr, long Nqr, long H, long d, const void *kv_norm, int kv_dtype,
+                                float eps, const float *cos_t, const float *sin_t, long half, long Hi,
+                                const float *icos, const float *isin, long ihalf, uint16_t *px, uint16_t *q,
+                                uint16_t *kv, uint16_t *iq, int num_threads) {
+    const weight_ref fx = {W_BF16, fused_x, pfx, NULL, 0, 0}, fqr = {W_BF16, fused_qr, pfqr, NULL, 0, 0};
+    projections(x, T, D, &fx, Nx, rank, q_norm, qn_dtype, &fqr, Nqr, H, d, kv_norm, kv_dtype, eps, cos_t, sin_t,
+                half, Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
+}
+
+/* projections where each weight is bf16 (plain, or its packed copy) or FP8-block / FP4 codes */
+void attention_projections_quant(const uint16_t *x, long T, long D, const weight_ref *fx, long Nx, long rank,
+                                 const void *q_norm, int qn_dtype, const weight_ref *fqr, long Nqr, long H, long d,
+                                 const void *kv_norm, int kv_dtype, float eps, const float *cos_t, const float *sin_t,
+                                 long half, long Hi, const float *icos, const float *isin, long ihalf, uint16_t *px,
+                                 uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
+    projections(x, T, D, fx, Nx, rank, q_norm, qn_dtype, fqr, Nqr, H, d, kv_norm, kv_dtype, eps, cos_t, sin_t, half,
+                Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
+}
+
 /* q [B, H, d], kv [B, d] (the queries' own keys), window [n0, d] (written at key_rows [B]); the key
- * parts as sink_attention_rows takes them (S = 1); cos/sin [B, half] fp32. wo_a [G, R, K] (K = H d / G):
- * packed per group (pwo_a, pack_bf16 of each group, pa_size elements apart) or, for one token, plain
- * (grouped_gemv_bf16). wo_b [D, G R]: packed (pwo_b) or, for one token, plain (gemv_bf16). out [B, D].
- * Returns 0; -1 (nothing written) for a key row outside the window; -2 (the keys written, as the
- * composed path leaves them) for a key part's row outside its cache. */
-int attention_output_bf16(const uint16_t *q, const uint16_t *kv, uint16_t *window, long n0, const long *key_rows,
-                          const long *rows0, const uint8_t *mask0, long L0, const uint16_t *cache1, const long *rows1,
-                          const uint8_t *mask1, long n1, long L1, const float *sinks, float scale, const float *cos_t,
-                          const float *sin_t, long half, const uint16_t *wo_a, const uint16_t *pwo_a, long pa_size,
-                          long G, long R, const uint16_t *wo_b, const uint16_t *pwo_b, long D, uint16_t *out, long B,
-                          long H, long d, int num_threads) {
+ * parts as sink_attention_rows takes them (S = 1); cos/sin [B, half] fp32. wo_a [G, R, K] (K = H d / G)
+ * and wo_b [D, G R] as grouped_product and product take them (pa_size: the elements of one group's
+ * packed copy). out [B, D]. Returns 0; -1 (nothing written) for a key row outside the window; -2 (the
+ * keys written, as the composed path leaves them) for a key part's row outside its cache. */
+static int output(const uint16_t *q, const uint16_t *kv, uint16_t *window, long n0, const long *key_rows,
+                  const long *rows0, const uint8_t *mask0, long L0, const uint16_t *cache1, const long *rows1,
+                  const uint8_t *mask1, long n1, long L1, const float *sinks, float scale, const float *cos_t,
+                  const float *sin_t, long half, const weight_ref *wo_a, long pa_size, long G, long R,
+                  const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d, int num_threads) {
     for (long b = 0; b < B; b++)
         if (key_rows[b] < 0 || key_rows[b] >= n0) return -1;
     for (long b = 0; b < B; b++) memcpy(window + (size_t)key_rows[b] * d, kv + (size_t)b * d, (size_t)d * 2);
@@ -83,22 +157,36 @@ int attention_output_bf16(const uint16_t *q, const uint16_t *kv, uint16_t *windo
                                      B, 1, H, d, DT_BF16, num_threads);
     if (status == 0) {
         rotary(att, H * d, d, cos_t, sin_t, rot, B, H, d, half, 1, DT_BF16, num_threads);
-        if (pwo_a) { /* one packed product per group, its rows gathered as the composed path's x[:, g] */
-            uint16_t *xg = malloc((size_t)B * K * 2), *yg = malloc((size_t)B * R * 2);
-            for (long g = 0; g < G; g++) {
-                for (long b = 0; b < B; b++) memcpy(xg + b * K, rot + (b * G + g) * K, (size_t)K * 2);
-                packed_gemm_bf16(pwo_a + (size_t)g * pa_size, xg, yg, B, R, K, num_threads);
-                for (long b = 0; b < B; b++) memcpy(grouped + (b * G + g) * R, yg + b * R, (size_t)R * 2);
-            }
-            free(yg);
-            free(xg);
-        } else {
-            grouped_gemv_bf16(wo_a, rot, grouped, G, R, K, num_threads);
-        }
-        product(wo_b, pwo_b, grouped, out, B, D, G * R, num_threads);
+        grouped_product(wo_a, pa_size, rot, grouped, B, G, R, K, num_threads);
+        product(wo_b, grouped, out, B, D, G * R, num_threads);
     }
     free(grouped);
     free(rot);
     free(att);
     return status ? -2 : 0;
+}
+
+/* output on bf16 weights: wo_a packed per group (pwo_a, pack_bf16 of each group, pa_size elements apart)
+ * or, for one token, plain (grouped_gemv_bf16); wo_b packed (pwo_b) or, for one token, plain (gemv_bf16) */
+int attention_output_bf16(const uint16_t *q, const uint16_t *kv, uint16_t *window, long n0, const long *key_rows,
+                          const long *rows0, const uint8_t *mask0, long L0, const uint16_t *cache1, const long *rows1,
+                          const uint8_t *mask1, long n1, long L1, const float *sinks, float scale, const float *cos_t,
+                          const float *sin_t, long half, const uint16_t *wo_a, const uint16_t *pwo_a, long pa_size,
+                          long G, long R, const uint16_t *wo_b, const uint16_t *pwo_b, long D, uint16_t *out, long B,
+                          long H, long d, int num_threads) {
+    const weight_ref a = {W_BF16, wo_a, pwo_a, NULL, 0, 0}, b = {W_BF16, wo_b, pwo_b, NULL, 0, 0};
+    return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, sinks, scale, cos_t,
+                  sin_t, half, &a, pa_size, G, R, &b, D, out, B, H, d, num_threads);
+}
+
+/* output where each weight is bf16 (as attention_output_bf16 takes it) or FP8-block / FP4 codes (wo_a's
+ * scales [G, ...], one weight's a group) */
+int attention_output_quant(const uint16_t *q, const uint16_t *kv, uint16_t *window, long n0, const long *key_rows,
+                           const long *rows0, const uint8_t *mask0, long L0, const uint16_t *cache1,
+                           const long *rows1, const uint8_t *mask1, long n1, long L1, const float *sinks, float scale,
+                           const float *cos_t, const float *sin_t, long half, const weight_ref *wo_a, long pa_size,
+                           long G, long R, const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d,
+                           int num_threads) {
+    return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, sinks, scale, cos_t,
+                  sin_t, half, wo_a, pa_size, G, R, wo_b, D, out, B, H, d, num_threads);
 }
