@@ -288,8 +288,8 @@ void hc_post(const void *y, int y_dtype, const void *streams, const float *post,
  * each row's collapse (and norm) while the row is still in cache. With `prev` (hc_post_pre_norm) a
  * block's rows are first made by the previous site's hc_post and stored to `streams`; hc_pre then reads
  * them as stored (rounded to dtype), so the call gives the bits of hc_post then hc_pre_norm.
- * Each thread's scratch holds min(T, HC_LANES) rows: one row's (~20 KB at n*D = 2048) is a few pages,
- * where a 16-row block's (~135 KB) spread a decode token's few touched lines over 33 pages. */
+ * Each thread's scratch holds min(T, HC_LANES) rows (a decode token's ~20 KB at n*D = 2048, not a
+ * 16-row block's ~135 KB). */
 static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *fn, const float *fnT,
                         const float *base, const float *scale, void *out, float *post, float *comb, long T, long n,
                         long D, int sinkhorn_iters, float eps, float norm_eps, const void *norm_weight, int w_dtype,
