@@ -10,7 +10,7 @@ import torch
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer_plugins.cpu import CpuAccelerator, native
 from deepinfer_plugins.cpu.kernels import CpuKernels
-from deepinfer_plugins.cpu.native_kernels import _MOE_FUSED_MAX_TOKENS, NativeCpuKernels
+from deepinfer_plugins.cpu.native_kernels import _HC_REUSE_MAX_ROWS, _MOE_FUSED_MAX_TOKENS, NativeCpuKernels
 
 REF = CpuKernels()
 SHAPES = [(1, 1024), (3, 64), (17, 256), (300, 512)]  # (T, D)
@@ -249,7 +249,11 @@ def test_hc_post_pre_norm_buffers(nat):
     assert torch.equal(second[0], want) and second[0] is not first[0]
     third = kernels.hc_post_pre_norm(y, second[0], second[2], second[3], *site)
     assert third[0] is first[0] and torch.equal(third[0], kernels.hc_post(y, want, second[2], second[3]))
-    assert kernels.hc_post_pre_norm(y, streams[:1], post[:1], comb[:1], *site)[0].shape == (1, n, D)  # new shape
+    assert kernels.hc_post_pre_norm(y[:1], streams[:1], post[:1], comb[:1], *site)[0].shape == (1, n, D)  # new shape
+    rows = _HC_REUSE_MAX_ROWS + 1  # prefill-sized: new tensors every call
+    big = (make((rows, D), torch.bfloat16, 1), make((rows, n, D), torch.bfloat16), torch.rand(rows, n),
+           torch.softmax(make((rows, n, n), torch.float32, 3), dim=-1))
+    assert kernels.hc_post_pre_norm(*big, *site)[0] is not kernels.hc_post_pre_norm(*big, *site)[0]
 
 
 def hc_head_exact(streams, fn, base, scale, eps, norm_eps):

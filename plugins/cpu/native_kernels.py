@@ -102,6 +102,10 @@ _ROUTE_MAX_TOKENS = 64
 _MOE_TILES_ROWS_PER_EXPERT = {"avx512-bf16": 3, "avx2-fma": 4, "portable": 1 << 62}
 _MOE_FUSED_MAX_TOKENS = 64
 
+# Token rows up to which hc_post_pre_norm writes into reused output tensors (the allocation costs as much
+# as the call's work at a few rows; prefill-sized buffers would stay allocated between steps)
+_HC_REUSE_MAX_ROWS = 64
+
 # Elements below which swiglu stays on torch's four ops (cheaper than the call: 5.9 vs 6.6 us for one
 # 512-wide row); the fused MoE rounds its shared expert's swiglu as they do below it
 _SWIGLU_TORCH_MAX = 4096
@@ -366,10 +370,11 @@ class NativeCpuKernels(CpuKernels):
         return threading.local()
 
     def _hc_outputs(self, streams: torch.Tensor) -> native.HcOutputs | None:
-        """hc_post_pre_norm's output buffers: two sets per streams shape and dtype (the last used in this
-        thread), taken in turn: never the set `streams` is, so a chain of calls each reading the one
-        before's results (the block loop) allocates nothing, where 4 new tensors cost ~6 us a call."""
-        if streams.dim() != 3:
+        """hc_post_pre_norm's output buffers for decode-sized calls: two sets per streams shape and dtype (the
+        last used in this thread), taken in turn: never the set `streams` is, so a chain of calls each
+        reading the one before's results (the block loop) allocates nothing, where 4 new tensors cost ~6 us
+        a call. None (new tensors) above _HC_REUSE_MAX_ROWS rows: no prefill-sized buffers kept."""
+        if streams.dim() != 3 or streams.shape[0] > _HC_REUSE_MAX_ROWS:
             return None
         local = self._hc_buffers
         key = (streams.shape, streams.dtype)
