@@ -231,7 +231,8 @@ def test_hc_post_pre_norm(nat, T, dtype):
     lib = nat.native_library
     assert native.hc_post_pre_norm(lib, y[:, :-1], streams, post, comb, *site) is None
     assert native.hc_post_pre_norm(lib, y, streams, post, comb[:, :-1], *site) is None
-    assert native.hc_post_pre_norm(lib, y, streams, post, comb, *site, out=native.hc_outputs(T + 1, n, D, dtype)) is None
+    wrong = native.hc_outputs(T + 1, n, D, dtype)
+    assert native.hc_post_pre_norm(lib, y, streams, post, comb, *site, out=wrong) is None
 
 
 def test_hc_post_pre_norm_buffers(nat):

@@ -4,10 +4,11 @@ The generic ops (linear, norms, rope, attention, MoE, sampling) come from the ac
 interface. The ops below exist only because of V4's architecture — manifold-constrained
 hyper-connections (mHC: `hc_pre`, `hc_pre_norm`, `hc_post`, `hc_post_pre_norm`, `hc_head`), the
 compressor's ring writes and gated pooling (`compress_store`, `compress_pool`) and the lightning
-indexer's selection (`indexer_topk`) — so they are not part of the accelerator contract. `DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32
-reductions). A back end with faster versions subclasses it, overrides what it has, and returns an
-instance from `Accelerator.model_ops("deepseek_v4")`; the model resolves its table once, at
-construction (`resolve_ops`).
+indexer's selection (`indexer_topk`) — so they are not part of the accelerator contract.
+`DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32 reductions). A back end with
+faster versions subclasses it, overrides what it has, and returns an instance from
+`Accelerator.model_ops("deepseek_v4")`; the model resolves its table once, at construction
+(`resolve_ops`).
 """
 from __future__ import annotations
 
