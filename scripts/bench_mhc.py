@@ -1,5 +1,6 @@
-"""Per-call time of the cpu back end's mHC kernels (NativeCpuKernels: hc_pre_norm, hc_post, hc_head) on
-the shapes of the 161 M benchmark checkpoint (n = 4 streams of 512, bf16 streams, fp32 weights).
+"""Per-call time of the cpu back end's mHC kernels (NativeCpuKernels: hc_pre_norm, hc_post, hc_head, and
+between two sub-layers hc_post then hc_pre_norm against hc_post_pre_norm) on the shapes of the 161 M
+benchmark checkpoint (n = 4 streams of 512, bf16 streams, fp32 weights).
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_mhc.py [--rows 1,16,64] [--label NAME]
 
@@ -52,7 +53,11 @@ def main() -> None:
         pre = best_us(lambda: kernels.hc_pre_norm(streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-6), reps, clock)
         post_us = best_us(lambda: kernels.hc_post(y, streams, post, comb), reps, clock)
         head = best_us(lambda: kernels.hc_head(streams, head_fn, head_base, head_scale, 1e-6, 1e-6), reps, clock)
-        figures.append(f"{T} rows: hc_pre_norm {pre:.1f} hc_post {post_us:.1f} hc_head {head:.1f}")
+        site = (fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-6)
+        two = best_us(lambda: kernels.hc_pre_norm(kernels.hc_post(y, streams, post, comb), *site), reps, clock)
+        one = best_us(lambda: kernels.hc_post_pre_norm(y, streams, post, comb, *site), reps, clock)
+        figures.append(f"{T} rows: hc_pre_norm {pre:.1f} hc_post {post_us:.1f} hc_head {head:.1f}; between two "
+                       f"sub-layers: hc_post + hc_pre_norm {two:.1f}, hc_post_pre_norm {one:.1f}")
     print(f"{args.label} {torch.get_num_threads()} thread(s), us per call: " + " | ".join(figures))
 
 

@@ -8,6 +8,7 @@ import torch
 from model_harness import Runner, accelerator
 from deepinfer.models.deepseek_v4.block import ATTN, FFN, DecoderBlock, HyperConnected, build_decoder_block
 from deepinfer.models.deepseek_v4.make_model import model_config, random_weights
+from deepinfer.models.deepseek_v4 import model as model_module
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
 
@@ -76,3 +77,34 @@ def test_build_with_pre_modules_and_bad_names(model):
         built.insert_before("mla", Recorder("x", []))
     with pytest.raises(ValueError, match="must be unique"):
         DecoderBlock([Recorder("a", []), Recorder("a", [])], {})
+
+
+def _unfused(blocks, streams, step):
+    """Every module's own forward: hc_pre_norm and hc_post around each sub-layer, no op between two."""
+    for blk in blocks:
+        for m in blk.modules:
+            streams = m.forward(streams, step)
+    return streams
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_op_between_sub_layers_keeps_the_bits(dtype, monkeypatch):
+    """The model loop's hc_post_pre_norm between two mHC sites (within a block and across blocks) gives
+    the bits of the two ops, at prefill, at decode and at a decode batch of 4."""
+    config, _ = model_config("tiny", num_hidden_layers=3)
+    m = DeepseekV4ForCausalLM(config, accelerator(), dtype, "cpu")
+    m.load_weights(random_weights(config, seed=3, with_mtp=False))
+    steps = [{"a": [5, 6, 7, 8, 9, 10], "b": [1, 2, 3], "c": [4], "d": [11, 12]}] + \
+            [{k: [20 + i] for k in "abcd"} for i in range(3)] + [{"a": [40]}]
+
+    def run():
+        r = Runner(m)
+        for key in "abcd":
+            r.add(key)
+        return [r.step(chunks) for chunks in steps]
+
+    run()  # the back end's weight copies made at a weight's second use (e.g. mHC's transposed fn) exist from now
+    fused = run()
+    monkeypatch.setattr(model_module, "run_blocks", _unfused)
+    for got, want in zip(fused, run()):
+        assert all(torch.equal(got[k], want[k]) for k in want)

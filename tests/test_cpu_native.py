@@ -10,7 +10,7 @@ import torch
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer_plugins.cpu import CpuAccelerator, native
 from deepinfer_plugins.cpu.kernels import CpuKernels
-from deepinfer_plugins.cpu.native_kernels import _MOE_FUSED_MAX_TOKENS, NativeCpuKernels
+from deepinfer_plugins.cpu.native_kernels import _HC_REUSE_MAX_ROWS, _MOE_FUSED_MAX_TOKENS, NativeCpuKernels
 
 REF = CpuKernels()
 SHAPES = [(1, 1024), (3, 64), (17, 256), (300, 512)]  # (T, D)
@@ -184,6 +184,77 @@ def test_hc_post(nat, T, D, dtype, n):
     assert_close(nat.hc_post(y, streams, post, comb), REF.hc_post(y, streams, post, comb))
     y32 = y.float()  # y in fp32 with bf16 streams: out follows the streams
     assert_close(nat.hc_post(y32, streams, post, comb), REF.hc_post(y32, streams, post, comb))
+
+
+def check_hc_post_pre_norm(lib, T, n, D, dtype, y_dtype, w_dtype, with_fn_t):
+    """hc_post_pre_norm (one C call) gives the bits of the same library's hc_post then hc_pre_norm, into
+    new tensors and into given ones."""
+    streams, y = make((T, n, D), dtype), make((T, D), y_dtype, 1)
+    post = torch.sigmoid(make((T, n), torch.float32, 2)) * 2
+    comb = torch.softmax(make((T, n, n), torch.float32, 3), dim=-1)
+    fn = make((n * (n + 2), n * D), torch.float32, 4) * 0.05
+    base, scale = make((n * (n + 2),), torch.float32, 5), make((3,), torch.float32, 6).abs() + 0.5
+    norm = make((D,), w_dtype, 7)
+    fn_t = native.transpose_fn(fn) if with_fn_t else None
+    mixed = native.hc_post(lib, y, streams, post, comb)
+    want = (mixed, *native.hc_pre(lib, mixed, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5, fn_t=fn_t))
+    for out in (None, native.hc_outputs(T, n, D, dtype)):
+        got = native.hc_post_pre_norm(lib, y, streams, post, comb, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5,
+                                      fn_t=fn_t, out=out)
+        assert out is None or all(g is o for g, o in zip(got, out))
+        for name, g, w in zip(native.HcOutputs._fields, got, want):
+            assert torch.equal(g, w), f"{name} differs from hc_post then hc_pre_norm (T={T}, n={n}, {dtype})"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 3, 4, 17, 70])
+def test_hc_post_pre_norm(nat, T, dtype):
+    lib = nat.native_library
+    for y_dtype, w_dtype, with_fn_t in ((dtype, torch.bfloat16, False), (torch.float32, torch.float32, True)):
+        check_hc_post_pre_norm(lib, T, 4, 160, dtype, y_dtype, w_dtype, with_fn_t and T >= 4)
+    check_hc_post_pre_norm(lib, T, 3, 64, dtype, dtype, torch.float32, False)  # n = 3: hc_post's general loop
+    # the op table: the C call where it handles the input, else the composed ops, the same bits
+    n, D = 4, 64
+    streams, y = make((T, n, D), dtype), make((T, D), dtype, 1)
+    post, comb = torch.rand(T, n) * 2, torch.softmax(make((T, n, n), torch.float32, 3), dim=-1)
+    site = (make((24, n * D), torch.float32, 4) * 0.05, make((24,), torch.float32, 5), torch.rand(3) + 0.5, 20,
+            1e-6, 1e-6, make((D,), dtype, 7), 1e-5)
+    nat.hc_pre_norm(streams, *site)  # fn's transposed copy (bf16 tiles) exists from a site's second call
+    got = nat.hc_post_pre_norm(y, streams, post, comb, *site)
+    mixed = nat.hc_post(y, streams, post, comb)
+    want = (mixed, *nat.hc_pre_norm(mixed, *site))
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    mixed = REF.hc_post(y, streams, post, comb)  # the plain-torch kernels: their two ops
+    want = (mixed, *REF.hc_pre_norm(mixed, *site))
+    assert all(torch.equal(g, w) for g, w in zip(REF.hc_post_pre_norm(y, streams, post, comb, *site), want))
+    # wrong shapes are declined (the composed ops then run), not read out of bounds
+    lib = nat.native_library
+    assert native.hc_post_pre_norm(lib, y[:, :-1], streams, post, comb, *site) is None
+    assert native.hc_post_pre_norm(lib, y, streams, post, comb[:, :-1], *site) is None
+    wrong = native.hc_outputs(T + 1, n, D, dtype)
+    assert native.hc_post_pre_norm(lib, y, streams, post, comb, *site, out=wrong) is None
+
+
+def test_hc_post_pre_norm_buffers(nat):
+    """The op table writes a chain of calls (each reading the one before's results) into two sets of
+    buffers in turn, never into its inputs."""
+    kernels = NativeCpuKernels()
+    n, D = 4, 64
+    streams, y = make((2, n, D), torch.bfloat16), make((2, D), torch.bfloat16, 1)
+    post, comb = torch.rand(2, n) * 2, torch.softmax(make((2, n, n), torch.float32, 3), dim=-1)
+    site = (make((24, n * D), torch.float32, 4) * 0.05, make((24,), torch.float32, 5), torch.rand(3) + 0.5, 20,
+            1e-6, 1e-6, make((D,), torch.bfloat16, 7), 1e-5)
+    first = kernels.hc_post_pre_norm(y, streams, post, comb, *site)
+    second = kernels.hc_post_pre_norm(y, first[0], first[2], first[3], *site)
+    want = kernels.hc_post(y, first[0], first[2], first[3])
+    assert torch.equal(second[0], want) and second[0] is not first[0]
+    third = kernels.hc_post_pre_norm(y, second[0], second[2], second[3], *site)
+    assert third[0] is first[0] and torch.equal(third[0], kernels.hc_post(y, want, second[2], second[3]))
+    assert kernels.hc_post_pre_norm(y[:1], streams[:1], post[:1], comb[:1], *site)[0].shape == (1, n, D)  # new shape
+    rows = _HC_REUSE_MAX_ROWS + 1  # prefill-sized: new tensors every call
+    big = (make((rows, D), torch.bfloat16, 1), make((rows, n, D), torch.bfloat16), torch.rand(rows, n),
+           torch.softmax(make((rows, n, n), torch.float32, 3), dim=-1))
+    assert kernels.hc_post_pre_norm(*big, *site)[0] is not kernels.hc_post_pre_norm(*big, *site)[0]
 
 
 def hc_head_exact(streams, fn, base, scale, eps, norm_eps):
@@ -1052,6 +1123,8 @@ def check_every_kernel(lib):
         y = make((17, 64), dtype, 4)
         assert_close(native.hc_post(lib, y, streams, want[1], want[2]), REF.hc_post(y, streams, want[1], want[2]))
         post3, comb3 = want[1][:, :3].contiguous(), want[2][:, :3, :3].contiguous()  # n = 3: the general loop
+        for T in (1, 17):
+            check_hc_post_pre_norm(lib, T, 4, 64, dtype, dtype, torch.bfloat16, T >= 4)
         assert_close(native.hc_post(lib, y, streams[:, :3], post3, comb3), REF.hc_post(y, streams[:, :3], post3, comb3))
         gate_up = make((17, 512), dtype) * 6
         assert_close(native.swiglu(lib, gate_up[:, :256], gate_up[:, 256:], 10.0),

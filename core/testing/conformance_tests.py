@@ -187,7 +187,8 @@ def _hc_params(g, n=4, d=16):
 @pytest.mark.level(1)
 @pytest.mark.family(DEEPSEEK_V4)
 def test_hc_pre_post_head(acc, ref):
-    """DeepSeek-V4's mHC ops, as the model resolves them on the back end (its model_ops or the defaults)."""
+    """DeepSeek-V4's mHC ops, as the model resolves them on the back end (its model_ops or the defaults);
+    hc_post_pre_norm against the reference's hc_post then hc_pre_norm."""
     acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
     g = _gen(5)
     for dtype in _dtypes(acc):
@@ -205,6 +206,12 @@ def test_hc_pre_post_head(acc, ref):
         want_norm = ref_ops.hc_pre_norm(streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-6)
         for name, a, b in zip(("normed", "post", "comb"), got, want_norm):
             _close(a, b, dtype, f"hc_pre_norm.{name}")
+        got = acc_ops.hc_post_pre_norm(*_on(acc, y, streams, want[1], want[2], fn, base, scale), 20, 1e-6, 1e-6,
+                                       *_on(acc, norm), 1e-6)
+        mixed = ref_ops.hc_post(y, streams, want[1], want[2])
+        want_next = (mixed, *ref_ops.hc_pre_norm(mixed, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-6))
+        for name, a, b in zip(("streams", "normed", "post", "comb"), got, want_next):
+            _close(a, b, dtype, f"hc_post_pre_norm.{name}")
         hfn, hbase, hscale = torch.randn(4, 64, generator=g) * 0.1, torch.randn(4, generator=g), torch.rand(1, generator=g)
         _close(acc_ops.hc_head(*_on(acc, streams, hfn, hbase, hscale), 1e-6, 1e-6),
                ref_ops.hc_head(streams, hfn, hbase, hscale, 1e-6, 1e-6), dtype, "hc_head")

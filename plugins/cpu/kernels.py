@@ -92,6 +92,13 @@ class CpuDeepseekV4Ops(DeepseekV4Ops):
     def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         return self.kernels.hc_post(y, streams, post, comb)
 
+    def hc_post_pre_norm(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
+                         norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernels.hc_post_pre_norm(y, streams, post, comb, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                             norm_weight, rms_eps)
+
     def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 eps: float, norm_eps: float) -> torch.Tensor:
         return self.kernels.hc_head(streams, fn, base, scale, eps, norm_eps)
@@ -208,6 +215,15 @@ class CpuKernels(TorchKernels):
         comb.div_(comb.sum(dim=-2, keepdim=True).add_(eps))
         _sinkhorn_(comb, sinkhorn_iters - 1, eps)
         return collapsed, post, comb
+
+    def hc_post_pre_norm(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
+                         norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This object's `hc_post`, then its `hc_pre_norm` (DeepseekV4Ops.hc_post_pre_norm)."""
+        streams = self.hc_post(y, streams, post, comb)
+        return (streams, *self.hc_pre_norm(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight,
+                                           rms_eps))
 
     def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         # X'_k = post_k * y + sum_j comb[j, k] * X_j: one [n, n+1] x [n+1, D] product per token over

@@ -1,7 +1,7 @@
 """CpuKernels with its fast paths: fused C functions (native/*.c), one call and one pass over
 memory instead of tens of torch ops, for
 - the element-wise kernels: rms_norm, rotary (and the two in one call), hc_pre (alone or with the
-  sub-layer's rms_norm), hc_post, hc_head, swiglu;
+  sub-layer's rms_norm), hc_post, hc_post_pre_norm (between two mHC sites), hc_head, swiglu;
 - a decode step's whole MoE sub-layer (router, top-k, dispatch, experts, combine, shared expert);
 - decode-sized products: the bf16 GEMV of one token, LM head included (it streams weights faster
   than torch.mv on every tier: AVX512-BF16, AVX2+FMA, portable), the grouped output projection of a few tokens, the routed experts of decode-sized
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import torch
 
@@ -100,6 +101,10 @@ _ROUTE_MAX_TOKENS = 64
 # (emulated) 0.78-0.80x at 1, 0.89-0.92x at 2, 1.09-1.39x at 4, 1.25-1.36x at 16.
 _MOE_TILES_ROWS_PER_EXPERT = {"avx512-bf16": 3, "avx2-fma": 4, "portable": 1 << 62}
 _MOE_FUSED_MAX_TOKENS = 64
+
+# Token rows up to which hc_post_pre_norm writes into reused output tensors (the allocation costs as much
+# as the call's work at a few rows; prefill-sized buffers would stay allocated between steps)
+_HC_REUSE_MAX_ROWS = 64
 
 # Elements below which swiglu stays on torch's four ops (cheaper than the call: 5.9 vs 6.6 us for one
 # 512-wide row); the fused MoE rounds its shared expert's swiglu as they do below it
@@ -346,6 +351,39 @@ class NativeCpuKernels(CpuKernels):
         lib = self.native_library
         out = None if lib is None else native.hc_post(lib, y, streams, post, comb)
         return super().hc_post(y, streams, post, comb) if out is None else out
+
+    def hc_post_pre_norm(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
+                         norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        lib, out = self.native_library, None
+        if lib is not None and not self.invariant:  # hc_post and hc_pre_norm's C kernels in one call
+            out = native.hc_post_pre_norm(lib, y, streams, post, comb, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                          norm_weight, rms_eps, self._hc_fn_t(streams, fn), self._hc_outputs(streams))
+        if out is not None:
+            return out
+        return super().hc_post_pre_norm(y, streams, post, comb, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                        norm_weight, rms_eps)
+
+    @functools.cached_property
+    def _hc_buffers(self) -> threading.local:
+        return threading.local()
+
+    def _hc_outputs(self, streams: torch.Tensor) -> native.HcOutputs | None:
+        """hc_post_pre_norm's output buffers for decode-sized calls: two sets per streams shape and dtype (the
+        last used in this thread), taken in turn: never the set `streams` is, so a chain of calls each
+        reading the one before's results (the block loop) allocates nothing, where 4 new tensors cost ~6 us
+        a call. None (new tensors) above _HC_REUSE_MAX_ROWS rows: no prefill-sized buffers kept."""
+        if streams.dim() != 3 or streams.shape[0] > _HC_REUSE_MAX_ROWS:
+            return None
+        local = self._hc_buffers
+        key = (streams.shape, streams.dtype)
+        if getattr(local, "key", None) != key:
+            T, n, D = streams.shape
+            local.key, local.sets = key, (native.hc_outputs(T, n, D, streams.dtype),
+                                          native.hc_outputs(T, n, D, streams.dtype))
+        first, second = local.sets
+        return second if streams is first.streams else first
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         lib = self.native_library

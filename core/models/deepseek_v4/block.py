@@ -10,10 +10,16 @@ sub-layer in manifold-constrained hyper-connections (collapse the streams with `
 run the sub-layer, expand back with `hc_post`). A module that acts on the streams directly (e.g.
 V4.1's Engram memory, which precedes attention in two layers) is inserted with
 `block.insert_before("attn", module)` or `build_decoder_block(..., pre_modules=[module])`.
+
+Blocks run through `run_modules`: between two mHC sites in a row (the attention and MoE of a block,
+the MoE of one block and the attention of the next) it makes one op call, the first site's `hc_post`
+with the second's `hc_pre_norm` (`hc_post_pre_norm`), instead of the two.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -66,11 +72,50 @@ class HyperConnected:
         self.norm = weights[f"{name}_norm.weight"]
 
     def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        c, ops = self.c, self.ops
-        x, post, comb = ops.hc_pre_norm(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                        c.rms_norm_eps, self.norm, c.rms_norm_eps)
-        y = self.layer.run(x, step)
-        return ops.hc_post(y, streams, post, comb)
+        x, post, comb = self.pre(streams)
+        return self.ops.hc_post(self.layer.run(x, step), streams, post, comb)
+
+    def pre(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the sub-layer's normalised input, post, comb) of the streams."""
+        c = self.c
+        return self.ops.hc_pre_norm(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
+                                    c.rms_norm_eps, self.norm, c.rms_norm_eps)
+
+    def post_pre(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous site's `hc_post` (its output y, post and comb) then this site's `pre`, in one op:
+        (streams, this sub-layer's input, post, comb)."""
+        c = self.c
+        return self.ops.hc_post_pre_norm(y, streams, post, comb, self.fn, self.base, self.scale, c.hc_sinkhorn_iters,
+                                         c.hc_eps, c.rms_norm_eps, self.norm, c.rms_norm_eps)
+
+
+def run_modules(modules: Iterable[BlockModule], streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    """streams `[T, n, D]` -> `[T, n, D]`: every module in order, as `m.forward` one after another would,
+    except that an mHC site's `hc_post` waits for the next module: an mHC site takes it in its own first
+    op (`HyperConnected.post_pre`), any other module gets the streams after it."""
+    waiting = None  # (site, y, post, comb): an mHC site whose output is not in the streams yet
+    for m in modules:
+        if not isinstance(m, HyperConnected):
+            if waiting is not None:
+                site, y, post, comb = waiting
+                streams, waiting = site.ops.hc_post(y, streams, post, comb), None
+            streams = m.forward(streams, step)
+            continue
+        if waiting is None:
+            x, post, comb = m.pre(streams)
+        else:
+            streams, x, post, comb = m.post_pre(waiting[1], streams, waiting[2], waiting[3])
+        waiting = (m, m.layer.run(x, step), post, comb)
+    if waiting is not None:
+        site, y, post, comb = waiting
+        streams = site.ops.hc_post(y, streams, post, comb)
+    return streams
+
+
+def run_blocks(blocks: Iterable[DecoderBlock], streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    """Every block in order (`run_modules` over all their modules: one op between two blocks too)."""
+    return run_modules(chain.from_iterable(blk.modules for blk in blocks), streams, step)
 
 
 class DecoderBlock:
@@ -112,10 +157,8 @@ class DecoderBlock:
         return self.module(FFN).layer
 
     def run(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        """streams `[T, n, D]` -> `[T, n, D]`: every sub-module in order."""
-        for m in self.modules:
-            streams = m.forward(streams, step)
-        return streams
+        """streams `[T, n, D]` -> `[T, n, D]`: every sub-module in order (`run_modules`)."""
+        return run_modules(self.modules, streams, step)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, plan: StepPlan, rope: RotaryTables,
                 cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -18,7 +18,7 @@ from deepinfer.accelerator.interface import Accelerator
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.attention import AttentionState
 from deepinfer.models.common.weights import ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
-from deepinfer.models.deepseek_v4.block import DecoderBlock, StepInputs, build_decoder_block
+from deepinfer.models.deepseek_v4.block import DecoderBlock, StepInputs, build_decoder_block, run_blocks
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.ops import resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
@@ -198,8 +198,7 @@ class DeepseekV4ForCausalLM:
         x = self.top["embed.weight"].index_select(0, ids)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         step = StepInputs(ids, plan, self.rope, cos_sin)
-        for blk in self.blocks:
-            streams = blk.run(streams, step)
+        streams = run_blocks(self.blocks, streams, step)  # one mHC op between two sub-layers
         if split is not None:  # every rank samples (and drafts) from the whole step's final streams
             streams = split.gather(streams)
         picked = streams.index_select(0, batch.logits_indices.to(self.device))

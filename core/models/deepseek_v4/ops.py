@@ -2,13 +2,13 @@
 
 The generic ops (linear, norms, rope, attention, MoE, sampling) come from the accelerator
 interface. The ops below exist only because of V4's architecture — manifold-constrained
-hyper-connections (mHC: `hc_pre`, `hc_pre_norm`, `hc_post`, `hc_head`), the compressor's ring writes
-and gated pooling (`compress_store`, `compress_pool`) and the lightning indexer's selection
-(`indexer_topk`) — so they are not part of
-the accelerator contract. `DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32
-reductions). A back end with faster versions subclasses it, overrides what it has, and returns an
-instance from `Accelerator.model_ops("deepseek_v4")`; the model resolves its table once, at
-construction (`resolve_ops`).
+hyper-connections (mHC: `hc_pre`, `hc_pre_norm`, `hc_post`, `hc_post_pre_norm`, `hc_head`), the
+compressor's ring writes and gated pooling (`compress_store`, `compress_pool`) and the lightning
+indexer's selection (`indexer_topk`) — so they are not part of the accelerator contract.
+`DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32 reductions). A back end with
+faster versions subclasses it, overrides what it has, and returns an instance from
+`Accelerator.model_ops("deepseek_v4")`; the model resolves its table once, at construction
+(`resolve_ops`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ _MAX_SCORE_ELEMENTS = 1 << 26
 
 
 #: the ops of the table (what a back end may override)
-OPS = ("hc_pre", "hc_pre_norm", "hc_post", "hc_head", "compress_store", "compress_pool", "indexer_topk")
+OPS = ("hc_pre", "hc_pre_norm", "hc_post", "hc_post_pre_norm", "hc_head", "compress_store", "compress_pool",
+       "indexer_topk")
 
 
 class DeepseekV4Ops:
@@ -85,6 +86,19 @@ class DeepseekV4Ops:
         """mHC expansion: `X'_k = post_k * y + sum_j comb[j, k] * X_j` -> `[T, n, D]` in streams' dtype."""
         mixed = torch.bmm(comb.float().transpose(-1, -2), streams.float())
         return (mixed + post.float().unsqueeze(-1) * y.float().unsqueeze(1)).to(streams.dtype)
+
+    def hc_post_pre_norm(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                         fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
+                         norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Between two mHC sites: `hc_post` of the first (y, streams, post, comb), then `hc_pre_norm` of the
+        second (fn ... rms_eps) on its result -> (streams, normed, post, comb). A back end fuses the two
+        (one call between sub-layers at decode). It may write the results into buffers it reuses: they
+        stay valid until its next call, which may take them as its inputs (the block loop's use)."""
+        streams = self.hc_post(y, streams, post, comb)
+        normed, post, comb = self.hc_pre_norm(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight,
+                                              rms_eps)
+        return streams, normed, post, comb
 
     def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 eps: float, norm_eps: float) -> torch.Tensor:

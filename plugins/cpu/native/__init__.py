@@ -3,7 +3,7 @@ together into one cached library (build.py), and one Python binding per family t
 prototypes (binding.Kernel) next to its typed tensor wrappers:
 
     norm_rope.c / .py   rms_norm, rotary, rms_norm_rotary
-    mhc.c / .py         hc_pre (+ hc_pre_norm), hc_post, hc_head
+    mhc.c / .py         hc_pre (+ hc_pre_norm), hc_post, hc_post_pre_norm (+ hc_outputs, HcOutputs), hc_head
     activation.c / .py  swiglu
     gemv.c / .py        gemv_bf16, gemv_tokens_bf16, gemv_tier(_for), grouped_gemv_bf16, grouped_amx_bf16, linear_amx_bf16,
                         amx_usable, linear_rows (batch-invariant)
@@ -44,7 +44,9 @@ from deepinfer_plugins.cpu.native.compressor import compress_store
 from deepinfer_plugins.cpu.native.experts import experts_bf16
 from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_tier, gemv_tier_for, gemv_tokens_bf16,
                                                grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16, linear_rows)
-from deepinfer_plugins.cpu.native.mhc import TRANSPOSED_MIXES, hc_head, hc_post, hc_pre, transpose_fn
+from deepinfer_plugins.cpu.native.mhc import (
+    TRANSPOSED_MIXES, HcOutputs, hc_head, hc_outputs, hc_post, hc_post_pre_norm, hc_pre, transpose_fn,
+)
 from deepinfer_plugins.cpu.native.moe_layer import moe_layer_bf16, moe_layer_quant
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
 from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rms_norm_rotary, rotary
@@ -60,7 +62,8 @@ __all__ = [
     "attention_projections_bf16", "attention_projections_quant",
     "build_flags", "build_isa", "build_variant", "cache_dir", "compress_store", "cache_root", "enabled",
     "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16",
-    "grouped_gemv_bf16", "hc_head", "hc_post", "hc_pre", "indexer_scores", "library", "linear_amx_bf16",
+    "grouped_gemv_bf16", "hc_head", "hc_outputs", "hc_post", "hc_post_pre_norm", "hc_pre", "HcOutputs",
+    "indexer_scores", "library", "linear_amx_bf16",
     "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_bf16", "moe_layer_quant", "moe_route_rows",
     "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts",
     "quant_grouped_linear", "quant_linear", "quant_simd", "rms_norm", "rms_norm_rotary", "rotary",

@@ -1,5 +1,6 @@
-/* The mHC (hyper-connection) kernels: hc_pre (mixing weights with Sinkhorn, collapsed input) and
- * hc_post (the unit's output mixed back into the streams). */
+/* The mHC (hyper-connection) kernels: hc_pre (mixing weights with Sinkhorn, collapsed input), hc_post
+ * (the unit's output mixed back into the streams), hc_post_pre_norm (one site's hc_post and the next
+ * site's hc_pre_norm in one call) and hc_head. */
 #include "common.h"
 
 /* ----- hc_pre: mHC mixing weights and the collapsed input of one unit, per token -----
@@ -215,22 +216,94 @@ __attribute__((noinline)) HC_VECTOR_256 static void hc_coefficients_row(
     sinkhorn_lanes(comb, n, sinkhorn_iters, eps, 1);
 }
 
+/* ----- hc_post: X'_k = post_k * y + sum_j comb[j, k] * X_j, per token -----
+ * y [T, D] (y_dtype); streams [T, n, D] and out [T, n, D] (dtype); post [T, n], comb [T, n, n] fp32. */
+
+/* One token's n = 4 outputs in one pass over its rows (each feature's 5 inputs feed its 4 outputs from
+ * registers, instead of a pass over the row per output): the general loop's operations in its order. */
+static void hc_post_row4(const float *restrict src, const float *restrict yf, const float *restrict c,
+                         const float *restrict p, float *restrict acc, long D) {
+    const float *restrict x0 = src, *restrict x1 = src + D, *restrict x2 = src + 2 * D, *restrict x3 = src + 3 * D;
+    float *restrict o0 = acc, *restrict o1 = acc + D, *restrict o2 = acc + 2 * D, *restrict o3 = acc + 3 * D;
+    for (long i = 0; i < D; i++) {
+        float a0 = c[0] * x0[i], a1 = c[1] * x0[i], a2 = c[2] * x0[i], a3 = c[3] * x0[i];
+        a0 += c[4] * x1[i], a1 += c[5] * x1[i], a2 += c[6] * x1[i], a3 += c[7] * x1[i];
+        a0 += c[8] * x2[i], a1 += c[9] * x2[i], a2 += c[10] * x2[i], a3 += c[11] * x2[i];
+        a0 += c[12] * x3[i], a1 += c[13] * x3[i], a2 += c[14] * x3[i], a3 += c[15] * x3[i];
+        o0[i] = a0 + p[0] * yf[i], o1[i] = a1 + p[1] * yf[i], o2[i] = a2 + p[2] * yf[i], o3[i] = a3 + p[3] * yf[i];
+    }
+}
+
+/* The inputs of the hc_post that hc_post_pre_norm runs first (NULL for hc_pre and hc_pre_norm). */
+typedef struct {
+    const void *y;
+    int y_dtype;
+    const void *streams;
+    const float *post, *comb;
+} hc_post_inputs;
+
+/* Token t's n fp32 outputs into acc [n, D]; src: scratch of (n + 1) * D (the streams, then y). */
+static void hc_post_token(const hc_post_inputs *in, long t, long n, long D, int dtype, float *restrict src,
+                          float *restrict acc) {
+    load_row((const char *)in->streams + (size_t)t * n * D * elem_size(dtype), dtype, src, n * D);
+    load_row((const char *)in->y + (size_t)t * D * elem_size(in->y_dtype), in->y_dtype, src + n * D, D);
+    const float *restrict yf = src + n * D;
+    const float *restrict c = in->comb + t * n * n;
+    if (n == 4) {
+        hc_post_row4(src, yf, c, in->post + t * n, acc, D);
+        return;
+    }
+    for (long k = 0; k < n; k++) {
+        float *restrict ak = acc + k * D;
+        const float ck0 = c[k];
+        for (long i = 0; i < D; i++) ak[i] = ck0 * src[i];
+        for (long j = 1; j < n; j++) {
+            const float cjk = c[j * n + k];
+            const float *restrict xj = src + j * D;
+            for (long i = 0; i < D; i++) ak[i] += cjk * xj[i];
+        }
+        const float pk = in->post[t * n + k];
+        for (long i = 0; i < D; i++) ak[i] += pk * yf[i];
+    }
+}
+
+void hc_post(const void *y, int y_dtype, const void *streams, const float *post, const float *comb, void *out,
+             long T, long n, long D, int dtype, int num_threads) {
+    const hc_post_inputs in = {y, y_dtype, streams, post, comb};
+    PARALLEL_IF(T * n * D > PARALLEL_MIN_WORK && T > 1, {
+        float *src = malloc((size_t)(2 * n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y, then the n outputs */
+        float *acc = src + (n + 1) * D;
+        _Pragma("omp for schedule(static)")
+        for (long t = 0; t < T; t++) {
+            hc_post_token(&in, t, n, D, dtype, src, acc);
+            store_row(acc, (char *)out + (size_t)t * n * D * elem_size(dtype), dtype, n * D);
+        }
+        free(src);
+    });
+}
+
 /* ----- hc_pre, and hc_pre_norm with the sub-layer's RMSNorm of the collapse in the same pass -----
  * Blocks of HC_LANES rows: their mixing products in 4-row tiles (over fnT when given and n = 4,
  * else the dot products; a block's last rows one at a time), their Sinkhorn rounds in the lanes, then
- * each row's collapse (and norm) while the row is still in cache. */
-static void hc_pre_rows(const void *streams, const float *fn, const float *fnT, const float *base,
-                        const float *scale, void *out, float *post, float *comb, long T, long n, long D,
-                        int sinkhorn_iters, float eps, float norm_eps, const void *norm_weight, int w_dtype,
+ * each row's collapse (and norm) while the row is still in cache. With `prev` (hc_post_pre_norm) a
+ * block's rows are first made by the previous site's hc_post and stored to `streams`; hc_pre then reads
+ * them as stored (rounded to dtype), so the call gives the bits of hc_post then hc_pre_norm.
+ * Each thread's scratch holds min(T, HC_LANES) rows (a decode token's ~20 KB at n*D = 2048, not a
+ * 16-row block's ~135 KB). */
+static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *fn, const float *fnT,
+                        const float *base, const float *scale, void *out, float *post, float *comb, long T, long n,
+                        long D, int sinkhorn_iters, float eps, float norm_eps, const void *norm_weight, int w_dtype,
                         float rms_eps, int dtype, int num_threads) {
     const size_t es = elem_size(dtype);
     const long width = n * D, mixes = n * (n + 2);
-    const long blocks = (T + HC_LANES - 1) / HC_LANES;
+    const long blocks = (T + HC_LANES - 1) / HC_LANES, block_rows = T < HC_LANES ? T : HC_LANES;
     const int tiles_t = fnT != NULL && mixes == HC_T_MIXES;
     PARALLEL_IF(T * width > PARALLEL_MIN_WORK && blocks > 1, {
-        float *rows = malloc(((size_t)HC_LANES * (width + mixes + n + n * n) + 2 * D) * sizeof(float));
-        float *mix = rows + HC_LANES * width, *pre = mix + HC_LANES * mixes, *lanes = pre + HC_LANES * n;
-        float *acc = lanes + HC_LANES * n * n, *wf = acc + D;
+        const size_t src_size = prev != NULL ? (size_t)(n + 1) * D : 0; /* hc_post's inputs of one token */
+        float *rows = malloc(((size_t)block_rows * (width + mixes + n) + (size_t)HC_LANES * n * n + 2 * D + src_size)
+                             * sizeof(float));
+        float *mix = rows + block_rows * width, *pre = mix + block_rows * mixes, *lanes = pre + block_rows * n;
+        float *acc = lanes + HC_LANES * n * n, *wf = acc + D, *src = wf + D;
         const float *w = norm_weight != NULL && w_dtype == DT_F32 ? (const float *)norm_weight : wf;
         if (norm_weight != NULL && w_dtype != DT_F32) load_row(norm_weight, w_dtype, wf, D);
         _Pragma("omp for schedule(static)")
@@ -240,7 +313,15 @@ static void hc_pre_rows(const void *streams, const float *fn, const float *fnT, 
             float inv[HC_LANES];
             for (long r = 0; r < nb; r++) {
                 float *row = rows + r * width;
-                load_row((const char *)streams + (size_t)(t0 + r) * width * es, dtype, row, width);
+                char *stored = (char *)streams + (size_t)(t0 + r) * width * es;
+                if (prev == NULL) {
+                    load_row(stored, dtype, row, width);
+                } else {
+                    hc_post_token(prev, t0 + r, n, D, dtype, src, row);
+                    store_row(row, stored, dtype, width);
+                    if (dtype == DT_BF16) /* as load_row reads it back */
+                        for (long i = 0; i < width; i++) row[i] = bf16_to_float(float_to_bf16(row[i]));
+                }
                 inv[r] = 1.0f / sqrtf(sum_squares(row, width) / (float)width + norm_eps);
             }
             /* mix[r][m] = inv_r * <row_r, fn_m>, 4-row tiles then the last rows */
@@ -283,8 +364,8 @@ static void hc_pre_rows(const void *streams, const float *fn, const float *fnT, 
 void hc_pre(const void *streams, const float *fn, const float *fnT, const float *base, const float *scale,
             void *collapsed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
             float norm_eps, int dtype, int num_threads) {
-    hc_pre_rows(streams, fn, fnT, base, scale, collapsed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps, NULL,
-                DT_F32, 0.0f, dtype, num_threads);
+    hc_pre_rows(NULL, (void *)streams, fn, fnT, base, scale, collapsed, post, comb, T, n, D, sinkhorn_iters, eps,
+                norm_eps, NULL, DT_F32, 0.0f, dtype, num_threads);
 }
 
 /* As the two calls hc_pre then rms_norm (norm_rope.c) in a row: the collapse is rounded to `dtype`
@@ -292,7 +373,20 @@ void hc_pre(const void *streams, const float *fn, const float *fnT, const float 
 void hc_pre_norm(const void *streams, const float *fn, const float *fnT, const float *base, const float *scale,
                  void *normed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
                  float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
-    hc_pre_rows(streams, fn, fnT, base, scale, normed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps,
+    hc_pre_rows(NULL, (void *)streams, fn, fnT, base, scale, normed, post, comb, T, n, D, sinkhorn_iters, eps,
+                norm_eps, norm_weight, w_dtype, rms_eps, dtype, num_threads);
+}
+
+/* Between two mHC sites: hc_post of the first (y [T, D] in y_dtype, streams [T, n, D], post_in [T, n],
+ * comb_in [T, n, n]) into streams_out [T, n, D], then hc_pre_norm of the second on streams_out, in one
+ * pass per token: the bits of the two calls in a row. */
+void hc_post_pre_norm(const void *y, int y_dtype, const void *streams, const float *post_in, const float *comb_in,
+                      void *streams_out, const float *fn, const float *fnT, const float *base, const float *scale,
+                      void *normed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
+                      float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype,
+                      int num_threads) {
+    const hc_post_inputs prev = {y, y_dtype, streams, post_in, comb_in};
+    hc_pre_rows(&prev, streams_out, fn, fnT, base, scale, normed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps,
                 norm_weight, w_dtype, rms_eps, dtype, num_threads);
 }
 
@@ -327,55 +421,3 @@ void hc_head(const void *streams, const float *fn, const float *base, const floa
     });
 }
 
-/* ----- hc_post: X'_k = post_k * y + sum_j comb[j, k] * X_j, per token -----
- * y [T, D] (y_dtype); streams [T, n, D] and out [T, n, D] (dtype); post [T, n], comb [T, n, n] fp32. */
-
-/* One token's n = 4 outputs in one pass over its rows (each feature's 5 inputs feed its 4 outputs from
- * registers, instead of a pass over the row per output): the general loop's operations in its order. */
-static void hc_post_row4(const float *restrict src, const float *restrict yf, const float *restrict c,
-                         const float *restrict p, float *restrict acc, long D) {
-    const float *restrict x0 = src, *restrict x1 = src + D, *restrict x2 = src + 2 * D, *restrict x3 = src + 3 * D;
-    float *restrict o0 = acc, *restrict o1 = acc + D, *restrict o2 = acc + 2 * D, *restrict o3 = acc + 3 * D;
-    for (long i = 0; i < D; i++) {
-        float a0 = c[0] * x0[i], a1 = c[1] * x0[i], a2 = c[2] * x0[i], a3 = c[3] * x0[i];
-        a0 += c[4] * x1[i], a1 += c[5] * x1[i], a2 += c[6] * x1[i], a3 += c[7] * x1[i];
-        a0 += c[8] * x2[i], a1 += c[9] * x2[i], a2 += c[10] * x2[i], a3 += c[11] * x2[i];
-        a0 += c[12] * x3[i], a1 += c[13] * x3[i], a2 += c[14] * x3[i], a3 += c[15] * x3[i];
-        o0[i] = a0 + p[0] * yf[i], o1[i] = a1 + p[1] * yf[i], o2[i] = a2 + p[2] * yf[i], o3[i] = a3 + p[3] * yf[i];
-    }
-}
-
-void hc_post(const void *y, int y_dtype, const void *streams, const float *post, const float *comb, void *out,
-             long T, long n, long D, int dtype, int num_threads) {
-    const size_t es = elem_size(dtype), y_es = elem_size(y_dtype);
-    PARALLEL_IF(T * n * D > PARALLEL_MIN_WORK && T > 1, {
-        float *src = malloc((size_t)(2 * n + 1) * D * sizeof(float)); /* X_0 .. X_{n-1}, y, then the n outputs */
-        float *acc = src + (n + 1) * D;
-        _Pragma("omp for schedule(static)")
-        for (long t = 0; t < T; t++) {
-            load_row((const char *)streams + (size_t)t * n * D * es, dtype, src, n * D);
-            load_row((const char *)y + (size_t)t * D * y_es, y_dtype, src + n * D, D);
-            const float *restrict yf = src + n * D;
-            const float *restrict c = comb + t * n * n;
-            if (n == 4) {
-                hc_post_row4(src, yf, c, post + t * n, acc, D);
-                store_row(acc, (char *)out + (size_t)t * n * D * es, dtype, n * D);
-                continue;
-            }
-            for (long k = 0; k < n; k++) {
-                float *restrict ak = acc + k * D;
-                const float ck0 = c[k];
-                for (long i = 0; i < D; i++) ak[i] = ck0 * src[i];
-                for (long j = 1; j < n; j++) {
-                    const float cjk = c[j * n + k];
-                    const float *restrict xj = src + j * D;
-                    for (long i = 0; i < D; i++) ak[i] += cjk * xj[i];
-                }
-                const float pk = post[t * n + k];
-                for (long i = 0; i < D; i++) ak[i] += pk * yf[i];
-            }
-            store_row(acc, (char *)out + (size_t)t * n * D * es, dtype, n * D);
-        }
-        free(src);
-    });
-}

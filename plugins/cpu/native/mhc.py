@@ -1,8 +1,9 @@
-"""hc_pre (hc_pre_norm: with the sub-layer's RMSNorm), hc_post and hc_head, the mHC (hyper-connection)
-kernels (mhc.c)."""
+"""hc_pre (hc_pre_norm: with the sub-layer's RMSNorm), hc_post, hc_post_pre_norm (one site's hc_post and
+the next site's hc_pre_norm in one call) and hc_head, the mHC (hyper-connection) kernels (mhc.c)."""
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,10 @@ _HC_HEAD = Kernel("hc_head", streams=ptr, fn=ptr, base=ptr, scale=ptr, out=ptr, 
                   eps=float_, norm_eps=float_, dtype=int_, num_threads=int_)
 _HC_POST = Kernel("hc_post", y=ptr, y_dtype=int_, streams=ptr, post=ptr, comb=ptr, out=ptr, T=long_, n=long_,
                   D=long_, dtype=int_, num_threads=int_)
+_HC_POST_PRE_NORM = Kernel("hc_post_pre_norm", y=ptr, y_dtype=int_, streams=ptr, post_in=ptr, comb_in=ptr,
+                           streams_out=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, normed=ptr, post=ptr, comb=ptr,
+                           T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_,
+                           norm_weight=ptr, w_dtype=int_, rms_eps=float_, dtype=int_, num_threads=int_)
 
 # The mixes (n * (n + 2), n = 4 streams) whose tiles read fn transposed (mhc.c: HC_T_MIXES).
 TRANSPOSED_MIXES = 24
@@ -101,4 +106,59 @@ def hc_head(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: tor
     out = torch.empty((T, D), dtype=streams.dtype)
     _HC_HEAD(lib, streams=s.data_ptr(), fn=f.data_ptr(), base=b.data_ptr(), scale=sc.data_ptr(), out=out.data_ptr(),
              T=T, n=n, D=D, eps=eps, norm_eps=norm_eps, dtype=dtype, num_threads=threads())
+    return out
+
+
+class HcOutputs(NamedTuple):
+    """hc_post_pre_norm's results: the streams after the first site, the second site's normalised input
+    and its post and comb."""
+
+    streams: torch.Tensor  # [T, n, D], the streams' dtype
+    normed: torch.Tensor  # [T, D], the streams' dtype
+    post: torch.Tensor  # [T, n] fp32
+    comb: torch.Tensor  # [T, n, n] fp32
+
+
+def hc_outputs(T: int, n: int, D: int, dtype: torch.dtype) -> HcOutputs:
+    """Empty tensors for hc_post_pre_norm's `out`."""
+    return HcOutputs(torch.empty((T, n, D), dtype=dtype), torch.empty((T, D), dtype=dtype),
+                     torch.empty((T, n), dtype=torch.float32), torch.empty((T, n, n), dtype=torch.float32))
+
+
+def hc_post_pre_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
+                     norm_eps: float, norm_weight: torch.Tensor, rms_eps: float, fn_t: torch.Tensor | None = None,
+                     out: HcOutputs | None = None) -> HcOutputs | None:
+    """`hc_post(y, streams, post, comb)` then `hc_pre(..., norm_weight, rms_eps)` of the next site (fn, base,
+    scale, fn_t as there) on its result, in one call with their bits. `out`: `hc_outputs(T, n, D, streams.dtype)`
+    to write into (none of them may be an input), else new tensors. None: not handled (fall back)."""
+    dtype, y_dtype, w_dtype = dtype_code(streams), dtype_code(y), dtype_code(norm_weight)
+    if dtype is None or y_dtype is None or w_dtype is None or streams.dim() != 3 or streams.numel() == 0:
+        return None
+    T, n, D = streams.shape
+    mixes = n * (n + 2)
+    if (y.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n) or fn.shape != (mixes, n * D)
+            or base.numel() != mixes or scale.numel() < 3 or norm_weight.shape != (D,)):
+        return None
+    if not (post.is_cpu and comb.is_cpu and fn.is_cpu and base.is_cpu and scale.is_cpu):
+        return None
+    t_ptr = None
+    if fn_t is not None:
+        if fn_t.shape != (n * D, TRANSPOSED_MIXES) or fn_t.dtype is not torch.float32 or not fn_t.is_contiguous():
+            return None
+        t_ptr = fn_t.data_ptr()
+    if out is None:
+        out = hc_outputs(T, n, D, streams.dtype)
+    elif out.streams.shape != streams.shape or out.streams.dtype is not streams.dtype:
+        return None
+    s = streams if streams.is_contiguous() else streams.contiguous()
+    yc = y if y.is_contiguous() else y.contiguous()
+    w = norm_weight if norm_weight.is_contiguous() else norm_weight.contiguous()
+    p, c, f, b, sc = f32(post), f32(comb), f32(fn), f32(base), f32(scale)
+    _HC_POST_PRE_NORM(lib, y=yc.data_ptr(), y_dtype=y_dtype, streams=s.data_ptr(), post_in=p.data_ptr(),
+                      comb_in=c.data_ptr(), streams_out=out.streams.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr,
+                      base=b.data_ptr(), scale=sc.data_ptr(), normed=out.normed.data_ptr(), post=out.post.data_ptr(),
+                      comb=out.comb.data_ptr(), T=T, n=n, D=D, sinkhorn_iters=sinkhorn_iters, eps=eps,
+                      norm_eps=norm_eps, norm_weight=w.data_ptr(), w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype,
+                      num_threads=threads())
     return out
