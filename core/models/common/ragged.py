@@ -148,6 +148,20 @@ class RaggedPlan:
         self._check_blocks(group, block)
         return torch.where(valid, block * bs + entries % bs, 0)
 
+    def entry_row_list(self, group: str, seqs: list[int], entries: list[int]) -> list[int]:
+        """`entry_rows` of one entry per item on the host: the row of block group `group`'s tensors holding
+        entry `entries[k]` of sequence `seqs[k]` (each must exist; the blocks read in one gather)."""
+        if not entries:
+            return []
+        bs = self.block_size
+        table = self._block_table(group, None, max(entries) + 1, [])
+        cols = table.shape[1]
+        blocks = table.reshape(-1).index_select(
+            0, long_tensor([i * cols + e // bs for i, e in zip(seqs, entries)], self.device)).tolist()
+        if min(blocks) < 0:
+            self._missing_blocks(group)
+        return [b * bs + e % bs for b, e in zip(blocks, entries)]
+
     def first_entry_rows(self, group: str, seq: torch.Tensor, counts: list[int], seq_list: list[int] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """`entry_rows` of entries 0 .. counts[b] - 1 of sequences `seq` `[B]` (every existing entry),
@@ -172,13 +186,15 @@ class RaggedPlan:
             rows = (blocks.unsqueeze(2) * bs + torch.arange(bs, device=dev)).view(B, -1)[:, :E]
         return rows * valid, valid  # 0 past an item's count (torch.where's values in one op: integers)
 
-    def _block_table(self, group: str, seq: torch.Tensor, max_entries: int, seq_list: list[int] | None = None
+    def _block_table(self, group: str, seq: torch.Tensor | None, max_entries: int, seq_list: list[int] | None = None
                      ) -> torch.Tensor:
-        """Block group `group`'s table rows of sequences `seq`, checked to have columns for `max_entries`."""
+        """Block group `group`'s table rows of sequences `seq` (None: the whole table, a row per sequence of
+        the batch), checked to have columns for `max_entries`."""
         if group not in self.block_tables:
             raise ValueError(f"ForwardBatch.block_tables has no table for block group {group!r}")
         table = self.block_tables[group].to(self.device)
-        if seq_list is None or len(seq_list) != table.shape[0] or seq_list != list(range(len(seq_list))):
+        if seq is not None and (seq_list is None or len(seq_list) != table.shape[0]
+                                or seq_list != list(range(len(seq_list)))):
             table = table[seq]
         bs = self.block_size
         if -(-max_entries // bs) > table.shape[1]:
