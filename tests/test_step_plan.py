@@ -111,10 +111,12 @@ def test_decode_group_of_a_mixed_step():
     assert_decode_group(p, decode, p._group(items))
 
 
-def test_first_entry_rows_equal_entry_rows():
-    """Every existing entry's rows straight from the block table's first columns are `entry_rows` of
-    entries 0..n-1; a missing block is refused as there."""
+@pytest.mark.parametrize("host_entry_rows", [0, 1024], ids=["tensors", "host"])
+def test_first_entry_rows_equal_entry_rows(host_entry_rows):
+    """Every existing entry's rows straight from the block table's first columns (by tensor arithmetic, or
+    from host lists for a few rows) are `entry_rows` of entries 0..n-1; a missing block is refused as there."""
     p = plan([0, 5, 37, 64], [1, 1, 1, 1], [3, 1, 2, 0])
+    p.host_entry_rows = host_entry_rows
     group, seq = group_name(RATE), torch.tensor([2, 0, 3])
     for counts in ([9, 0, 16], [0, 0, 0], [1, 4, 5], [1, BLOCK, 3]):  # the last: one block (E <= BLOCK)
         for s, seq_list in ((seq, None), (seq, seq.tolist()), (torch.arange(4), [0, 1, 2, 3])):
@@ -123,8 +125,8 @@ def test_first_entry_rows_equal_entry_rows():
             E = max(counts_s)
             want_valid = torch.arange(E) < torch.tensor(counts_s).unsqueeze(1)
             want = p.entry_rows(group, s, torch.arange(E).expand(len(counts_s), E), want_valid, max_entries=E)
-            assert torch.equal(valid, want_valid) and rows.dtype == want.dtype and torch.equal(rows, want)
-            assert rows.is_contiguous()
+            assert valid.dtype == want_valid.dtype and torch.equal(valid, want_valid)
+            assert rows.dtype == want.dtype and torch.equal(rows, want) and rows.is_contiguous()
     p.block_tables[group] = p.block_tables[group].clone()
     p.block_tables[group][2, 1] = -1  # sequence 2's second block was never allocated
     with pytest.raises(ValueError, match="lacks blocks"):

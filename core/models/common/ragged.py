@@ -20,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from deepinfer.models.batch import ForwardBatch, long_tensor
+from deepinfer.models.batch import ForwardBatch, bool_tensor, long_tensor
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,9 @@ class RingWrite:
 
 class RaggedPlan:
     """Per-sequence index tensors of one ragged step (built once per forward)."""
+
+    #: `first_entry_rows` builds up to this many rows from host lists (fewer, costlier tensor ops beyond)
+    host_entry_rows = 256
 
     def __init__(self, batch: ForwardBatch, num_slots: int, block_size: int):
         self.block_size = block_size
@@ -67,7 +70,7 @@ class RaggedPlan:
         #: a step of one new token per sequence (decode): row i is sequence i at position ctx[i]
         self.decode_only = all(n == 1 for n in self.q_lens)
         if self.decode_only:  # the same tensors, from the Python lists directly (checked on the host)
-            self.row_seq = torch.arange(B, device=dev)
+            self.row_seq = long_tensor(range(B), dev)
             if batch.positions.tolist() != self.ctx:
                 self._bad_positions()
             self.positions = long_tensor(self.ctx, dev)
@@ -107,7 +110,7 @@ class RaggedPlan:
     @cached_property
     def row_ids(self) -> torch.Tensor:
         """`[T]` 0..T-1."""
-        return torch.arange(self.T, device=self.device)
+        return long_tensor(range(self.T), self.device)
 
     @cached_property
     def row_slot(self) -> torch.Tensor:
@@ -169,17 +172,24 @@ class RaggedPlan:
         `[B, E]` (E = max(counts), 0 past an item's count) and that validity mask `[B, E]`.
         `seq_list`: `seq` on the host, when the caller has it (0..B-1 then reads the table as it is)."""
         dev, E, B = self.device, max(counts, default=0), len(counts)
-        entry = torch.arange(E, device=dev)
-        valid = entry < long_tensor(counts, dev).unsqueeze(1)
         if E == 0:
-            return torch.zeros(valid.shape, dtype=torch.long, device=dev), valid
+            return torch.zeros((B, 0), dtype=torch.long, device=dev), torch.zeros((B, 0), dtype=torch.bool, device=dev)
         bs = self.block_size
         nb = -(-E // bs)
         blocks = self._block_table(group, seq, E, seq_list)[:, :nb]  # [B, nb]
         # a missing block (-1) of an existing entry, checked on the host (a few numbers per sequence)
-        for b, row in enumerate(blocks.tolist()):
+        host_blocks = blocks.tolist()
+        for b, row in enumerate(host_blocks):
             if min(row[:-(-counts[b] // bs)], default=0) < 0:
                 self._missing_blocks(group)
+        if B * E <= self.host_entry_rows:  # a few rows (decode at batch 1): built on the host, no tensor arithmetic
+            rows_l, valid_l = [], []
+            for row, n in zip(host_blocks, counts):
+                rows_l += [row[j // bs] * bs + j % bs for j in range(n)] + [0] * (E - n)
+                valid_l += [True] * n + [False] * (E - n)
+            return long_tensor(rows_l, dev).view(B, E), bool_tensor(valid_l, dev).view(B, E)
+        entry = torch.arange(E, device=dev)
+        valid = entry < long_tensor(counts, dev).unsqueeze(1)
         if nb == 1:  # every entry in the first block (up to block_size entries): no [B, nb, bs] detour
             rows = blocks * bs + entry
         else:
