@@ -71,6 +71,18 @@ def test_yarn_frequencies_match_transformers():
         torch.testing.assert_close(tables.inv_freq[kind], getattr(hf_rope, f"{kind}_inv_freq"), rtol=1e-6, atol=0)
 
 
+def test_cos_sin_of_host_positions_equal_those_of_a_tensor():
+    """A decode step's host positions give the tables a position tensor gives, bit for bit (up to and past
+    2^24, where fp32 rounds the position)."""
+    from deepinfer.models.deepseek_v4.rope import RotaryTables
+    tables = RotaryTables(DeepseekV4Config.from_dict(FLASH_HUB), torch.device("cpu"))
+    for positions in ([0], [5, 130, 4095, 65535], [2 ** 24 + 1, 2 ** 25 + 3, 123456789]):
+        want, got = tables.cos_sin_all(torch.tensor(positions)), tables.cos_sin_all(positions)
+        for kind in ("main", "compress"):
+            for w, g in zip(want[kind], got[kind]):
+                assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w)
+
+
 @pytest.mark.parametrize("bad, words", [
     (dict(model_type="deepseek_v41"), ["deepseek_v4"]),
     (dict(layer_types=["sliding_attention", "full_attention"], num_hidden_layers=2), ["full_attention", CSA]),

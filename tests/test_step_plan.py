@@ -111,10 +111,12 @@ def test_decode_group_of_a_mixed_step():
     assert_decode_group(p, decode, p._group(items))
 
 
-def test_first_entry_rows_equal_entry_rows():
-    """Every existing entry's rows straight from the block table's first columns are `entry_rows` of
-    entries 0..n-1; a missing block is refused as there."""
+@pytest.mark.parametrize("host_entry_rows", [0, 1024], ids=["tensors", "host"])
+def test_first_entry_rows_equal_entry_rows(host_entry_rows):
+    """Every existing entry's rows straight from the block table's first columns (by tensor arithmetic, or
+    from host lists for a few rows) are `entry_rows` of entries 0..n-1; a missing block is refused as there."""
     p = plan([0, 5, 37, 64], [1, 1, 1, 1], [3, 1, 2, 0])
+    p.host_entry_rows = host_entry_rows
     group, seq = group_name(RATE), torch.tensor([2, 0, 3])
     for counts in ([9, 0, 16], [0, 0, 0], [1, 4, 5], [1, BLOCK, 3]):  # the last: one block (E <= BLOCK)
         for s, seq_list in ((seq, None), (seq, seq.tolist()), (torch.arange(4), [0, 1, 2, 3])):
@@ -123,8 +125,8 @@ def test_first_entry_rows_equal_entry_rows():
             E = max(counts_s)
             want_valid = torch.arange(E) < torch.tensor(counts_s).unsqueeze(1)
             want = p.entry_rows(group, s, torch.arange(E).expand(len(counts_s), E), want_valid, max_entries=E)
-            assert torch.equal(valid, want_valid) and rows.dtype == want.dtype and torch.equal(rows, want)
-            assert rows.is_contiguous()
+            assert valid.dtype == want_valid.dtype and torch.equal(valid, want_valid)
+            assert rows.dtype == want.dtype and torch.equal(rows, want) and rows.is_contiguous()
     p.block_tables[group] = p.block_tables[group].clone()
     p.block_tables[group][2, 1] = -1  # sequence 2's second block was never allocated
     with pytest.raises(ValueError, match="lacks blocks"):
@@ -147,3 +149,53 @@ def test_positions_other_than_context_plus_offsets_are_refused(q_lens):
                          logits_indices=torch.tensor([T - 1]))
     with pytest.raises(ValueError, match="context_len \\+ 0..query_len-1"):
         StepPlan(batch, CONFIG, RINGS, BLOCK, num_slots=8)
+
+
+def compress_plan_reference(p: StepPlan, rate: int, ring: int, overlap: bool) -> dict[str, torch.Tensor]:
+    """A step's compression windows by the direct formulas, on [Nw, slots] tensors."""
+    seqs, ws = [], []
+    for i, (c, n) in enumerate(zip(p.ctx, p.q_lens)):
+        seqs += [i] * ((c + n) // rate - c // rate)
+        ws += range(c // rate, (c + n) // rate)
+    seq, w = torch.tensor(seqs, dtype=torch.long), torch.tensor(ws, dtype=torch.long)
+    offs = torch.arange(2 * rate if overlap else rate) - (rate if overlap else 0)
+    pos = (rate * w).unsqueeze(1) + offs
+    ctx = torch.tensor(p.ctx)[seq].unsqueeze(1)
+    start = torch.tensor(p.row_start)[seq].unsqueeze(1)
+    slot = torch.tensor(p.slots)[seq].unsqueeze(1)
+    empty, is_new = pos < 0, pos >= ctx
+    ring_pos = slot * ring + pos % ring
+    entry_row = p.entry_rows(group_name(rate), seq, w.unsqueeze(1), torch.ones(len(ws), 1, dtype=torch.bool),
+                             max_entries=max(ws, default=-1) + 1).squeeze(1)
+    return dict(is_new=is_new, new_row=torch.where(is_new, start + pos - ctx, 0),
+                ring_row=torch.where(~is_new & ~empty, ring_pos, 0), ring_row_all=torch.where(empty, 0, ring_pos),
+                empty=empty, entry_row=entry_row, rope_pos=rate * w)
+
+
+@pytest.mark.parametrize("ctx,q_lens", [([3, 7, 0, 11], [1, 1, 1, 1]), ([4, 11, 0], [1, 13, 9]), ([0], [3]),
+                                        ([0, 5], [1, 1])])
+def test_compress_plan_equals_the_direct_formulas(ctx, q_lens):
+    """The plan built from per-window host columns (and the block rows read in one gather) holds what the
+    direct tensor formulas give, first windows (empty CSA slots) and windows with new rows included."""
+    p = plan(ctx, q_lens, [5, 0, 3, 7][:len(ctx)])
+    for rate, overlap in ((RATE, True), (RATE, False), (CONFIG.hca_compress_rate, False)):
+        ring = (2 if overlap else 1) * rate + 2
+        cp, want = p.compress_plan(rate, ring, overlap), compress_plan_reference(p, rate, ring, overlap)
+        assert cp.num_windows == p.windows_completed(rate) == len(want["rope_pos"])
+        for field, value in want.items():
+            got = getattr(cp, field)
+            assert got.dtype == value.dtype and got.shape == value.shape and torch.equal(got, value), field
+        assert cp.has_empty == bool(cp.empty.any())
+
+
+def test_entry_row_list_refuses_missing_blocks_and_short_tables():
+    p = plan([3, 37], [1, 1], [0, 1])
+    group = group_name(RATE)
+    assert p.entry_row_list(group, [], []) == []
+    p.block_tables[group] = p.block_tables[group].clone()
+    p.block_tables[group][1, 2] = -1  # sequence 1's third block was never allocated
+    assert p.entry_row_list(group, [0, 1], [0, BLOCK + 1]) == [0, 65 * BLOCK + 1]
+    with pytest.raises(ValueError, match="lacks blocks"):
+        p.entry_row_list(group, [0, 1], [0, 2 * BLOCK])
+    with pytest.raises(ValueError, match="too few"):
+        p.entry_row_list(group, [0], [64 * BLOCK])

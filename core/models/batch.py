@@ -22,6 +22,14 @@ def long_tensor(values: Sequence[int], device: torch.device | str | None = None)
     return t if device is None else t.to(device)
 
 
+def bool_tensor(values: Sequence[bool], device: torch.device | str | None = None) -> torch.Tensor:
+    """A 1-D bool tensor of Python bools on `device`, through a byte buffer (`long_tensor`'s counterpart)."""
+    if not values:
+        return torch.empty(0, dtype=torch.bool, device=device)
+    t = torch.frombuffer(bytearray(values), dtype=torch.bool)  # keeps the buffer alive
+    return t if device is None else t.to(device)
+
+
 @dataclass
 class ForwardBatch:
     """One step's input, flattened over sequences (sequence i owns rows cu[i]:cu[i+1])."""

@@ -20,7 +20,7 @@ from functools import cached_property
 
 import torch
 
-from deepinfer.models.batch import ForwardBatch, long_tensor
+from deepinfer.models.batch import ForwardBatch, bool_tensor, long_tensor
 
 
 def take_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,9 @@ class RingWrite:
 
 class RaggedPlan:
     """Per-sequence index tensors of one ragged step (built once per forward)."""
+
+    #: `first_entry_rows` builds up to this many rows from host lists (fewer, costlier tensor ops beyond)
+    host_entry_rows = 256
 
     def __init__(self, batch: ForwardBatch, num_slots: int, block_size: int):
         self.block_size = block_size
@@ -67,7 +70,7 @@ class RaggedPlan:
         #: a step of one new token per sequence (decode): row i is sequence i at position ctx[i]
         self.decode_only = all(n == 1 for n in self.q_lens)
         if self.decode_only:  # the same tensors, from the Python lists directly (checked on the host)
-            self.row_seq = torch.arange(B, device=dev)
+            self.row_seq = long_tensor(range(B), dev)
             if batch.positions.tolist() != self.ctx:
                 self._bad_positions()
             self.positions = long_tensor(self.ctx, dev)
@@ -107,7 +110,7 @@ class RaggedPlan:
     @cached_property
     def row_ids(self) -> torch.Tensor:
         """`[T]` 0..T-1."""
-        return torch.arange(self.T, device=self.device)
+        return long_tensor(range(self.T), self.device)
 
     @cached_property
     def row_slot(self) -> torch.Tensor:
@@ -148,6 +151,20 @@ class RaggedPlan:
         self._check_blocks(group, block)
         return torch.where(valid, block * bs + entries % bs, 0)
 
+    def entry_row_list(self, group: str, seqs: list[int], entries: list[int]) -> list[int]:
+        """`entry_rows` of one entry per item on the host: the row of block group `group`'s tensors holding
+        entry `entries[k]` of sequence `seqs[k]` (each must exist; the blocks read in one gather)."""
+        if not entries:
+            return []
+        bs = self.block_size
+        table = self._block_table(group, None, max(entries) + 1, [])
+        cols = table.shape[1]
+        blocks = table.reshape(-1).index_select(
+            0, long_tensor([i * cols + e // bs for i, e in zip(seqs, entries)], self.device)).tolist()
+        if min(blocks) < 0:
+            self._missing_blocks(group)
+        return [b * bs + e % bs for b, e in zip(blocks, entries)]
+
     def first_entry_rows(self, group: str, seq: torch.Tensor, counts: list[int], seq_list: list[int] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
         """`entry_rows` of entries 0 .. counts[b] - 1 of sequences `seq` `[B]` (every existing entry),
@@ -155,30 +172,39 @@ class RaggedPlan:
         `[B, E]` (E = max(counts), 0 past an item's count) and that validity mask `[B, E]`.
         `seq_list`: `seq` on the host, when the caller has it (0..B-1 then reads the table as it is)."""
         dev, E, B = self.device, max(counts, default=0), len(counts)
-        entry = torch.arange(E, device=dev)
-        valid = entry < long_tensor(counts, dev).unsqueeze(1)
         if E == 0:
-            return torch.zeros(valid.shape, dtype=torch.long, device=dev), valid
+            return torch.zeros((B, 0), dtype=torch.long, device=dev), torch.zeros((B, 0), dtype=torch.bool, device=dev)
         bs = self.block_size
         nb = -(-E // bs)
         blocks = self._block_table(group, seq, E, seq_list)[:, :nb]  # [B, nb]
         # a missing block (-1) of an existing entry, checked on the host (a few numbers per sequence)
-        for b, row in enumerate(blocks.tolist()):
+        host_blocks = blocks.tolist()
+        for b, row in enumerate(host_blocks):
             if min(row[:-(-counts[b] // bs)], default=0) < 0:
                 self._missing_blocks(group)
+        if B * E <= self.host_entry_rows:  # a few rows (decode at batch 1): built on the host, no tensor arithmetic
+            rows_l, valid_l = [], []
+            for row, n in zip(host_blocks, counts):
+                rows_l += [row[j // bs] * bs + j % bs for j in range(n)] + [0] * (E - n)
+                valid_l += [True] * n + [False] * (E - n)
+            return long_tensor(rows_l, dev).view(B, E), bool_tensor(valid_l, dev).view(B, E)
+        entry = torch.arange(E, device=dev)
+        valid = entry < long_tensor(counts, dev).unsqueeze(1)
         if nb == 1:  # every entry in the first block (up to block_size entries): no [B, nb, bs] detour
             rows = blocks * bs + entry
         else:
             rows = (blocks.unsqueeze(2) * bs + torch.arange(bs, device=dev)).view(B, -1)[:, :E]
         return rows * valid, valid  # 0 past an item's count (torch.where's values in one op: integers)
 
-    def _block_table(self, group: str, seq: torch.Tensor, max_entries: int, seq_list: list[int] | None = None
+    def _block_table(self, group: str, seq: torch.Tensor | None, max_entries: int, seq_list: list[int] | None = None
                      ) -> torch.Tensor:
-        """Block group `group`'s table rows of sequences `seq`, checked to have columns for `max_entries`."""
+        """Block group `group`'s table rows of sequences `seq` (None: the whole table, a row per sequence of
+        the batch), checked to have columns for `max_entries`."""
         if group not in self.block_tables:
             raise ValueError(f"ForwardBatch.block_tables has no table for block group {group!r}")
         table = self.block_tables[group].to(self.device)
-        if seq_list is None or len(seq_list) != table.shape[0] or seq_list != list(range(len(seq_list))):
+        if seq is not None and (seq_list is None or len(seq_list) != table.shape[0]
+                                or seq_list != list(range(len(seq_list)))):
             table = table[seq]
         bs = self.block_size
         if -(-max_entries // bs) > table.shape[1]:

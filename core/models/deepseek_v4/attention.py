@@ -69,6 +69,14 @@ class Attention:
         self.key_inputs = tuple(f"{prefix}compressor.{part}.weight"
                                 for prefix, present in (("", self.compressor), ("indexer.", self.indexer_compressor))
                                 if present is not None for part in ("wkv", "wgate"))
+        self._reads_px = bool(self.key_inputs) or self.indexer_compressor is not None
+        self._window_view: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _window_flat(self, window: torch.Tensor) -> torch.Tensor:
+        """The bound window ring `[num_slots, Rw, d]` as `[num_slots * Rw, d]` (the view made once per binding)."""
+        if self._window_view is None or self._window_view[0] is not window:
+            self._window_view = (window, window.view(-1, window.shape[-1]))
+        return self._window_view[1]
 
     def _gather(self, keyed: dict[str, torch.Tensor], split: RowSplit) -> dict[str, torch.Tensor]:
         """This rank's rows of the window key and compressor inputs -> the whole step's rows (one
@@ -99,7 +107,8 @@ class Attention:
         px, q, kv, index_q = a.attention_projections(
             x, w["fused_x.weight"], self.q_rank, w["q_norm.weight"], w["fused_qr.weight"], H,
             w["kv_norm.weight"], eps, cos, sin, Hi, *(cos_sin["compress"] if Hi else (None, None)))
-        px = split_fused(px, self.x_parts)
+        # the parts other than wq_a and wkv (already consumed by the C call): none in a sliding layer
+        px = split_fused(px, self.x_parts) if self._reads_px else None
         keyed = {"kv": kv, **{name: px[name] for name in self.key_inputs}}
         if plan.split is not None:  # context parallelism: every rank's rows of what other tokens read
             keyed = self._gather(keyed, plan.split)
@@ -116,7 +125,7 @@ class Attention:
             di = c.index_head_dim
             index_w = px["indexer.weights_proj.weight"].float() * (Hi ** -0.5 * di ** -0.5)
 
-        window_flat = st.window.view(-1, d)
+        window_flat = self._window_flat(st.window)
         decode_only = len(plan.groups) == 1 and plan.groups[0].in_row_order  # keys written as they are read
         if decode_only and plan.split is None:  # the rest of the sub-layer in one (fusable) call
             g = plan.groups[0]

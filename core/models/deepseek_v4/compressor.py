@@ -24,6 +24,14 @@ class Compressor:
         self.accel, self.rate, self.overlap, self.out_dim, self.eps = accel, rate, overlap, out_dim, eps
         self.ops = resolve_ops(accel) if ops is None else ops  # compress_store, compress_pool
         self.ape, self.norm = weights["ape"], weights["norm.weight"]
+        self._flat: tuple[torch.Tensor, ...] = ()  # (rows_kv, rows_score, their flat views) of the bound rows
+
+    def _flat_rows(self, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw-row rings `[num_slots, Rc, w]` as `[num_slots * Rc, w]` (the views made once per binding)."""
+        if not self._flat or self._flat[0] is not rows_kv or self._flat[1] is not rows_score:
+            self._flat = (rows_kv, rows_score, rows_kv.view(-1, rows_kv.shape[-1]),
+                          rows_score.view(-1, rows_score.shape[-1]))
+        return self._flat[2], self._flat[3]
 
     def update(self, kv: torch.Tensor, score: torch.Tensor, plan: StepPlan, rope: RotaryTables,
                rows_kv: torch.Tensor, rows_score: torch.Tensor, entries: torch.Tensor) -> None:
@@ -31,21 +39,22 @@ class Compressor:
         caller in one fused projection); rows_* `[num_slots, Rc, coff*d_c]` fp32 (this layer);
         entries `[num_entries, d_c]` (this layer's block-group tensor)."""
         ring = rows_kv.shape[1]
-        flat_kv, flat_score = rows_kv.view(-1, rows_kv.shape[-1]), rows_score.view(-1, rows_score.shape[-1])
+        flat_kv, flat_score = self._flat_rows(rows_kv, rows_score)
         write = plan.ring_write(ring)
-        if plan.decode_only or (write.all_rows and not plan.windows_completed(self.rate)):
+        completed = plan.windows_completed(self.rate)
+        if plan.decode_only or (write.all_rows and not completed):
             # the ring writes first; at decode a completed window's rows are then all in the ring (the
             # new row replaces position ctx - Rc, older than the window's first), read from there
             self.ops.compress_store(kv, score, self.ape, plan.position_mod(self.rate), write.ring_row, flat_kv,
                                     flat_score)
-            if plan.windows_completed(self.rate):
+            if completed:
                 cp = plan.compress_plan(self.rate, ring, self.overlap)
                 self._pool(take_rows(flat_kv, cp.ring_row_all), take_rows(flat_score, cp.ring_row_all), cp, rope,
                            entries)
             return
         kv = kv.float()
         score = self.ape.index_select(0, plan.position_mod(self.rate)).float().add_(score)  # z_t + ape[t mod m], fp32
-        if plan.windows_completed(self.rate):
+        if completed:
             cp = plan.compress_plan(self.rate, ring, self.overlap)
             new = cp.is_new.unsqueeze(-1)
             src_kv = torch.where(new, take_rows(kv, cp.new_row), take_rows(flat_kv, cp.ring_row))
@@ -63,10 +72,12 @@ class Compressor:
             m, d = self.rate, self.out_dim
             src_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)
             src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
-        empty = cp.empty.unsqueeze(-1)
-        src_kv = src_kv.masked_fill(empty, 0.0)
-        src_score = src_score.masked_fill(empty, float("-inf"))
+        if cp.has_empty:  # slots before position 0 (a first CSA window) take no part
+            empty = cp.empty.unsqueeze(-1)
+            src_kv = src_kv.masked_fill(empty, 0.0)
+            src_score = src_score.masked_fill(empty, float("-inf"))
         pooled = self.ops.compress_pool(src_kv, src_score).to(entries.dtype)
         normed = a.rms_norm(pooled, self.norm, self.eps)
-        cos, sin = rope.cos_sin(cp.rope_pos, "compress")
-        entries[cp.entry_row] = a.rotary(normed, cos, sin, False)
+        if cp.cos_sin is None:  # the same windows for every compressor of this rate in the step: once
+            cp.cos_sin = rope.cos_sin(cp.rope_pos, "compress")
+        entries.index_copy_(0, cp.entry_row, a.rotary(normed, *cp.cos_sin, False))  # distinct rows

@@ -194,7 +194,8 @@ class DeepseekV4ForCausalLM:
         ids, positions = batch.input_ids.to(self.device), plan.positions
         if split is not None:  # this rank's rows only; attention gathers what it needs of the others
             ids, positions = ids[split.local_rows], positions[split.local_rows]
-        cos_sin = self.rope.cos_sin_all(positions)
+        # a decode step's positions are its context lengths, on the host already
+        cos_sin = self.rope.cos_sin_all(plan.ctx if plan.decode_only and split is None else positions)
         x = self.top["embed.weight"].index_select(0, ids)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         step = StepInputs(ids, plan, self.rope, cos_sin)

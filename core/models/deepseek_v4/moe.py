@@ -48,7 +48,7 @@ class MoE:
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         a, c = self.accel, self.c
-        hash_ids = self.tid2eid[input_ids] if self.is_hash else None
+        hash_ids = self.tid2eid.index_select(0, input_ids) if self.is_hash else None  # rows: cheaper than indexing
         shared_w13, shared_w2 = (None, None) if self.shared is None else self.shared
         if self.ep is None:
             return a.moe_sublayer(x, self.gate, self.bias, hash_ids, self.w13, self.w2, shared_w13, shared_w2,

@@ -8,6 +8,8 @@ Only the last `qk_rope_head_dim` dims of a vector rotate; cos/sin are `[T, r/2]`
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Sequence
 
 import torch
 
@@ -47,9 +49,15 @@ class RotaryTables:
     def cos_sin(self, positions: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         return self._cos_sin(positions.to(torch.float32).unsqueeze(-1), kind)
 
-    def cos_sin_all(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """`cos_sin(positions, kind)` of every frequency set (the positions cast once)."""
-        column = positions.to(torch.float32).unsqueeze(-1)
+    def cos_sin_all(self, positions: torch.Tensor | Sequence[int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """`cos_sin(positions, kind)` of every frequency set (the positions cast once). `positions` may be a
+        host list (a decode step's context lengths): its fp32 column is then made without a cast op (the
+        same values: int -> double is exact, then one rounding to fp32 as the cast does)."""
+        if isinstance(positions, torch.Tensor):
+            column = positions.to(torch.float32).unsqueeze(-1)
+        else:
+            device = next(iter(self.inv_freq.values())).device
+            column = torch.frombuffer(array("f", positions), dtype=torch.float32).view(-1, 1).to(device)
         return {kind: self._cos_sin(column, kind) for kind in self.inv_freq}
 
     def _cos_sin(self, column: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,6 +151,10 @@ class CompressPlan:
     empty: torch.Tensor  # [Nw, slots] position < 0 (first CSA window: no previous Ca half)
     entry_row: torch.Tensor  # [Nw] row in the block-group tensor
     rope_pos: torch.Tensor  # [Nw] first position of the window (m * w)
+    has_empty: bool = True  # some slot is empty (else `empty` is all False)
+    #: the compress RoPE cos/sin at `rope_pos`, filled by the first compressor that pools (the
+    #: others of the step's layers of this rate reuse them)
+    cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class StepPlan(RaggedPlan):
@@ -165,6 +169,7 @@ class StepPlan(RaggedPlan):
         self.config, self.rings, self.query_block, self.split = config, rings, query_block, split
         self._entry_views: dict[tuple[int, int], EntryView] = {}
         self._compress_plans: dict[tuple[int, int, bool], CompressPlan] = {}
+        self._windows_completed: dict[int, int] = {}
 
     # ----- attention groups -----
     @cached_property
@@ -238,13 +243,14 @@ class StepPlan(RaggedPlan):
         key_start_l = [max(0, c - (W - 1)) for c in ctx_l]
         end_l = [c + 1 for c in ctx_l]
         Lw = max(e - k for e, k in zip(end_l, key_start_l))
-        host = long_tensor([*seq_l, *end_l, *(s * Rw + c % Rw for s, c in zip(slot_l, ctx_l)), *ctx_l,
-                            *(s * Rw for s in slot_l), *(self.row_start[i] for i in seq_l), *key_start_l],
-                           dev).view(7, len(items))
-        seq, end, new_key_ring_row = host[0], host[1], host[2]
-        ctx, slot_base, start, key_start = host[3:].unsqueeze(2)  # [B, 1] each
+        B = len(items)
+        seq, end, new_key_ring_row = long_tensor(
+            [*seq_l, *end_l, *(s * Rw + c % Rw for s, c in zip(slot_l, ctx_l))], dev).view(3, B).unbind(0)
+        ctx, slot_base, start, key_start = long_tensor(  # [B, 1] each
+            [*ctx_l, *(s * Rw for s in slot_l), *(self.row_start[i] for i in seq_l), *key_start_l],
+            dev).view(4, B, 1).unbind(0)
         # Rw = W + max_rollback >= W (ring_sizes): the own key replaces position ctx - Rw, outside the window
-        key_pos = key_start + torch.arange(Lw, device=dev)
+        key_pos = key_start + long_tensor(range(Lw), dev)
         k_valid = key_pos <= ctx
         key_is_new = key_pos >= ctx  # valid and new: the query's own key, row `start`
         ring_pos = key_pos % Rw + slot_base
@@ -256,11 +262,6 @@ class StepPlan(RaggedPlan):
         group.key_ring_row_all = ring_pos * k_valid
         group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
         return group
-
-    def _entry_rows(self, rate: int, seq: torch.Tensor, entries: torch.Tensor, valid: torch.Tensor,
-                    max_entries: int | None = None) -> torch.Tensor:
-        """Block-group rows of entry ids `entries` `[B, E]` of sequences `seq` `[B]` (group `c{rate}`)."""
-        return self.entry_rows(group_name(rate), seq, entries, valid, max_entries)
 
     def entry_view(self, group_index: int, rate: int) -> EntryView:
         key = (group_index, rate)
@@ -279,7 +280,9 @@ class StepPlan(RaggedPlan):
     # ----- compressor -----
     def windows_completed(self, rate: int) -> int:
         """How many compression windows of rate `rate` complete in this step (all sequences)."""
-        return sum((c + n) // rate - c // rate for c, n in zip(self.ctx, self.q_lens))
+        if rate not in self._windows_completed:  # asked by every compressor of every layer
+            self._windows_completed[rate] = sum((c + n) // rate - c // rate for c, n in zip(self.ctx, self.q_lens))
+        return self._windows_completed[rate]
 
     def compress_plan(self, rate: int, ring: int, overlap: bool) -> CompressPlan:
         key = (rate, ring, overlap)
@@ -291,21 +294,18 @@ class StepPlan(RaggedPlan):
             first, last = c // rate, (c + n) // rate  # windows [first, last) complete in this step
             seqs += [i] * (last - first)
             ws += range(first, last)
-        seq = torch.tensor(seqs, dtype=torch.long, device=dev)
-        w = torch.tensor(ws, dtype=torch.long, device=dev)
-        offs = torch.arange(2 * rate if overlap else rate, device=dev) - (rate if overlap else 0)
-        pos = (rate * w).unsqueeze(1) + offs  # [Nw, slots]: previous window's slots first (overlap)
-        ctx = torch.tensor(self.ctx, device=dev)[seq].unsqueeze(1)
-        start = torch.tensor(self.row_start, device=dev)[seq].unsqueeze(1)
-        slot = torch.tensor(self.slots, device=dev)[seq].unsqueeze(1)
+        # per-window scalars from the host as [Nw, 1] columns (two ops), broadcast over the slots
+        first_offset = -rate if overlap else 0  # previous window's slots first (overlap)
+        base, ctx, shift, slot_base = long_tensor(
+            [*(rate * w for w in ws), *(self.ctx[i] for i in seqs), *(self.row_start[i] - self.ctx[i] for i in seqs),
+             *(self.slots[i] * ring for i in seqs)], dev).view(4, len(ws), 1).unbind(0)
+        pos = base + long_tensor(range(first_offset, rate), dev)  # [Nw, slots]
         empty = pos < 0
         is_new = pos >= ctx
-        new_row = torch.where(is_new, start + pos - ctx, 0)
-        ring_pos = slot * ring + pos % ring
-        ring_row = torch.where(~is_new & ~empty, ring_pos, 0)
-        entry_row = self._entry_rows(rate, seq, w.unsqueeze(1), torch.ones_like(w, dtype=torch.bool).unsqueeze(1),
-                                     max_entries=max(ws, default=-1) + 1)
-        plan = CompressPlan(len(ws), is_new, new_row, ring_row, torch.where(empty, 0, ring_pos), empty,
-                            entry_row.squeeze(1), rate * w)
+        ring_pos = pos % ring + slot_base
+        ring_row_all = ring_pos * (pos >= 0)  # an index times a mask: torch.where(mask, index, 0) (integers)
+        plan = CompressPlan(len(ws), is_new, (pos + shift) * is_new, ring_row_all * (pos < ctx), ring_row_all, empty,
+                            long_tensor(self.entry_row_list(group_name(rate), seqs, ws), dev),
+                            long_tensor([rate * w for w in ws], dev), has_empty=overlap and 0 in ws)
         self._compress_plans[key] = plan
         return plan
