@@ -406,6 +406,28 @@ def test_linear_on_packed_tiles(rows):
                                                                            kernels.tile_weights.lookup(W), W.shape))
 
 
+def test_one_row_on_tiles_for_large_weights_on_avx2(monkeypatch):
+    # the AVX2 tier's LM head: one row on the tiles from the weight's second use, from a weight size on
+    # (lowered here); smaller weights keep the GEMV, and the other tiers their own row range
+    from deepinfer_plugins.cpu import native_kernels
+    monkeypatch.setattr(native_kernels, "_AVX2_ONE_ROW_TILES_MIN_ELEMENTS", 130 * 96)
+    kernels = NativeCpuKernels()
+    if kernels.native_library is None:
+        pytest.fail("the native library did not build")
+    large, small = make((130, 96), torch.bfloat16), make((129, 96), torch.bfloat16, 1)
+    x = make((1, 96), torch.bfloat16, 2)
+    for W in (large, small):
+        want = (x.double() @ W.double().t()).to(torch.bfloat16)
+        for _ in range(3):
+            assert_close(kernels.linear(x, W), want)
+    avx2, one_row = native.gemv_tier(kernels.native_library) == "avx2-fma", kernels._packed_gemm_rows[0] == 1
+    assert (kernels.tile_weights.peek(large) is not None) == (avx2 or one_row)
+    assert (kernels.tile_weights.peek(small) is not None) == one_row
+    if avx2:
+        assert torch.equal(kernels.linear(x, large), native.packed_linear_bf16(
+            kernels.native_library, x, kernels.tile_weights.peek(large), large.shape))
+
+
 def test_packed_gemm_bf16_stacked(nat):
     # a 3-D weight (stacked experts or groups): each matrix packed apart
     lib, W = nat.native_library, make((3, 40, 70), torch.bfloat16)
