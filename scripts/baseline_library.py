@@ -15,13 +15,14 @@ from deepinfer_plugins.cpu.native import build
 def baseline_library(checkout: str) -> ctypes.CDLL:
     """The library of `checkout`'s plugins/cpu/native C files (the same file names as this checkout's)."""
     here = Path(checkout).expanduser().resolve() / "plugins" / "cpu" / "native"
-    missing = [p.name for p in (*build.SOURCES, *build.HEADERS) if not (here / p.name).is_file()]
+    missing = [p.name for p in build.SOURCES if not (here / p.name).is_file()]
     if missing:
         raise SystemExit(f"--baseline {checkout}: {here} lacks {', '.join(missing)}; give the root of a checkout "
                          f"of this project whose C kernels have the same files")
     sources, headers = build.SOURCES, build.HEADERS
     build.SOURCES = tuple(here / p.name for p in sources)
-    build.HEADERS = tuple(here / p.name for p in headers)
+    # its own headers (a header this checkout added is not included by the other's sources)
+    build.HEADERS = tuple(here / p.name for p in headers if (here / p.name).is_file())
     try:
         return build._load(build._build())
     finally:

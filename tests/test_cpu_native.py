@@ -477,6 +477,28 @@ def test_linear_on_packed_tiles(rows):
                                                                            kernels.tile_weights.lookup(W), W.shape))
 
 
+def test_one_row_on_tiles_for_large_weights_on_avx2(monkeypatch):
+    # the AVX2 tier's LM head: one row on the tiles from the weight's second use, from a weight size on
+    # (lowered here); smaller weights keep the GEMV, and the other tiers their own row range
+    from deepinfer_plugins.cpu import native_kernels
+    monkeypatch.setattr(native_kernels, "_AVX2_ONE_ROW_TILES_MIN_ELEMENTS", 130 * 96)
+    kernels = NativeCpuKernels()
+    if kernels.native_library is None:
+        pytest.fail("the native library did not build")
+    large, small = make((130, 96), torch.bfloat16), make((129, 96), torch.bfloat16, 1)
+    x = make((1, 96), torch.bfloat16, 2)
+    for W in (large, small):
+        want = (x.double() @ W.double().t()).to(torch.bfloat16)
+        for _ in range(3):
+            assert_close(kernels.linear(x, W), want)
+    avx2, one_row = native.gemv_tier(kernels.native_library) == "avx2-fma", kernels._packed_gemm_rows[0] == 1
+    assert (kernels.tile_weights.peek(large) is not None) == (avx2 or one_row)
+    assert (kernels.tile_weights.peek(small) is not None) == one_row
+    if avx2:
+        assert torch.equal(kernels.linear(x, large), native.packed_linear_bf16(
+            kernels.native_library, x, kernels.tile_weights.peek(large), large.shape))
+
+
 def test_packed_gemm_bf16_stacked(nat):
     # a 3-D weight (stacked experts or groups): each matrix packed apart
     lib, W = nat.native_library, make((3, 40, 70), torch.bfloat16)
@@ -1137,6 +1159,12 @@ def check_every_kernel(lib):
         full = torch.cat((logits, sinks.double().view(1, 1, 20, 1).expand(3, 2, 20, 1)), dim=-1)
         exact = torch.einsum("bshl,bld->bshd", torch.softmax(full, -1)[..., :21], kv.double()).to(dtype)
         assert_close(native.sink_attention_decode(lib, q, kv, mask, sinks, 0.125), exact)
+        # a head's bits do not depend on how many heads share its vectors (AVX2 runs up to 8 heads on 8
+        # lanes, more on 16): 4 heads alone, and the same 4 heads among 12, against fp64 too
+        few = native.sink_attention_decode(lib, q[:, :, :4].contiguous(), kv, mask, sinks[:4], 0.125)
+        assert_close(few, exact[:, :, :4])
+        assert torch.equal(few, native.sink_attention_decode(lib, q[:, :, :12].contiguous(), kv, mask, sinks[:12],
+                                                             0.125)[:, :, :4])
         ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:3] for t in range(5)])
         rows, counts, source_token, source_slot = native.moe_dispatch_rows(lib, x[:5], ids, 8)
         _, plan = REF.moe_dispatch(x[:5], ids, 8)

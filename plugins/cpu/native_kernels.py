@@ -80,6 +80,11 @@ _GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
 #     projection above the C expert kernel's and the GEMV's limits (_tile_experts, _tile_grouped).
 # The portable tier is not measured: its products stay where they were.
 _PACKED_GEMM_ROWS = {"avx512-bf16": (1, 64), "avx2-fma": (2, 1 << 62), "portable": (0, 0)}
+# Weight elements from which one row (decode at batch 1) also runs on the tiles on AVX2+FMA: the LM head.
+# In the model, the GEMV on the loaded 129,280 x 512 weight ran 1.24x slower than on a fresh copy of it
+# (one thread; the tiles read their packed copy, fresh memory, as fast as that GEMV), and the tiles at two
+# threads 1.26x faster than that GEMV (one process, alternating, after a 64 MB sweep each call, load ~3).
+_AVX2_ONE_ROW_TILES_MIN_ELEMENTS = 32 << 20
 # Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA and
 # AVX512-BF16 tiers: its products are the multi-token GEMV's, each expert weight streamed once. AMD Zen 4
 # (AVX512-BF16, no AMX), one thread, cold weights, C vs the torch paths: 16 experts of 128 x 512 (top-4)
@@ -256,6 +261,13 @@ class NativeCpuKernels(CpuKernels):
         lib = self.native_library
         return (0, 0) if lib is None else _PACKED_GEMM_ROWS[native.gemv_tier(lib)]
 
+    @functools.cached_property
+    def _one_row_tiles_min_elements(self) -> int:
+        """Weight elements from which one row runs on the tiles although the tier's rows start above one."""
+        lib = self.native_library
+        avx2 = lib is not None and native.gemv_tier(lib) == "avx2-fma"
+        return _AVX2_ONE_ROW_TILES_MIN_ELEMENTS if avx2 else 1 << 62
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             y = self._quant_linear(x, weight)  # decode sizes: straight from the stored bytes
@@ -264,6 +276,8 @@ class NativeCpuKernels(CpuKernels):
             return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
         low, high = self._packed_gemm_rows
+        if rows == 1 and weight.numel() >= self._one_row_tiles_min_elements:
+            low = 1  # the AVX2 tier's LM head
         tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None
         packed = None if tiles is None else tiles.lookup(weight)  # None at a weight's first use
         if packed is not None:

@@ -27,6 +27,7 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     isa.c               build_isa (its wrapper is in build.py)
     common.h, gemv.h,   what the C files share (bf16 conversions, ISA checks, the bf16 products,
     quant.h             the products on FP4 / FP8 codes)
+    sink_attention.h    attention.c's sink attention for one lane count (included once per lane count)
 
 A wrapper takes the library and torch tensors and returns new tensors, or None when the input is
 outside what the C code handles (device, dtype, layout), so the caller falls back to the reference

@@ -6,108 +6,41 @@
 
 /* ----- sink_attention_decode: MQA with a per-head sink, for queries that see few keys (decode) -----
  * q [B, S, H, d], kv [B, L, d] (K = V), mask [B, S, L] (1 = attend), sinks [H] fp32; out [B, S, H, d]
- * in q's dtype. Per query, 16 heads at a time are the lanes of every vector: a key's scores for the
- * 16 heads are d multiply-adds with the key's elements broadcast, the softmax (the sink's logit
+ * in q's dtype. Per query, ATTN_LANES heads at a time are the lanes of every vector: a key's scores
+ * for those heads are d multiply-adds with the key's elements broadcast, the softmax (the sink's logit
  * included) runs lane-wise over the keys, and the output accumulates p * v the same way, so there
  * are no horizontal sums. fp32 throughout; a query that sees no key gets 0 (the sink takes all). */
-
-#define ATTN_LANES 16
-typedef float lanes16 __attribute__((vector_size(ATTN_LANES * sizeof(float))));
 
 static inline size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
 /* Key l of batch item b is the row at key_rows[b * L + l]; the keys are visited in the order
- * order[b * L ..] (NULL: 0 .. L-1). */
-static void sink_attention(const void *q, const char *const *key_rows, const uint8_t *mask, const float *sinks, float scale,
-                           void *out, long B, long S, long H, long L, long d, int dtype, const long *order,
+ * order[b * L ..] (NULL: 0 .. L-1). With AVX2 (and no AVX-512) a vector of 16 lanes is two 256-bit
+ * registers, so a call of up to 8 heads (the small checkpoints' 4) runs on 8 lanes, one register: half
+ * the instructions of 16 lanes of which 12 are padding (scripts/bench_attention_output.py, 4 heads, one
+ * thread: the sink attention 2.37x the AVX-512 build's time before, 1.00x after). More heads keep 16
+ * lanes: each key is widened once per 16 heads. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define ATTN_LANES 16
+#define ATTN_VEC lanes16
+#define ATTN_FN sink_attention16
+#include "sink_attention.h"
+#define ATTN_LANES 8
+#define ATTN_VEC lanes8
+#define ATTN_FN sink_attention8
+#include "sink_attention.h"
+
+static void sink_attention(const void *q, const char *const *key_rows, const uint8_t *mask, const float *sinks,
+                           float scale, void *out, long B, long S, long H, long L, long d, int dtype, const long *order,
                            int num_threads) {
-    const size_t es = elem_size(dtype);
-    const long head_blocks = (H + ATTN_LANES - 1) / ATTN_LANES;
-#define KEY(p) (ord ? ord[p] : (p))
-    PARALLEL_IF(B * S * H * L * d > PARALLEL_MIN_WORK, {
-        lanes16 *qt = aligned_alloc(64, round64((size_t)d * sizeof(lanes16)));         /* [d], scaled */
-        lanes16 *acc = aligned_alloc(64, round64((size_t)d * sizeof(lanes16)));        /* [d] */
-        lanes16 *probs = aligned_alloc(64, round64((size_t)(L + 1) * sizeof(lanes16))); /* [L] */
-        float *row = malloc((size_t)d * sizeof(float));
-        float *keys_f = malloc((size_t)4 * d * sizeof(float));
-        _Pragma("omp for schedule(static)")
-        for (long item = 0; item < B * S * head_blocks; item++) {
-            const long bs = item / head_blocks, b = bs / S, h0 = (item % head_blocks) * ATTN_LANES;
-            const long nh = H - h0 < ATTN_LANES ? H - h0 : ATTN_LANES;
-            for (long h = 0; h < ATTN_LANES; h++) {
-                if (h < nh) load_row((const char *)q + (size_t)(bs * H + h0 + h) * d * es, dtype, row, d);
-                for (long i = 0; i < d; i++) qt[i][h] = h < nh ? row[i] * scale : 0.0f;
-            }
-            const long *ord = order ? order + b * L : NULL;
-            const uint8_t *visible = mask + (size_t)bs * L;
-            const char *const *keys = key_rows + b * L;
-            lanes16 sink, top, sum;
-            for (long h = 0; h < ATTN_LANES; h++) sink[h] = h < nh ? sinks[h0 + h] : 0.0f;
-            top = sink;
-            /* scores: four visible keys at a time share each load of qt */
-            long l = 0;
-            while (l < L) {
-                long idx[4], n = 0;
-                for (; l < L && n < 4; l++)
-                    if (visible[KEY(l)]) idx[n++] = KEY(l);
-                for (long j = 0; j < n; j++) load_row(keys[idx[j]], dtype, keys_f + j * d, d);
-                for (long j = n; j < 4; j++) memset(keys_f + j * d, 0, (size_t)d * sizeof(float));
-                lanes16 s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
-                const float *k0 = keys_f, *k1 = keys_f + d, *k2 = keys_f + 2 * d, *k3 = keys_f + 3 * d;
-                for (long i = 0; i < d; i++) {
-                    const lanes16 qi = qt[i];
-                    s0 += qi * k0[i];
-                    s1 += qi * k1[i];
-                    s2 += qi * k2[i];
-                    s3 += qi * k3[i];
-                }
-                const lanes16 scores[4] = {s0, s1, s2, s3};
-                for (long j = 0; j < n; j++) {
-                    probs[idx[j]] = scores[j];
-                    for (long h = 0; h < ATTN_LANES; h++) top[h] = scores[j][h] > top[h] ? scores[j][h] : top[h];
-                }
-            }
-            for (long h = 0; h < ATTN_LANES; h++) sum[h] = vexpf(sink[h] - top[h]);
-            for (long jj = 0; jj < L; jj++) {
-                const long j = KEY(jj);
-                if (!visible[j]) continue;
-                lanes16 p;
-                _Pragma("omp simd")
-                for (long h = 0; h < ATTN_LANES; h++) p[h] = vexpf(probs[j][h] - top[h]);
-                probs[j] = p;
-                sum += p;
-            }
-            /* output: four visible keys per pass over the accumulators */
-            for (long i = 0; i < d; i++) acc[i] = (lanes16){0};
-            l = 0;
-            while (l < L) {
-                long idx[4], n = 0;
-                for (; l < L && n < 4; l++)
-                    if (visible[KEY(l)]) idx[n++] = KEY(l);
-                const lanes16 zero = {0};
-                lanes16 p[4] = {zero, zero, zero, zero};
-                for (long j = 0; j < n; j++) {
-                    load_row(keys[idx[j]], dtype, keys_f + j * d, d);
-                    p[j] = probs[idx[j]];
-                }
-                for (long j = n; j < 4; j++) memset(keys_f + j * d, 0, (size_t)d * sizeof(float));
-                const float *v0 = keys_f, *v1 = keys_f + d, *v2 = keys_f + 2 * d, *v3 = keys_f + 3 * d;
-                for (long i = 0; i < d; i++) acc[i] += p[0] * v0[i] + p[1] * v1[i] + p[2] * v2[i] + p[3] * v3[i];
-            }
-            for (long h = 0; h < nh; h++) {
-                const float inv = 1.0f / sum[h];
-                for (long i = 0; i < d; i++) row[i] = acc[i][h] * inv;
-                store_row(row, (char *)out + (size_t)(bs * H + h0 + h) * d * es, dtype, d);
-            }
-        }
-        free(keys_f);
-        free(row);
-        free(probs);
-        free(acc);
-        free(qt);
-    });
-#undef KEY
+    (H <= 8 ? sink_attention8 : sink_attention16)(q, key_rows, mask, sinks, scale, out, B, S, H, L, d, dtype, order,
+                                                  num_threads);
 }
+#else
+#define ATTN_LANES 16
+#define ATTN_VEC lanes16
+#define ATTN_FN sink_attention
+#include "sink_attention.h"
+#endif
 
 /* kv [B, L, d] contiguous -> its B * L row addresses (caller frees) */
 static const char **contiguous_rows(const void *kv, long B, long L, size_t row_bytes) {

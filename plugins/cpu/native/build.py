@@ -51,7 +51,7 @@ SOURCES = tuple(HERE / name for name in ("isa.c", "norm_rope.c", "mhc.c", "activ
                                          "attention.c", "moe_rows.c", "sampling.c",
                                          "quant_gemv.c", "quant_experts.c", "selection.c", "packed_gemm.c",
                                          "moe_layer.c", "compressor.c", "attention_layer.c"))
-HEADERS = tuple(HERE / name for name in ("common.h", "gemv.h", "quant.h"))
+HEADERS = tuple(HERE / name for name in ("common.h", "gemv.h", "quant.h", "sink_attention.h"))
 FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp")
 # Build switches (DEEPINFER_CPU_NATIVE_ISA): extra flags after FLAGS. The C files pick their AMX,
 # AVX512-BF16 and portable paths at compile time, so each switch compiles the next path down; on a
