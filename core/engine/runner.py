@@ -28,6 +28,12 @@ from deepinfer.models.interface import ForwardBatch
 from deepinfer.sampling_params import SamplingParams
 
 
+#: the bitmask of every step without logits processors: resolved once, shared (a Future each step
+#: costs a lock and a condition variable)
+_NO_BITMASK: Future = Future()
+_NO_BITMASK.set_result(None)
+
+
 @dataclass(eq=False)
 class PreparedStep:
     sched: SchedulerOutput
@@ -99,36 +105,37 @@ class ModelRunner:
                         next_known=None if s.sample else s.tokens(end, end + 1)[0]))
                     stream_indices += rows
 
-        block_tables = {}
+        # every index list of the step in one host buffer and one copy to the device, then views
+        # (one tensor each cost ~2 us on the host, a dozen per step); block tables padded with -1
+        parts = [input_ids, positions, [s.slot for s in sched.scheduled], logits_indices, stream_indices]
+        widths = []
         for name in self.group_names:
-            # padded with -1 on the host, then one tensor (three ops per sequence when filled row by row)
             ids = [s.block_ids.get(name, ()) for s in sched.scheduled]
             width = max([len(b) for b in ids] + [1])
-            flat = [i for b in ids for i in (*b, *[-1] * (width - len(b)))]
-            block_tables[name] = long_tensor(flat, self.device).view(len(ids), width)
+            widths.append(width)
+            parts.append([i for b in ids for i in (*b, *[-1] * (width - len(b)))])
+        flat = long_tensor([i for part in parts for i in part], self.device)
+        views = flat.split([len(part) for part in parts])
+        block_tables = {name: views[5 + g].view(len(sched.scheduled), widths[g])
+                        for g, name in enumerate(self.group_names)}
 
         batch = ForwardBatch(
-            input_ids=long_tensor(input_ids, self.device),
-            positions=long_tensor(positions, self.device),
+            input_ids=views[0], positions=views[1],
             query_lens=[s.query_len for s in sched.scheduled],
             context_lens=[s.context_len for s in sched.scheduled],
-            slots=long_tensor([s.slot for s in sched.scheduled], self.device),
-            block_tables=block_tables,
-            logits_indices=long_tensor(logits_indices, self.device),
+            slots=views[2], block_tables=block_tables, logits_indices=views[3],
             return_streams=bool(stream_indices),
-            stream_indices=long_tensor(stream_indices, self.device) if stream_indices else None,
+            stream_indices=views[4] if stream_indices else None,
             prompt_lens=[s.request.num_prompt_tokens for s in sched.scheduled],
         )
-        step = PreparedStep(sched=sched, batch=batch,
+        needs_bitmask = any(s.constrained for s in sample_rows)
+        return PreparedStep(sched=sched, batch=batch,
                             sampling=self._sampling_metadata([(s, i) for s in sample_rows
                                                               for i in range(1 + len(s.draft_token_ids))]),
                             sample_rows=sample_rows, logits_starts=logits_starts, draft_rows=draft_rows,
                             prev=prev if placeholder_rows else None,
                             placeholder_rows=placeholder_rows, placeholder_src=placeholder_src,
-                            needs_bitmask=any(s.constrained for s in sample_rows))
-        if not step.needs_bitmask:
-            step.bitmask.set_result(None)
-        return step
+                            needs_bitmask=needs_bitmask, bitmask=Future() if needs_bitmask else _NO_BITMASK)
 
     def _sampling_metadata(self, rows: list[tuple[ScheduledRequest, int]]) -> SamplingMetadata:
         """One entry per logits row: (request, offset of the row among its 1 + drafts rows)."""
