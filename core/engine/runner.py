@@ -115,7 +115,7 @@ class ModelRunner:
             widths.append(width)
             parts.append([i for b in ids for i in (*b, *[-1] * (width - len(b)))])
         flat = long_tensor([i for part in parts for i in part], self.device)
-        views = flat.split([len(part) for part in parts])
+        views = flat.split_with_sizes([len(part) for part in parts])  # not split(): its Python wrapper costs more
         block_tables = {name: views[5 + g].view(len(sched.scheduled), widths[g])
                         for g, name in enumerate(self.group_names)}
 
