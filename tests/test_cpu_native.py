@@ -556,8 +556,8 @@ def test_argmax_logsumexp(nat):
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("L", [1, 2, 5])
 def test_argmax_logsumexp_blocks(nat, threads, L):
-    # rows of many 2048-float blocks, cut into one part per thread when rows are fewer than threads:
-    # the max in a later block or part, ties across blocks and parts (the first wins), leading
+    # rows of many 2048-float blocks, split over 1-3 threads:
+    # the max in a later block, ties across blocks (the first wins), leading
     # all -inf blocks (a masked prefix), a NaN behind them, and the fp64 reference
     g = torch.Generator().manual_seed(1)
     V = 9 * 2048 + 77
