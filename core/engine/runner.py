@@ -105,27 +105,24 @@ class ModelRunner:
                         next_known=None if s.sample else s.tokens(end, end + 1)[0]))
                     stream_indices += rows
 
-        # every index list of the step in one host buffer and one copy to the device, then views
-        # (one tensor each cost ~2 us on the host, a dozen per step); block tables padded with -1
-        parts = [input_ids, positions, [s.slot for s in sched.scheduled], logits_indices, stream_indices]
-        widths = []
+        block_tables = {}
         for name in self.group_names:
+            # padded with -1 on the host, then one tensor (three ops per sequence when filled row by row)
             ids = [s.block_ids.get(name, ()) for s in sched.scheduled]
             width = max([len(b) for b in ids] + [1])
-            widths.append(width)
-            parts.append([i for b in ids for i in (*b, *[-1] * (width - len(b)))])
-        flat = long_tensor([i for part in parts for i in part], self.device)
-        views = flat.split_with_sizes([len(part) for part in parts])  # not split(): its Python wrapper costs more
-        block_tables = {name: views[5 + g].view(len(sched.scheduled), widths[g])
-                        for g, name in enumerate(self.group_names)}
+            flat = [i for b in ids for i in (*b, *[-1] * (width - len(b)))]
+            block_tables[name] = long_tensor(flat, self.device).view(len(ids), width)
 
         batch = ForwardBatch(
-            input_ids=views[0], positions=views[1],
+            input_ids=long_tensor(input_ids, self.device),
+            positions=long_tensor(positions, self.device),
             query_lens=[s.query_len for s in sched.scheduled],
             context_lens=[s.context_len for s in sched.scheduled],
-            slots=views[2], block_tables=block_tables, logits_indices=views[3],
+            slots=long_tensor([s.slot for s in sched.scheduled], self.device),
+            block_tables=block_tables,
+            logits_indices=long_tensor(logits_indices, self.device),
             return_streams=bool(stream_indices),
-            stream_indices=views[4] if stream_indices else None,
+            stream_indices=long_tensor(stream_indices, self.device) if stream_indices else None,
             prompt_lens=[s.request.num_prompt_tokens for s in sched.scheduled],
         )
         needs_bitmask = any(s.constrained for s in sample_rows)
