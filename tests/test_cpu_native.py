@@ -646,6 +646,36 @@ def test_argmax_logsumexp(nat):
     assert native.argmax_logsumexp(nat.native_library, logits.double()) is None  # fp32 only
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("L", [1, 2, 5])
+def test_argmax_logsumexp_blocks(nat, threads, L):
+    # rows of many 2048-float blocks, split over 1-3 threads:
+    # the max in a later block, ties across blocks (the first wins), leading
+    # all -inf blocks (a masked prefix), a NaN behind them, and the fp64 reference
+    g = torch.Generator().manual_seed(1)
+    V = 9 * 2048 + 77
+    logits = torch.randn(L, V, generator=g) * 4
+    logits[0, V - 5] = 40.0
+    if L > 1:
+        logits[1, 2047] = logits[1, 2048] = logits[1, V - 1] = 30.0
+        logits[1, :2047] = float("-inf")
+    if L > 2:
+        logits[2, :3 * 2048] = float("-inf")
+        logits[2, 100] = float("nan")
+        logits[3, 4 * 2048:] = float("-inf")
+        logits[4] = float("-inf")
+        logits[4, V - 1] = 1.0
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        index, log_norm = native.argmax_logsumexp(nat.native_library, logits)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(index, logits.argmax(-1))
+    want = torch.logsumexp(logits.double(), -1).float()
+    assert torch.allclose(log_norm, want, rtol=2e-6, atol=0, equal_nan=True)
+
+
 def indexer_scores_exact(q, w, keys, mask):
     """The lightning indexer's scores in fp64, -inf where not visible."""
     dots = torch.einsum("bshd,bed->bshe", q.double(), keys.double()).relu()

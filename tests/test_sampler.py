@@ -41,6 +41,18 @@ def test_greedy_is_argmax(sampler):
     assert ranked.ranks.tolist() == [1, 1, 1, 1] and ranked.top_ids is None
 
 
+def test_greedy_fast_path_matches_the_general_path(sampler):
+    # all-greedy unconstrained rows take argmax_logsumexp; a banned entry that bans nothing takes the
+    # general path (masks, max, logsumexp): the same tokens and log-probabilities
+    x = logits(3)
+    x[1, [4, 40]] = 30.0  # a tie
+    fast = sampler(x, meta(3, temperature=0.0))
+    general = sampler(x, meta(3, temperature=0.0, banned=[(0, [])]))
+    assert fast.token_ids.tolist() == general.token_ids.tolist() == x.argmax(-1).tolist()
+    torch.testing.assert_close(fast.logprobs, general.logprobs)
+    assert not fast.dead.any() and not general.dead.any()
+
+
 def test_greedy_ties_take_the_first_index(sampler):
     x = torch.zeros(2, V)
     x[0, [7, 3, 9]] = 5.0

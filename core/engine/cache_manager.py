@@ -186,18 +186,23 @@ class CacheManager:
         return need
 
     def can_allocate(self, request: Request, num_tokens: int) -> bool:
+        return self._fits(request, self.blocks_needed(request, num_tokens))
+
+    def _fits(self, request: Request, need: dict[str, int]) -> bool:
         if request.slot is None and not self._free_slots:
             return False
-        need = self.blocks_needed(request, num_tokens)
         return all(len(self._free_blocks[n]) >= k for n, k in need.items())
 
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Make the request hold a slot and blocks for `num_tokens` tokens. False if they do not fit."""
-        if not self.can_allocate(request, num_tokens):
+        need = self.blocks_needed(request, num_tokens)
+        if not self._fits(request, need):
             return False
+        if request.slot is not None and not any(need.values()):
+            return True  # most decode steps: nothing new to hold, the peak is unchanged
         if request.slot is None:
             request.slot = self._free_slots.pop()
-        for name, k in self.blocks_needed(request, num_tokens).items():
+        for name, k in need.items():
             table = request.block_ids.setdefault(name, [])
             for _ in range(k):
                 table.append(self._free_blocks[name].pop())

@@ -28,6 +28,12 @@ from deepinfer.models.interface import ForwardBatch
 from deepinfer.sampling_params import SamplingParams
 
 
+#: the bitmask of every step without logits processors: resolved once, shared (a Future each step
+#: costs a lock and a condition variable)
+_NO_BITMASK: Future = Future()
+_NO_BITMASK.set_result(None)
+
+
 @dataclass(eq=False)
 class PreparedStep:
     sched: SchedulerOutput
@@ -119,16 +125,14 @@ class ModelRunner:
             stream_indices=long_tensor(stream_indices, self.device) if stream_indices else None,
             prompt_lens=[s.request.num_prompt_tokens for s in sched.scheduled],
         )
-        step = PreparedStep(sched=sched, batch=batch,
+        needs_bitmask = any(s.constrained for s in sample_rows)
+        return PreparedStep(sched=sched, batch=batch,
                             sampling=self._sampling_metadata([(s, i) for s in sample_rows
                                                               for i in range(1 + len(s.draft_token_ids))]),
                             sample_rows=sample_rows, logits_starts=logits_starts, draft_rows=draft_rows,
                             prev=prev if placeholder_rows else None,
                             placeholder_rows=placeholder_rows, placeholder_src=placeholder_src,
-                            needs_bitmask=any(s.constrained for s in sample_rows))
-        if not step.needs_bitmask:
-            step.bitmask.set_result(None)
-        return step
+                            needs_bitmask=needs_bitmask, bitmask=Future() if needs_bitmask else _NO_BITMASK)
 
     def _sampling_metadata(self, rows: list[tuple[ScheduledRequest, int]]) -> SamplingMetadata:
         """One entry per logits row: (request, offset of the row among its 1 + drafts rows)."""

@@ -44,6 +44,16 @@ class SamplingMetadata:
     def num_rows(self) -> int:
         return len(self.temperature)
 
+    @property
+    def all_greedy(self) -> bool:
+        """Every row takes the argmax (the sampler's greedy rule)."""
+        return all(t < GREEDY_TEMPERATURE or k == 1 for t, k in zip(self.temperature, self.top_k))
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """Some row asks for ranks / top-k log-probabilities."""
+        return any(n is not None for n in self.num_logprobs)
+
     def subset(self, rows: list[int]) -> SamplingMetadata:
         """The metadata of `rows`, renumbered 0..len(rows)-1 (speculative verification)."""
         index = {r: i for i, r in enumerate(rows)}
@@ -74,17 +84,14 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None = None) -> SamplerOutput:
         logits = logits.float()
+        if bitmask is None and not meta.banned and meta.all_greedy:
+            return self._greedy(logits, meta)
         num_rows, vocab = logits.shape
         masked, dead, alive, greedy, plain, needs_sort = self._prepare(logits, meta, bitmask)
         device = logits.device
         # greedy: the first maximal index, as argmax; max(dim) returns the same index 2.6x faster
         # on the CPU (0.98 vs 2.6 ms for 32 x 129,280 logits)
-        log_norm = None
-        if len(greedy) == num_rows and masked is logits:
-            # all greedy and unconstrained (the common case): the tokens and the log-normaliser of
-            # their log-probabilities in one kernel
-            tokens, log_norm = self.accelerator.argmax_logsumexp(logits)
-        elif len(greedy) == num_rows:  # no gathered copy of the logits
+        if len(greedy) == num_rows:  # no gathered copy of the logits
             tokens = masked.max(dim=-1).indices
         else:
             tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
@@ -97,11 +104,24 @@ class Sampler:
             probs, indices = self._sorted_probs(masked[needs_sort], meta, needs_sort, vocab)
             choice = self.accelerator.sample(probs, self._generators(meta, needs_sort, device))
             tokens[needs_sort] = indices.gather(1, choice.unsqueeze(1)).squeeze(1)
-        logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta, log_norm)
+        logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta)
         if len(alive) < num_rows:  # dead rows (only under masks) score 0
             logprobs = logprobs.masked_fill(dead, 0.0)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs, ranks=ranks, dead=dead,
                              top_ids=top_ids, top_logprobs=top_logprobs)
+
+    def _greedy(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Every row greedy and unconstrained (batch-1 and benchmark decode): the tokens and their
+        log-normaliser in one kernel, no row lists (the same tokens and figures as the general path)."""
+        tokens, log_norm = self.accelerator.argmax_logsumexp(logits)
+        dead = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        if meta.wants_logprobs:
+            logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta, log_norm)
+            return SamplerOutput(token_ids=tokens, logprobs=logprobs, ranks=ranks, dead=dead,
+                                 top_ids=top_ids, top_logprobs=top_logprobs)
+        # what `score` computes without the clamp (no -1 token) and with one subtraction in place
+        logprobs = logits.gather(1, tokens.view(-1, 1)).view(-1).sub_(log_norm)
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, ranks=None, dead=dead)
 
     def probabilities(self, logits: torch.Tensor, meta: SamplingMetadata,
                       bitmask: torch.Tensor | None = None) -> torch.Tensor:
@@ -136,7 +156,7 @@ class Sampler:
         if log_norm is None:
             log_norm = torch.logsumexp(logits, dim=-1)
         token_logprobs = token_logits - log_norm
-        if all(n is None for n in meta.num_logprobs):
+        if not meta.wants_logprobs:
             return token_logprobs, None, None, None
         ranks = (logits > token_logits.unsqueeze(1)).sum(dim=1) + 1
         k = max((n for n in meta.num_logprobs if n), default=0)
