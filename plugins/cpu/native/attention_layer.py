@@ -37,6 +37,25 @@ def _packed_fits(lib: ctypes.CDLL, packed: torch.Tensor | None, weight: torch.Te
     return packed is None or packed.shape == packed_shape(lib, *weight.shape)
 
 
+def _projection_io(T: int, Nx: int, Nqr: int, heads: int, d: int, q_norm: torch.Tensor, kv_norm: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, index_heads: int, index_cos: torch.Tensor | None,
+                   index_sin: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]] | None:
+    """The projections call's norm and rotary inputs (q_norm, kv_norm, cos, sin, the indexer's cos, sin) as C
+    reads them and its new outputs (px, q, kv, the indexer's q or None); None where the indexer's heads do not
+    split the rest of the fused query projection or their rotary table does not fit."""
+    di = 0
+    if index_heads:
+        di = (Nqr - heads * d) // index_heads
+        if di * index_heads != Nqr - heads * d or not _rotary_table(index_cos, index_sin, T, di):
+            return None
+    cs, sn = f32(cos), f32(sin)
+    ic, isn = (f32(index_cos), f32(index_sin)) if index_heads else (cs, sn)
+    outputs = (torch.empty((T, Nx), dtype=torch.bfloat16), torch.empty((T, heads, d), dtype=torch.bfloat16),
+               torch.empty((T, d), dtype=torch.bfloat16),
+               torch.empty((T, index_heads, di), dtype=torch.bfloat16) if index_heads else None)
+    return (q_norm.contiguous(), kv_norm.contiguous(), cs, sn, ic, isn), outputs
+
+
 def attention_projections_bf16(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor, rank: int,
                                q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
                                eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
@@ -55,17 +74,10 @@ def attention_projections_bf16(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch
             or not _rotary_table(cos, sin, T, d) or (packed_x is None or packed_qr is None) and T != 1
             or not (_packed_fits(lib, packed_x, fused_x) and _packed_fits(lib, packed_qr, fused_qr))):
         return None
-    di = 0
-    if index_heads:
-        di = (Nqr - heads * d) // index_heads
-        if di * index_heads != Nqr - heads * d or not _rotary_table(index_cos, index_sin, T, di):
-            return None
-    qn, kn, cs, sn = q_norm.contiguous(), kv_norm.contiguous(), f32(cos), f32(sin)
-    ic, isn = (f32(index_cos), f32(index_sin)) if index_heads else (cs, sn)
-    px = torch.empty((T, Nx), dtype=torch.bfloat16)
-    q = torch.empty((T, heads, d), dtype=torch.bfloat16)
-    kv = torch.empty((T, d), dtype=torch.bfloat16)
-    iq = torch.empty((T, index_heads, di), dtype=torch.bfloat16) if index_heads else None
+    io = _projection_io(T, Nx, Nqr, heads, d, q_norm, kv_norm, cos, sin, index_heads, index_cos, index_sin)
+    if io is None:
+        return None
+    (qn, kn, cs, sn, ic, isn), (px, q, kv, iq) = io
     _ATTENTION_PROJECTIONS_BF16(
         lib, x=x.data_ptr(), T=T, D=D, fused_x=fused_x.data_ptr(),
         pfx=None if packed_x is None else packed_x.data_ptr(), Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
@@ -87,6 +99,45 @@ def _part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.
             and mask.dtype == torch.bool and mask.shape == (B, 1, rows.shape[1]))
 
 
+def _keys_fit(q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor, caches: tuple[torch.Tensor, ...],
+              rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> bool:
+    """Whether the output call's query side (own keys, their rows, sinks, rotary table) and its one or two
+    key parts are what the C code reads for queries `q [B, H, d]`."""
+    B, H, d = q.shape
+    return (1 <= len(caches) <= 2 and len(rows) == len(caches) and len(masks) == len(caches) and sinks.shape == (H,)
+            and kv.shape == (B, d) and kv.dtype is q.dtype and key_rows.shape == (B,)
+            and key_rows.dtype is torch.int64 and key_rows.is_cpu and cos.dim() == 2 and cos.shape == sin.shape
+            and cos.shape[0] == B and 0 < 2 * cos.shape[1] <= d and cos.is_cpu and sin.is_cpu
+            and all(_part(q, c, r, m) for c, r, m in zip(caches, rows, masks)))
+
+
+def _key_arguments(q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor, caches: tuple[torch.Tensor, ...],
+                   rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float,
+                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[dict, tuple[torch.Tensor, ...]]:
+    """The output calls' keyword arguments of the query side and the key parts (L1 = 0 where there is one
+    part only), and the tensors made here, which the caller holds until the call returns."""
+    parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
+    c0, r0, m0 = parts[0]
+    c1, r1, m1 = parts[1] if len(parts) == 2 else parts[0]
+    kvc, kr, s, cs, sn = kv.contiguous(), key_rows.contiguous(), f32(sinks), f32(cos), f32(sin)
+    keep = (r0, m0, r1, m1, kvc, kr, s, cs, sn)
+    return dict(q=q.data_ptr(), kv=kvc.data_ptr(), window=c0.data_ptr(), n0=c0.shape[0], key_rows=kr.data_ptr(),
+                rows0=r0.data_ptr(), mask0=m0.data_ptr(), L0=r0.shape[1], cache1=c1.data_ptr(), rows1=r1.data_ptr(),
+                mask1=m1.data_ptr(), n1=c1.shape[0], L1=r1.shape[1] if len(parts) == 2 else 0, sinks=s.data_ptr(),
+                scale=scale, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(), half=cos.shape[1]), keep
+
+
+def _check_status(status: int, caches: tuple[torch.Tensor, ...]) -> None:
+    """The output call's status: IndexError for a key row outside its cache (the own keys then written)."""
+    if status == -1:
+        raise IndexError(f"decode_attention_output: an own key's row is outside the window cache (size "
+                         f"{caches[0].shape[0]}); the step plan's key rows must address the bound cache")
+    if status:
+        raise IndexError(f"decode_attention_output: a key row is outside its cache (sizes "
+                         f"{[c.shape[0] for c in caches]}); the step plan's key rows must address the bound cache")
+
+
 def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
                           caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
                           masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
@@ -101,13 +152,7 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
         return None
     B, H, d = q.shape
     G, R, K = wo_a.shape
-    if (G * K != H * d or wo_b.shape[1] != G * R or not 1 <= len(caches) <= 2 or len(rows) != len(caches)
-            or len(masks) != len(caches) or sinks.shape != (H,) or kv.shape != (B, d) or kv.dtype is not q.dtype
-            or key_rows.shape != (B,) or key_rows.dtype is not torch.int64 or not key_rows.is_cpu
-            or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != B or not 0 < 2 * cos.shape[1] <= d
-            or not cos.is_cpu or not sin.is_cpu):
-        return None
-    if not all(_part(q, c, r, m) for c, r, m in zip(caches, rows, masks)):
+    if G * K != H * d or wo_b.shape[1] != G * R or not _keys_fit(q, kv, key_rows, caches, rows, masks, sinks, cos, sin):
         return None
     if (packed_wo_a is None or packed_wo_b is None) and B != 1:
         return None
@@ -115,25 +160,13 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
         return None
     if not _packed_fits(lib, packed_wo_b, wo_b):
         return None
-    parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
-    c0, r0, m0 = parts[0]
-    c1, r1, m1 = parts[1] if len(parts) == 2 else parts[0]
-    L1 = r1.shape[1] if len(parts) == 2 else 0
-    kvc, kr, s, cs, sn = kv.contiguous(), key_rows.contiguous(), f32(sinks), f32(cos), f32(sin)
+    keys, _held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin)
     out = torch.empty((B, wo_b.shape[0]), dtype=torch.bfloat16)
     status = _ATTENTION_OUTPUT_BF16(
-        lib, q=q.data_ptr(), kv=kvc.data_ptr(), window=c0.data_ptr(), n0=c0.shape[0], key_rows=kr.data_ptr(),
-        rows0=r0.data_ptr(), mask0=m0.data_ptr(), L0=r0.shape[1], cache1=c1.data_ptr(), rows1=r1.data_ptr(),
-        mask1=m1.data_ptr(), n1=c1.shape[0], L1=L1, sinks=s.data_ptr(), scale=scale, cos_t=cs.data_ptr(),
-        sin_t=sn.data_ptr(), half=cos.shape[1], wo_a=wo_a.data_ptr(),
+        lib, **keys, wo_a=wo_a.data_ptr(),
         pwo_a=None if packed_wo_a is None else packed_wo_a.data_ptr(),
         pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wo_b.data_ptr(),
         pwo_b=None if packed_wo_b is None else packed_wo_b.data_ptr(), D=wo_b.shape[0], out=out.data_ptr(), B=B,
         H=H, d=d, num_threads=threads())
-    if status == -1:
-        raise IndexError(f"decode_attention_output: an own key's row is outside the window cache (size "
-                         f"{c0.shape[0]}); the step plan's key rows must address the bound cache")
-    if status:
-        raise IndexError(f"decode_attention_output: a key row is outside its cache (sizes "
-                         f"{[c.shape[0] for c in caches]}); the step plan's key rows must address the bound cache")
+    _check_status(status, caches)
     return out

@@ -10,8 +10,9 @@ import weakref
 import torch
 
 from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
-from deepinfer_plugins.cpu.native.attention_layer import _bf16, _packed_fits, _part, _rotary_table
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.attention_layer import (_bf16, _check_status, _key_arguments, _keys_fit,
+                                                           _packed_fits, _projection_io, _rotary_table)
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, float_, int_, long_, ptr, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
 # attention_layer.c's weight formats
@@ -94,17 +95,10 @@ def attention_projections_quant(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torc
             or packed_qr is None and wqr[1].format == _W_BF16 and T != 1
             or not (_packed_fits(lib, packed_x, fused_x) and _packed_fits(lib, packed_qr, fused_qr))):
         return None
-    di = 0
-    if index_heads:
-        di = (Nqr - heads * d) // index_heads
-        if di * index_heads != Nqr - heads * d or not _rotary_table(index_cos, index_sin, T, di):
-            return None
-    qn, kn, cs, sn = q_norm.contiguous(), kv_norm.contiguous(), f32(cos), f32(sin)
-    ic, isn = (f32(index_cos), f32(index_sin)) if index_heads else (cs, sn)
-    px = torch.empty((T, Nx), dtype=torch.bfloat16)
-    q = torch.empty((T, heads, d), dtype=torch.bfloat16)
-    kv = torch.empty((T, d), dtype=torch.bfloat16)
-    iq = torch.empty((T, index_heads, di), dtype=torch.bfloat16) if index_heads else None
+    io = _projection_io(T, Nx, Nqr, heads, d, q_norm, kv_norm, cos, sin, index_heads, index_cos, index_sin)
+    if io is None:
+        return None
+    (qn, kn, cs, sn, ic, isn), (px, q, kv, iq) = io
     _ATTENTION_PROJECTIONS_QUANT(
         lib, x=x.data_ptr(), T=T, D=D, fx=wx[2], Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
         qn_dtype=qn_dtype, fqr=wqr[2], Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(),
@@ -131,13 +125,7 @@ def attention_output_quant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, 
         return None
     B, H, d = q.shape
     (G, R, K), (D, in_b) = wa[0], wb[0]
-    if (G * K != H * d or in_b != G * R or not 1 <= len(caches) <= 2 or len(rows) != len(caches)
-            or len(masks) != len(caches) or sinks.shape != (H,) or kv.shape != (B, d) or kv.dtype is not q.dtype
-            or key_rows.shape != (B,) or key_rows.dtype is not torch.int64 or not key_rows.is_cpu
-            or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != B or not 0 < 2 * cos.shape[1] <= d
-            or not cos.is_cpu or not sin.is_cpu):
-        return None
-    if not all(_part(q, c, r, m) for c, r, m in zip(caches, rows, masks)):
+    if G * K != H * d or in_b != G * R or not _keys_fit(q, kv, key_rows, caches, rows, masks, sinks, cos, sin):
         return None
     if B != 1 and (packed_wo_a is None and wa[1].format == _W_BF16 or packed_wo_b is None and wb[1].format == _W_BF16):
         return None
@@ -145,23 +133,11 @@ def attention_output_quant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, 
         return None
     if not _packed_fits(lib, packed_wo_b, wo_b):
         return None
-    parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
-    c0, r0, m0 = parts[0]
-    c1, r1, m1 = parts[1] if len(parts) == 2 else parts[0]
-    L1 = r1.shape[1] if len(parts) == 2 else 0
-    kvc, kr, s, cs, sn = kv.contiguous(), key_rows.contiguous(), f32(sinks), f32(cos), f32(sin)
+    keys, _held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin)
     out = torch.empty((B, D), dtype=torch.bfloat16)
     status = _ATTENTION_OUTPUT_QUANT(
-        lib, q=q.data_ptr(), kv=kvc.data_ptr(), window=c0.data_ptr(), n0=c0.shape[0], key_rows=kr.data_ptr(),
-        rows0=r0.data_ptr(), mask0=m0.data_ptr(), L0=r0.shape[1], cache1=c1.data_ptr(), rows1=r1.data_ptr(),
-        mask1=m1.data_ptr(), n1=c1.shape[0], L1=L1, sinks=s.data_ptr(), scale=scale, cos_t=cs.data_ptr(),
-        sin_t=sn.data_ptr(), half=cos.shape[1], wo_a=wa[2],
+        lib, **keys, wo_a=wa[2],
         pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wb[2], D=D,
         out=out.data_ptr(), B=B, H=H, d=d, num_threads=threads())
-    if status == -1:
-        raise IndexError(f"decode_attention_output: an own key's row is outside the window cache (size "
-                         f"{c0.shape[0]}); the step plan's key rows must address the bound cache")
-    if status:
-        raise IndexError(f"decode_attention_output: a key row is outside its cache (sizes "
-                         f"{[c.shape[0] for c in caches]}); the step plan's key rows must address the bound cache")
+    _check_status(status, caches)
     return out

@@ -28,6 +28,16 @@ _HC_POST_PRE_NORM = Kernel("hc_post_pre_norm", y=ptr, y_dtype=int_, streams=ptr,
 TRANSPOSED_MIXES = 24
 
 
+
+def _fn_t_address(fn_t: torch.Tensor | None, n: int, D: int) -> int | None | bool:
+    """The address of `fn_t` (transpose_fn's copy of fn, `[n * D, TRANSPOSED_MIXES]` fp32) for the C call,
+    None where there is none (the call reads fn), False where it is not that layout."""
+    if fn_t is None:
+        return None
+    if fn_t.shape != (n * D, TRANSPOSED_MIXES) or fn_t.dtype is not torch.float32 or not fn_t.is_contiguous():
+        return False
+    return fn_t.data_ptr()
+
 def transpose_fn(fn: torch.Tensor) -> torch.Tensor:
     """hc_pre's `fn_t`: fn `[24, n*D]` transposed to `[n*D, 24]` fp32, what the C tiles of 4 token rows
     read (one copy per weight, kept by the caller)."""
@@ -54,11 +64,9 @@ def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torc
         w_dtype = dtype_code(norm_weight)
         if w_dtype is None or norm_weight.shape != (D,):
             return None
-    t_ptr = None
-    if fn_t is not None:
-        if fn_t.shape != (n * D, TRANSPOSED_MIXES) or fn_t.dtype is not torch.float32 or not fn_t.is_contiguous():
-            return None
-        t_ptr = fn_t.data_ptr()
+    t_ptr = _fn_t_address(fn_t, n, D)
+    if t_ptr is False:
+        return None
     s = streams if streams.is_contiguous() else streams.contiguous()
     f, b, sc = f32(fn), f32(base), f32(scale)
     out = torch.empty((T, D), dtype=streams.dtype)
@@ -142,11 +150,9 @@ def hc_post_pre_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, p
         return None
     if not (post.is_cpu and comb.is_cpu and fn.is_cpu and base.is_cpu and scale.is_cpu):
         return None
-    t_ptr = None
-    if fn_t is not None:
-        if fn_t.shape != (n * D, TRANSPOSED_MIXES) or fn_t.dtype is not torch.float32 or not fn_t.is_contiguous():
-            return None
-        t_ptr = fn_t.data_ptr()
+    t_ptr = _fn_t_address(fn_t, n, D)
+    if t_ptr is False:
+        return None
     if out is None:
         out = hc_outputs(T, n, D, streams.dtype)
     elif out.streams.shape != streams.shape or out.streams.dtype is not streams.dtype:
