@@ -43,6 +43,7 @@ def test_large_tensor_is_aligned_and_advised():
 def test_small_tensors_and_the_switch_get_plain_memory(monkeypatch):
     small = huge_pages.empty((100, 100), torch.float32)
     assert small.shape == (100, 100) and small.dtype is torch.float32
+    assert small.untyped_storage().nbytes() == 100 * 100 * 4  # no huge-page slack below MIN_BYTES
     monkeypatch.setenv("DEEPINFER_CPU_HUGE_PAGES", "0")
     assert not huge_pages.enabled()
     plain = huge_pages.empty((2048, 2048), torch.float32)  # 16 MB: its own mmap, never advised

@@ -52,7 +52,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     `MIN_BYTES`, its memory starts on a 2 MB boundary and is advised for huge pages (its storage is one
     huge page larger, so that the aligned, rounded-up range lies inside it)."""
     numel = math.prod(shape)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     madvise = _madvise() if nbytes >= MIN_BYTES and enabled() else None
     if madvise is None:
         return torch.empty(shape, dtype=dtype)
