@@ -1,7 +1,8 @@
-"""Large tensors of the cpu back end on transparent huge pages (plugins/cpu/huge_pages.py): the memory
-is 2 MB-aligned and advised (the kernel marks the mapping `hg` in /proc/self/smaps), smaller tensors and
-DEEPINFER_CPU_HUGE_PAGES=0 get plain memory, and the C register tiles' packed copies use it with the
-same results."""
+"""The cpu back end's tensors on transparent huge pages (plugins/cpu/huge_pages.py): large ones are
+2 MB-aligned and advised (the kernel marks the mapping `hg` in /proc/self/smaps), small ones are carved
+from advised arena chunks, DEEPINFER_CPU_HUGE_PAGES=0 gets plain memory, the C register tiles' packed
+copies use it with the same results, and the engine's builder has the process's anonymous memory
+advised and collapsed once the weights and cache are in place."""
 from __future__ import annotations
 
 import sys
@@ -40,15 +41,63 @@ def test_large_tensor_is_aligned_and_advised():
 
 
 @linux_only
-def test_small_tensors_and_the_switch_get_plain_memory(monkeypatch):
-    small = huge_pages.empty((100, 100), torch.float32)
-    assert small.shape == (100, 100) and small.dtype is torch.float32
-    assert small.untyped_storage().nbytes() == 100 * 100 * 4  # no huge-page slack below MIN_BYTES
+def test_small_tensors_share_advised_arena_chunks():
+    a = huge_pages.empty((100, 100), torch.float32)
+    b = huge_pages.empty((3, 7), torch.bfloat16)
+    assert a.shape == (100, 100) and a.dtype is torch.float32 and b.shape == (3, 7) and b.dtype is torch.bfloat16
+    assert a.data_ptr() % 256 == 0 and b.data_ptr() % 256 == 0
+    assert "hg" in vm_flags(a.data_ptr()) and "hg" in vm_flags(b.data_ptr())
+    # one chunk holds both (no huge page of slack each), and they do not overlap
+    assert a.untyped_storage().nbytes() == huge_pages.ARENA_CHUNK + huge_pages.HUGE_PAGE
+    lo, hi = sorted([(a.data_ptr(), a.numel() * 4), (b.data_ptr(), b.numel() * 2)])
+    assert lo[0] + lo[1] <= hi[0] or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    a.fill_(1.0), b.fill_(2.0)
+    assert a.sum().item() == 10_000 and b.float().sum().item() == 42
+    # a tensor larger than what is left of the chunk starts a new one
+    rest = huge_pages.empty((huge_pages.MIN_BYTES // 2 - 64,), torch.uint8)
+    more = huge_pages.empty((huge_pages.MIN_BYTES // 2 - 64,), torch.uint8)
+    more.fill_(3), rest.fill_(4)
+    assert more.sum().item() == 3 * more.numel() and rest.sum().item() == 4 * rest.numel()
+
+
+@linux_only
+def test_the_switch_gets_plain_memory(monkeypatch):
     monkeypatch.setenv("DEEPINFER_CPU_HUGE_PAGES", "0")
     assert not huge_pages.enabled()
+    small = huge_pages.empty((100, 100), torch.float32)
+    assert small.untyped_storage().nbytes() == 100 * 100 * 4
     plain = huge_pages.empty((2048, 2048), torch.float32)  # 16 MB: its own mmap, never advised
     assert plain.untyped_storage().nbytes() == plain.numel() * 4
     assert "hg" not in vm_flags(plain.data_ptr())
+    assert huge_pages.collapse_process_memory() == 0
+
+
+@linux_only
+def test_collapse_advises_resident_anonymous_memory_and_keeps_its_values():
+    t = torch.empty(6 << 20, dtype=torch.uint8)  # malloc's: the heap or a mapping of its own, 4 KB pages
+    t.copy_(torch.arange(t.numel()) % 251)
+    before = t.clone()
+    advised = huge_pages.collapse_process_memory()
+    assert advised >= 4 << 20
+    middle = t.data_ptr() + t.numel() // 2
+    assert "hg" in vm_flags(middle)
+    assert torch.equal(t, before)
+
+
+def test_the_engine_builder_prepares_the_memory_once(tmp_path, monkeypatch):
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.models.deepseek_v4.make_model import make_model
+    from deepinfer_plugins.cpu.accelerator import CpuAccelerator
+
+    calls = []
+    monkeypatch.setattr(CpuAccelerator, "prepare_memory", lambda self: calls.append(self))
+    llm = LLM(model=str(make_model(tmp_path / "ckpt", size="tiny", seed=0)), accelerator="cpu", dtype="float32",
+              max_model_len=32, max_num_seqs=1, async_pipeline=False)
+    assert len(calls) == 1 and calls[0] is llm.engine.accelerator
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    llm.shutdown()
 
 
 @linux_only

@@ -50,7 +50,9 @@ from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeig
 #: 2.6 added the optional kernels `attention_projections` (the attention's input projections, norms and
 #: rotaries) and `decode_attention_output` (a decode step's attention from the own key's write to the
 #: output projection), each with a default composed of the kernels it fuses.
-INTERFACE_VERSION = "2.6"
+#: 2.7 added the optional `Accelerator.prepare_memory` (called once the weights are loaded and the cache
+#: is bound; default does nothing).
+INTERFACE_VERSION = "2.7"
 
 
 class ProbeResult(BaseModel):
@@ -449,6 +451,12 @@ class Accelerator(DeviceMemory, SmallOps, AttentionOps, MoEOps, SamplingOps, Col
         (for DeepSeek-V4, `deepinfer.models.deepseek_v4.ops.DeepseekV4Ops`). The model asks once,
         at construction."""
         return None
+
+    def prepare_memory(self) -> None:
+        """Called once by the engine's builder when the model's weights are loaded and its cache is bound,
+        before the first step: a back end may lay out or advise that memory for speed here (the cpu back end
+        puts it on transparent huge pages). Optional: this default does nothing. Must not change any
+        tensor's values."""
 
     def set_batch_invariant(self, enabled: bool) -> None:
         """Switch every kernel into (or out of) batch-invariant mode: a row's result then depends only

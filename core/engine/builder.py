@@ -181,6 +181,7 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
                      max_num_seqs=config.max_num_seqs, block_size=config.block_size)
     tensors = allocate_cache_tensors(layout, pool.num_slots, pool.num_blocks, pool.block_size, device)
     model.bind_cache(tensors)
+    accelerator.prepare_memory()  # weights and cache in place: the back end may advise their pages
     cache = CacheManager(layout, pool.num_slots, pool.num_blocks, pool.block_size, tensors=tensors)
     cache_seconds = time.perf_counter() - t1
     logger.info("cache pool: %d slots, blocks %s (%.3f GiB) in %.2f s", pool.num_slots, pool.num_blocks,

@@ -12,7 +12,7 @@ from deepinfer import envs
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
 from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS
 from deepinfer.accelerator.reference import TorchCollectives
-from deepinfer_plugins.cpu import native
+from deepinfer_plugins.cpu import huge_pages, native
 from deepinfer_plugins.cpu.host_memory import retain_freed_memory
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
@@ -70,6 +70,11 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
                             batch_invariant=self.native_library is not None,  # its mode runs on the C kernels
                             fast_paths=("native_c",) if self.native_library is not None else (),
                             weight_formats=self.weight_formats)
+
+    def prepare_memory(self) -> None:
+        # the weights, the cache and the heap the activations come from onto huge pages (huge_pages.py):
+        # at batch 1 the decode step outside the LM head ran 1.05-1.09x faster
+        huge_pages.collapse_process_memory()
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")
