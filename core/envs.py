@@ -66,9 +66,11 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "rows per expert, AVX2 prefill) and the mHC sites' fn transposed (bf16 batches of 4+ rows); "
            "0 uses the plain weights only.", kind=bool),
     EnvVar("DEEPINFER_CPU_HUGE_PAGES",
-           "cpu back end: 1 (default) puts the packed weight copies of 4 MB and more on 2 MB-aligned memory "
-           "advised for transparent huge pages (madvise; Linux), so that decode streams them without a "
-           "prefetch stop and a TLB miss every 4 KB; 0 allocates them as any tensor.", kind=bool),
+           "cpu back end: 1 (default) puts the packed weight copies on memory advised for transparent huge "
+           "pages (madvise; Linux), and once the engine is built advises the process's anonymous memory "
+           "(weights, cache, heap) and collapses what is resident (up to 1 GiB), so that decode reads it "
+           "without a prefetch stop and a TLB miss every 4 KB; 0 allocates the copies as any tensor and "
+           "advises nothing.", kind=bool),
     EnvVar("DEEPINFER_CPU_QUANTIZED_WEIGHTS",
            "cpu back end: 1 keeps a checkpoint's FP8/FP4 linear and expert weights quantised in memory "
            "(about the checkpoint's bytes; products of up to 128 rows run on the stored codes in C, larger "
