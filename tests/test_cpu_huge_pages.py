@@ -53,11 +53,15 @@ def test_small_tensors_share_advised_arena_chunks():
     assert lo[0] + lo[1] <= hi[0] or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
     a.fill_(1.0), b.fill_(2.0)
     assert a.sum().item() == 10_000 and b.float().sum().item() == 42
-    # a tensor larger than what is left of the chunk starts a new one
-    rest = huge_pages.empty((huge_pages.MIN_BYTES // 2 - 64,), torch.uint8)
-    more = huge_pages.empty((huge_pages.MIN_BYTES // 2 - 64,), torch.uint8)
-    more.fill_(3), rest.fill_(4)
-    assert more.sum().item() == 3 * more.numel() and rest.sum().item() == 4 * rest.numel()
+    # a tensor larger than what is left of the chunk starts a new one; the earlier ones keep theirs
+    near = huge_pages.MIN_BYTES - 256
+    per_chunk = huge_pages.ARENA_CHUNK // near
+    parts = [huge_pages.empty((near,), torch.uint8) for _ in range(per_chunk + 1)]
+    chunks = {p.untyped_storage().data_ptr() for p in parts}
+    assert 2 <= len(chunks) <= 3  # the current chunk's rest first, then one full chunk and a third at most
+    for i, p in enumerate(parts):
+        p.fill_(i)
+    assert [int(p[0]) + int(p[-1]) for p in parts] == [2 * i for i in range(len(parts))]
 
 
 @linux_only

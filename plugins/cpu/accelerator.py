@@ -72,8 +72,8 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
                             weight_formats=self.weight_formats)
 
     def prepare_memory(self) -> None:
-        # the weights, the cache and the heap the activations come from onto huge pages (huge_pages.py):
-        # at batch 1 the decode step outside the LM head ran 1.05-1.09x faster
+        # the weights, the cache and the heap the activations come from onto huge pages (huge_pages.py): at
+        # batch 1 the forward outside the LM head ran 1.02-1.13x faster in 10 of 11 process pairs (docs/performance.md)
         huge_pages.collapse_process_memory()
 
     def device(self, index: int = 0) -> torch.device:

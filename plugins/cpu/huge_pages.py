@@ -126,8 +126,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _anonymous_mappings() -> list[tuple[int, int, int]]:
-    """(start, end, resident bytes) of this process's private, writable anonymous mappings (the heap
-    included), from /proc/self/smaps."""
+    """(start, end, resident bytes) of this process's private, writable anonymous mappings (the heap and
+    named anonymous mappings included, stacks not), from /proc/self/smaps."""
     found: list[tuple[int, int, int]] = []
     current: tuple[int, int] | None = None
     with open("/proc/self/smaps") as f:
@@ -137,7 +137,8 @@ def _anonymous_mappings() -> list[tuple[int, int, int]]:
                 continue
             if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's first line
                 perms, path = fields[1], fields[5] if len(fields) > 5 else ""
-                anonymous = perms.startswith("rw") and perms[3] == "p" and path in ("", "[heap]")
+                anonymous = perms.startswith("rw") and perms[3] == "p" and (path in ("", "[heap]")
+                                                                              or path.startswith("[anon:"))
                 current = tuple(int(v, 16) for v in fields[0].split("-")) if anonymous else None
             elif current is not None and fields[0] == "Rss:":
                 found.append((*current, int(fields[1]) * 1024))
@@ -149,9 +150,8 @@ def collapse_process_memory(min_bytes: int = MIN_BYTES) -> int:
     """Advise every private anonymous mapping of this process with at least `min_bytes` of whole huge
     pages for huge pages, and collapse those mostly resident (`_COLLAPSE_MIN_RESIDENT`) onto huge pages
     now, up to COLLAPSE_MAX_BYTES in all (MADV_COLLAPSE; beyond that, or where the kernel has none, the
-    advice stays for khugepaged). Returns the bytes
-    advised; 0 where huge pages are off or the system has no madvise or /proc/self/smaps. The
-    memory's contents do not change."""
+    advice stays for khugepaged). Returns the bytes advised; 0 where huge pages are off or the system
+    has no madvise or /proc/self/smaps. The memory's contents do not change."""
     madvise = _madvise() if enabled() else None
     if madvise is None:
         return 0
