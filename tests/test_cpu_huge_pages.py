@@ -70,9 +70,9 @@ def test_the_switch_gets_plain_memory(monkeypatch):
     assert not huge_pages.enabled()
     small = huge_pages.empty((100, 100), torch.float32)
     assert small.untyped_storage().nbytes() == 100 * 100 * 4
-    plain = huge_pages.empty((2048, 2048), torch.float32)  # 16 MB: its own mmap, never advised
+    plain = huge_pages.empty((2048, 2048), torch.float32)  # 16 MB: malloc's, no mapping of ours
+    # (where it lies may be advised anyway: an engine built earlier in this process advised the heap)
     assert plain.untyped_storage().nbytes() == plain.numel() * 4
-    assert "hg" not in vm_flags(plain.data_ptr())
     assert huge_pages.collapse_process_memory() == 0
 
 
