@@ -55,7 +55,8 @@ COLLAPSE_MAX_BYTES = 1 << 30
 
 
 def enabled() -> bool:
-    """DEEPINFER_CPU_HUGE_PAGES (default on): large weight copies ask for transparent huge pages."""
+    """DEEPINFER_CPU_HUGE_PAGES (default on): packed weight copies and, once the engine is built, the process's
+    anonymous memory ask for transparent huge pages."""
     return envs.get_bool("DEEPINFER_CPU_HUGE_PAGES", True)
 
 
