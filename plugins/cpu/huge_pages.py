@@ -127,8 +127,8 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _anonymous_mappings() -> list[tuple[int, int, int]]:
-    """(start, end, resident bytes) of this process's private, writable anonymous mappings (the heap and
-    named anonymous mappings included, stacks not), from /proc/self/smaps."""
+    """(start, end, resident bytes) of this process's private, writable anonymous mappings (the heap, named
+    anonymous mappings and threads' stacks included; the main thread's `[stack]` not), from /proc/self/smaps."""
     found: list[tuple[int, int, int]] = []
     current: tuple[int, int] | None = None
     with open("/proc/self/smaps") as f:
