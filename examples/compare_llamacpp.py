@@ -18,9 +18,13 @@ default 512), batch-1 decode (`--decode-tokens`, default 64) and aggregate decod
 `--batches` (default 16,64), every decode after a context of `--context` tokens (default 128; llama-bench
 `-d`). deepinfer runs through
 `examples/benchmark.py` (speculation off, `OMP_NUM_THREADS=--threads`), llama.cpp through
-`llama-bench` and `llama-batched-bench` (`-t --threads`). It prints medians and the median of the
-per-round ratios (deepinfer / llama.cpp; above 1 means deepinfer is faster). Differences under ~20 %
-are noise on a busy machine. llama.cpp is a benchmark-time tool: nothing in deepinfer depends on it.
+`llama-bench` and `llama-batched-bench` (`-t --threads`). Within a round each side measures every
+figure `--repeats` times in one process where the tool allows it (deepinfer's `--repeats`, llama-bench's
+`-r`; llama-batched-bench has no repetitions and runs that many times) and the round keeps the median:
+one sample of a 64-token decode lasts well under a second, shorter than the busy machine's slow and fast
+phases. It prints medians and the median of the per-round ratios (deepinfer / llama.cpp; above 1 means
+deepinfer is faster). Differences under ~20 % are noise on a busy machine. llama.cpp is a benchmark-time
+tool: nothing in deepinfer depends on it.
 """
 from __future__ import annotations
 
@@ -155,11 +159,11 @@ def _run_json(cmd: list[str], env: dict[str, str] | None = None) -> str:
 
 
 def deepinfer_rate(fig: Figure, args: argparse.Namespace) -> float:
-    """tokens/s of `fig` measured by examples/benchmark.py in a fresh process."""
+    """tokens/s of `fig` measured by examples/benchmark.py in a fresh process (the median of its repeats)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.jsonl"
         cmd = [sys.executable, str(HERE / "benchmark.py"), "--preset", "cpu", "--model_name", args.model,
-               "--result_jsonl", str(out), "--seed", "0"]
+               "--result_jsonl", str(out), "--seed", "0", "--repeats", str(args.repeats)]
         if fig.kind == "prefill":
             cmd += ["--phase", "prefill", "--non_cached_tokens", str(args.prompt_tokens), "--prefill_batch_size",
                     str(args.prompt_tokens), "--prefill_batches", "1", "--decode_num_requests", "1"]
@@ -175,22 +179,27 @@ def deepinfer_rate(fig: Figure, args: argparse.Namespace) -> float:
 
 
 def llamacpp_rate(fig: Figure, args: argparse.Namespace) -> float:
-    """tokens/s of `fig` measured by llama-bench (prefill, batch 1) or llama-batched-bench."""
+    """tokens/s of `fig` measured by llama-bench (prefill, batch 1: the median of its `-r` samples) or
+    llama-batched-bench (the median of `--repeats` runs)."""
     bin_dir, t = Path(args.llama_bin), str(args.threads)
     if fig.batch == 1:
         # decode after a context of --context tokens (`-d`, as deepinfer's side and the batched figures do)
         p, n, d = (args.prompt_tokens, 0, 0) if fig.kind == "prefill" else (0, args.decode_tokens, args.context)
         rows = json.loads(_run_json([str(bin_dir / "llama-bench"), "-m", args.gguf, "-t", t, "-p", str(p),
-                                     "-n", str(n), "-d", str(d), "-r", "1", "-o", "json"]))
-        return float(rows[0]["avg_ts"])
+                                     "-n", str(n), "-d", str(d), "-r", str(args.repeats), "-o", "json"]))
+        samples = rows[0].get("samples_ts") or [rows[0]["avg_ts"]]
+        return float(statistics.median(samples))
     ctx = fig.batch * (args.context + args.decode_tokens) + 256
-    text = _run_json([str(bin_dir / "llama-batched-bench"), "-m", args.gguf, "-t", t, "-c", str(ctx),
-                      "-b", "2048", "-ub", "512", "-npp", str(args.context), "-ntg", str(args.decode_tokens),
-                      "-npl", str(fig.batch), "--output-format", "jsonl"])
-    rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    if not rows:
-        raise CompareError(f"llama-batched-bench printed no JSON line:\n{text[-1000:]}")
-    return float(rows[-1]["speed_tg"])
+    speeds = []
+    for _ in range(args.repeats):
+        text = _run_json([str(bin_dir / "llama-batched-bench"), "-m", args.gguf, "-t", t, "-c", str(ctx),
+                          "-b", "2048", "-ub", "512", "-npp", str(args.context), "-ntg", str(args.decode_tokens),
+                          "-npl", str(fig.batch), "--output-format", "jsonl"])
+        rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        if not rows:
+            raise CompareError(f"llama-batched-bench printed no JSON line:\n{text[-1000:]}")
+        speeds.append(float(rows[-1]["speed_tg"]))
+    return statistics.median(speeds)
 
 
 Rates = dict[str, dict[str, list[float]]]
@@ -243,14 +252,14 @@ def race(args: argparse.Namespace) -> int:
     if not (Path(args.model) / "config.json").is_file():
         raise CompareError(f"{args.model}/config.json is missing: --model is the deepinfer checkpoint the GGUF was "
                            f"made from")
-    if args.rounds < 1 or args.threads < 1:
-        raise CompareError("--rounds and --threads must be at least 1")
+    if args.rounds < 1 or args.threads < 1 or args.repeats < 1:
+        raise CompareError("--rounds, --repeats and --threads must be at least 1")
     figs = figures_of(args.batches)
     rates = race_rounds(figs, args.rounds, {"deepinfer": lambda f: deepinfer_rate(f, args),
                                             "llama.cpp": lambda f: llamacpp_rate(f, args)})
     rows = summarise(rates)
-    print(f"\n{args.threads} threads, {args.rounds} rounds, prompt {args.prompt_tokens}, decode {args.decode_tokens} "
-          f"tokens at context {args.context}\n")
+    print(f"\n{args.threads} threads, {args.rounds} rounds of {args.repeats} repeats, prompt {args.prompt_tokens}, "
+          f"decode {args.decode_tokens} tokens at context {args.context}\n")
     print(format_table(rows))
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "func"},
@@ -286,6 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--llama-bin", required=True, help="directory with llama-bench and llama-batched-bench")
     r.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     r.add_argument("--rounds", type=int, default=3)
+    r.add_argument("--repeats", type=int, default=3,
+                   help="samples of each figure per side and round, the round keeping their median (default 3)")
     r.add_argument("--prompt-tokens", type=int, default=512)
     r.add_argument("--decode-tokens", type=int, default=64)
     r.add_argument("--context", type=int, default=128, help="prompt tokens of each decoding sequence")

@@ -88,14 +88,22 @@ a = sys.argv[1:]
 assert a[a.index("-t") + 1] == "1", a
 p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
 assert int(a[a.index("-d") + 1]) == (16 if n else 0), a  # batch-1 decode after --context tokens
-print(json.dumps([{{"n_prompt": p, "n_gen": n, "avg_ts": 1000.0 if p else 50.0}}]))
+assert a[a.index("-r") + 1] == "3", a  # --repeats samples in one run
+# the figure is the median of the samples, not their mean
+samples = [1000.0, 900.0, 1300.0] if p else [50.0, 40.0, 70.0]
+print(json.dumps([{{"n_prompt": p, "n_gen": n, "avg_ts": sum(samples) / 3, "samples_ts": samples}}]))
 """
 FAKE_BATCHED = """#!{python}
 import json, sys
+from pathlib import Path
 a = sys.argv[1:]
 pl = int(a[a.index("-npl") + 1])
+# no repetitions in one run: the race runs it --repeats times and keeps the median (runs: 1x, 4x, 2x)
+runs = Path(sys.argv[0]).with_suffix(".runs")
+k = int(runs.read_text()) if runs.exists() else 0
+runs.write_text(str(k + 1))
 print("some log line")
-print(json.dumps({{"pp": 16, "tg": 4, "pl": pl, "speed_tg": 25.0 * pl}}))
+print(json.dumps({{"pp": 16, "tg": 4, "pl": pl, "speed_tg": 12.5 * pl * (1, 4, 2)[k % 3]}}))
 """
 
 
@@ -111,8 +119,8 @@ def test_a_whole_race_against_stand_in_binaries(tmp_path, clean_env):
     gguf.write_bytes(b"GGUF")
     out = tmp_path / "race.json"
     rc = cmp.main(["race", "--model", str(model), "--gguf", str(gguf), "--llama-bin", str(bin_dir), "--threads", "1",
-                   "--rounds", "1", "--prompt-tokens", "32", "--decode-tokens", "4", "--context", "16",
-                   "--batches", "2", "--json", str(out)])
+                   "--rounds", "1", "--repeats", "3", "--prompt-tokens", "32", "--decode-tokens", "4",
+                   "--context", "16", "--batches", "2", "--json", str(out)])
     assert rc == 0
     saved = json.loads(out.read_text())
     by_name = {r["figure"]: r for r in saved["summary"]}
