@@ -96,7 +96,7 @@ def instrument(llm: LLM, timer: ExclusiveTimer) -> None:
         setattr(accel, name, timer.wrap(name, getattr(accel, name)))
     ops = llm.engine.model.ops  # the model's V4 op table (its methods may call the kernels above)
     for name in ("hc_pre", "hc_pre_norm", "hc_post", "hc_post_pre_norm", "hc_head", "compress_store", "compress_pool",
-                 "indexer_topk"):
+                 "indexer_topk", "decode_block"):
         setattr(ops, name, timer.wrap(name, getattr(ops, name)))
     for cls, name in GLUE:
         setattr(cls, name, timer.wrap(f"{cls.__name__}.{name} (glue)", getattr(cls, name)))

@@ -79,8 +79,9 @@ def test_build_with_pre_modules_and_bad_names(model):
         DecoderBlock([Recorder("a", []), Recorder("a", [])], {})
 
 
-def _unfused(blocks, streams, step):
-    """Every module's own forward: hc_pre_norm and hc_post around each sub-layer, no op between two."""
+def _unfused(blocks, streams, step, ops=None):
+    """Every module's own forward: hc_pre_norm and hc_post around each sub-layer, no op between two (nor a
+    back end's whole-block path, `ops.decode_block`)."""
     for blk in blocks:
         for m in blk.modules:
             streams = m.forward(streams, step)

@@ -160,10 +160,12 @@ def test_bad_key_rows_are_refused():
                                         None, None) is None
 
 
-def test_the_model_decodes_the_same_bits(fused_calls, projection_calls):
+def test_the_model_decodes_the_same_bits(fused_calls, projection_calls, monkeypatch):
     """The tiny model (sliding, CSA and HCA layers) in bf16: ragged prefill, then decode steps of one
     and of 16 sequences, with the fused op and with the composed default; the mixed steps and the
-    batches it does not take run the composed path on both."""
+    batches it does not take run the composed path on both. (Blocks module by module: a one-token step's
+    whole block, `decode_block`, makes these calls itself: tests/test_cpu_decode_block.py.)"""
+    monkeypatch.setenv("DEEPINFER_CPU_DECODE_BLOCKS", "0")
     hf = build_hf_model()
     models = [build_our_model(hf, dtype=torch.bfloat16) for _ in range(2)]
     accel = models[1].blocks[0].attn.accel

@@ -412,6 +412,7 @@ def test_the_fused_quantised_attention_decodes_the_composed_bits(v4_path, clean_
     if native.library() is None:
         pytest.skip("the cpu back end's C kernels are not available here")
     clean_env.setenv("DEEPINFER_CPU_QUANTIZED_WEIGHTS", "1")
+    clean_env.setenv("DEEPINFER_CPU_DECODE_BLOCKS", "0")  # one-token steps through these ops too (not whole blocks)
     calls = []
     for name in ("attention_projections_quant", "attention_output_quant"):
         def counted(*args, _fn=getattr(native, name), _name=name, **kw):

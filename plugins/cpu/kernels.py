@@ -115,11 +115,20 @@ class CpuDeepseekV4Ops(DeepseekV4Ops):
                      mask: torch.Tensor, k: int) -> torch.Tensor:
         return self.kernels.indexer_topk(q, weights, keys, mask, k)
 
+    def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
+                     ) -> tuple[torch.Tensor, tuple] | None:
+        return self.kernels.decode_block(block, streams, waiting, step)
+
 
 class CpuKernels(TorchKernels):
     def model_ops(self, family: str) -> DeepseekV4Ops | None:
         """The V4 op table over this object's methods; None (the defaults) for other families."""
         return CpuDeepseekV4Ops(self) if family == DEEPSEEK_V4 else None
+
+    def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
+                     ) -> tuple[torch.Tensor, tuple] | None:
+        """V4's `decode_block`: none without the C kernels (module by module)."""
+        return None
 
     # ----- small ops -----
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
+import weakref
 
 import torch
 
@@ -37,7 +38,7 @@ from deepinfer.accelerator.interface import MoEDispatch
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, DeepseekV41Ops
-from deepinfer_plugins.cpu import native, packed_weights
+from deepinfer_plugins.cpu import decode_block as decode_blocks, native, packed_weights
 from deepinfer_plugins.cpu.kernels import _SKINNY_ROWS, CpuKernels, _pad_rows
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
@@ -244,6 +245,34 @@ class NativeCpuKernels(CpuKernels):
         if self.native_library is None or not packed_weights.enabled():
             return None
         return PackedWeights(pack=native.transpose_fn, dtype=torch.float32)
+
+    @functools.cached_property
+    def _decode_runners(self) -> weakref.WeakKeyDictionary:
+        """decode_block.DecodeBlockRunner per V4 decoder block (False: that block never runs that way)."""
+        return weakref.WeakKeyDictionary()
+
+    def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
+                     ) -> tuple[torch.Tensor, tuple] | None:
+        """A one-token decode step's block as its prepared C calls (decode_block.py), where it can run so."""
+        if self.native_library is None or self.invariant or not decode_blocks.enabled():
+            return None
+        runner = self._decode_runners.get(block)
+        if runner is False:
+            return None
+        if runner is None or runner.state is not runner.attn.state:  # new, or its cache bound again
+            if not decode_blocks.block_eligible(block):
+                self._decode_runners[block] = False
+                return None
+            runner = self._decode_runners[block] = decode_blocks.DecodeBlockRunner(self, block)
+        if not decode_blocks.step_eligible(streams, waiting, step, runner.attn):
+            return None
+        choices = runner.kernel_choices()
+        if choices is None:  # a packed copy the composed ops would read is not made yet
+            return None
+        if not runner.ready(choices, waiting is None) and not runner.build(streams, waiting, step, choices):
+            self._decode_runners[block] = False  # a check that fails for every step
+            return None
+        return runner.run(streams, waiting, step)
 
     def _hc_fn_t(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor | None:
         """fn's transposed copy for bf16 calls with a 4-row tile (None below 4 rows: one row reads fn itself).
@@ -684,25 +713,37 @@ class NativeCpuKernels(CpuKernels):
         # From _MOE_TILES_ROWS_PER_EXPERT the routed experts run on the tiles over their packed copies: the
         # expert kernel's roundings, its fp32 sums in another order (other last bits than the composed
         # path's, within the tests' tolerance). Not with AMX tiles.
-        if (lib is not None and not self.invariant and x.dim() == 2 and not quantised
-                and (rows == 1 or not self.native_amx) and rows * top_k <= self._native_expert_rows(w13.shape[0])):
-            low, high = self._packed_gemm_rows
-            tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None
-            experts = None
-            if tiles is not None and rows * top_k >= self._moe_tiles_rows_per_expert * w13.shape[0]:
-                experts = tiles.lookup(w13), tiles.lookup(w2)  # None at the weights' first use
-                experts = None if any(p is None for p in experts) else experts
-            if rows <= self._gemv_tokens_max_rows or (tiles is not None and rows <= _MOE_FUSED_MAX_TOKENS):
-                shared = None if tiles is None or shared_w13 is None else (tiles.lookup(shared_w13),
-                                                                           tiles.lookup(shared_w2))
-                round_silu = shared_w2 is not None and rows * shared_w2.shape[1] < _SWIGLU_TORCH_MAX
-                out = native.moe_layer_bf16(lib, x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2,
-                                            top_k, routed_scaling_factor, scoring_func, swiglu_limit, round_silu,
-                                            packed_experts=experts, packed_shared=shared)
+        products = None if quantised or x.dim() != 2 else self.moe_layer_products(rows, x.dtype, w13, w2, shared_w13,
+                                                                                  shared_w2, top_k)
+        if products is not None:
+            experts, shared, round_silu = products
+            out = native.moe_layer_bf16(lib, x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
+                                        routed_scaling_factor, scoring_func, swiglu_limit, round_silu,
+                                        packed_experts=experts, packed_shared=shared)
         if out is not None:
             return out
         return super().moe_sublayer(x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
                                     routed_scaling_factor, scoring_func, swiglu_limit)
+
+    def moe_layer_products(self, rows: int, dtype: torch.dtype, w13: torch.Tensor, w2: torch.Tensor,
+                           shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int
+                           ) -> tuple[tuple | None, tuple | None, bool] | None:
+        """Whether the bf16 MoE sub-layer of `rows` tokens runs as one C call (moe_layer_bf16), and on what:
+        (the routed experts' packed copies or None, the shared expert's or None, round_silu); None: the
+        composed path. Its lookups count uses, as the composed products' would (a copy is made at the second)."""
+        if (self.native_library is None or self.invariant or (rows != 1 and self.native_amx)
+                or rows * top_k > self._native_expert_rows(w13.shape[0])):
+            return None
+        low, high = self._packed_gemm_rows
+        tiles = self.tile_weights if low <= rows <= high and dtype == torch.bfloat16 else None
+        experts = None
+        if tiles is not None and rows * top_k >= self._moe_tiles_rows_per_expert * w13.shape[0]:
+            experts = tiles.lookup(w13), tiles.lookup(w2)  # None at the weights' first use
+            experts = None if any(p is None for p in experts) else experts
+        if not (rows <= self._gemv_tokens_max_rows or (tiles is not None and rows <= _MOE_FUSED_MAX_TOKENS)):
+            return None
+        shared = None if tiles is None or shared_w13 is None else (tiles.lookup(shared_w13), tiles.lookup(shared_w2))
+        return experts, shared, shared_w2 is not None and rows * shared_w2.shape[1] < _SWIGLU_TORCH_MAX
 
     def _quant_moe_sublayer(self, x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
                             hash_ids: torch.Tensor | None, w13: torch.Tensor | QuantizedWeight,
@@ -714,8 +755,23 @@ class NativeCpuKernels(CpuKernels):
         router top-k, dispatch, quant_experts, combine; a quantised shared expert's products on quant_gemv.c,
         a bf16 one's on the kernels the composed linear picks), the router's fp32 sums on a C dot product (in
         another order than torch's, as moe_layer_bf16). None: the composed path."""
-        lib, rows = self.native_library, x.shape[0]
-        if (lib is None or self.invariant or x.dim() != 2 or x.dtype != torch.bfloat16 or rows > _MOE_FUSED_MAX_TOKENS
+        if x.dim() != 2 or x.dtype != torch.bfloat16:
+            return None
+        products = self.quant_moe_layer_products(x.shape[0], w13, w2, shared_w13, shared_w2)
+        if products is None:
+            return None
+        packed_shared, round_silu = products
+        return native.moe_layer_quant(self.native_library, x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2,
+                                      top_k, routed_scaling_factor, scoring_func, swiglu_limit, round_silu,
+                                      packed_shared=packed_shared)
+
+    def quant_moe_layer_products(self, rows: int, w13: torch.Tensor | QuantizedWeight,
+                                 w2: torch.Tensor | QuantizedWeight, shared_w13: torch.Tensor | QuantizedWeight | None,
+                                 shared_w2: torch.Tensor | QuantizedWeight | None) -> tuple[tuple | None, bool] | None:
+        """Whether the MoE sub-layer of `rows` bf16 tokens with quantised routed experts runs as one C call
+        (moe_layer_quant), and on what: (a bf16 shared expert's packed copies or None, round_silu); None: the
+        composed path. Its lookups count uses, as the composed products' would."""
+        if (self.native_library is None or self.invariant or rows > _MOE_FUSED_MAX_TOKENS
                 or not isinstance(w13, QuantizedWeight) or not isinstance(w2, QuantizedWeight)):
             return None
         packed_shared = None
@@ -728,10 +784,7 @@ class NativeCpuKernels(CpuKernels):
                 return None  # the composed linear would take oneDNN's or the AMX products
             if tiles is not None:
                 packed_shared = tiles.lookup(shared_w13), tiles.lookup(shared_w2)
-        round_silu = shared_w2 is not None and rows * shared_w2.shape[1] < _SWIGLU_TORCH_MAX
-        return native.moe_layer_quant(lib, x, gate, gate_bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
-                                      routed_scaling_factor, scoring_func, swiglu_limit, round_silu,
-                                      packed_shared=packed_shared)
+        return packed_shared, shared_w2 is not None and rows * shared_w2.shape[1] < _SWIGLU_TORCH_MAX
 
     def _experts_invariant(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                            swiglu_limit: float) -> torch.Tensor:

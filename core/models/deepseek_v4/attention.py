@@ -122,8 +122,7 @@ class Attention:
             self.indexer_compressor.update(keyed["indexer.compressor.wkv.weight"],
                                            keyed["indexer.compressor.wgate.weight"],
                                            plan, rope, st.indexer_rows[0], st.indexer_rows[1], st.indexer_keys)
-            di = c.index_head_dim
-            index_w = px["indexer.weights_proj.weight"].float() * (Hi ** -0.5 * di ** -0.5)
+            index_w = self.index_weights(px["indexer.weights_proj.weight"])
 
         window_flat = self._window_flat(st.window)
         decode_only = len(plan.groups) == 1 and plan.groups[0].in_row_order  # keys written as they are read
@@ -159,6 +158,11 @@ class Attention:
         o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
         grouped = a.grouped_linear(o, self.wo_a)
         return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
+
+    def index_weights(self, weights_proj: torch.Tensor) -> torch.Tensor:
+        """The indexer's per-head weights `[T, Hi]` fp32 from their projection (its part of the fused one)."""
+        c = self.c
+        return weights_proj.float() * (c.index_n_heads ** -0.5 * c.index_head_dim ** -0.5)
 
     def _decode_attention(self, q: torch.Tensor, g, gi: int, plan: StepPlan, window_flat: torch.Tensor,
                           index_q: torch.Tensor | None, index_w: torch.Tensor | None) -> torch.Tensor:

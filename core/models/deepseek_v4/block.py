@@ -13,13 +13,14 @@ V4.1's Engram memory, which precedes attention in two layers) is inserted with
 
 Blocks run through `run_modules`: between two mHC sites in a row (the attention and MoE of a block,
 the MoE of one block and the attention of the next) it makes one op call, the first site's `hc_post`
-with the second's `hc_pre_norm` (`hc_post_pre_norm`), instead of the two.
+with the second's `hc_pre_norm` (`hc_post_pre_norm`), instead of the two. `run_blocks` with the model's
+op table first offers each block to `ops.decode_block` (a back end's whole-block path for the steps it
+takes, e.g. the cpu back end's one-token decode steps); a block it declines runs module by module.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from itertools import chain
 from typing import Protocol
 
 import torch
@@ -94,7 +95,13 @@ def run_modules(modules: Iterable[BlockModule], streams: torch.Tensor, step: Ste
     """streams `[T, n, D]` -> `[T, n, D]`: every module in order, as `m.forward` one after another would,
     except that an mHC site's `hc_post` waits for the next module: an mHC site takes it in its own first
     op (`HyperConnected.post_pre`), any other module gets the streams after it."""
-    waiting = None  # (site, y, post, comb): an mHC site whose output is not in the streams yet
+    return _finish(*_run_waiting(modules, streams, None, step))
+
+
+def _run_waiting(modules: Iterable[BlockModule], streams: torch.Tensor, waiting: tuple | None, step: StepInputs
+                 ) -> tuple[torch.Tensor, tuple | None]:
+    """`run_modules` from a site still `waiting` = (site, y, post, comb) (an mHC site whose output is not in the
+    streams yet, or None), up to the streams and the last site still waiting."""
     for m in modules:
         if not isinstance(m, HyperConnected):
             if waiting is not None:
@@ -107,15 +114,25 @@ def run_modules(modules: Iterable[BlockModule], streams: torch.Tensor, step: Ste
         else:
             streams, x, post, comb = m.post_pre(waiting[1], streams, waiting[2], waiting[3])
         waiting = (m, m.layer.run(x, step), post, comb)
+    return streams, waiting
+
+
+def _finish(streams: torch.Tensor, waiting: tuple | None) -> torch.Tensor:
     if waiting is not None:
         site, y, post, comb = waiting
         streams = site.ops.hc_post(y, streams, post, comb)
     return streams
 
 
-def run_blocks(blocks: Iterable[DecoderBlock], streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
-    """Every block in order (`run_modules` over all their modules: one op between two blocks too)."""
-    return run_modules(chain.from_iterable(blk.modules for blk in blocks), streams, step)
+def run_blocks(blocks: Iterable[DecoderBlock], streams: torch.Tensor, step: StepInputs,
+               ops: DeepseekV4Ops | None = None) -> torch.Tensor:
+    """Every block in order (`run_modules` over all their modules: one op between two blocks too); with the
+    model's `ops`, each block as `ops.decode_block` where it takes that step, else module by module."""
+    waiting = None
+    for blk in blocks:
+        fused = None if ops is None else ops.decode_block(blk, streams, waiting, step)
+        streams, waiting = fused if fused is not None else _run_waiting(blk.modules, streams, waiting, step)
+    return _finish(streams, waiting)
 
 
 class DecoderBlock:

@@ -47,10 +47,7 @@ class Compressor:
             # new row replaces position ctx - Rc, older than the window's first), read from there
             self.ops.compress_store(kv, score, self.ape, plan.position_mod(self.rate), write.ring_row, flat_kv,
                                     flat_score)
-            if completed:
-                cp = plan.compress_plan(self.rate, ring, self.overlap)
-                self._pool(take_rows(flat_kv, cp.ring_row_all), take_rows(flat_score, cp.ring_row_all), cp, rope,
-                           entries)
+            self.pool_stored(plan, rope, rows_kv, rows_score, entries)
             return
         kv = kv.float()
         score = self.ape.index_select(0, plan.position_mod(self.rate)).float().add_(score)  # z_t + ape[t mod m], fp32
@@ -62,6 +59,16 @@ class Compressor:
             self._pool(src_kv, src_score, cp, rope, entries)
         write.store(flat_kv, kv)
         write.store(flat_score, score)
+
+    def pool_stored(self, plan: StepPlan, rope: RotaryTables, rows_kv: torch.Tensor, rows_score: torch.Tensor,
+                    entries: torch.Tensor) -> None:
+        """The entries of the windows this step completes, from their raw rows once all are in the ring (the
+        step's rows stored first: at decode a window's rows are then all there, the new row replacing
+        position ctx - Rc, older than the window's first)."""
+        if plan.windows_completed(self.rate):
+            flat_kv, flat_score = self._flat_rows(rows_kv, rows_score)
+            cp = plan.compress_plan(self.rate, rows_kv.shape[1], self.overlap)
+            self._pool(take_rows(flat_kv, cp.ring_row_all), take_rows(flat_score, cp.ring_row_all), cp, rope, entries)
 
     def _pool(self, src_kv: torch.Tensor, src_score: torch.Tensor, cp: CompressPlan, rope: RotaryTables,
               entries: torch.Tensor) -> None:

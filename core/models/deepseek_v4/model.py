@@ -199,7 +199,7 @@ class DeepseekV4ForCausalLM:
         x = self.top["embed.weight"].index_select(0, ids)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         step = StepInputs(ids, plan, self.rope, cos_sin)
-        streams = run_blocks(self.blocks, streams, step)  # one mHC op between two sub-layers
+        streams = run_blocks(self.blocks, streams, step, self.ops)  # one mHC op between two sub-layers
         if split is not None:  # every rank samples (and drafts) from the whole step's final streams
             streams = split.gather(streams)
         picked = streams.index_select(0, batch.logits_indices.to(self.device))

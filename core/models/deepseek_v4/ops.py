@@ -3,8 +3,9 @@
 The generic ops (linear, norms, rope, attention, MoE, sampling) come from the accelerator
 interface. The ops below exist only because of V4's architecture — manifold-constrained
 hyper-connections (mHC: `hc_pre`, `hc_pre_norm`, `hc_post`, `hc_post_pre_norm`, `hc_head`), the
-compressor's ring writes and gated pooling (`compress_store`, `compress_pool`) and the lightning
-indexer's selection (`indexer_topk`) — so they are not part of the accelerator contract.
+compressor's ring writes and gated pooling (`compress_store`, `compress_pool`), the lightning
+indexer's selection (`indexer_topk`) and a whole decoder block in a few calls (`decode_block`) — so
+they are not part of the accelerator contract.
 `DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32 reductions). A back end with
 faster versions subclasses it, overrides what it has, and returns an instance from
 `Accelerator.model_ops("deepseek_v4")`; the model resolves its table once, at construction
@@ -26,7 +27,7 @@ _MAX_SCORE_ELEMENTS = 1 << 26
 
 #: the ops of the table (what a back end may override)
 OPS = ("hc_pre", "hc_pre_norm", "hc_post", "hc_post_pre_norm", "hc_head", "compress_store", "compress_pool",
-       "indexer_topk")
+       "indexer_topk", "decode_block")
 
 
 class DeepseekV4Ops:
@@ -151,6 +152,16 @@ class DeepseekV4Ops:
         if kk < k:
             picks = F.pad(picks, (0, k - kk), value=-1)
         return picks
+
+    def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
+                     ) -> tuple[torch.Tensor, tuple] | None:
+        """Optional: a whole decoder block (`block.DecoderBlock`) of a step in a few calls, where a back end
+        has them for that step (a one-token decode step, say); None runs its modules one by one (this
+        default). It takes and returns what `block.run_blocks` carries between blocks: the streams and
+        `waiting` = (mHC site, y, post, comb), the last site's output whose `hc_post` is still to come
+        (None before the first block), and computes exactly what the modules would, cache writes included.
+        The tensors it returns may be buffers it reuses: valid until its next call for the same block."""
+        return None
 
 
 def resolve_ops(accelerator: object) -> DeepseekV4Ops:

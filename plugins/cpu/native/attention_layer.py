@@ -7,7 +7,8 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import (Bound, Kernel, dtype_code, f32, float_, int_, long_, ptr,
+                                                   threads)
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
 _ATTENTION_OUTPUT_BF16 = Kernel(
@@ -64,6 +65,20 @@ def attention_projections_bf16(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """`attention_projections` (the interface's) of bf16 tokens `x [T, D]` with bf16 weights, each product
     on its packed copy when given, else (one token) on the plain weight; None for anything else."""
+    bound = attention_projections_arguments(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin,
+                                            index_heads, index_cos, index_sin, packed_x, packed_qr)
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs
+
+
+def attention_projections_arguments(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor, rank: int,
+                                    q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
+                                    eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
+                                    index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
+                                    packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None) -> Bound | None:
+    """`attention_projections_bf16`'s checked call (outputs: px, q, kv, the indexer's q), not made."""
     if x.dim() != 2 or not all(_bf16(t) for t in (x, fused_x, fused_qr)) or fused_x.dim() != 2 or fused_qr.dim() != 2:
         return None
     T, D = x.shape
@@ -77,16 +92,17 @@ def attention_projections_bf16(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch
     io = _projection_io(T, Nx, Nqr, heads, d, q_norm, kv_norm, cos, sin, index_heads, index_cos, index_sin)
     if io is None:
         return None
-    (qn, kn, cs, sn, ic, isn), (px, q, kv, iq) = io
-    _ATTENTION_PROJECTIONS_BF16(
-        lib, x=x.data_ptr(), T=T, D=D, fused_x=fused_x.data_ptr(),
-        pfx=None if packed_x is None else packed_x.data_ptr(), Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
-        qn_dtype=qn_dtype, fused_qr=fused_qr.data_ptr(), pfqr=None if packed_qr is None else packed_qr.data_ptr(),
-        Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(),
-        sin_t=sn.data_ptr(), half=cos.shape[1], Hi=index_heads, icos=ic.data_ptr(), isin=isn.data_ptr(),
-        ihalf=ic.shape[1], px=px.data_ptr(), q=q.data_ptr(), kv=kv.data_ptr(),
-        iq=None if iq is None else iq.data_ptr(), num_threads=threads())
-    return px, q, kv, iq
+    inputs, (px, q, kv, iq) = io
+    qn, kn, cs, sn, ic, isn = inputs
+    values = dict(x=x.data_ptr(), T=T, D=D, fused_x=fused_x.data_ptr(),
+                  pfx=None if packed_x is None else packed_x.data_ptr(), Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
+                  qn_dtype=qn_dtype, fused_qr=fused_qr.data_ptr(),
+                  pfqr=None if packed_qr is None else packed_qr.data_ptr(), Nqr=Nqr, H=heads, d=d,
+                  kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(),
+                  half=cos.shape[1], Hi=index_heads, icos=ic.data_ptr(), isin=isn.data_ptr(), ihalf=ic.shape[1],
+                  px=px.data_ptr(), q=q.data_ptr(), kv=kv.data_ptr(), iq=None if iq is None else iq.data_ptr(),
+                  num_threads=threads())
+    return Bound(_ATTENTION_PROJECTIONS_BF16, values, (px, q, kv, iq), inputs)
 
 
 def _part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> bool:
@@ -128,7 +144,7 @@ def _key_arguments(q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor, ca
                 scale=scale, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(), half=cos.shape[1]), keep
 
 
-def _check_status(status: int, caches: tuple[torch.Tensor, ...]) -> None:
+def check_output_status(status: int, caches: tuple[torch.Tensor, ...]) -> None:
     """The output call's status: IndexError for a key row outside its cache (the own keys then written)."""
     if status == -1:
         raise IndexError(f"decode_attention_output: an own key's row is outside the window cache (size "
@@ -148,6 +164,21 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
     weights, the products on the packed copies given (pack_bf16 of wo_a's groups and of wo_b), else,
     for one token, on the plain weights (the GEMVs); None for anything else, with nothing written.
     IndexError for a key row outside its cache (the own keys then written, as the composed path does)."""
+    bound = attention_output_arguments(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a, wo_b,
+                                       packed_wo_a, packed_wo_b)
+    if bound is None:
+        return None
+    check_output_status(bound.call(lib), caches)
+    return bound.outputs
+
+
+def attention_output_arguments(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                               caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                               masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
+                               sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
+                               packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None) -> Bound | None:
+    """`attention_output_bf16`'s checked call (outputs: the `[B, D]` result; its status goes to
+    `check_output_status`), not made."""
     if q.dim() != 3 or not all(_bf16(t) for t in (q, wo_a, wo_b)) or wo_a.dim() != 3 or wo_b.dim() != 2:
         return None
     B, H, d = q.shape
@@ -160,13 +191,10 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
         return None
     if not _packed_fits(lib, packed_wo_b, wo_b):
         return None
-    keys, _held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin)
+    keys, held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin)
     out = torch.empty((B, wo_b.shape[0]), dtype=torch.bfloat16)
-    status = _ATTENTION_OUTPUT_BF16(
-        lib, **keys, wo_a=wo_a.data_ptr(),
-        pwo_a=None if packed_wo_a is None else packed_wo_a.data_ptr(),
-        pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wo_b.data_ptr(),
-        pwo_b=None if packed_wo_b is None else packed_wo_b.data_ptr(), D=wo_b.shape[0], out=out.data_ptr(), B=B,
-        H=H, d=d, num_threads=threads())
-    _check_status(status, caches)
-    return out
+    values = dict(keys, wo_a=wo_a.data_ptr(), pwo_a=None if packed_wo_a is None else packed_wo_a.data_ptr(),
+                  pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wo_b.data_ptr(),
+                  pwo_b=None if packed_wo_b is None else packed_wo_b.data_ptr(), D=wo_b.shape[0], out=out.data_ptr(),
+                  B=B, H=H, d=d, num_threads=threads())
+    return Bound(_ATTENTION_OUTPUT_BF16, values, out, held)

@@ -10,9 +10,9 @@ import weakref
 import torch
 
 from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
-from deepinfer_plugins.cpu.native.attention_layer import (_bf16, _check_status, _key_arguments, _keys_fit,
+from deepinfer_plugins.cpu.native.attention_layer import (_bf16, check_output_status, _key_arguments, _keys_fit,
                                                            _packed_fits, _projection_io, _rotary_table)
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, float_, int_, long_, ptr, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
 # attention_layer.c's weight formats
@@ -81,6 +81,21 @@ def attention_projections_quant(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torc
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """`attention_projections` (the interface's) of bf16 tokens `x [T, D]`, each weight FP8-block / FP4
     codes or bf16 (its packed copy given, or None: the GEMV, one token); None for anything else."""
+    bound = attention_projections_quant_arguments(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos,
+                                                  sin, index_heads, index_cos, index_sin, packed_x, packed_qr)
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs
+
+
+def attention_projections_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight,
+                                          rank: int, q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight,
+                                          heads: int, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                                          sin: torch.Tensor, index_heads: int, index_cos: torch.Tensor | None,
+                                          index_sin: torch.Tensor | None, packed_x: torch.Tensor | None,
+                                          packed_qr: torch.Tensor | None) -> Bound | None:
+    """`attention_projections_quant`'s checked call (outputs: px, q, kv, the indexer's q), not made."""
     if x.dim() != 2 or not _bf16(x):
         return None
     wx, wqr = _weight(fused_x, packed_x, 2), _weight(fused_qr, packed_qr, 2)
@@ -98,14 +113,14 @@ def attention_projections_quant(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torc
     io = _projection_io(T, Nx, Nqr, heads, d, q_norm, kv_norm, cos, sin, index_heads, index_cos, index_sin)
     if io is None:
         return None
-    (qn, kn, cs, sn, ic, isn), (px, q, kv, iq) = io
-    _ATTENTION_PROJECTIONS_QUANT(
-        lib, x=x.data_ptr(), T=T, D=D, fx=wx[2], Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
-        qn_dtype=qn_dtype, fqr=wqr[2], Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(),
-        kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(), half=cos.shape[1], Hi=index_heads,
-        icos=ic.data_ptr(), isin=isn.data_ptr(), ihalf=ic.shape[1], px=px.data_ptr(), q=q.data_ptr(),
-        kv=kv.data_ptr(), iq=None if iq is None else iq.data_ptr(), num_threads=threads())
-    return px, q, kv, iq
+    inputs, (px, q, kv, iq) = io
+    qn, kn, cs, sn, ic, isn = inputs
+    values = dict(x=x.data_ptr(), T=T, D=D, fx=wx[2], Nx=Nx, rank=rank, q_norm=qn.data_ptr(), qn_dtype=qn_dtype,
+                  fqr=wqr[2], Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps,
+                  cos_t=cs.data_ptr(), sin_t=sn.data_ptr(), half=cos.shape[1], Hi=index_heads, icos=ic.data_ptr(),
+                  isin=isn.data_ptr(), ihalf=ic.shape[1], px=px.data_ptr(), q=q.data_ptr(), kv=kv.data_ptr(),
+                  iq=None if iq is None else iq.data_ptr(), num_threads=threads())
+    return Bound(_ATTENTION_PROJECTIONS_QUANT, values, (px, q, kv, iq), (*inputs, wx[1], wqr[1]))
 
 
 def attention_output_quant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
@@ -118,6 +133,22 @@ def attention_output_quant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, 
     weight FP8-block / FP4 codes (wo_a `[G, R, K]` per group) or bf16 (as attention_output_bf16 takes it);
     None for anything else, with nothing written. IndexError for a key row outside its cache (the own keys
     then written, as the composed path does)."""
+    bound = attention_output_quant_arguments(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
+                                             wo_b, packed_wo_a, packed_wo_b)
+    if bound is None:
+        return None
+    check_output_status(bound.call(lib), caches)
+    return bound.outputs
+
+
+def attention_output_quant_arguments(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                     caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                     masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float,
+                                     cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                     wo_b: torch.Tensor | QuantizedWeight, packed_wo_a: torch.Tensor | None,
+                                     packed_wo_b: torch.Tensor | None) -> Bound | None:
+    """`attention_output_quant`'s checked call (outputs: the `[B, D]` result; its status goes to
+    `check_output_status`), not made."""
     if q.dim() != 3 or not _bf16(q):
         return None
     wa, wb = _weight(wo_a, packed_wo_a, 3), _weight(wo_b, packed_wo_b, 2)
@@ -133,11 +164,8 @@ def attention_output_quant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, 
         return None
     if not _packed_fits(lib, packed_wo_b, wo_b):
         return None
-    keys, _held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin)
+    keys, held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin)
     out = torch.empty((B, D), dtype=torch.bfloat16)
-    status = _ATTENTION_OUTPUT_QUANT(
-        lib, **keys, wo_a=wa[2],
-        pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wb[2], D=D,
-        out=out.data_ptr(), B=B, H=H, d=d, num_threads=threads())
-    _check_status(status, caches)
-    return out
+    values = dict(keys, wo_a=wa[2], pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R,
+                  wo_b=wb[2], D=D, out=out.data_ptr(), B=B, H=H, d=d, num_threads=threads())
+    return Bound(_ATTENTION_OUTPUT_QUANT, values, out, (*held, wa[1], wb[1]))

@@ -8,7 +8,7 @@ kernel. Decode calls are a few microseconds, so the checks use the cheapest tens
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,6 +45,46 @@ class Kernel:
 
     def __call__(self, lib: ctypes.CDLL, **values: Any) -> Any:  # replaced per kernel (see the class doc)
         raise NotImplementedError
+
+
+class Bound(NamedTuple):
+    """A wrapper's call, checked and not yet made: the kernel, its argument values, what the wrapper
+    returns and the tensors made for the call (alive until it returns). `call` makes it once, `prepared`
+    keeps it for repeating (a decode block's calls, decode_block.py)."""
+
+    kernel: Kernel
+    values: dict[str, Any]
+    outputs: Any = None
+    held: tuple = ()
+
+    def call(self, lib: ctypes.CDLL) -> Any:
+        return self.kernel(lib, **self.values)
+
+    def prepared(self, lib: ctypes.CDLL) -> PreparedCall:
+        return PreparedCall(lib, self.kernel, self.values, (self.outputs, self.held))
+
+
+class PreparedCall:
+    """One kernel call with every argument bound, to be made again and again: a caller that repeats it on
+    other inputs of the same shapes replaces those arguments in place (`arguments[index(name)] = value`)
+    and calls it. `held`: the tensors its bound addresses point into, kept alive with it."""
+
+    __slots__ = ("function", "arguments", "names", "held")
+
+    def __init__(self, lib: ctypes.CDLL, kernel: Kernel, values: dict[str, Any], held: tuple = ()):
+        if set(values) != set(kernel.arguments):
+            raise TypeError(f"{kernel.name}: arguments {sorted(values)} are not its parameters "
+                            f"{list(kernel.arguments)}")
+        self.function = getattr(lib, kernel.name)
+        self.names = tuple(kernel.arguments)
+        self.arguments = [values[n] for n in self.names]
+        self.held = held
+
+    def index(self, name: str) -> int:
+        return self.names.index(name)
+
+    def __call__(self) -> Any:
+        return self.function(*self.arguments)
 
 
 def _keyword_call(name: str, arguments: tuple[str, ...]) -> Any:

@@ -5,7 +5,7 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, int_, long_, ptr
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, int_, long_, ptr
 
 _COMPRESS_STORE = Kernel("compress_store", restype=ctypes.c_int, kv=ptr, kv_stride=long_, score=ptr,
                          score_stride=long_, dtype=int_, ape=ptr, m=long_, position_mod=ptr, ring_row=ptr, T=long_,
@@ -21,9 +21,17 @@ def compress_store(lib: ctypes.CDLL, kv: torch.Tensor, score: torch.Tensor, ape:
                    position_mod: torch.Tensor, ring_row: torch.Tensor, rows_kv: torch.Tensor,
                    rows_score: torch.Tensor) -> bool:
     """`DeepseekV4Ops.compress_store` in one pass; False (nothing written) for input it does not handle."""
+    bound = compress_store_arguments(lib, kv, score, ape, position_mod, ring_row, rows_kv, rows_score)
+    return bound is not None and bound.call(lib) == 0
+
+
+def compress_store_arguments(lib: ctypes.CDLL, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+                             position_mod: torch.Tensor, ring_row: torch.Tensor, rows_kv: torch.Tensor,
+                             rows_score: torch.Tensor) -> Bound | None:
+    """`compress_store`'s checked call (its status: 0 when written), not made; None: not handled."""
     dtype = dtype_code(kv)
     if dtype is None or dtype_code(score) != dtype or kv.dim() != 2 or kv.shape != score.shape:
-        return False
+        return None
     T, w = kv.shape
     if (ape.dtype is not torch.float32 or ape.dim() != 2 or ape.shape[1] != w or not ape.is_contiguous()
             or rows_kv.dtype is not torch.float32 or rows_score.dtype is not torch.float32
@@ -31,11 +39,10 @@ def compress_store(lib: ctypes.CDLL, kv: torch.Tensor, score: torch.Tensor, ape:
             or not (rows_kv.is_contiguous() and rows_score.is_contiguous())
             or position_mod.shape != (T,) or ring_row.shape != (T,)
             or position_mod.dtype is not torch.long or ring_row.dtype is not torch.long):
-        return False
+        return None
     kv, score = _rows(kv), _rows(score)
     pm, rr = position_mod.contiguous(), ring_row.contiguous()
-    status = _COMPRESS_STORE(lib, kv=kv.data_ptr(), kv_stride=kv.stride(0), score=score.data_ptr(),
-                             score_stride=score.stride(0), dtype=dtype, ape=ape.data_ptr(), m=ape.shape[0],
-                             position_mod=pm.data_ptr(), ring_row=rr.data_ptr(), T=T, w=w, rows_kv=rows_kv.data_ptr(),
-                             rows_score=rows_score.data_ptr(), R=rows_kv.shape[0])
-    return status == 0
+    values = dict(kv=kv.data_ptr(), kv_stride=kv.stride(0), score=score.data_ptr(), score_stride=score.stride(0),
+                  dtype=dtype, ape=ape.data_ptr(), m=ape.shape[0], position_mod=pm.data_ptr(), ring_row=rr.data_ptr(),
+                  T=T, w=w, rows_kv=rows_kv.data_ptr(), rows_score=rows_score.data_ptr(), R=rows_kv.shape[0])
+    return Bound(_COMPRESS_STORE, values, None, (kv, score, pm, rr))

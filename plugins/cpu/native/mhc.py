@@ -7,7 +7,8 @@ from typing import NamedTuple
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr, threads
+from deepinfer_plugins.cpu.native.binding import (Bound, Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr,
+                                                   threads)
 
 _HC_PRE = Kernel("hc_pre", streams=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, collapsed=ptr, post=ptr, comb=ptr,
                  T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, dtype=int_,
@@ -51,6 +52,18 @@ def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torc
     """(collapsed, post, comb); with `norm_weight` `[D]` (hc_pre_norm) the collapse RMS-normalised
     (eps `rms_eps`) in its place. `fn_t`: `transpose_fn(fn)` where the caller keeps one (multi-row
     calls then run on it, 2.5x faster), else None."""
+    bound = hc_pre_arguments(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, fn_t)
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs
+
+
+def hc_pre_arguments(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                     scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
+                     norm_weight: torch.Tensor | None = None, rms_eps: float = 0.0, fn_t: torch.Tensor | None = None
+                     ) -> Bound | None:
+    """`hc_pre`'s checked call (outputs: collapsed or normed, post, comb), not made; None: not handled."""
     dtype = dtype_code(streams)
     if dtype is None or streams.dim() != 3:
         return None
@@ -72,17 +85,15 @@ def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torc
     out = torch.empty((T, D), dtype=streams.dtype)
     post = torch.empty((T, n), dtype=torch.float32)
     comb = torch.empty((T, n, n), dtype=torch.float32)
+    common = dict(streams=s.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr, base=b.data_ptr(), scale=sc.data_ptr(),
+                  post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D, sinkhorn_iters=sinkhorn_iters, eps=eps,
+                  norm_eps=norm_eps, dtype=dtype, num_threads=threads())
+    held = (s, f, b, sc)
     if norm_weight is not None:
         w = norm_weight if norm_weight.is_contiguous() else norm_weight.contiguous()
-        _HC_PRE_NORM(lib, streams=s.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr, base=b.data_ptr(), scale=sc.data_ptr(),
-                     normed=out.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
-                     sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, norm_weight=w.data_ptr(),
-                     w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype, num_threads=threads())
-    else:
-        _HC_PRE(lib, streams=s.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr, base=b.data_ptr(), scale=sc.data_ptr(),
-                collapsed=out.data_ptr(), post=post.data_ptr(), comb=comb.data_ptr(), T=T, n=n, D=D,
-                sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, dtype=dtype, num_threads=threads())
-    return out, post, comb
+        return Bound(_HC_PRE_NORM, dict(common, normed=out.data_ptr(), norm_weight=w.data_ptr(), w_dtype=w_dtype,
+                                        rms_eps=rms_eps), (out, post, comb), (*held, w))
+    return Bound(_HC_PRE, dict(common, collapsed=out.data_ptr()), (out, post, comb), held)
 
 
 def hc_post(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
@@ -140,6 +151,20 @@ def hc_post_pre_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, p
     """`hc_post(y, streams, post, comb)` then `hc_pre(..., norm_weight, rms_eps)` of the next site (fn, base,
     scale, fn_t as there) on its result, in one call with their bits. `out`: `hc_outputs(T, n, D, streams.dtype)`
     to write into (none of them may be an input), else new tensors. None: not handled (fall back)."""
+    bound = hc_post_pre_norm_arguments(lib, y, streams, post, comb, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                       norm_weight, rms_eps, fn_t, out)
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs
+
+
+def hc_post_pre_norm_arguments(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                               comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                               sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor,
+                               rms_eps: float, fn_t: torch.Tensor | None = None, out: HcOutputs | None = None
+                               ) -> Bound | None:
+    """`hc_post_pre_norm`'s checked call (outputs: the HcOutputs), not made; None: not handled."""
     dtype, y_dtype, w_dtype = dtype_code(streams), dtype_code(y), dtype_code(norm_weight)
     if dtype is None or y_dtype is None or w_dtype is None or streams.dim() != 3 or streams.numel() == 0:
         return None
@@ -161,10 +186,9 @@ def hc_post_pre_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, p
     yc = y if y.is_contiguous() else y.contiguous()
     w = norm_weight if norm_weight.is_contiguous() else norm_weight.contiguous()
     p, c, f, b, sc = f32(post), f32(comb), f32(fn), f32(base), f32(scale)
-    _HC_POST_PRE_NORM(lib, y=yc.data_ptr(), y_dtype=y_dtype, streams=s.data_ptr(), post_in=p.data_ptr(),
-                      comb_in=c.data_ptr(), streams_out=out.streams.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr,
-                      base=b.data_ptr(), scale=sc.data_ptr(), normed=out.normed.data_ptr(), post=out.post.data_ptr(),
-                      comb=out.comb.data_ptr(), T=T, n=n, D=D, sinkhorn_iters=sinkhorn_iters, eps=eps,
-                      norm_eps=norm_eps, norm_weight=w.data_ptr(), w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype,
-                      num_threads=threads())
-    return out
+    values = dict(y=yc.data_ptr(), y_dtype=y_dtype, streams=s.data_ptr(), post_in=p.data_ptr(), comb_in=c.data_ptr(),
+                  streams_out=out.streams.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr, base=b.data_ptr(),
+                  scale=sc.data_ptr(), normed=out.normed.data_ptr(), post=out.post.data_ptr(), comb=out.comb.data_ptr(),
+                  T=T, n=n, D=D, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, norm_weight=w.data_ptr(),
+                  w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype, num_threads=threads())
+    return Bound(_HC_POST_PRE_NORM, values, out, (s, yc, w, p, c, f, b, sc))

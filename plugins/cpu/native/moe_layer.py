@@ -6,7 +6,7 @@ import ctypes
 import torch
 
 from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
-from deepinfer_plugins.cpu.native.binding import Kernel, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, float_, int_, long_, ptr, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 from deepinfer_plugins.cpu.native.quant_experts import expert_stacks
 
@@ -82,6 +82,21 @@ def moe_layer_bf16(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: 
     experts on the register tiles (packed_gemm.c), else on the multi-token GEMVs; `packed_shared`
     (pack_bf16 of shared_w13, shared_w2, either None): those products on the tiles. A packed copy of
     another shape than its weight's is not used."""
+    bound = moe_layer_arguments(lib, x, gate, bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
+                                routed_scaling_factor, scoring_func, swiglu_limit, round_silu, packed_experts,
+                                packed_shared)
+    if bound is None:
+        return None
+    return None if bound.call(lib) else bound.outputs
+
+
+def moe_layer_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                        hash_ids: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
+                        shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
+                        routed_scaling_factor: float, scoring_func: str, swiglu_limit: float, round_silu: bool = False,
+                        packed_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> Bound | None:
+    """`moe_layer_bf16`'s checked call (outputs: the `[T, D]` result, valid where its status is 0), not made."""
     router = _router(x, gate, bias, hash_ids, top_k, scoring_func)
     if router is None or not (_usable(w13, torch.bfloat16) and _usable(w2, torch.bfloat16)) or w13.dim() != 3:
         return None
@@ -100,13 +115,13 @@ def moe_layer_bf16(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: 
         pw13 = pw2 = None
     psw13, psw2 = (None, None) if packed_shared is None else packed_shared
     out = torch.empty((T, D), dtype=torch.bfloat16)
-    status = _MOE_LAYER_BF16(
-        lib, x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
-        hash_ids=None if hash_ids is None else hash_ids.data_ptr(), E=E, k=top_k, scaling=routed_scaling_factor,
-        scoring=scoring, w13=w13.data_ptr(), w2=w2.data_ptr(), I=inter, **shared, pw13=pw13, pw2=pw2,
-        psw13=_packed_ptr(lib, psw13, shared_w13), psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit,
-        round_silu=int(round_silu), out=out.data_ptr(), num_threads=threads())
-    return None if status else out
+    values = dict(x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+                  hash_ids=None if hash_ids is None else hash_ids.data_ptr(), E=E, k=top_k,
+                  scaling=routed_scaling_factor, scoring=scoring, w13=w13.data_ptr(), w2=w2.data_ptr(), I=inter,
+                  **shared, pw13=pw13, pw2=pw2, psw13=_packed_ptr(lib, psw13, shared_w13),
+                  psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit, round_silu=int(round_silu),
+                  out=out.data_ptr(), num_threads=threads())
+    return Bound(_MOE_LAYER_BF16, values, out, (hash_ids,))
 
 
 
@@ -140,6 +155,22 @@ def moe_layer_quant(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias:
     """`moe_layer_bf16` with the routed experts kept quantised (FP4 or FP8-block stacks, as quant_experts
     takes them) and the shared expert bf16 (`packed_shared` as there), quantised (both FP4 or both FP8) or
     absent; None for anything else."""
+    bound = moe_layer_quant_arguments(lib, x, gate, bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
+                                      routed_scaling_factor, scoring_func, swiglu_limit, round_silu, packed_shared)
+    if bound is None:
+        return None
+    return None if bound.call(lib) else bound.outputs
+
+
+def moe_layer_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+                              hash_ids: torch.Tensor | None, w13: QuantizedWeight, w2: QuantizedWeight,
+                              shared_w13: torch.Tensor | QuantizedWeight | None,
+                              shared_w2: torch.Tensor | QuantizedWeight | None, top_k: int,
+                              routed_scaling_factor: float, scoring_func: str, swiglu_limit: float,
+                              round_silu: bool = False,
+                              packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
+                              ) -> Bound | None:
+    """`moe_layer_quant`'s checked call (outputs: the `[T, D]` result, valid where its status is 0), not made."""
     router = _router(x, gate, bias, hash_ids, top_k, scoring_func)
     if router is None:
         return None
@@ -158,10 +189,9 @@ def moe_layer_quant(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias:
         return None
     psw13, psw2 = (None, None) if packed_shared is None else packed_shared  # the C code ignores them when quantised
     out = torch.empty((T, D), dtype=torch.bfloat16)
-    status = _MOE_LAYER_QUANT(
-        lib, x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
-        hash_ids=None if hash_ids is None else hash_ids.data_ptr(), k=top_k, scaling=routed_scaling_factor,
-        scoring=scoring, **stacks, **shared, psw13=_packed_ptr(lib, psw13, shared_w13),
-        psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit, round_silu=int(round_silu), out=out.data_ptr(),
-        num_threads=threads())
-    return None if status else out
+    values = dict(x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+                  hash_ids=None if hash_ids is None else hash_ids.data_ptr(), k=top_k, scaling=routed_scaling_factor,
+                  scoring=scoring, **stacks, **shared, psw13=_packed_ptr(lib, psw13, shared_w13),
+                  psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit, round_silu=int(round_silu),
+                  out=out.data_ptr(), num_threads=threads())
+    return Bound(_MOE_LAYER_QUANT, values, out, (hash_ids,))
