@@ -72,19 +72,23 @@ def _quantised(*weights) -> bool:
     return any(isinstance(w, QuantizedWeight) for w in weights)
 
 
-def step_eligible(streams: torch.Tensor, waiting: tuple | None, step: StepInputs, attn: Attention) -> bool:
-    """This step: one decode token, unsplit; the streams and waiting site's output as the C calls read them."""
-    plan = step.plan
-    if (plan.T != 1 or not plan.decode_only or plan.split is not None or streams.dtype != torch.bfloat16
-            or streams.dim() != 3 or streams.shape[0] != 1 or not streams.is_contiguous()):
+def plan_eligible(plan) -> bool:
+    """The step (`StepPlan`): one decode token, unsplit."""
+    if plan.T != 1 or not plan.decode_only or plan.split is not None:
         return False
-    if waiting is not None:
-        _, y, post, comb = waiting
-        if not (y.is_contiguous() and post.is_contiguous() and comb.is_contiguous() and y.dtype == torch.bfloat16
-                and post.dtype == torch.float32 and comb.dtype == torch.float32):
-            return False
     groups = plan.groups
     return len(groups) == 1 and groups[0].in_row_order
+
+
+def inputs_eligible(streams: torch.Tensor, waiting: tuple | None) -> bool:
+    """The streams and the waiting site's output as the C calls read them."""
+    if streams.dtype != torch.bfloat16 or streams.dim() != 3 or streams.shape[0] != 1 or not streams.is_contiguous():
+        return False
+    if waiting is None:
+        return True
+    _, y, post, comb = waiting
+    return (y.is_contiguous() and post.is_contiguous() and comb.is_contiguous() and y.dtype == torch.bfloat16
+            and post.dtype == torch.float32 and comb.dtype == torch.float32)
 
 
 def _flat(t: tuple | list) -> list:
@@ -102,7 +106,7 @@ class DecodeBlockRunner:
         self.attn_site, self.attn, self.ffn_site, self.moe = _parts(block)
         self.state = self.attn.state  # the cache binding its calls address
         self.calls: list[PreparedCall] = []
-        self.choices: list = []
+        self.choices: list = []  # kernel_choices' flattened, as built
         self.first = False  # no site waiting before it: the attention site is hc_pre_norm, not hc_post_pre_norm
 
     def kernel_choices(self) -> list | None:
@@ -132,14 +136,16 @@ class DecodeBlockRunner:
 
     def ready(self, choices: list, first: bool) -> bool:
         """Built for these choices (the same copies) and this position in the chain."""
-        return (bool(self.calls) and first == self.first and len(_flat(choices)) == len(_flat(self.choices))
-                and all(x is y for x, y in zip(_flat(choices), _flat(self.choices))))
+        if not self.calls or first != self.first:
+            return False
+        flat = _flat(choices)
+        return len(flat) == len(self.choices) and all(x is y for x, y in zip(flat, self.choices))
 
     # ----- building -----
     def build(self, streams: torch.Tensor, waiting: tuple | None, step: StepInputs, choices: list) -> bool:
         """Check and bind every call on this step's inputs (nothing computed yet); False: not this way."""
         lib, k, a, site_a, site_b, moe = self.lib, self.kernels, self.attn, self.attn_site, self.ffn_site, self.moe
-        self.calls, self.choices, self.first = [], choices, waiting is None
+        self.calls, self.choices, self.first = [], _flat(choices), waiting is None
         copies, products, moe_products = choices
         c, plan, st, w = a.c, step.plan, self.state, a.w
         cos, sin = step.cos_sin[a.rope_kind]

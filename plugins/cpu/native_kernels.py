@@ -246,6 +246,9 @@ class NativeCpuKernels(CpuKernels):
             return None
         return PackedWeights(pack=native.transpose_fn, dtype=torch.float32)
 
+    _decode_plan: object = None  # the step plan decode_block last looked at, and whether its steps qualify
+    _decode_plan_eligible = False
+
     @functools.cached_property
     def _decode_runners(self) -> weakref.WeakKeyDictionary:
         """decode_block.DecodeBlockRunner per V4 decoder block (False: that block never runs that way)."""
@@ -264,7 +267,9 @@ class NativeCpuKernels(CpuKernels):
                 self._decode_runners[block] = False
                 return None
             runner = self._decode_runners[block] = decode_blocks.DecodeBlockRunner(self, block)
-        if not decode_blocks.step_eligible(streams, waiting, step, runner.attn):
+        if self._decode_plan is not step.plan:  # asked once per step (every block shares the plan)
+            self._decode_plan, self._decode_plan_eligible = step.plan, decode_blocks.plan_eligible(step.plan)
+        if not self._decode_plan_eligible or not decode_blocks.inputs_eligible(streams, waiting):
             return None
         choices = runner.kernel_choices()
         if choices is None:  # a packed copy the composed ops would read is not made yet
