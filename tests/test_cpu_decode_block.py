@@ -76,11 +76,38 @@ def test_steps_of_several_tokens_and_a_new_cache_run_as_before(fused_runs):
             for k in chunks:
                 assert torch.equal(outs[0][k], outs[1][k]), f"attempt {attempt}, step {step}, sequence {k}"
         assert bool(fused_runs) != fused.blocks[0].attn.accel.native_amx  # one-sequence steps: the prepared calls
-        runners_now = list(fused.blocks[0].attn.accel._decode_runners.values())
+        runners_now = [r for by_size in fused.blocks[0].attn.accel._decode_runners.values() for r in by_size.values()]
         if attempt == 0:
             first = runners_now  # held: ids stay theirs
             fused_runs.clear()
     assert not any(a is b for a in first for b in runners_now)  # every block's calls made again for the new cache
+
+
+def test_decode_batches_run_as_their_calls_with_the_same_bits(fused_runs, monkeypatch):
+    """16 sequences at ragged contexts decode together (one token each): the blocks, prepared for 16 tokens,
+    give the logits of the blocks run module by module; a batch the calls do not take runs module by module
+    on both sides."""
+    sizes = []
+    build = decode_block.DecodeBlockRunner.build
+    monkeypatch.setattr(decode_block.DecodeBlockRunner, "build",
+                        lambda self, *a: sizes.append(self.T) or build(self, *a))
+    fused, modules = _models()
+    runners = [Runner(m, num_slots=16) for m in (fused, modules)]
+    lengths = [3 + 5 * i for i in range(16)]  # ragged contexts across the compression boundaries
+    for r in runners:
+        for i in range(16):
+            r.add(i)
+        r.step({i: [(7 * i + j) % 500 + 1 for j in range(lengths[i])] for i in range(16)})
+    tokens = {i: [i + 1] for i in range(16)}
+    for step in range(6):
+        outs = [r.step(tokens) for r in runners]
+        for i in range(16):
+            assert torch.equal(outs[0][i], outs[1][i]), f"sequence {i}, decode step {step}"
+        tokens = {i: [int(outs[0][i][-1].argmax())] for i in range(16)}
+    kernels = fused.blocks[0].attn.accel
+    low, high = kernels._packed_gemm_rows
+    if not kernels.native_amx and max(low, 16) <= 16 <= high:  # the composed ops' 16-row C calls
+        assert fused_runs and set(sizes) == {16}
 
 
 def test_a_float32_model_runs_module_by_module(fused_runs):
@@ -91,7 +118,7 @@ def test_a_float32_model_runs_module_by_module(fused_runs):
     for _ in range(3):
         out = r.step({"a": [int(out["a"][-1].argmax())]})
     assert not fused_runs
-    assert all(v is False for v in fused.blocks[0].attn.accel._decode_runners.values())
+    assert all(v is False for v in fused.blocks[0].attn.accel._decode_runners.values())  # the blocks, for good
 
 
 def test_a_prepared_call_takes_exactly_its_arguments():

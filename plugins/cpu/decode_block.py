@@ -1,5 +1,4 @@
-"""A DeepSeek-V4 decoder block of a one-token decode step as its C calls prepared once (the V4 op
-`decode_block`).
+"""A DeepSeek-V4 decoder block of a decode step as its C calls prepared once (the V4 op `decode_block`).
 
 Module by module, a block of a batch-1 decode step makes the same C calls every step: the mHC site
 before attention, the attention's input projections, the compressors' ring writes (none in a
@@ -13,7 +12,8 @@ same inputs, so the same bits. What stays in torch between them is the model's o
 pooling when one completes (`Compressor.pool_stored`) and a CSA layer's indexer top-k
 (`Attention._decode_keys`).
 
-A block runs this way in a step of one token (no context-parallel split), with its weights held
+A block runs this way in a step of decode tokens only (one per sequence, up to MAX_TOKENS, no
+context-parallel split; the calls are prepared per token count), with its weights held
 whole (no expert parallelism; bf16, or kept quantised: the `*_quant` calls), V4's two mHC sites and
 nothing else, and every
 product on the kernel the composed op would pick for it (the packed copies it would read exist:
@@ -72,17 +72,22 @@ def _quantised(*weights) -> bool:
     return any(isinstance(w, QuantizedWeight) for w in weights)
 
 
+#: the most tokens of a step whose blocks run as prepared calls (the mHC sites' and the MoE's one-call sizes)
+MAX_TOKENS = 64
+
+
 def plan_eligible(plan) -> bool:
-    """The step (`StepPlan`): one decode token, unsplit."""
-    if plan.T != 1 or not plan.decode_only or plan.split is not None:
+    """The step (`StepPlan`): decode tokens only (one per sequence, in row order), unsplit, up to MAX_TOKENS."""
+    if not plan.decode_only or plan.T > MAX_TOKENS or plan.split is not None:
         return False
     groups = plan.groups
     return len(groups) == 1 and groups[0].in_row_order
 
 
-def inputs_eligible(streams: torch.Tensor, waiting: tuple | None) -> bool:
+def inputs_eligible(streams: torch.Tensor, waiting: tuple | None, tokens: int) -> bool:
     """The streams and the waiting site's output as the C calls read them."""
-    if streams.dtype != torch.bfloat16 or streams.dim() != 3 or streams.shape[0] != 1 or not streams.is_contiguous():
+    if (streams.dtype != torch.bfloat16 or streams.dim() != 3 or streams.shape[0] != tokens
+            or not streams.is_contiguous()):
         return False
     if waiting is None:
         return True
@@ -99,40 +104,44 @@ def _flat(t: tuple | list) -> list:
 
 
 class DecodeBlockRunner:
-    """One block's prepared calls for one-token steps (built by `build` from a step it then runs)."""
+    """One block's prepared calls for decode steps of `tokens` tokens (built by `build` from a step it then
+    runs)."""
 
-    def __init__(self, kernels: NativeCpuKernels, block: DecoderBlock):
-        self.kernels, self.lib = kernels, kernels.native_library
+    def __init__(self, kernels: NativeCpuKernels, block: DecoderBlock, tokens: int):
+        self.kernels, self.lib, self.T = kernels, kernels.native_library, tokens
         self.attn_site, self.attn, self.ffn_site, self.moe = _parts(block)
         self.state = self.attn.state  # the cache binding its calls address
         self.calls: list[PreparedCall] = []
         self.choices: list = []  # kernel_choices' flattened, as built
         self.first = False  # no site waiting before it: the attention site is hc_pre_norm, not hc_post_pre_norm
 
-    def kernel_choices(self) -> list | None:
-        """The products the composed ops would pick for one token this step (the packed copies, by identity,
-        and flags), or None where one of them would not be the C call. Once per step: the MoE's lookups
-        count uses, as the composed op's would."""
-        k, a, m = self.kernels, self.attn, self.moe
+    def kernel_choices(self, streams: torch.Tensor) -> list | None:
+        """The products the composed ops would pick for this step's tokens (the packed copies, by identity, and
+        flags), or None where one of them would not be the C call. Once per step: the lookups count uses, as
+        the composed ops' would (a copy is made at a weight's second)."""
+        k, a, m, T = self.kernels, self.attn, self.moe, self.T
         fx, fqr, wo_b = a.w["fused_x.weight"], a.w["fused_qr.weight"], a.w["wo_b.weight"]
         if _quantised(fx, fqr):
-            projections = k._quant_linear_copies(1, fx, fqr)
+            projections = k._quant_linear_copies(T, fx, fqr)
         else:
-            projections = None if k.native_amx else k._linear_copies(1, fx, fqr)
+            projections = None if T > 1 and k.native_amx else k._linear_copies(T, fx, fqr)
         if projections is None:
             return None
         if _quantised(a.wo_a, wo_b):
-            output = k._quant_output_products(1, a.wo_a, wo_b)
+            output = k._quant_output_products(T, a.wo_a, wo_b)
         else:
-            output = None if k.native_amx else k._decode_output_products(1, a.wo_a, wo_b)
+            output = None if k.native_amx else k._decode_output_products(T, a.wo_a, wo_b)
         if output is None:
             return None
         shared = (None, None) if m.shared is None else m.shared
         if _quantised(m.w13, m.w2, *shared):
-            moe = k.quant_moe_layer_products(1, m.w13, m.w2, *shared)
+            moe = k.quant_moe_layer_products(T, m.w13, m.w2, *shared)
         else:
-            moe = k.moe_layer_products(1, torch.bfloat16, m.w13, m.w2, *shared, m.c.num_experts_per_tok)
-        return None if moe is None else [projections, output, moe]
+            moe = k.moe_layer_products(T, torch.bfloat16, m.w13, m.w2, *shared, m.c.num_experts_per_tok)
+        if moe is None:
+            return None
+        # the mHC sites' transposed fn (from 4 rows), as their composed calls look it up
+        return [projections, output, moe, k._hc_fn_t(streams, self.attn_site.fn), k._hc_fn_t(streams, self.ffn_site.fn)]
 
     def ready(self, choices: list, first: bool) -> bool:
         """Built for these choices (the same copies) and this position in the chain."""
@@ -146,7 +155,7 @@ class DecodeBlockRunner:
         """Check and bind every call on this step's inputs (nothing computed yet); False: not this way."""
         lib, k, a, site_a, site_b, moe = self.lib, self.kernels, self.attn, self.attn_site, self.ffn_site, self.moe
         self.calls, self.choices, self.first = [], _flat(choices), waiting is None
-        copies, products, moe_products = choices
+        copies, products, moe_products, fn_t_a, fn_t_b = choices
         c, plan, st, w = a.c, step.plan, self.state, a.w
         cos, sin = step.cos_sin[a.rope_kind]
         icos, isin = step.cos_sin["compress"] if a.indexer_compressor is not None else (cos, sin)
@@ -154,7 +163,7 @@ class DecodeBlockRunner:
         hc = (c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         if self.first:
             pre = native.hc_pre_arguments(lib, streams, site_a.fn, site_a.base, site_a.scale, *hc, site_a.norm,
-                                          c.rms_norm_eps, k._hc_fn_t(streams, site_a.fn))
+                                          c.rms_norm_eps, fn_t_a)
             if pre is None:
                 return False
             x, post_a, comb_a = pre.outputs
@@ -163,7 +172,7 @@ class DecodeBlockRunner:
             _, y, post, comb = waiting
             pre = native.hc_post_pre_norm_arguments(
                 lib, y, streams, post, comb, site_a.fn, site_a.base, site_a.scale, *hc, site_a.norm, c.rms_norm_eps,
-                k._hc_fn_t(streams, site_a.fn), native.hc_outputs(1, n, D, streams.dtype))
+                fn_t_a, native.hc_outputs(self.T, n, D, streams.dtype))
             if pre is None:
                 return False
             streams_a, x, post_a, comb_a = pre.outputs
@@ -210,7 +219,7 @@ class DecodeBlockRunner:
             return False
         post_b = native.hc_post_pre_norm_arguments(
             lib, out.outputs, streams_a, post_a, comb_a, site_b.fn, site_b.base, site_b.scale, *hc, site_b.norm,
-            c.rms_norm_eps, k._hc_fn_t(streams_a, site_b.fn), native.hc_outputs(1, n, D, streams.dtype))
+            c.rms_norm_eps, fn_t_b, native.hc_outputs(self.T, n, D, streams.dtype))
         if post_b is None:
             return False
         self.streams_b, self.x_b, self.post_b, self.comb_b = post_b.outputs
@@ -254,7 +263,7 @@ class DecodeBlockRunner:
         plan, a, st = step.plan, self.attn, self.state
         cos, sin = step.cos_sin[a.rope_kind]
         icos, isin = step.cos_sin["compress"] if self.iq is not None else (cos, sin)
-        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (1, h)
+        if not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (self.T, h)
                    for t, h in ((cos, self.half), (sin, self.half), (icos, self.ihalf), (isin, self.ihalf))):
             return None
         rope = [t.data_ptr() for t in (cos, sin, icos, isin)]

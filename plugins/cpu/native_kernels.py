@@ -251,31 +251,37 @@ class NativeCpuKernels(CpuKernels):
 
     @functools.cached_property
     def _decode_runners(self) -> weakref.WeakKeyDictionary:
-        """decode_block.DecodeBlockRunner per V4 decoder block (False: that block never runs that way)."""
+        """decode_block.DecodeBlockRunner per V4 decoder block and token count (False: not that way)."""
         return weakref.WeakKeyDictionary()
 
     def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
                      ) -> tuple[torch.Tensor, tuple] | None:
-        """A one-token decode step's block as its prepared C calls (decode_block.py), where it can run so."""
+        """A decode step's block as its prepared C calls (decode_block.py), where it can run so."""
         if self.native_library is None or self.invariant or not decode_blocks.enabled():
             return None
-        runner = self._decode_runners.get(block)
-        if runner is False:
+        runners = self._decode_runners.get(block)  # token count -> runner (False: not that way), or False
+        if runners is False:
             return None
-        if runner is None or runner.state is not runner.attn.state:  # new, or its cache bound again
+        if runners is None:
             if not decode_blocks.block_eligible(block):
                 self._decode_runners[block] = False
                 return None
-            runner = self._decode_runners[block] = decode_blocks.DecodeBlockRunner(self, block)
+            runners = self._decode_runners[block] = {}
         if self._decode_plan is not step.plan:  # asked once per step (every block shares the plan)
             self._decode_plan, self._decode_plan_eligible = step.plan, decode_blocks.plan_eligible(step.plan)
-        if not self._decode_plan_eligible or not decode_blocks.inputs_eligible(streams, waiting):
+        tokens = step.plan.T
+        if not self._decode_plan_eligible or not decode_blocks.inputs_eligible(streams, waiting, tokens):
             return None
-        choices = runner.kernel_choices()
-        if choices is None:  # a packed copy the composed ops would read is not made yet
+        runner = runners.get(tokens)
+        if runner is False:
+            return None
+        if runner is None or runner.state is not runner.attn.state:  # new, or its cache bound again
+            runner = runners[tokens] = decode_blocks.DecodeBlockRunner(self, block, tokens)
+        choices = runner.kernel_choices(streams)
+        if choices is None:  # a packed copy the composed ops would read is not made yet, or not these calls
             return None
         if not runner.ready(choices, waiting is None) and not runner.build(streams, waiting, step, choices):
-            self._decode_runners[block] = False  # a check that fails for every step
+            runners[tokens] = False  # a check that fails for every step of this size
             return None
         return runner.run(streams, waiting, step)
 
