@@ -72,7 +72,7 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "without a prefetch stop and a TLB miss every 4 KB; 0 allocates the copies as any tensor and "
            "advises nothing.", kind=bool),
     EnvVar("DEEPINFER_CPU_DECODE_BLOCKS",
-           "cpu back end: 1 (default) runs each DeepSeek-V4 decoder block of a one-token decode step (weights "
+           "cpu back end: 1 (default) runs each DeepSeek-V4 decoder block of a decode step (up to 64 tokens, weights "
            "bf16 or kept quantised, held whole) as its C calls checked and bound once, without the Python "
            "between them; 0 runs every block module by module. The same bits either way.", kind=bool),
     EnvVar("DEEPINFER_CPU_QUANTIZED_WEIGHTS",

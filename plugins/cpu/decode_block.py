@@ -6,7 +6,7 @@ sliding layer, the indexer's too in a CSA one), the attention output, the mHC si
 and the MoE sub-layer. Around them ran ~250 us of Python: the model's glue, the wrappers' checks,
 new output tensors, ctypes matching ~25 keyword arguments a call. A `DecodeBlockRunner` checks and
 binds those calls once (each wrapper's own `*_arguments`, with the kernel choices the composed ops
-make for one token), owns their outputs, and per step only replaces the arguments that change (the
+make for the step's token count), owns their outputs, and per step only replaces the arguments that change (the
 incoming streams, the RoPE tables, the step plan's rows) before calling them: the same calls on the
 same inputs, so the same bits. What stays in torch between them is the model's own code: a window's
 pooling when one completes (`Compressor.pool_stored`) and a CSA layer's indexer top-k
@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 
 
 def enabled() -> bool:
-    """DEEPINFER_CPU_DECODE_BLOCKS (default on): one-token decode steps run each eligible block as its
-    prepared C calls."""
+    """DEEPINFER_CPU_DECODE_BLOCKS (default on): decode steps run each eligible block as its prepared C
+    calls."""
     return envs.get_bool("DEEPINFER_CPU_DECODE_BLOCKS", True)
 
 

@@ -15,7 +15,7 @@ Blocks run through `run_modules`: between two mHC sites in a row (the attention 
 the MoE of one block and the attention of the next) it makes one op call, the first site's `hc_post`
 with the second's `hc_pre_norm` (`hc_post_pre_norm`), instead of the two. `run_blocks` with the model's
 op table first offers each block to `ops.decode_block` (a back end's whole-block path for the steps it
-takes, e.g. the cpu back end's one-token decode steps); a block it declines runs module by module.
+takes, e.g. the cpu back end's decode steps); a block it declines runs module by module.
 """
 from __future__ import annotations
 
