@@ -76,7 +76,8 @@ def test_steps_of_several_tokens_and_a_new_cache_run_as_before(fused_runs):
             for k in chunks:
                 assert torch.equal(outs[0][k], outs[1][k]), f"attempt {attempt}, step {step}, sequence {k}"
         assert bool(fused_runs) != fused.blocks[0].attn.accel.native_amx  # one-sequence steps: the prepared calls
-        runners_now = [r for by_size in fused.blocks[0].attn.accel._decode_runners.values() for r in by_size.values()]
+        runners_now = [r for _, _, by_size in fused.blocks[0].attn.accel._decode_runners.values()
+                       for r in by_size.values()]
         if attempt == 0:
             first = runners_now  # held: ids stay theirs
             fused_runs.clear()

@@ -1,24 +1,23 @@
 """A DeepSeek-V4 decoder block of a decode step as its C calls prepared once (the V4 op `decode_block`).
 
-Module by module, a block of a batch-1 decode step makes the same C calls every step: the mHC site
-before attention, the attention's input projections, the compressors' ring writes (none in a
-sliding layer, the indexer's too in a CSA one), the attention output, the mHC site before the MoE
-and the MoE sub-layer. Around them ran ~250 us of Python: the model's glue, the wrappers' checks,
-new output tensors, ctypes matching ~25 keyword arguments a call. A `DecodeBlockRunner` checks and
-binds those calls once (each wrapper's own `*_arguments`, with the kernel choices the composed ops
-make for the step's token count), owns their outputs, and per step only replaces the arguments that change (the
+Module by module, a block of a decode step makes the same C calls every step: the mHC site before
+attention, the attention's input projections, the compressors' ring writes (none in a sliding layer,
+the indexer's too in a CSA one), the attention output, the mHC site before the MoE and the MoE
+sub-layer. Around them ran ~250 us of Python: the model's glue, the wrappers' checks, new output
+tensors, ctypes matching ~25 keyword arguments a call. A `DecodeBlockRunner` checks and binds those
+calls once (each wrapper's own `*_arguments`, with the kernel choices the composed ops make for the
+step's token count), owns their outputs, and per step only replaces the arguments that change (the
 incoming streams, the RoPE tables, the step plan's rows) before calling them: the same calls on the
 same inputs, so the same bits. What stays in torch between them is the model's own code: a window's
 pooling when one completes (`Compressor.pool_stored`) and a CSA layer's indexer top-k
 (`Attention._decode_keys`).
 
 A block runs this way in a step of decode tokens only (one per sequence, up to MAX_TOKENS, no
-context-parallel split; the calls are prepared per token count), with its weights held
-whole (no expert parallelism; bf16, or kept quantised: the `*_quant` calls), V4's two mHC sites and
-nothing else, and every
-product on the kernel the composed op would pick for it (the packed copies it would read exist:
-checked every step, since they appear after a weight's first uses). Anything else runs module by
-module. `DEEPINFER_CPU_DECODE_BLOCKS=0` turns it off.
+context-parallel split; the calls are prepared per token count), with its weights held whole (no
+expert parallelism; bf16, or kept quantised: the `*_quant` calls), V4's two mHC sites and nothing
+else, and every product on the kernel the composed op would pick for it (the packed copies it would
+read exist: checked every step, since they appear after a weight's first uses). Anything else runs
+module by module. `DEEPINFER_CPU_DECODE_BLOCKS=0` turns it off.
 """
 from __future__ import annotations
 

@@ -251,7 +251,8 @@ class NativeCpuKernels(CpuKernels):
 
     @functools.cached_property
     def _decode_runners(self) -> weakref.WeakKeyDictionary:
-        """decode_block.DecodeBlockRunner per V4 decoder block and token count (False: not that way)."""
+        """decode_block.DecodeBlockRunner per V4 decoder block and token count (False: not that way), with
+        the cache binding they address."""
         return weakref.WeakKeyDictionary()
 
     def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
@@ -259,14 +260,19 @@ class NativeCpuKernels(CpuKernels):
         """A decode step's block as its prepared C calls (decode_block.py), where it can run so."""
         if self.native_library is None or self.invariant or not decode_blocks.enabled():
             return None
-        runners = self._decode_runners.get(block)  # token count -> runner (False: not that way), or False
-        if runners is False:
+        # per block: False, or (its attention, the cache binding its calls address, token count -> runner or False)
+        entry = self._decode_runners.get(block)
+        if entry is False:
             return None
-        if runners is None:
+        if entry is None:
             if not decode_blocks.block_eligible(block):
                 self._decode_runners[block] = False
                 return None
-            runners = self._decode_runners[block] = {}
+            attn = block.modules[0].layer
+            entry = self._decode_runners[block] = (attn, attn.state, {})
+        if entry[1] is not entry[0].state:  # the cache bound again: every size's calls address the old one
+            entry = self._decode_runners[block] = (entry[0], entry[0].state, {})
+        runners = entry[2]
         if self._decode_plan is not step.plan:  # asked once per step (every block shares the plan)
             self._decode_plan, self._decode_plan_eligible = step.plan, decode_blocks.plan_eligible(step.plan)
         tokens = step.plan.T
@@ -275,7 +281,7 @@ class NativeCpuKernels(CpuKernels):
         runner = runners.get(tokens)
         if runner is False:
             return None
-        if runner is None or runner.state is not runner.attn.state:  # new, or its cache bound again
+        if runner is None:
             runner = runners[tokens] = decode_blocks.DecodeBlockRunner(self, block, tokens)
         choices = runner.kernel_choices(streams)
         if choices is None:  # a packed copy the composed ops would read is not made yet, or not these calls
