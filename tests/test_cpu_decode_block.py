@@ -111,6 +111,27 @@ def test_decode_batches_run_as_their_calls_with_the_same_bits(fused_runs, monkey
         assert fused_runs and set(sizes) == {16}
 
 
+def test_the_calls_follow_torchs_thread_count(fused_runs):
+    """A thread count set between steps reaches the prepared calls (the composed ops read it every call)."""
+    fused, _ = _models()
+    r = Runner(fused, num_slots=2)
+    r.add("a")
+    out = r.step({"a": list(range(1, 12))})
+    before = torch.get_num_threads()
+    try:
+        for n in (before, 1, before):
+            torch.set_num_threads(n)
+            for _ in range(3):
+                out = r.step({"a": [int(out["a"][-1].argmax())]})
+            runners = [x for _, _, by_size in fused.blocks[0].attn.accel._decode_runners.values()
+                       for x in by_size.values() if x]
+            assert runners and all(call.arguments[call.index("num_threads")] == n
+                                   for x in runners for call in x.calls if "num_threads" in call.names)
+    finally:
+        torch.set_num_threads(before)
+    assert bool(fused_runs) != fused.blocks[0].attn.accel.native_amx  # AMX: module by module
+
+
 def test_a_float32_model_runs_module_by_module(fused_runs):
     fused, _ = _models(torch.float32)
     r = Runner(fused, num_slots=2)

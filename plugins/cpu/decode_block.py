@@ -33,7 +33,7 @@ from deepinfer.models.deepseek_v4.block import ATTN, FFN, DecoderBlock, HyperCon
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer_plugins.cpu import native
 from deepinfer_plugins.cpu.native.attention_layer import check_output_status
-from deepinfer_plugins.cpu.native.binding import PreparedCall
+from deepinfer_plugins.cpu.native.binding import PreparedCall, threads
 
 if TYPE_CHECKING:
     from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
@@ -240,6 +240,7 @@ class DecodeBlockRunner:
             b.prepared(lib) for b in (pre, proj, out, post_b, layer))
         self.stores = [b.prepared(lib) for b in stores]
         self.calls = [self.pre, self.projections, *self.stores, self.output, self.post_pre, self.moe_layer]
+        self.threads = threads()
         self._index_arguments()
         return True
 
@@ -253,6 +254,7 @@ class DecodeBlockRunner:
                                                           "cos_t", "sin_t")]
         self.post_pre_streams = self.post_pre.index("streams")
         self.hash_index = self.moe_layer.index("hash_ids")
+        self.thread_inputs = [(call, call.index("num_threads")) for call in self.calls if "num_threads" in call.names]
 
     # ----- a step -----
     def run(self, streams: torch.Tensor, waiting: tuple | None, step: StepInputs
@@ -266,6 +268,10 @@ class DecodeBlockRunner:
                    for t, h in ((cos, self.half), (sin, self.half), (icos, self.ihalf), (isin, self.ihalf))):
             return None
         rope = [t.data_ptr() for t in (cos, sin, icos, isin)]
+        if threads() != self.threads:  # torch's thread count changed: the calls use it, as the composed ops do
+            self.threads = threads()
+            for call, i in self.thread_inputs:
+                call.arguments[i] = self.threads
         pre = self.pre.arguments
         if self.first:
             pre[self.pre_inputs[0]] = streams.data_ptr()
