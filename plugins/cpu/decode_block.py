@@ -152,7 +152,7 @@ class DecodeBlockRunner:
     # ----- building -----
     def build(self, streams: torch.Tensor, waiting: tuple | None, step: StepInputs, choices: list) -> bool:
         """Check and bind every call on this step's inputs (nothing computed yet); False: not this way."""
-        lib, k, a, site_a, site_b, moe = self.lib, self.kernels, self.attn, self.attn_site, self.ffn_site, self.moe
+        lib, a, site_a, site_b, moe = self.lib, self.attn, self.attn_site, self.ffn_site, self.moe
         self.calls, self.choices, self.first = [], _flat(choices), waiting is None
         copies, products, moe_products, fn_t_a, fn_t_b = choices
         c, plan, st, w = a.c, step.plan, self.state, a.w
@@ -261,7 +261,7 @@ class DecodeBlockRunner:
             ) -> tuple[torch.Tensor, tuple] | None:
         """The block on this step (`decode_block`'s result; the caller checked `ready`), or None: run it
         module by module (a RoPE table not as built, a compressor row the C write refuses)."""
-        plan, a, st = step.plan, self.attn, self.state
+        plan, a = step.plan, self.attn
         cos, sin = step.cos_sin[a.rope_kind]
         icos, isin = step.cos_sin["compress"] if self.iq is not None else (cos, sin)
         if not all(t.dtype == torch.float32 and t.is_contiguous() and t.shape == (self.T, h)
