@@ -10,12 +10,17 @@ found at admission (empty or too long prompt, out-of-vocabulary token ids, a rej
 does not raise: that request's `RequestOutput` has finish_reason "error" and an `error` message,
 and the other requests complete. Bad arguments to `generate` itself (wrong types, a sampling_params
 list of the wrong length) raise ValueError/TypeError before anything runs.
+
+Aborting: `abort(request_ids)` and `abort_all()` may be called from any thread while `generate` runs
+in another; the aborted requests finish with finish_reason "abort" (keeping the tokens generated so
+far) and `generate` returns once the rest are done. Name the requests with `generate(...,
+request_ids=[...])` to abort some of them; every `RequestOutput` carries its `request_id`.
 """
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +88,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; one RequestOutput per prompt, in order."""
+                 use_tqdm: bool = True, request_ids: Sequence[str] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; one RequestOutput per prompt, in order.
+
+        `request_ids`: one distinct string per prompt, the ids `abort` takes (another thread may
+        abort some of them while this runs). By default the engine numbers the requests."""
         prompt_list = _as_prompt_list(prompts)
+        ids = _as_request_ids(request_ids, len(prompt_list))
         if sampling_params is None:
             params = [SamplingParams()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
@@ -108,29 +117,46 @@ class LLM:
         with self._lock:  # one call at a time: concurrent callers wait their turn
             self._owner = threading.get_ident()
             try:
-                return self._run(prompt_list, params, use_tqdm)
+                return self._run(prompt_list, params, ids, use_tqdm)
             finally:
                 self._owner = None
 
-    def _run(self, prompt_list: list[PromptType], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort these requests of the running `generate` call; safe from any thread. They finish with
+        finish_reason "abort" and keep the tokens generated so far. Ids that are unknown, finished,
+        or not admitted yet when this is called are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            if not isinstance(rid, str):
+                raise TypeError(f"request ids are strings; got {rid!r} ({type(rid).__name__})")
+        self.engine.abort(ids)
+
+    def abort_all(self) -> None:
+        """Abort every request of the running `generate` call (see `abort`); safe from any thread."""
+        self.engine.abort_all()
+
+    def _run(self, prompt_list: list[PromptType], params: list[SamplingParams], ids: list[str | None],
+             use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         requests = []
         bar = None
         try:
             # all or nothing: if admitting a later prompt raises (or Ctrl-C), the ones queued before
             # it are aborted below, so nothing of this call is left behind for the next one
-            for prompt, p in zip(prompt_list, params):
-                requests.append(engine.add_request(prompt, p))
+            for prompt, p, rid in zip(prompt_list, params, ids):
+                requests.append(engine.add_request(prompt, p, request_id=rid))
             bar = _progress(len(requests), use_tqdm)
-            done = sum(r.is_finished for r in requests)
+            # progress is read from the requests themselves: an abort from another thread may finish
+            # them outside any step this loop sees
+            pending = [r for r in requests if not r.is_finished]
             if bar is not None:
-                bar.update(done)
-            mine = {r.request_id for r in requests}
-            while done < len(requests):
-                finished = sum(r.request_id in mine for r in engine.step())
-                done += finished
-                if bar is not None and finished:
-                    bar.update(finished)
+                bar.update(len(requests) - len(pending))
+            while pending:
+                engine.step()
+                left = [r for r in pending if not r.is_finished]
+                if bar is not None and len(left) < len(pending):
+                    bar.update(len(pending) - len(left))
+                pending = left
         except BaseException:
             engine.abort_all()
             raise
@@ -183,6 +209,24 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         return [prompts] if prompts.ndim == 1 else list(prompts)
     raise TypeError(f"prompts must be a string, a list of token ids, a dict, or a list of these; got "
                     f"{type(prompts).__name__}")
+
+
+def _as_request_ids(request_ids: Any, n: int) -> list[str | None]:
+    """`generate`'s request_ids checked: None (the engine numbers them), or n distinct strings."""
+    if request_ids is None:
+        return [None] * n
+    if isinstance(request_ids, str) or not isinstance(request_ids, (list, tuple)):
+        raise TypeError(f"request_ids must be a list of strings, one per prompt; got {type(request_ids).__name__}")
+    if len(request_ids) != n:
+        raise ValueError(f"got {len(request_ids)} request_ids for {n} prompts; give one per prompt")
+    seen: set[str] = set()
+    for i, rid in enumerate(request_ids):
+        if not isinstance(rid, str) or not rid:
+            raise TypeError(f"request_ids[{i}] is {rid!r}; request ids are non-empty strings")
+        if rid in seen:
+            raise ValueError(f"request_ids must be distinct; {rid!r} appears more than once")
+        seen.add(rid)
+    return list(request_ids)
 
 
 def _progress(total: int, enabled: bool):

@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 #:   "length" - max_tokens or max_model_len was reached;
 #:   "error"  - the request was refused at admission (see `RequestOutput.error`); others still ran;
 #:   "grammar_dead_end" - the logits processors masked every token of the vocabulary, so nothing
-#:              could be sampled; the tokens up to that point are returned, `error` says why.
-FINISH_REASONS = ("stop", "length", "error", "grammar_dead_end")
+#:              could be sampled; the tokens up to that point are returned, `error` says why;
+#:   "abort"  - `LLM.abort` / `LLM.abort_all` (or an interrupt) stopped it; the tokens generated
+#:              before are returned.
+FINISH_REASONS = ("stop", "length", "error", "grammar_dead_end", "abort")
 
 
 @dataclass
@@ -63,7 +65,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    error: str | None = None  # set when finish_reason is "error" or "grammar_dead_end"
+    error: str | None = None  # set when finish_reason is "error", "grammar_dead_end" or "abort"
 
     def __repr__(self) -> str:
         out = self.outputs[0] if self.outputs else None

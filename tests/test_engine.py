@@ -236,6 +236,40 @@ def test_an_error_in_the_forward_reaches_the_caller_and_shutdown_still_joins():
     assert not [t for t in threading.enumerate() if t.name == "deepinfer-step-worker" and t is e.worker._thread]
 
 
+@pytest.mark.parametrize("async_pipeline", [False, True])
+def test_an_abort_from_another_thread_waits_for_the_running_step_and_spares_later_requests(async_pipeline):
+    model = ToyModel()
+    engine = toy_engine(model=model, async_pipeline=async_pipeline)
+    first = engine.add_request([5, 6, 7], GREEDY)
+    real, inside, release = model.forward, threading.Event(), threading.Event()
+
+    def blocking(batch):
+        inside.set()
+        assert release.wait(60)
+        return real(batch)
+
+    model.forward = blocking
+    # async: the first step only queues the forward; the second waits for it, holding the engine
+    stepper = threading.Thread(target=lambda: [engine.step() for _ in range(2 if async_pipeline else 1)])
+    stepper.start()
+    assert inside.wait(60)
+    # the step owns the request state: the abort waits in the mailbox
+    applied = engine.abort_all()
+    assert not first.is_finished and applied == []
+    model.forward = real
+    release.set()
+    stepper.join(timeout=60)
+    assert not stepper.is_alive()
+    later = engine.add_request([8, 9], GREEDY)  # admitted after the abort: not touched by it
+    assert first in engine.step() and first.finish_reason == "abort"
+    assert len(first.output_token_ids) == 1  # the step that was running when the abort came
+    while engine.has_unfinished():
+        engine.step()
+    assert later.finish_reason == "length" and len(later.output_token_ids) == GREEDY.max_tokens
+    assert engine.stats().slots_used == 0
+    engine.shutdown()
+
+
 def test_seq_seed_on_toy_model_is_batch_independent():
     p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=10, seq_seed=1234)
     alone = _tokens(run_all(toy_engine(), [[5, 6]], [p]))[0]

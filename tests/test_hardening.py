@@ -274,3 +274,89 @@ def test_building_an_engine_warns_about_unknown_variables(tiny_model, clean_env,
     with caplog.at_level(logging.WARNING, logger="deepinfer"):
         LLM(model=tiny_model, accelerator="cpu", dtype="float32", max_model_len=32, max_num_seqs=1).shutdown()
     assert any("did you mean DEEPINFER_CPU_NATIVE?" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------- 8. aborts from another thread end generate()
+
+
+LONG = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+ABORTS = {  # what another thread calls, given the ids of the two requests, and which of them it aborts
+    "engine.abort_all": (lambda llm, ids: llm.engine.abort_all(), {0, 1}),
+    "engine.abort": (lambda llm, ids: llm.engine.abort([ids[0]]), {0}),
+    "LLM.abort_all": (lambda llm, ids: llm.abort_all(), {0, 1}),
+    "LLM.abort": (lambda llm, ids: llm.abort(ids[0]), {0}),
+}
+
+
+def _pause_on_third(target, name, monkeypatch, inside_step: bool):
+    """Patch `target.name` so that its third call (inside a step, or right after a step returned)
+    signals `paused` and waits for `resume`."""
+    real, calls = getattr(target, name), []
+    paused, resume = threading.Event(), threading.Event()
+
+    def patched(*args):
+        calls.append(1)
+        if len(calls) == 3 and inside_step:
+            paused.set()
+            assert resume.wait(60)
+        out = real(*args)
+        if len(calls) == 3 and not inside_step:
+            paused.set()
+            assert resume.wait(60)
+        return out
+
+    monkeypatch.setattr(target, name, patched)
+    return paused, resume
+
+
+@pytest.mark.parametrize("how", list(ABORTS))
+@pytest.mark.parametrize("inside_step", [True, False], ids=["during-a-step", "between-steps"])
+def test_an_abort_from_another_thread_ends_generate(llm, monkeypatch, how, inside_step):
+    reference = llm.generate(PROMPTS[:2], LONG, use_tqdm=False)
+    # during a step: the abort waits for it (the step holds the engine); between steps: it applies at once
+    target, name = (llm.engine.executor, "execute") if inside_step else (llm.engine, "step")
+    paused, resume = _pause_on_third(target, name, monkeypatch, inside_step)
+    abort, aborted = ABORTS[how]
+    # the engine's own methods with the ids it numbered; LLM's with the ids given to generate
+    named = how.startswith("LLM")
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(
+        llm.generate(PROMPTS[:2], LONG, use_tqdm=False, **({"request_ids": ["a", "b"]} if named else {}))),
+        daemon=True)
+    worker.start()
+    assert paused.wait(60)
+    abort(llm, ["a", "b"] if named else list(llm.engine.scheduler.requests))
+    resume.set()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "generate() did not return after the abort"
+    (outs,) = result
+    monkeypatch.undo()
+    if named:
+        assert [o.request_id for o in outs] == ["a", "b"]
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        tokens = out.outputs[0].token_ids
+        if i in aborted:
+            # three steps ran; the abort took effect at the next step boundary
+            assert out.outputs[0].finish_reason == "abort" and out.finished
+            assert tokens == ref.outputs[0].token_ids[:3]
+        else:
+            assert out.outputs[0].finish_reason == "length" and tokens == ref.outputs[0].token_ids
+    assert not llm.engine.has_unfinished() and llm.engine.stats().slots_used == 0
+    assert _tokens(llm.generate(PROMPTS[:2], LONG, use_tqdm=False)) == _tokens(reference)
+
+
+def test_abort_ignores_unknown_ids_and_generate_checks_its_request_ids(llm):
+    llm.abort(["nobody"])  # nothing runs: a no-op
+    llm.abort_all()
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, request_ids=("x", "y"))
+    assert [o.request_id for o in outs] == ["x", "y"]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
+    with pytest.raises(ValueError, match="'x' appears more than once"):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, request_ids=["x", "x"])
+    with pytest.raises(ValueError, match="got 1 request_ids for 2 prompts"):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, request_ids=["x"])
+    with pytest.raises(TypeError, match=r"request_ids\[1\] is 7"):
+        llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, request_ids=["x", 7])
+    with pytest.raises(TypeError, match="request ids are strings; got 3"):
+        llm.abort([3])
+    assert not llm.engine.has_unfinished()

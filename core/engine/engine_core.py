@@ -13,6 +13,11 @@ The engine picks its step function once, at start-up:
   for step N and applies it, then fills step N+1's bitmasks, which depend on the tokens step N
   sampled, while step N+1's forward runs; the worker waits for them before sampling.
 
+Aborts (`abort`, `abort_all`) may come from any thread: they are posted to a mailbox and applied
+between steps, under the lock that every change of request state takes (a step, an admission, the
+mailbox drain), so the scheduler stays the only writer and never changes state under a running
+step.
+
 A request that finishes in step N may already be scheduled in step N+1; what that step computes for
 it is discarded. Its cache is freed at once: a freed slot or block can only be handed out by a later
 schedule, whose step runs after step N+1 (the worker is serial), so no live state is overwritten.
@@ -28,7 +33,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -81,7 +88,13 @@ class EngineCore:
         #: speculative decoding (a feature's `draft_proposer` contribution), None when off
         self.speculator: SpeculativeDecoder | None = None
         self._ids = itertools.count()
-        self._arrivals = itertools.count()
+        self._num_arrivals = 0  # requests admitted so far; the next one's arrival_index
+        # Held while request state changes (a step, an admission, applying aborts): aborts posted from
+        # other threads wait in `_aborts` until no step runs. Each is (number of arrivals when posted,
+        # the ids to abort, or None for all): an abort never touches a request admitted after it.
+        self._state_lock = threading.Lock()
+        self._aborts: list[tuple[int, frozenset[str] | None]] = []
+        self._aborts_lock = threading.Lock()
         self.num_steps = 0
         # Engine-thread time in step() in all; executor.wait_seconds is the part blocked on the
         # forward + sampling (running it in sync mode, waiting for the worker in async mode).
@@ -123,14 +136,16 @@ class EngineCore:
         outside the vocabulary, invalid sampling values, a rejected constraint) return it already
         finished with finish_reason "error" and a message; the engine carries on."""
         request_id = str(next(self._ids)) if request_id is None else request_id
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        req, problem = self.admission.admit(prompt, params, request_id, next(self._arrivals))
-        if problem is not None:
-            self.scheduler.reject(req, problem)
+        with self._state_lock:
+            if request_id in self.scheduler.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            req, problem = self.admission.admit(prompt, params, request_id, self._num_arrivals)
+            self._num_arrivals += 1
+            if problem is not None:
+                self.scheduler.reject(req, problem)
+                return req
+            self.scheduler.add_request(req)
             return req
-        self.scheduler.add_request(req)
-        return req
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.executor.has_in_flight
@@ -138,14 +153,17 @@ class EngineCore:
     # -- the step loop ----------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """One engine step; returns the requests that finished in it."""
+        """One engine step; returns the requests that finished in it, the ones aborted since the last
+        step included (unless an `abort` call applied them itself)."""
         if self._closed:
             raise RuntimeError("the engine was shut down")
-        step_start = time.perf_counter()
-        _, finished = self._step_fn()
-        self._announce_finished(finished)
-        self.step_seconds += time.perf_counter() - step_start
-        return finished
+        with self._state_lock:
+            step_start = time.perf_counter()
+            aborted = self._apply_aborts()
+            _, finished = self._step_fn()
+            self._announce_finished(finished)
+            self.step_seconds += time.perf_counter() - step_start
+            return aborted + finished
 
     def _step_sync(self) -> tuple[SchedulerOutput, list[Request]]:
         sched = self.scheduler.schedule()
@@ -184,21 +202,44 @@ class EngineCore:
             if self.speculator is not None:
                 self.speculator.forget(req.request_id)
 
-    def abort_all(self) -> None:
-        """Drop every unfinished request (after an interrupt): frees their cache and processor state.
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish these requests with finish_reason "abort", freeing their cache and processor state;
+        ids that are unknown, finished, or admitted after this call are ignored. Safe from any thread:
+        applied at once when no step or admission is running (returns the requests it finished),
+        otherwise before the next step (returns []; that step returns them among its finished
+        requests). A step in flight for them is discarded when it comes back."""
+        return self._post_abort(frozenset(request_ids))
 
-        Does not wait for a step still running on the worker: its results are dropped, and any later
-        step runs after it (the worker is serial), so reusing the freed cache is safe."""
-        self.executor.drop_in_flight()
-        self._announce_finished(self.scheduler.abort_all())
+    def abort_all(self) -> list[Request]:
+        """`abort` every request admitted before this call (an interrupt, a shutdown)."""
+        return self._post_abort(None)
 
-    def abort(self, request_ids: list[str]) -> list[Request]:
-        """Finish these unfinished requests with "abort" (a server client went away or timed out),
-        freeing their cache and processor state; unknown or finished ids are ignored. Returns the
-        requests it finished. Call it between steps, on the thread that steps the engine: a step in
-        flight for them is discarded when it comes back (`update_from_output` skips finished
-        requests), as for any request that finishes while the next step runs."""
-        done = self.scheduler.apply_failures({rid: ("abort", "aborted") for rid in request_ids})
+    def _post_abort(self, request_ids: frozenset[str] | None) -> list[Request]:
+        with self._aborts_lock:
+            self._aborts.append((self._num_arrivals, request_ids))
+        if not self._state_lock.acquire(blocking=False):
+            return []  # a step or an admission runs (on another thread, or this one below us)
+        try:
+            return self._apply_aborts()
+        finally:
+            self._state_lock.release()
+
+    def _apply_aborts(self) -> list[Request]:
+        """Apply the posted aborts (with `_state_lock` held)."""
+        with self._aborts_lock:
+            posted, self._aborts = self._aborts, []
+        if not posted:
+            return []
+        requests = self.scheduler.requests
+        targets: dict[str, tuple[str, str]] = {}
+        for arrivals, ids in posted:
+            candidates = requests.values() if ids is None else (requests[i] for i in ids if i in requests)
+            targets.update({r.request_id: ("abort", "aborted") for r in candidates if r.arrival_index < arrivals})
+        done = self.scheduler.apply_failures(targets)
+        if not self.scheduler.has_unfinished():
+            # nobody reads the step in flight; release it if it still waits for its bitmask (an
+            # interrupt inside step() can leave it so)
+            self.executor.drop_in_flight()
         self._announce_finished(done)
         return done
 

@@ -202,15 +202,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort_all(self) -> list[Request]:
-        """Finish every unfinished request with "abort" (after an interrupt); returns them."""
-        aborted = list(self.requests.values())
-        for req in aborted:
-            self._finish(req, "abort", error="aborted")
-        return aborted
-
     def apply_failures(self, failures: dict[str, tuple[str, str]]) -> list[Request]:
-        """Finish the requests the logits processors cannot continue: id -> (finish reason, message)."""
+        """Finish these unfinished requests (the logits processors cannot continue them, or they were
+        aborted): id -> (finish reason, message); other ids are ignored. Returns the ones finished."""
         done = []
         for rid, (reason, message) in failures.items():
             req = self.requests.get(rid)
