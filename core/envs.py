@@ -82,7 +82,8 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("DEEPINFER_LOG_LEVEL", "Logging level of the `deepinfer` logger (default WARNING)."),
     EnvVar("DEEPINFER_API_KEY",
            "deepinfer serve: the API key every route but /health requires (`Authorization: Bearer "
-           "<key>`), when --api-key is not given. Unset: no key."),
+           "<key>`), when --api-key is not given. Unset: no key. Set but empty (a deploy script's unset "
+           "$KEY): refused at start-up, unlike other variables, whose empty value counts as unset."),
 ]}
 
 #: Variables the seeds' deployments set for features this release does not implement, with what
@@ -125,6 +126,13 @@ def get(name: str, default: str | None = None) -> str | None:
     _declaration(name)
     value = _raw(name)
     return default if value is None else value
+
+
+def get_verbatim(name: str) -> str | None:
+    """A documented variable's value exactly as set, the empty string included; None only when it
+    is not set. For a variable whose empty value must not pass for unset (DEEPINFER_API_KEY)."""
+    _declaration(name)
+    return os.environ.get(name)
 
 
 def get_bool(name: str, default: bool) -> bool:

@@ -1,6 +1,8 @@
 """`deepinfer serve` through the real `openai` client against a server on 127.0.0.1 (one per module):
 chat, streaming, JSON schema, a parsed tool call, stop sequences, structured-output extensions, bad
-requests, the API key, disconnects, concurrency against the offline engine, back-pressure, timeouts.
+requests (strict types, malformed bodies: always a 4xx, never a 500), errors that keep the connection
+usable, unknown routes, the API key, disconnects, concurrency against the offline engine,
+back-pressure, timeouts, and the real command's start-up checks and shutdown on SIGTERM.
 
 The model is a tiny random DeepSeek-V4 (its cut-down real tokenizer keeps the chat control tokens),
 so the text is gibberish; what is checked is the protocol, the constraints and the engine's
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import socket
 import threading
@@ -251,6 +254,173 @@ def test_an_internal_error_has_no_stack_trace(server, monkeypatch):
                                   "code": "internal_error"}}
 
 
+# -- bad input never gets a 500 ----------------------------------------------------------------------
+
+def _post(server: Server, route: str, body: str | bytes) -> httpx.Response:
+    data = body if isinstance(body, bytes) else body.encode("utf-8", "surrogatepass")
+    return httpx.post(server.url + route, content=data, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+
+
+def _chat_body(**fields) -> dict:
+    return {"model": "tiny-v4", "messages": _user("hi"), "max_tokens": 2, **fields}
+
+
+def _completion_body(**fields) -> dict:
+    return {"model": "tiny-v4", "prompt": "hi", "max_tokens": 2, **fields}
+
+
+def _nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("route, body, expected", [
+    # lax JSON types that used to be converted
+    ("/v1/completions", _completion_body(prompt=[True, 5]), "prompt"),
+    ("/v1/completions", _completion_body(stream="yes"), "stream: Input should be a valid boolean"),
+    ("/v1/completions", _completion_body(temperature=True), "temperature: Input should be a valid number"),
+    ("/v1/completions", _completion_body(max_tokens=True), "max_tokens: Input should be a valid integer"),
+    ("/v1/completions", _completion_body(n=True), "n: Input should be a valid integer"),
+    # types the chat route read itself, and answered with a 500
+    ("/v1/chat/completions", _chat_body(stream=True, stream_options="yes"), "stream_options: Input should be"),
+    ("/v1/chat/completions", _chat_body(stream=True, stream_options=[1]), "stream_options: Input should be"),
+    ("/v1/chat/completions", _chat_body(seed=2**80), "seed: the integer 1208925819614629174706176 is outside"),
+    ("/v1/chat/completions", _chat_body(max_tokens=2**80), "max_tokens: the integer"),
+    ("/v1/chat/completions", _chat_body(seed=2**63), "seed"),  # the documented range is [0, 2^63)
+    ("/v1/chat/completions", _chat_body(response_format={"type": "json_schema", "json_schema": {
+        "name": "deep", "schema": _nested_schema(300)}}), "response_format.json_schema.schema.properties"),
+], ids=["prompt-true", "stream-yes", "temperature-true", "max_tokens-true", "n-true", "stream_options-str",
+        "stream_options-list", "chat-seed-2^80", "chat-max_tokens-2^80", "chat-seed-2^63", "schema-300-deep"])
+def test_wrong_json_types_and_values_get_a_400_naming_the_field(server, route, body, expected):
+    r = _post(server, route, json.dumps(body))
+    assert r.status_code == 400, r.text
+    assert expected in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route, body, expected", [
+    ("/v1/completions", "[" * 20_000 + "]" * 20_000, "nests deeper than 128 levels"),
+    ("/v1/completions", '{"a": ' + "[" * 200 + "]" * 200 + "}", "a.0.0.0.0.0... (128 levels): the request body nests"),
+    ("/v1/completions", '{"model": "tiny-v4", "prompt": "a\\ud800b"}',
+     r"prompt: contains a lone surrogate ('\ud800') at character 1"),
+    ("/v1/chat/completions", '{"model": "tiny-v4", "messages": [{"role": "user", "content": "\\udfff"}]}',
+     r"messages.0.content: contains a lone surrogate ('\udfff') at character 0"),
+    ("/v1/completions", '{"model": "tiny-v4", "prompt": "hi", "temperature": NaN}', "NaN is not a JSON number"),
+], ids=["nested-20000", "nested-200", "surrogate-prompt", "surrogate-chat", "nan"])
+def test_malformed_bodies_get_a_400_naming_the_problem(server, route, body, expected):
+    r = _post(server, route, body)
+    assert r.status_code == 400, r.text
+    assert expected in r.json()["error"]["message"]
+
+
+def _exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send one HTTP/1.1 request on `sock` and read its answer (status, headers, body)."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-answer"
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def _raw_request(route: str, body: bytes, content_length: int | None = None) -> bytes:
+    length = len(body) if content_length is None else content_length
+    return (f"POST {route} HTTP/1.1\r\nHost: test\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n").encode() + body
+
+
+def test_a_500_answers_an_error_object_and_keeps_the_connection_usable(server, monkeypatch):
+    def broken(body):
+        raise KeyError("secret internal detail")
+
+    monkeypatch.setattr(server.app.state.chat, "prepare", broken)
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        status, _, body = _exchange(sock, _raw_request("/v1/chat/completions", json.dumps(_chat_body()).encode()))
+        assert status == 500 and json.loads(body)["error"]["message"] == "internal server error"
+        # the next request on the same keep-alive connection is served
+        status, _, body = _exchange(sock, _raw_request("/v1/completions", json.dumps(_completion_body()).encode()))
+        assert status == 200 and json.loads(body)["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_error_inside_a_stream_ends_it_with_an_error_event(server, monkeypatch):
+    from deepinfer.server.chat_format import ChatOutput
+
+    def broken(self, delta):
+        raise RuntimeError("secret internal detail")
+
+    monkeypatch.setattr(ChatOutput, "push_delta", broken)
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=_chat_body(max_tokens=8, stream=True)) as r:
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert json.loads(events[-1]) == {"error": {"message": "internal server error", "type": "internal_error",
+                                                    "param": None, "code": "internal_error"}}
+        monkeypatch.undo()
+        assert client.post("/v1/completions", json=_completion_body()).status_code == 200
+    _idle(server)
+
+
+def test_a_body_shorter_than_its_content_length_times_out_with_408(server, monkeypatch):
+    monkeypatch.setattr(server.settings, "body_timeout_s", 0.5)
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        status, headers, body = _exchange(sock, _raw_request("/v1/completions", b'{"model"', content_length=100))
+        assert status == 408 and headers["connection"] == "close"
+        assert "did not arrive within 0.5 s (received 8 bytes of the 100 bytes" in json.loads(body)["error"]["message"]
+        assert sock.recv(1) == b""  # closed: the rest of that body cannot be told from a next request
+
+
+def test_unknown_routes_and_methods_get_openai_errors_and_share_one_metrics_label(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    missing = httpx.post(server.url + "/v1/embeddings", headers=auth, json={})
+    assert missing.status_code == 404
+    assert "no route POST /v1/embeddings" in missing.json()["error"]["message"]
+    assert "/v1/chat/completions" in missing.json()["error"]["message"]
+    wrong = httpx.get(server.url + "/v1/completions", headers=auth)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["message"] == "/v1/completions does not take GET; use POST"
+    probes = [server.url + f"/v1/probe-{i}-{time.time_ns()}" for i in range(4)]  # random paths, without the key
+    assert httpx.get(probes[0]).status_code == 401
+    before = server.metrics()
+    for url in probes[1:]:
+        assert httpx.get(url).status_code == 401
+    after = server.metrics()
+    assert {k for k in after if k.startswith("deepinfer_requests_total")} == \
+        {k for k in before if k.startswith("deepinfer_requests_total")}
+    key = 'deepinfer_requests_total{route="other",status="401"}'
+    assert after[key] == before[key] + 3
+
+
+def test_a_client_that_leaves_a_non_streaming_request_is_counted_as_an_abort(server, caplog):
+    before = server.metrics()
+    port = int(server.url.rsplit(":", 1)[1])
+    with caplog.at_level(logging.WARNING):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            long = _completion_body(max_tokens=1500, temperature=0)  # greedy: no early EOS on this model
+            sock.sendall(_raw_request("/v1/completions", json.dumps(long).encode()))
+            end = time.monotonic() + 30
+            while server.metrics()["deepinfer_requests_running"] < 1:
+                assert time.monotonic() < end, "the request never ran"
+                time.sleep(0.05)
+        after = _idle(server)
+    gone = 'deepinfer_requests_total{route="/v1/completions",status="499"}'
+    failed = 'deepinfer_requests_total{route="/v1/completions",status="500"}'
+    assert after.get(gone, 0) == before.get(gone, 0) + 1 and after.get(failed, 0) == before.get(failed, 0)
+    abort = 'deepinfer_request_finish_total{reason="abort"}'
+    assert after[abort] == before.get(abort, 0) + 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
 # -- the async front end ------------------------------------------------------------------------------
 
 def test_disconnect_mid_stream_aborts_and_frees_the_request(server):
@@ -388,3 +558,84 @@ def test_thinking_mode_constrains_the_answer_after_the_reasoning(server):
     assert _is_grammar_accept_string(grammar, 'let me think, 3 is fine</think>{"n": 3}')
     assert not _is_grammar_accept_string(grammar, '{"n": 3}')  # the reasoning block comes first
     assert not _is_grammar_accept_string(grammar, 'hmm</think>{"n": "three"}')
+
+
+# -- start-up and shutdown of `deepinfer serve` -------------------------------------------------------
+
+@pytest.mark.parametrize("flag, env", [(["--api-key", ""], None), (["--api-key", "  "], None), ([], "")],
+                         ids=["empty-flag", "blank-flag", "empty-variable"])
+def test_an_empty_api_key_is_refused_at_start_up(flag, env, clean_env, capsys, tmp_path):
+    from deepinfer.entrypoints.serve import main
+
+    if env is not None:
+        clean_env.setenv("DEEPINFER_API_KEY", env)
+    # a model that does not exist: were the key accepted, start-up would fail later, with exit code 1
+    assert main([*flag, "--model", str(tmp_path / "no-such-model")]) == 2
+    err = capsys.readouterr().err
+    assert "is empty" in err and ("--api-key" if flag else "DEEPINFER_API_KEY") in err
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_aborts_running_requests_after_the_shutdown_timeout_and_exits(server, tmp_path):
+    """The real command in its own process: SIGTERM stops accepting, gives the running requests
+    --shutdown-timeout seconds, then ends them (an error event on a stream, a 503 otherwise) and
+    the process exits cleanly."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "serve", "--model", server.path,
+                             "--port", str(port), "--accelerator", "cpu", "--dtype", "float32",
+                             "--max-model-len", "2048", "--threads-per-rank", "1", "--no-thinking",
+                             "--shutdown-timeout", "1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < end, "the server did not start"
+            time.sleep(0.2)
+        long = {"model": "tiny-v4", "prompt": "hi", "max_tokens": 1900, "temperature": 0}  # greedy: runs to length
+        answers: dict[str, httpx.Response] = {}
+        waiting = threading.Thread(target=lambda: answers.update(plain=httpx.post(url + "/v1/completions", json=long,
+                                                                                  timeout=120)))
+        waiting.start()
+        events = []
+        with httpx.stream("POST", url + "/v1/completions", json={**long, "stream": True}, timeout=120) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    break
+            while "deepinfer_requests_running 2" not in httpx.get(url + "/metrics").text:  # both run
+                assert waiting.is_alive(), answers
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            events += [line[6:] for line in lines if line.startswith("data: ")]
+        waiting.join(timeout=120)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert events[-1] != "[DONE]"
+    error = json.loads(events[-1])["error"]
+    assert error["type"] == "unavailable" and "shut down before this request finished" in error["message"]
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-1])
+    plain = answers["plain"]
+    assert plain.status_code == 503 and "shut down before this request finished" in plain.json()["error"]["message"]
+    assert "aborting 2 request(s) still running after 1 s" in proc.stdout.read()

@@ -7,14 +7,18 @@
     deepinfer serve --model /ckpt --dp 2 --threads-per-rank 1 --prefix-cache   # one engine per rank, routed
 
 Binds to 127.0.0.1 unless --host says otherwise (with a warning when that is not loopback and no
-API key is set). Engine settings not exposed as flags go in a TOML file (--config). See
-docs/server.md.
+API key is set); an empty API key is refused. On SIGTERM or Ctrl-C it stops accepting connections,
+gives the requests still running --shutdown-timeout seconds, then aborts them (their streams end
+with an error event) and exits. Engine settings not exposed as flags go in a TOML file (--config).
+See docs/server.md.
 """
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but "
-                                                   "/health (default: DEEPINFER_API_KEY, else none)")
+                                                   "/health (default: DEEPINFER_API_KEY, else none); an empty "
+                                                   "key is refused")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the "
                                                              "checkpoint folder's name)")
     p.add_argument("--max-pending", type=int, default=256, help="requests accepted and unfinished before "
@@ -38,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the engine's max_model_len")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
+    p.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive (slower or shorter bodies get 408)")
+    p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="on SIGTERM / Ctrl-C, seconds the running requests get before they are aborted")
     p.add_argument("--no-thinking", action="store_true",
                    help="chat requests that do not say otherwise run without thinking mode")
     p.add_argument("--accelerator", default=None)
@@ -150,6 +159,49 @@ def build_server(settings: Any, dp: Any = None, **engine_args: Any) -> tuple[Any
     return app, front
 
 
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else DEEPINFER_API_KEY, else None. ValueError for an empty (or blank) value of
+    either: it is almost always a deploy script's unset `$KEY`, and serving without authentication
+    because of it would go unnoticed."""
+    key, source = ((args.api_key, "--api-key") if args.api_key is not None
+                   else (envs.get_verbatim("DEEPINFER_API_KEY"), "DEEPINFER_API_KEY"))
+    if key is not None and not key.strip():
+        raise ValueError(f"{source} is empty, and the server will not start without authentication by mistake; "
+                         f"give a key, or leave both --api-key and DEEPINFER_API_KEY unset to serve without one")
+    return key
+
+
+def run(app: Any, front: Any, settings: Any, log_level: str) -> None:
+    """Serve `app` until SIGTERM or Ctrl-C, then drain `front` (see `front.drain`)."""
+    _, uvicorn = _import_web()
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            # uvicorn stops accepting and waits for the open connections; the drain ends the
+            # requests still running after the grace period, so that wait ends
+            drain = asyncio.ensure_future(front.drain(settings.shutdown_timeout_s))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if self.force_exit:  # a second Ctrl-C: do not wait for the grace period
+                    drain.cancel()
+                await asyncio.gather(drain, return_exceptions=True)
+
+    # a backstop for connections the drain cannot end (a body still arriving)
+    grace = settings.shutdown_timeout_s + settings.body_timeout_s
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                                           timeout_graceful_shutdown=grace))
+    # uvicorn handles SIGTERM and SIGINT itself while it serves, then raises the signal again under
+    # the handler found before; the default ones would kill the process (or raise KeyboardInterrupt)
+    # before the engine shuts down and the prefix cache is persisted, so those handlers are no-ops
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -166,10 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     level = envs.get("DEEPINFER_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(levelname)s %(name)s: %(message)s")
     try:
-        settings = ServerSettings(host=args.host, port=args.port, api_key=args.api_key or envs.get("DEEPINFER_API_KEY"),
+        settings = ServerSettings(host=args.host, port=args.port, api_key=api_key(args),
                                   served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
                                   max_prompt_tokens=args.max_prompt_tokens, max_pending=args.max_pending,
-                                  request_timeout_s=args.request_timeout, default_thinking=not args.no_thinking)
+                                  request_timeout_s=args.request_timeout, body_timeout_s=args.body_timeout,
+                                  shutdown_timeout_s=args.shutdown_timeout, default_thinking=not args.no_thinking)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -194,10 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    _, uvicorn = _import_web()
     try:
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level=level.lower()
-                    if level.lower() in ("critical", "error", "warning", "info", "debug") else "info")
+        run(app, front, settings, level.lower() if level.lower() in ("critical", "error", "warning", "info", "debug")
+            else "info")
     finally:
         front.shutdown()
     return 0

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP app (FastAPI): routes, API-key check, limits, errors, SSE streaming.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /metrics`. Every error is an OpenAI error object (`{"error": {"message", "type", ...}}`) with
-a 4xx status naming the problem, 429 with `Retry-After` when the queue is full, 503 while the
-engine is down, 504 on a request timeout; an unexpected exception is logged and answered with a
-bare 500, never a stack trace.
+`GET /metrics`. Every answer that is not a success, on every path (unknown routes and methods
+included), is an OpenAI error object (`{"error": {"message", "type", ...}}`): a 4xx status naming
+the problem, 429 with `Retry-After` when the queue is full, 503 while the engine is down or the
+server shuts down, 504 on a request timeout. An unexpected exception is logged and answered with a
+bare 500 (never a stack trace) on a connection that stays usable.
 """
 from __future__ import annotations
 
@@ -19,41 +20,50 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from deepinfer.engine.cache_manager import PrefixCacheStats
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.async_engine import Delta, EngineDead, FrontEnd, QueueFull, RequestStream
+from deepinfer.server.async_engine import SHUT_DOWN, Delta, EngineDead, FrontEnd, QueueFull, RequestStream
 from deepinfer.server.chat_format import ChatFormat, RequestError
 from deepinfer.server.engine_loop import UNAVAILABLE
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import (CompletionChoice, CompletionRequest, CompletionResponse, ModelCard,
-                                       ModelList, ServerSettings, Usage, error_body)
+                                       ModelList, ServerSettings, Usage, error_body, validation_message)
+from deepinfer.server.request_body import BodyTimeout, read_json
 
 logger = logging.getLogger("deepinfer")
 
 #: how often a non-streaming request checks whether its client is still there
 DISCONNECT_POLL_S = 0.25
 OPEN_ROUTES = ("/health",)  # reachable without the API key
+#: the status /metrics counts for a request whose client went away before its answer (nginx's)
+CLIENT_CLOSED = 499
+OTHER_ROUTES = "other"  # the metrics label of every path that is not a route
 
 
-class _Gone(Exception):
-    """The client disconnected."""
+class ClientGone(Exception):
+    """The client disconnected before its answer."""
 
 
 class GuardMiddleware:
     """Pure ASGI (so streaming and disconnects pass through untouched): checks the API key on every
-    route but /health, in constant time, and counts answers by route and status."""
+    route but /health, in constant time; answers an unexpected exception with a 500 error object
+    (logged, and the connection stays usable, as Starlette's own handler would drop it); counts
+    answers by route and status: a route under its path, any other path under "other" (so random
+    paths add no series), a client that went away as status 499."""
 
-    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics):
+    def __init__(self, app: Any, api_key: str | None, metrics: ServerMetrics, routes: frozenset[str]):
         self.app = app
         self.key = None if api_key is None else api_key.encode()
         self.metrics = metrics
+        self.routes = routes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"]
-        status = [500]
+        route = scope["path"] if scope["path"] in self.routes else OTHER_ROUTES
+        status: list[int | None] = [None]
 
         async def counting_send(message: dict) -> None:
             if message["type"] == "http.response.start":
@@ -61,15 +71,22 @@ class GuardMiddleware:
             await send(message)
 
         try:
-            if self.key is not None and route not in OPEN_ROUTES and not self._authorised(scope):
+            if self.key is not None and scope["path"] not in OPEN_ROUTES and not self._authorised(scope):
                 response = JSONResponse(error_body("invalid or missing API key; send 'Authorization: Bearer <key>'",
                                                    "authentication_error", code="invalid_api_key"),
                                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await response(scope, receive, counting_send)
             await self.app(scope, receive, counting_send)
+        except ClientGone:
+            status[0] = CLIENT_CLOSED  # nobody to answer; the request was aborted
+        except Exception:
+            if status[0] is not None:  # the answer has begun: only closing the connection ends it
+                raise
+            logger.exception("unhandled error while serving %s %s", scope["method"], scope["path"])
+            response = JSONResponse(error_body("internal server error", "internal_error"), status_code=500)
+            await response(scope, receive, counting_send)
         finally:
-            self.metrics.request_done(route if route.startswith("/v1/") or route in ("/health", "/metrics")
-                                      else "other", status[0])
+            self.metrics.request_done(route, status[0] or 500)
 
     def _authorised(self, scope: dict) -> bool:
         header = dict(scope["headers"]).get(b"authorization", b"")
@@ -86,11 +103,27 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
     created = int(time.time())
     app = FastAPI(title="deepinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front, app.state.metrics, app.state.chat = front, metrics, chat
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key, metrics=metrics)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
-        return JSONResponse(error_body(e.message, e.kind), status_code=e.status)
+        # the rest of a body that did not arrive would be read as the next request: close instead
+        headers = {"Connection": "close"} if isinstance(e, BodyTimeout) else None
+        return JSONResponse(error_body(e.message, e.kind), status_code=e.status, headers=headers)
+
+    @app.exception_handler(HTTPException)
+    async def _no_route(request: Request, e: HTTPException) -> JSONResponse:
+        """Starlette's 404 (no such route) and 405 (the route takes another method), as OpenAI errors
+        (`routes` is set at the end of build_app, once every route is registered)."""
+        path = request.url.path[:200]
+        if e.status_code == 404:
+            message, code = (f"there is no route {request.method} {path}; the routes are "
+                             f"{', '.join(sorted(routes))}"), "not_found"
+        elif e.status_code == 405:
+            allowed = (e.headers or {}).get("Allow", "")
+            message, code = f"{path} does not take {request.method}; use {allowed}", "method_not_allowed"
+        else:
+            message, code = str(e.detail), None
+        return JSONResponse(error_body(message, code=code), status_code=e.status_code, headers=e.headers)
 
     @app.exception_handler(QueueFull)
     async def _queue_full(_: Request, e: QueueFull) -> JSONResponse:
@@ -101,30 +134,10 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
     async def _dead(_: Request, e: EngineDead) -> JSONResponse:
         return JSONResponse(error_body(str(e), "unavailable"), status_code=503)
 
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("unhandled error while serving a request")
-        return JSONResponse(error_body("internal server error", "internal_error"), status_code=500)
-
     # -- helpers ----------------------------------------------------------------------------------
 
-    async def read_json(request: Request) -> dict[str, Any]:
-        limit = settings.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise RequestError(413, f"request body of {declared} bytes is larger than the limit of {limit} bytes")
-        body = bytearray()
-        async for piece in request.stream():
-            body += piece
-            if len(body) > limit:
-                raise RequestError(413, f"request body is larger than the limit of {limit} bytes")
-        try:
-            data = json.loads(body)
-        except ValueError as e:
-            raise RequestError(400, f"the request body is not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        return data
+    async def read_body(request: Request) -> dict[str, Any]:
+        return await read_json(request, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
 
     def check_prompt(n: int) -> None:
         if n > max_prompt:
@@ -142,24 +155,20 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
             raise
         if first.finished:
             metrics.tokens(0, 0, first.finish_reason)
-            if first.finish_reason == UNAVAILABLE:
+            if first.finish_reason in (UNAVAILABLE, SHUT_DOWN):
                 raise finish_error(first)
             raise RequestError(400, first.error or f"the request finished at admission ({first.finish_reason})")
         return stream
 
-    async def next_delta(stream: RequestStream, request: Request, deadline: float, poll: bool) -> Delta:
-        """The stream's next delta; TimeoutError past the deadline, _Gone once the client left
-        (polled for non-streaming requests; a streaming response is cancelled by the server instead)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TimeoutError
-            try:
-                return await stream.next(min(remaining, DISCONNECT_POLL_S) if poll else remaining)
-            except asyncio.TimeoutError:
-                if poll and await request.is_disconnected():
-                    raise _Gone from None
+    async def next_delta(stream: RequestStream, deadline: float) -> Delta:
+        """The stream's next delta; TimeoutError past the deadline."""
+        remaining = deadline - asyncio.get_running_loop().time()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            return await stream.next(remaining)
+        except asyncio.TimeoutError:
+            raise TimeoutError from None
 
     def deadline() -> float:
         return asyncio.get_running_loop().time() + settings.request_timeout_s
@@ -167,7 +176,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
     def finish_error(delta: Delta) -> RequestError | None:
         if delta.finish_reason in ("stop", "length"):
             return None
-        if delta.finish_reason == UNAVAILABLE:  # its data-parallel rank went down
+        if delta.finish_reason in (UNAVAILABLE, SHUT_DOWN):  # its data-parallel rank went down, or shutdown
             return RequestError(503, delta.error or "the engine serving this request went down", "unavailable")
         return RequestError(400 if delta.finish_reason == "grammar_dead_end" else 500,
                             f"generation stopped: {delta.error or delta.finish_reason}",
@@ -180,16 +189,27 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         return RequestError(504, f"the request did not finish within {settings.request_timeout_s:g} s", "timeout")
 
     async def run_to_end(stream: RequestStream, request: Request, on_delta: Any) -> Delta:
-        """Collect a non-streaming request; aborts it on timeout or disconnect."""
+        """Collect a non-streaming request; aborts it on timeout or disconnect. Whether the client is
+        still there is checked every DISCONNECT_POLL_S seconds, tokens arriving or not (a streaming
+        response is cancelled by the server instead)."""
+        loop = asyncio.get_running_loop()
         end = deadline()
+        check_at = loop.time() + DISCONNECT_POLL_S
         try:
             while True:
-                delta = await next_delta(stream, request, end, poll=True)
+                if loop.time() >= check_at:
+                    if await request.is_disconnected():
+                        raise ClientGone
+                    check_at = loop.time() + DISCONNECT_POLL_S
+                try:
+                    delta = await next_delta(stream, min(end, check_at))
+                except TimeoutError:
+                    if loop.time() >= end:
+                        raise timeout_error() from None
+                    continue
                 on_delta(delta)
                 if delta.finished:
                     return delta
-        except TimeoutError:
-            raise timeout_error() from None
         finally:
             if stream.abort():  # timed out, or the client went away
                 metrics.tokens(0, 0, "abort")
@@ -200,15 +220,15 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
     async def sse_events(stream: RequestStream, n_prompt: int, on_tokens: Callable[[Delta], list[str]],
                          on_finish: Callable[[Delta], list[str]], on_close: Callable[[], None] = lambda: None
                          ) -> AsyncIterator[str]:
-        """A streaming response: `on_tokens` / `on_finish` turn deltas into SSE data. A timeout or a
-        failed generation ends the stream with an error object; leaving early (client gone: the
-        server cancels this generator) aborts the request."""
+        """A streaming response: `on_tokens` / `on_finish` turn deltas into SSE data. A timeout, a
+        failed generation, a shutdown or an unexpected error ends the stream with an error object;
+        leaving early (client gone: the server cancels this generator) aborts the request."""
         end = deadline()
         n_tokens = 0
         try:
             while True:
                 try:
-                    delta = await next_delta(stream, None, end, poll=False)
+                    delta = await next_delta(stream, end)
                 except TimeoutError:
                     yield sse(json.dumps(error_body(timeout_error().message, "timeout")))
                     return
@@ -226,6 +246,9 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
                     yield sse(data)
                 yield sse("[DONE]")
                 return
+        except Exception:  # a bug: the answer has begun, so it ends with an error event
+            logger.exception("streaming request %s failed", stream.request_id)
+            yield sse(json.dumps(error_body("internal server error", "internal_error")))
         finally:
             if stream.abort():  # a no-op once finished
                 metrics.tokens(0, 0, "abort")
@@ -260,11 +283,11 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request)
         try:
             req = CompletionRequest.model_validate(body)
         except ValidationError as e:
-            raise RequestError(400, _validation_message(e)) from None
+            raise RequestError(400, validation_message(e)) from None
         if req.model != served_model_name:
             raise RequestError(404, f"model {req.model!r} is not served here; use {served_model_name!r}",
                                "model_not_found")
@@ -323,7 +346,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_body(request)
         prepared = chat.prepare(body)
         n_prompt = len(prepared.prompt_token_ids)
         check_prompt(n_prompt)
@@ -348,6 +371,8 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         return StreamingResponse(sse_events(stream, n_prompt, out.push_delta, on_finish, out.close),
                                  media_type="text/event-stream")
 
+    routes = frozenset(route.path for route in app.routes)
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, metrics=metrics, routes=routes)
     return app
 
 
@@ -363,12 +388,3 @@ def prefix_cache_gauges(p: PrefixCacheStats) -> dict[str, tuple[float, str]]:
             "deepinfer_prefix_cache_blocks": (p.blocks, "cached blocks"),
             "deepinfer_prefix_cache_bytes": (p.bytes_used, "host bytes the cached blocks hold"),
             "deepinfer_prefix_cache_capacity_bytes": (p.bytes_capacity, "the prefix cache's capacity")}
-
-
-def _validation_message(e: ValidationError) -> str:
-    """pydantic's errors as one line: `field: problem; ...`."""
-    parts = []
-    for err in e.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        parts.append(f"{where}: {err['msg']}")
-    return "invalid request: " + "; ".join(parts)

@@ -9,7 +9,8 @@ Only the engine thread touches the `EngineCore` (the scheduler is not thread-saf
 new tokens to its asyncio queue with `loop.call_soon_threadsafe`. Leaving a stream early (client
 disconnect, timeout) aborts the request, which frees its cache slot and blocks at the next step
 boundary. Back-pressure: at most `max_pending` requests are accepted and unfinished; `submit`
-raises `QueueFull` beyond that (HTTP 429).
+raises `QueueFull` beyond that (HTTP 429). Shutdown: `drain` refuses new requests, gives the open
+ones a grace period, then aborts the rest, ending each stream with an error.
 """
 from __future__ import annotations
 
@@ -24,9 +25,15 @@ from deepinfer.engine.engine_core import EngineCore
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_loop import Delta, EngineLoop, EngineSnapshot
 
-__all__ = ["AsyncEngine", "Delta", "EngineDead", "EngineSnapshot", "FrontEnd", "QueueFull", "RequestStream"]
+__all__ = ["AsyncEngine", "Delta", "EngineDead", "EngineSnapshot", "FrontEnd", "QueueFull", "RequestStream",
+           "SHUT_DOWN"]
 
 logger = logging.getLogger("deepinfer")
+
+#: finish reason of a request the server aborted because it shuts down (HTTP 503)
+SHUT_DOWN = "abort"
+#: how often `drain` looks whether the open requests have finished
+DRAIN_POLL_S = 0.05
 
 
 class QueueFull(Exception):
@@ -114,6 +121,25 @@ class FrontEnd:
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._send_abort(request_id)
+
+    async def drain(self, grace_s: float) -> int:
+        """Shut down on the event loop: refuse new requests (503, /health too), give the open ones
+        `grace_s` seconds to finish, then abort the rest in the engine and end each of their streams
+        with finish reason "abort" and an error saying why. Returns how many were aborted."""
+        if self.dead is None:
+            self.dead = "the server is shutting down"
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
+        while self._streams and loop.time() < end:
+            await asyncio.sleep(DRAIN_POLL_S)
+        left = list(self._streams)
+        if left:
+            logger.warning("shutting down: aborting %d request(s) still running after %g s", len(left), grace_s)
+        message = f"the server shut down before this request finished (it waited {grace_s:g} s); retry"
+        for rid in left:
+            self._send_abort(rid)
+            self._deliver(rid, Delta([], finished=True, finish_reason=SHUT_DOWN, error=message))
+        return len(left)
 
     def health(self) -> dict[str, Any]:
         """The /health body (only asked while `dead` is None)."""

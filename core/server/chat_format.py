@@ -15,8 +15,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.server.protocol import STRUCTURED_OUTPUTS_FIELD, StructuredOutputs
+from deepinfer.server.protocol import STRUCTURED_OUTPUTS_FIELD, ChatFields, validation_message
 
 # config.json model_type -> (recipe ModelVersion, recipe encoding class, xgrammar structural-tag key)
 FAMILIES: dict[str, tuple[str, str, str]] = {
@@ -101,17 +103,18 @@ class ChatFormat:
         """Render, encode and map one request body; RequestError (4xx) for a bad request."""
         if self.unavailable is not None:
             raise RequestError(503, self.unavailable, "unavailable")
-        body = dict(body)
-        extension = body.pop(STRUCTURED_OUTPUTS_FIELD, None)
         try:
-            extension = None if extension is None else StructuredOutputs.model_validate(extension)
-        except ValueError as e:
-            raise RequestError(400, f"invalid {STRUCTURED_OUTPUTS_FIELD}: {e}") from None
+            fields = ChatFields.model_validate(body)
+        except ValidationError as e:
+            raise RequestError(400, validation_message(e)) from None
+        body = dict(body)
+        body.pop(STRUCTURED_OUTPUTS_FIELD, None)  # the server's extension; the recipe does not know it
+        extension = fields.structured_outputs
         if extension is not None and (body.get("response_format") or body.get("tools")):
             raise RequestError(400, f"give {STRUCTURED_OUTPUTS_FIELD} or response_format / tools, not both")
-        if body.get("logprobs") or body.get("top_logprobs"):
+        if fields.logprobs or fields.top_logprobs:
             raise RequestError(400, "logprobs are not supported by this server yet; leave logprobs unset")
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        include_usage = fields.stream_options is not None and fields.stream_options.include_usage
         try:
             req = self.dr.ChatCompletionRequest(body).convert(self.options)
         except self.dr.ConversionError as e:
@@ -132,7 +135,7 @@ class ChatFormat:
             so_args = self._answer_after_reasoning(so_args)
         if opts.output_constraint is not None:
             so_args = self._so_args(opts.output_constraint, thinking, req.conversation,
-                                    parallel=body.get("parallel_tool_calls") is not False)
+                                    parallel=fields.parallel_tool_calls is not False)
         stop = list(req.parsing_options.stop_sequences) or None
         try:
             params = SamplingParams(temperature=opts.temperature if opts.temperature is not None else 1.0,

@@ -1,15 +1,18 @@
 """Pydantic models of what crosses the server's boundary: its settings, the `/v1/completions`
-request and response, and the OpenAI-style error body.
+request and response, the Chat Completions fields the server reads itself, and the OpenAI-style
+error body.
 
-Chat Completions requests are not modelled here: deepseek-recipe parses and validates them
-(`chat_format.py`), so the accepted fields are exactly the ones it renders into the prompt.
+Request models are strict: a JSON value of the wrong type is refused, never converted (`true` is
+not the token id 1, `"yes"` is not `stream: true`). Chat Completions requests are otherwise not
+modelled here: deepseek-recipe parses and validates them (`chat_format.py`), so the accepted fields
+are exactly the ones it renders into the prompt.
 """
 from __future__ import annotations
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 #: The request-body extension that asks for a regex or EBNF constraint (vLLM's spelling):
 #: `{"structured_outputs": {"regex": "..."}}` or `{"structured_outputs": {"grammar": "..."}}`.
@@ -31,6 +34,10 @@ class ServerSettings(BaseModel):
     #: requests accepted and not finished (waiting + running); more get HTTP 429
     max_pending: int = Field(256, ge=1)
     request_timeout_s: float = Field(600.0, gt=0)
+    #: a request body must arrive within this many seconds (a slow or short body gets 408)
+    body_timeout_s: float = Field(30.0, gt=0)
+    #: on shutdown (SIGTERM, Ctrl-C) requests still running get this many seconds before they are aborted
+    shutdown_timeout_s: float = Field(5.0, ge=0)
     #: whether a chat request that does not say (`"thinking": {...}`) runs in thinking mode
     default_thinking: bool = True
 
@@ -41,10 +48,14 @@ class ServerSettings(BaseModel):
         return self
 
 
+#: the seeds both routes accept (deepseek-recipe's chat range; 64-bit signed, non-negative)
+SEED_LIMIT = 2**63
+
+
 class StructuredOutputs(BaseModel):
     """The `structured_outputs` extension: exactly one of `regex` and `grammar` (EBNF)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     regex: str | None = Field(None, min_length=1)
     grammar: str | None = Field(None, min_length=1)
@@ -62,26 +73,50 @@ class StructuredOutputs(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
     include_usage: bool = False
 
 
 class CompletionRequest(BaseModel):
     """`POST /v1/completions`: a raw prompt (text, tokenised with BOS, or token ids), no chat format."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     prompt: str | list[int]
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    n: Literal[1] = 1
+    n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     stream: bool = False
     stream_options: StreamOptions | None = None
     structured_outputs: StructuredOutputs | None = None
     user: str | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("only n=1 is supported; send one request per choice")
+        return n
+
+
+class ChatFields(BaseModel):
+    """The fields of a Chat Completions body that the server reads itself, checked strictly before
+    the whole body goes to deepseek-recipe (which validates the rest, and renders the prompt)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    parallel_tool_calls: bool | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class Usage(BaseModel):
@@ -123,3 +158,12 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict[str, Any]:
     """The OpenAI error object; clients (the `openai` package) read `error.message`."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code or kind}}
+
+
+def validation_message(e: ValidationError, what: str = "invalid request") -> str:
+    """pydantic's errors as one line: `what: field: problem; ...`."""
+    parts = []
+    for err in e.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        parts.append(f"{where}: {err['msg']}")
+    return f"{what}: " + "; ".join(parts)
