@@ -91,10 +91,20 @@ def test_stop_strings_cut_the_text():
 
 def test_max_tokens_and_max_model_len():
     e = toy_engine(max_model_len=10)
-    outs = run_all(e, [[5] * 7, [5] * 10], [SamplingParams(temperature=0, max_tokens=50)] * 2)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1]  # as vLLM: one token after a full prompt
-    assert outs[0].outputs[0].finish_reason == "length"
+    outs = run_all(e, [[5] * 7, [5] * 9], [SamplingParams(temperature=0, max_tokens=50)] * 2)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
     assert len(_first_run([4], max_tokens=3).token_ids) == 3
+
+
+def test_a_prompt_of_max_model_len_tokens_is_refused_alone():
+    """As vLLM: the prompt and at least one generated token must fit in max_model_len."""
+    e = toy_engine(max_model_len=10)
+    outs = run_all(e, [[5] * 9, [5] * 10, [6] * 4], [SamplingParams(temperature=0, max_tokens=50)] * 3)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length"]
+    assert "the prompt has 10 tokens" in outs[1].error and "max_model_len=10" in outs[1].error
+    assert "at most 9 prompt tokens" in outs[1].error and outs[1].outputs[0].token_ids == []
+    assert [len(o.outputs[0].token_ids) for o in (outs[0], outs[2])] == [1, 6]
 
 
 def test_bad_requests_fail_alone():
