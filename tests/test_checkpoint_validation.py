@@ -264,6 +264,87 @@ def test_an_intact_copy_loads(tiny, tmp_path):
     assert set(load_checkpoint(good, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
 
 
+# --- non-finite values ---------------------------------------------------------------------------------
+
+def _poisoned_copy(source: Path, dest: Path, change) -> Path:
+    """A copy of a single-file checkpoint with `change(tensors)` applied to its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def _set(name: str, index, value: float):
+    def change(tensors):
+        tensors[name][index] = value
+    return change
+
+
+@pytest.fixture(scope="module")
+def fp8_tiny(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("valid") / "fp8", "tiny", seed=3, quantize="fp8")
+
+
+@pytest.mark.parametrize("name, index, value", [
+    ("model.norm.weight", (5,), NAN),  # a norm weight
+    ("model.layers.1.self_attn.kv_norm.weight", (0,), INF),
+    ("model.embed_tokens.weight", (300, 7), NAN),  # one embedding row: the embedding is read whole
+    ("model.layers.2.mlp.gate.e_score_correction_bias", (2,), -INF),
+    ("model.layers.1.attn_hc.scale", (1,), NAN),  # an mHC parameter
+], ids=["final-norm", "kv-norm", "embedding-row", "router-bias", "mhc-scale"])
+def test_non_finite_weights_are_refused_at_load(tiny, tmp_path, name, index, value):
+    bad = _poisoned_copy(tiny, tmp_path / "bad", _set(name, index, value))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(bad, torch.float32)
+    message = str(e.value)
+    assert f"tensor {name}" in message and f"at index {list(index)}" in message and "non-finite" in message
+    assert str(bad / "model.safetensors") in message
+
+
+def test_a_nan_fp8_scale_is_refused_at_load(fp8_tiny, tmp_path):
+    def change(tensors):
+        scale = tensors["layers.0.attn.wkv.scale"]
+        scale.view(torch.uint8)[0, 0] = 0xFF  # ue8m0's NaN encoding
+    bad = _poisoned_copy(fp8_tiny, tmp_path / "bad", change)
+    for kept in ((), ("fp8_block128", "fp4_e2m1")):  # dequantised on load, or kept quantised
+        with pytest.raises(CheckpointError, match=r"tensor layers\.0\.attn\.wkv\.scale .* holds a non-finite value "
+                                                  r"\(nan\) at index \[0, 0\]"):
+            load_checkpoint(bad, torch.float32, weight_formats=kept)
+
+
+def test_llm_refuses_nan_weights_instead_of_emitting_token_0_forever(tiny, tmp_path):
+    from deepinfer import LLM
+
+    bad = _poisoned_copy(tiny, tmp_path / "bad", lambda t: t["model.norm.weight"].fill_(NAN))
+    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight .* non-finite"):
+        LLM(model=str(bad), accelerator="cpu", dtype="float32", max_model_len=64, max_num_seqs=2)
+
+
+def test_first_nonfinite_reads_small_tensors_whole_and_large_ones_at_sampled_rows():
+    from deepinfer.models.common.finite import SAMPLED_ROWS, WHOLE_LIMIT, first_nonfinite
+
+    small = torch.zeros(64, 64)
+    small[37, 5] = NAN
+    assert first_nonfinite(small) == (37, 5)
+    rows = 4 * WHOLE_LIMIT // 256
+    large = torch.zeros(rows, 256, dtype=torch.bfloat16)
+    large[rows - 1, 3] = INF  # the last row is always among the sampled ones
+    assert first_nonfinite(large) == (rows - 1, 3)
+    large[rows - 1, 3] = 0
+    large[1, 9] = NAN  # not a sampled row (the rows are spread over the tensor)
+    assert SAMPLED_ROWS < rows // 2 and first_nonfinite(large) is None and first_nonfinite(large, whole=True) == (1, 9)
+    codes = torch.zeros(4, 8, dtype=torch.uint8)
+    codes[2, 6] = 0x7F  # FP8 e4m3's NaN
+    assert first_nonfinite(codes.view(torch.float8_e4m3fn)) == (2, 6)
+    codes[2, 6] = 0xFF  # ue8m0's NaN
+    assert first_nonfinite(codes.view(torch.float8_e8m0fnu)) == (2, 6)
+    assert first_nonfinite(codes.view(torch.int8)) is None  # packed FP4 / integers: no NaN to have
+    assert first_nonfinite(torch.tensor(float("nan"))) == ()  # a scalar
+
+
 # --- shard index paths -------------------------------------------------------------------------------
 
 def _rewrite_index(folder: Path, change) -> str:

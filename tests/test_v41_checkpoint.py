@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -279,6 +280,24 @@ def test_problems_are_listed_together_by_name(tiny, tmp_path):
                  "layers.4.attn.compressor.wgate.weight", "layers.1.engram.embed.weight"):
         assert name in message, name
     assert "missing tensors" in message and "unexpected tensors" in message and "wrong shape" in message
+
+
+@pytest.mark.parametrize("name, index, value", [
+    ("norm.weight", (3,), float("nan")),
+    ("embed.weight", (200, 5), float("inf")),
+    ("layers.5.attn.wkv.scale", (0, 0), None),  # ue8m0's NaN encoding in an FP8 scale
+    ("layers.1.engram.embed.scale", (0, 0), None),  # a memory-mapped Engram table's scale
+], ids=["norm", "embedding-row", "fp8-scale", "engram-scale"])
+def test_non_finite_values_are_refused_at_load(tiny, tmp_path, name, index, value):
+    def poison(t):
+        if value is None:
+            t[name].view(torch.uint8)[index] = 0xFF
+        else:
+            t[name][index] = value
+    ckpt = copy_with(tiny, tmp_path / "poisoned", edit=poison)
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} .* holds a non-finite value .* at index "
+                                              rf"{re.escape(str(list(index)))}"):
+        load_checkpoint(ckpt, torch.float32)
 
 
 def test_canonicalize_accepts_nemo_native_names():

@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 # the embedding's stored dtype is the checkpoint's dtype ("auto")
 DTYPE_REFERENCE_NAMES = ("embed.weight", "model.embed_tokens.weight")
+# checked for NaN / infinity entirely at load, whatever their size (the others: see common/finite.py)
+FINITE_WHOLE = ("embed.weight",)
 _SMALLER = "a smaller checkpoint (e.g. one written by `deepinfer make-model`)"
 
 
@@ -121,6 +123,6 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     ckpt.validate(expected_weight_shapes(config), shapes, naming="official")
     ckpt.check_memory(sum(sizes.values()), dtype, smaller=_SMALLER)
 
-    tensors = ckpt.load(units, canonicalize, target_dtype, dtype)
+    tensors = ckpt.load(units, canonicalize, target_dtype, dtype, whole=FINITE_WHOLE)
     check_hash_tables(tensors, config)
     return config, tensors

@@ -57,6 +57,8 @@ TOKEN_MAP = "engram.token_map"
 RELEASE_BLOCK_SIZE = 32  # FP8 block size when quantization_config has no weight_block_size
 SUPPORTED_MODEL_TYPES = (MODEL_TYPE, TEXT_MODEL_TYPE)
 DTYPE_REFERENCE_NAMES = ("embed.weight", "model.embed_tokens.weight")
+# checked for NaN / infinity entirely at load, whatever their size (the others: see common/finite.py)
+FINITE_WHOLE = ("embed.weight",)
 _ENGRAM_DTYPES = {"weight": torch.float8_e4m3fn, "scale": torch.float8_e8m0fnu}
 _SMALLER = "a smaller checkpoint (e.g. one written by `deepinfer make-model --family v41`)"
 
@@ -209,7 +211,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
 
     in_ram = sum(n for name, n in sizes.items() if weight_kind(name) != "quantized")
     ckpt.check_memory(in_ram + (0 if token_map is None else token_map.numel() * 8), dtype, smaller=_SMALLER)
-    tensors = ckpt.load(units, canonicalize, target_dtype, dtype)
+    tensors = ckpt.load(units, canonicalize, target_dtype, dtype, whole=FINITE_WHOLE)
     if token_map is not None:
         tensors[TOKEN_MAP] = token_map
     return config, tensors
