@@ -62,53 +62,73 @@ BAD_VALUES = [
     ("routed_scaling_factor", NAN, ["routed_scaling_factor", "nan", "finite number > 0"]),
     ("routed_scaling_factor", -INF, ["routed_scaling_factor", "-inf", "> 0"]),
     ("routed_scaling_factor", -1.5, ["routed_scaling_factor", "-1.5", "> 0"]),
-    ("sliding_window", 0, ["sliding_window", "= 0", "integer >= 1"]),
-    ("sliding_window", -8, ["sliding_window", "-8", "integer >= 1"]),
-    ("max_position_embeddings", 0, ["max_position_embeddings", "= 0", "integer >= 1"]),
-    ("max_position_embeddings", -512, ["max_position_embeddings", "-512", "integer >= 1"]),
-    ("index_topk", 0, ["index_topk", "= 0", "integer >= 1"]),
-    ("index_topk", -4, ["index_topk", "-4", "integer >= 1"]),
-    ("hc_sinkhorn_iters", -1, ["hc_sinkhorn_iters", "-1", "integer >= 1"]),
-    ("hc_sinkhorn_iters", 0, ["hc_sinkhorn_iters", "= 0", "integer >= 1"]),
-    ("hidden_size", [64], ["hidden_size", "[64]", "a list", "integer >= 1"]),
-    ("hidden_size", "64", ["hidden_size", "'64'", "a string", "integer >= 1"]),
-    ("hidden_size", 64.0, ["hidden_size", "64.0", "a float", "integer >= 1"]),
-    ("num_hidden_layers", True, ["num_hidden_layers", "True", "a bool", "integer >= 1"]),
-    ("num_hidden_layers", 0, ["num_hidden_layers", "= 0", "integer >= 1"]),
-    ("vocab_size", 0, ["vocab_size", "= 0", "integer >= 1"]),
-    ("num_attention_heads", 0, ["num_attention_heads", "= 0", "integer >= 1"]),
+    ("sliding_window", 0, ["sliding_window", "= 0", "integer in [1, "]),
+    ("sliding_window", -8, ["sliding_window", "-8", "integer in [1, "]),
+    ("max_position_embeddings", 0, ["max_position_embeddings", "= 0", "integer in [1, "]),
+    ("max_position_embeddings", -512, ["max_position_embeddings", "-512", "integer in [1, "]),
+    ("index_topk", 0, ["index_topk", "= 0", "integer in [1, "]),
+    ("index_topk", -4, ["index_topk", "-4", "integer in [1, "]),
+    ("hc_sinkhorn_iters", -1, ["hc_sinkhorn_iters", "-1", "integer in [1, "]),
+    ("hc_sinkhorn_iters", 0, ["hc_sinkhorn_iters", "= 0", "integer in [1, "]),
+    ("hidden_size", [64], ["hidden_size", "[64]", "a list", "integer in [1, "]),
+    ("hidden_size", "64", ["hidden_size", "'64'", "a string", "integer in [1, "]),
+    ("hidden_size", 64.0, ["hidden_size", "64.0", "a float", "integer in [1, "]),
+    ("num_hidden_layers", True, ["num_hidden_layers", "True", "a bool", "integer in [1, "]),
+    ("num_hidden_layers", 0, ["num_hidden_layers", "= 0", "integer in [1, "]),
+    ("vocab_size", 0, ["vocab_size", "= 0", "integer in [1, "]),
+    ("num_attention_heads", 0, ["num_attention_heads", "= 0", "integer in [1, "]),
     ("head_dim", 33, ["head_dim", "33", "even"]),
-    ("q_lora_rank", 0, ["q_lora_rank", "= 0", "integer >= 1"]),
-    ("o_lora_rank", -16, ["o_lora_rank", "-16", "integer >= 1"]),
-    ("o_groups", 0, ["o_groups", "= 0", "integer >= 1"]),
+    ("q_lora_rank", 0, ["q_lora_rank", "= 0", "integer in [1, "]),
+    ("o_lora_rank", -16, ["o_lora_rank", "-16", "integer in [1, "]),
+    ("o_groups", 0, ["o_groups", "= 0", "integer in [1, "]),
     ("o_groups", 3, ["o_groups", "3", "divide num_attention_heads * head_dim = 128"]),
-    ("index_n_heads", 0, ["index_n_heads", "= 0", "integer >= 1"]),
+    ("index_n_heads", 0, ["index_n_heads", "= 0", "integer in [1, "]),
     ("index_head_dim", 4, ["qk_rope_head_dim", "8", "<= index_head_dim = 4"]),
-    ("n_routed_experts", 0, ["n_routed_experts", "= 0", "integer >= 1"]),
+    ("n_routed_experts", 0, ["n_routed_experts", "= 0", "integer in [1, "]),
     ("num_experts_per_tok", 9, ["num_experts_per_tok", "9", "<= n_routed_experts = 8"]),
-    ("num_experts_per_tok", 0, ["num_experts_per_tok", "= 0", "integer >= 1"]),
+    ("num_experts_per_tok", 0, ["num_experts_per_tok", "= 0", "integer in [1, "]),
     ("n_shared_experts", 2, ["n_shared_experts", "2", "integer in [0, 1]"]),
-    ("moe_intermediate_size", 0, ["moe_intermediate_size", "= 0", "integer >= 1"]),
+    ("moe_intermediate_size", 0, ["moe_intermediate_size", "= 0", "integer in [1, "]),
     ("swiglu_limit", -1.0, ["swiglu_limit", "-1.0", "finite number >= 0"]),
     ("rope_theta", 0, ["rope_theta", "= 0", "finite number > 1"]),
     ("compress_rope_theta", NAN, ["compress_rope_theta", "nan", "finite number > 1"]),
-    ("hc_mult", 0, ["hc_mult", "= 0", "integer >= 1"]),
+    ("hc_mult", 0, ["hc_mult", "= 0", "integer in [1, "]),
     ("hc_eps", NAN, ["hc_eps", "nan", "finite number >= 0"]),
-    ("num_nextn_predict_layers", -1, ["num_nextn_predict_layers", "-1", "integer >= 0"]),
+    ("num_nextn_predict_layers", -1, ["num_nextn_predict_layers", "-1", "integer in [0, "]),
     ("partial_rotary_factor", 2.0, ["partial_rotary_factor", "2.0", "finite number in (0, 1]"]),
     ("scoring_func", 3, ["scoring_func", "3", "sqrtsoftplus"]),
     ("layer_types", "sliding_attention", ["layer_types", "'sliding_attention'", "a list"]),
-    ("compress_rates", {CSA: 0, HCA: 16}, ["compress_rates", CSA, "= 0", "integer >= 1"]),
+    ("compress_rates", {CSA: 0, HCA: 16}, ["compress_rates", CSA, "= 0", "integer in [1, "]),
     ("compress_rates", [4, 16], ["compress_rates", "[4, 16]", "an object"]),
     ("rope_parameters__compress__factor", 0, ["factor", "= 0", "finite number >= 1"]),
     ("rope_parameters__compress__original_max_position_embeddings", 0,
-     ["original_max_position_embeddings", "= 0", "integer >= 1"]),
+     ["original_max_position_embeddings", "= 0", "integer in [1, "]),
     ("rope_parameters__compress__beta_fast", -32, ["beta_fast", "-32", "finite number > 0"]),
     ("bos_token_id", 512, ["bos_token_id", "512", "[0, 512)"]),
     ("eos_token_id", -1, ["eos_token_id", "-1", "[0, 512)"]),
     ("eos_token_id", [1, 600], ["eos_token_id", "600", "[0, 512)"]),
     ("eos_token_id", "1", ["eos_token_id", "'1'", "integer"]),
     ("quantization_config", [1], ["quantization_config", "[1]", "an object"]),
+    # upper bounds: values that set work or memory (a hang, an allocation of terabytes)
+    ("hc_sinkhorn_iters", 1000000000, ["hc_sinkhorn_iters", "1000000000", "integer in [1, 1000]"]),
+    ("vocab_size", 2**40, ["vocab_size", str(2**40), "integer in [1, 4194304]"]),
+    ("max_position_embeddings", 2**31, ["max_position_embeddings", str(2**31), "integer in [1, 16777216]"]),
+    ("num_hidden_layers", 100000, ["num_hidden_layers", "100000", "integer in [1, 1024]"]),
+    ("hc_mult", 4096, ["hc_mult", "4096", "integer in [1, 64]"]),
+    ("sliding_window", 2**30, ["sliding_window", str(2**30), "integer in [1, 16777216]"]),
+    ("rope_parameters__compress__original_max_position_embeddings", 2**40,
+     ["original_max_position_embeddings", str(2**40), "integer in [1, 16777216]"]),
+    # values that were accepted and ignored
+    ("eos_token_id", [], ["eos_token_id = []", "empty", "null for none"]),
+    ("tie_word_embeddings", "yes", ["tie_word_embeddings", "'yes'", "a string", "must be false"]),
+    ("tie_word_embeddings", True, ["tie_word_embeddings = true", "separate output head"]),
+    ("quantization_config", {"quant_method": "awq", "bits": 4},
+     ["quantization_config.quant_method = 'awq'", "'fp8'", "keys deepinfer does not read: ['bits']"]),
+    ("quantization_config", {"quant_method": "fp8", "activation_scheme": "static"},
+     ["quantization_config.activation_scheme = 'static'", "'dynamic'"]),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [64, 128]},
+     ["quantization_config.weight_block_size = [64, 128]", "two equal integers"]),
+    ("expert_dtype", "int4", ["expert_dtype = 'int4'", "'fp4' or 'fp8'"]),
 ]
 
 
@@ -124,11 +144,11 @@ def test_bad_config_values_are_refused_when_loading(tmp_path, tiny_config, key, 
 
 
 @pytest.mark.parametrize("key, value, words", [
-    ("window_size", 0, ["window_size", "= 0", "integer >= 1"]),  # an alias is reported under its own name
-    ("n_hash_layers", -1, ["n_hash_layers", "-1", "integer >= 0"]),
-    ("compress_ratios", [0, 4, -16, 0], ["compress_ratios", "-16", "integer >= 0"]),
+    ("window_size", 0, ["window_size", "= 0", "integer in [1, "]),  # an alias is reported under its own name
+    ("n_hash_layers", -1, ["n_hash_layers", "-1", "integer in [0, "]),
+    ("compress_ratios", [0, 4, -16, 0], ["compress_ratios", "-16", "integer in [0, "]),
     ("rope_factor", "16", ["rope_factor", "'16'", "finite number >= 1"]),
-    ("original_seq_len", 32.5, ["original_seq_len", "32.5", "integer >= 0"]),
+    ("original_seq_len", 32.5, ["original_seq_len", "32.5", "integer in [0, "]),
     ("route_scale", NAN, ["route_scale", "nan", "finite number > 0"]),
 ])
 def test_official_spellings_are_checked_under_their_own_names(key, value, words):
@@ -138,6 +158,52 @@ def test_official_spellings_are_checked_under_their_own_names(key, value, words)
         DeepseekV4Config.from_dict({**OFFICIAL_ARGS, key: value})
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0, 0, 0]), ["compress_ratios has 46 entries", "one per layer",
+                                                                    "num_hidden_layers = 43", "one 0 per MTP layer"]),
+    (dict(compress_ratios=[0, 0] + [4, 128] * 20), ["compress_ratios has 42 entries", "num_hidden_layers = 43"]),
+    (dict(num_hash_layers=100), ["num_hash_layers = 100", "<= num_hidden_layers = 43"]),
+    (dict(rope_scaling={"factor": 0.5, "original_max_position_embeddings": 65536}),
+     ["rope_scaling.factor = 0.5", "without rope_type 'yarn'"]),
+    (dict(rope_scaling={"type": "default", "factor": 4}), ["rope_scaling.factor = 4", "without rope_type 'yarn'"]),
+    (dict(rope_parameters={"compress": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536}},
+          rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 65536}),
+     ["rope_parameters.compress and rope_scaling disagree"]),
+], ids=["ratios-too-long", "ratios-too-short", "hash-layers", "factor-without-yarn", "factor-default-type",
+        "two-scalings"])
+def test_hub_values_that_were_silently_ignored_are_refused(change, words):
+    from test_model_config import FLASH_HUB
+
+    with pytest.raises(CheckpointError) as e:
+        DeepseekV4Config.from_dict({**FLASH_HUB, **change})
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_official_rope_factor_is_checked_even_without_yarn():
+    from test_model_config import OFFICIAL_ARGS
+
+    with pytest.raises(CheckpointError, match=r"rope_factor = 0.5 is out of range"):
+        DeepseekV4Config.from_dict({**OFFICIAL_ARGS, "original_seq_len": 0, "rope_factor": 0.5})
+
+
+def test_quantization_config_weight_block_size_is_used(tmp_path, tiny_config):
+    """An FP8 block size other than the official 128 is read (not ignored): the tiny FP8 checkpoint's
+    128-blocks then no longer fit their scales."""
+    from test_model_config import FLASH_HUB
+
+    transformers_block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                          "modules_to_not_convert": None, "dequantize": False, "scale_fmt": "float",
+                          "expert_dtype": "fp8"}  # what transformers' FineGrainedFP8Config writes
+    assert DeepseekV4Config.from_dict({**FLASH_HUB, "quantization_config": transformers_block})
+    path = make_model(tmp_path / "fp8", "tiny", seed=3, quantize="fp8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"does not fit the fp8 weight .* expected \("):
+        load_checkpoint(path)
 
 
 def test_every_problem_is_listed_in_one_error(tmp_path, tiny_config):
@@ -166,7 +232,7 @@ def test_config_json_that_is_not_json(tmp_path):
 
 
 def test_direct_construction_is_checked_too():
-    with pytest.raises(ValueError, match=r"sliding_window = 0 is out of range: must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"sliding_window = 0 is out of range: must be an integer in \[1, 16777216\]"):
         DeepseekV4Config(sliding_window=0, layer_types=("sliding_attention",) * 43,
                          mlp_layer_types=("moe",) * 43)
     with pytest.raises(ValueError, match=r"(?s)invalid make-model settings.*rms_norm_eps = -1.0 is out of range"):
@@ -177,7 +243,7 @@ def test_llm_refuses_a_bad_config_when_built(tmp_path, tiny_config):
     from deepinfer import LLM
 
     path = _config_only(tmp_path / "bad", _with(tiny_config, sliding_window=0))
-    with pytest.raises(CheckpointError, match=r"sliding_window = 0 is out of range: must be an integer >= 1"):
+    with pytest.raises(CheckpointError, match=r"sliding_window = 0 is out of range: must be an integer in \[1, 16777216\]"):
         LLM(model=str(path), accelerator="cpu")
 
 

@@ -51,6 +51,22 @@ def test_bad_values_name_choices(clean_env):
         load_config({"ep": 2, "dp": 1, "cp": 1})
 
 
+@pytest.mark.parametrize("key, value, words", [
+    ("max_model_len", 2**31, ["max_model_len", "less than or equal to 16777216"]),
+    ("max_model_len", 1, ["max_model_len", "greater than or equal to 2"]),  # no room for a prompt and one token
+    ("max_num_seqs", 10**7, ["max_num_seqs", "less than or equal to 65536"]),
+    ("max_num_batched_tokens", 2**40, ["max_num_batched_tokens", "less than or equal to 16777216"]),
+    ("block_size", 2**20, ["block_size", "less than or equal to 65536"]),
+    ("sampler_force_topk", 2**40, ["sampler_force_topk", "less than or equal to 4194304"]),
+    ("ep", 10**6, ["ep", "less than or equal to 4096"]),
+])
+def test_settings_that_size_work_have_upper_bounds(clean_env, key, value, words):
+    with pytest.raises(ValueError) as e:
+        load_config({key: value})
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
 def test_missing_and_invalid_toml(clean_env, tmp_path):
     with pytest.raises(FileNotFoundError, match="config file not found"):
         load_config(config_file=tmp_path / "nope.toml")

@@ -80,6 +80,44 @@ def test_config_errors_name_the_keys(tiny):
         parse_config(roles)
 
 
+def _text(**changes):
+    return ("text_config", changes)
+
+
+V41_BAD = [
+    (_text(hc_sinkhorn_iters=1000000000), ["text_config.hc_sinkhorn_iters = 1000000000", "integer in [1, 1000]"]),
+    (_text(vocab_size=2**40), ["text_config.vocab_size", "integer in [1, 4194304]"]),
+    (_text(num_hidden_layers=5000), ["text_config.num_hidden_layers = 5000", "integer in [1, 1024]"]),
+    (_text(engram_num_embeddings=[601, 2**50]), ["text_config.engram_num_embeddings", "row counts in [1, "]),
+    (_text(compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0, 0]),
+     ["text_config.compress_ratios has 13 entries", "one 0 per DSpark stage"]),
+    (_text(num_nextn_predict_layers=3, dspark_target_layer_ids=[5, 6, 7], compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 4, 0]),
+     ["DSpark stages", "must be 0", "[0, 4, 0]"]),
+    (_text(tie_word_embeddings="yes"), ["text_config.tie_word_embeddings = 'yes'", "must be false"]),
+    (("tie_word_embeddings", True), ["tie_word_embeddings = true", "separate output head"]),
+    (("eos_token_id", []), ["eos_token_id = [] is empty"]),
+    (("quantization_config", {"quant_method": "gptq"}), ["quantization_config.quant_method = 'gptq'"]),
+    (("quantization_config", [1]), ["quantization_config = [1]", "an object"]),
+    (("vision_config", "none"), ["vision_config = 'none'", "an object or null"]),
+    (_text(rope_scaling={"type": "linear", "factor": 0.5}), ["text_config.rope_scaling.type = 'linear'"]),
+    (_text(rope_scaling={"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 64}),
+     ["text_config.rope_scaling.factor = 0.5 is out of range"]),
+]
+
+
+@pytest.mark.parametrize("change, words", V41_BAD, ids=[f"{k}:{sorted(v) if isinstance(v, dict) else v!r:.40}"
+                                                       for (k, v), _ in V41_BAD])
+def test_values_that_were_unbounded_or_ignored_are_refused(tiny, change, words):
+    good = json.loads((tiny / "config.json").read_text())
+    key, value = change
+    bad = {**good, "text_config": {**good["text_config"], **value}} if key == "text_config" else {**good, key: value}
+    with pytest.raises(CheckpointError) as e:
+        parse_config(bad)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert "text_config.eos_token_id" not in str(e.value)  # top-level keys are named as spelt
+
+
 def test_tiny_has_every_role_and_exact_engram_rows(tiny, loaded):
     config, _ = loaded
     assert config.layer_roles == (SLIDING, SLIDING, FULL, REUSE, FULL, REUSE, REINDEX, REUSE)
