@@ -472,6 +472,66 @@ def test_hugging_face_cache_blob_symlinks_are_allowed(sharded, tmp_path):
     assert set(load_checkpoint(snapshot, torch.float32)[1]) == set(load_checkpoint(sharded, torch.float32)[1])
 
 
+def test_single_file_symlink_out_of_the_folder_is_refused_like_an_index_entry(tiny, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(tiny, bad)
+    (bad / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    (bad / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    pattern = (rf"the checkpoint file {re.escape(str(bad / 'model.safetensors'))} is a symlink to "
+               rf"{re.escape(str((tmp_path / 'elsewhere.safetensors').resolve()))}, outside the checkpoint folder")
+    with pytest.raises(CheckpointError, match=pattern):
+        load_checkpoint(bad)
+    inside = tmp_path / "inside"  # a link to a file inside the folder is fine
+    shutil.copytree(tiny, inside)
+    (inside / "model.safetensors").rename(inside / "weights.bin")
+    (inside / "model.safetensors").symlink_to("weights.bin")
+    assert set(load_checkpoint(inside, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
+
+
+def test_hugging_face_cache_single_file_blob_is_allowed(tiny, tmp_path):
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(p for p in tiny.iterdir() if p.is_file())):
+        shutil.copy(f, blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    assert set(load_checkpoint(snapshot, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
+
+
+def _replace_with(path: Path, kind: str) -> str:
+    """Put a `kind` thing where the file `path` was; the words the error must use for it."""
+    import os
+
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+        return "is a named pipe (FIFO), not a regular file"
+    if kind == "directory":
+        path.mkdir()
+        return "is a directory, not a regular file"
+    if kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+        return "is a character device, not a regular file"
+    path.symlink_to(path.parent / "gone")  # a dangling symlink
+    return "is a symlink to"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "dangling"])
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json", "shard"])
+def test_special_files_are_named_not_reported_missing(tiny, sharded, tmp_path, name, kind):
+    from deepinfer import LLM
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(sharded if name in ("model.safetensors.index.json", "shard") else tiny, bad)
+    target = bad / (sorted(p.name for p in bad.glob("model-*.safetensors"))[0] if name == "shard" else name)
+    words = _replace_with(target, kind)
+    for load in (lambda: load_checkpoint(bad), lambda: LLM(model=str(bad), accelerator="cpu")):
+        with pytest.raises(CheckpointError) as e:
+            load()
+        assert str(target) in str(e.value) and words in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("index, pattern", [
     ({"weight_map": {"embed.weight": 3}}, r"weight_map entry 'embed.weight': 3 must be a file name"),
     ({"weight_map": {"embed.weight": ""}}, r"weight_map entry 'embed.weight': '' must be a file name"),
