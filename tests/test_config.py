@@ -1,6 +1,8 @@
 """Engine configuration: sources, precedence, and errors that name the valid choices."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import BaseModel, ConfigDict
 
@@ -195,3 +197,32 @@ def test_every_variable_is_documented():
         assert var.name.startswith("DEEPINFER_") and len(var.doc) > 20
     with pytest.raises(KeyError, match="not a documented"):
         envs.get("DEEPINFER_NOT_A_THING")
+
+
+def test_a_log_level_that_is_not_one_is_refused(clean_env, capsys):
+    import logging
+
+    from deepinfer import LLM
+    from deepinfer.entrypoints.serve import main as serve
+
+    assert envs.log_level("INFO") == logging.INFO  # unset: the default
+    clean_env.setenv("DEEPINFER_LOG_LEVEL", "debug")
+    assert envs.log_level() == logging.DEBUG
+    envs.check_values()
+    clean_env.setenv("DEEPINFER_LOG_LEVEL", "garbage")
+    message = "DEEPINFER_LOG_LEVEL='garbage' is not valid; use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"
+    for check in (envs.log_level, envs.check_values, lambda: envs.get("DEEPINFER_LOG_LEVEL")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check()
+    with pytest.raises(ValueError, match=re.escape(message)):  # before any checkpoint is looked at
+        LLM(model="/nonexistent/checkpoint", accelerator="cpu")
+    assert serve(["--port", "0"]) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_a_boolean_variable_that_is_not_one_stops_the_engine_at_start_up(clean_env):
+    from deepinfer import LLM
+
+    clean_env.setenv("DEEPINFER_CPU_NATIVE", "maybe")
+    with pytest.raises(ValueError, match=r"invalid environment: DEEPINFER_CPU_NATIVE='maybe' is not a boolean"):
+        LLM(model="/nonexistent/checkpoint", accelerator="cpu")
