@@ -129,6 +129,11 @@ BAD_VALUES = [
     ("quantization_config", {"quant_method": "fp8", "weight_block_size": [64, 128]},
      ["quantization_config.weight_block_size = [64, 128]", "two equal integers"]),
     ("expert_dtype", "int4", ["expert_dtype = 'int4'", "'fp4' or 'fp8'"]),
+    ("rope_parameters__main__rope_theta", 50000.0, ["rope_parameters.main.rope_theta = 50000.0",
+                                                   "disagrees with rope_theta = 10000.0"]),
+    ("rope_parameters__compress__rope_theta", 1.5, ["rope_parameters.compress.rope_theta = 1.5",
+                                                   "disagrees with compress_rope_theta = 160000.0"]),
+    ("rope_parameters__main__rope_type", "yarn", ["rope_parameters.main.rope_type = 'yarn'", "only the compress RoPE"]),
 ]
 
 

@@ -371,6 +371,7 @@ class DeepseekV4Config(BaseModel):
 
         rope_scaling = get.typed("rope_scaling", default=None, kinds=dict, want="an object or null")
         out["rope_scaling"] = _parse_yarn(get, rope_scaling, rope_params)
+        _check_rope_bases(get, rope_params, out)
         if get.problems:
             raise CheckpointError(_report(source, get.problems))
         try:
@@ -580,6 +581,22 @@ def _parse_yarn(get: _KeyReader, rope_scaling: dict | None, rope_params: dict | 
                   "beta_fast": get.number("beta_fast", default=32.0), "beta_slow": get.number("beta_slow", default=1.0)}
         return None if get.problems else YarnScaling(**values)
     return None
+
+
+def _check_rope_bases(get: _KeyReader, rope_params: dict | None, out: dict[str, Any]) -> None:
+    """transformers' `rope_parameters` repeats the RoPE bases: they must agree with the ones read
+    (`rope_theta`, `compress_rope_theta`), and the main RoPE is never scaled; nothing there is ignored."""
+    for block, key in (("main", "rope_theta"), ("compress", "compress_rope_theta")):
+        inner = (rope_params or {}).get(block)
+        theta = inner.get("rope_theta") if isinstance(inner, dict) else None
+        if theta is not None and theta != out[key]:
+            get.problems.append(f"rope_parameters.{block}.rope_theta = {_show(theta)} disagrees with {key} = "
+                                f"{_show(out[key])}; give the same value (or leave one out)")
+    main = (rope_params or {}).get("main")
+    kind = main.get("rope_type", main.get("type")) if isinstance(main, dict) else None
+    if kind not in (None, "default"):
+        get.problems.append(f"rope_parameters.main.rope_type = {_show(kind)} is not supported: DeepSeek-V4 scales only "
+                            f"the compress RoPE (rope_parameters.compress); use 'default'")
 
 
 def _yarn_block(get: _KeyReader, src: dict, where: str) -> YarnScaling | None:
