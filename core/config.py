@@ -31,9 +31,11 @@ class EngineConfig(BaseModel):
     model: str | None = Field(None, description="checkpoint directory or HF id (local cache); None: the default model")
     tokenizer: str | None = Field(None, description="tokenizer.json path; None: the checkpoint's, else DeepSeek-V4's")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS, description="prompt + output tokens per request; None: min(model limit, 32768)")
+    max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS,
+                                      description="prompt + output tokens per request; None: min(model limit, 32768)")
     max_num_seqs: int = Field(64, ge=1, le=MAX_SEQS, description="sequences in one step")
-    max_num_batched_tokens: int = Field(8192, ge=1, le=MAX_TOKENS, description="tokens in one step (prefill chunks + decode)")
+    max_num_batched_tokens: int = Field(8192, ge=1, le=MAX_TOKENS,
+                                        description="tokens in one step (prefill chunks + decode)")
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0,
                                           description="fraction of device memory (RAM on CPU) for weights plus cache")
     cache_memory_gb: float | None = Field(None, gt=0.0, allow_inf_nan=False,
@@ -47,7 +49,8 @@ class EngineConfig(BaseModel):
     async_pipeline: bool | None = Field(
         None, description="prepare step N+1 on the host while step N runs; None (auto): on where the back end "
                           "declares host_overlap (GPU, NPU), off on the cpu back end")
-    sampler_force_topk: int | None = Field(None, ge=1, le=MAX_VOCAB, description="restrict sampling to the top-k logits first")
+    sampler_force_topk: int | None = Field(None, ge=1, le=MAX_VOCAB,
+                                           description="restrict sampling to the top-k logits first")
     model_options: dict[str, Any] = Field(
         default_factory=dict, description="[model_options]: overrides of the model family's options "
                                           "(OpDefaults.model_options, e.g. DeepSeek-V4's query_block), checked "

@@ -248,7 +248,8 @@ def test_llm_refuses_a_bad_config_when_built(tmp_path, tiny_config):
     from deepinfer import LLM
 
     path = _config_only(tmp_path / "bad", _with(tiny_config, sliding_window=0))
-    with pytest.raises(CheckpointError, match=r"sliding_window = 0 is out of range: must be an integer in \[1, 16777216\]"):
+    with pytest.raises(CheckpointError,
+                       match=r"sliding_window = 0 is out of range: must be an integer in \[1, 16777216\]"):
         LLM(model=str(path), accelerator="cpu")
 
 

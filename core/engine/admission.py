@@ -1,10 +1,10 @@
 """Admission: a prompt and its sampling parameters become a `Request`, or the reason they cannot.
 
 `Admission.admit` tokenises the prompt, checks the request against the model (vocabulary,
-`max_model_len`: the prompt plus one generated token, sampling values that depend on the vocabulary) and attaches the logits processors
-that track it. A problem with this request alone is returned as a message: the engine finishes the
-request with finish_reason "error" and carries on (see "The contract" in docs/engine.md). Nothing
-is queued here.
+`max_model_len`, which must hold the prompt plus one generated token, sampling values that depend
+on the vocabulary) and attaches the logits processors that track it. A problem with this request
+alone is returned as a message: the engine finishes the request with finish_reason "error" and
+carries on (see "The contract" in docs/engine.md). Nothing is queued here.
 """
 from __future__ import annotations
 

@@ -127,7 +127,7 @@ class Sampler:
     def _greedy(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Every row greedy and unconstrained (batch-1 and benchmark decode): the tokens and their
         log-normaliser in one kernel, no row lists (the same tokens and figures as the general path).
-        The non-finite check costs two ops over `[L]`, no pass over the logits and no host sync."""
+        The non-finite check costs a few ops over `[L]`, no pass over the logits and no host sync."""
         tokens, log_norm = self.accelerator.argmax_logsumexp(logits)
         nonfinite = ~torch.isfinite(log_norm)
         dead = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)

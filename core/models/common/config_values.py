@@ -106,7 +106,8 @@ def token_ids_problem(key: str, value: Any, vocab_size: int) -> str | None:
         return f"{key} = [] is empty: give at least one token id, or null for none"
     ids = value if isinstance(value, tuple) else () if value is None else (value,)
     if any(not 0 <= i < vocab_size for i in ids):
-        return f"{key} = {show_value(value)} is out of range: token ids must be in [0, {vocab_size}) (vocab_size = {vocab_size})"
+        return (f"{key} = {show_value(value)} is out of range: token ids must be in [0, {vocab_size}) "
+                f"(vocab_size = {vocab_size})")
     return None
 
 
@@ -159,8 +160,8 @@ def quantization_problems(q: Any, where: str = "quantization_config") -> list[st
     if q.get("dequantize") not in (None, False, True):
         problems.append(f"{where}.dequantize = {show_value(q['dequantize'])} has the wrong type: must be a bool")
     if "weight_block_size" in q and fp8_block_size(q, 0) is None:
-        problems.append(f"{where}.weight_block_size = {show_value(q['weight_block_size'])} is not supported: it must be "
-                        f"two equal integers in [1, {MAX_FP8_BLOCK}] (square FP8 blocks), e.g. [128, 128]")
+        problems.append(f"{where}.weight_block_size = {show_value(q['weight_block_size'])} is not supported: it "
+                        f"must be two equal integers in [1, {MAX_FP8_BLOCK}] (square FP8 blocks), e.g. [128, 128]")
     return problems
 
 

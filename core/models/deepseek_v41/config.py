@@ -340,8 +340,8 @@ class DeepseekV41Config(BaseModel):
                 problems.append(p)
         vision = top.get("vision_config")
         if vision is not None and not isinstance(vision, dict):
-            problems.append(f"vision_config = {show_value(vision)} has the wrong type ({type_name(vision)}): must be an "
-                            f"object or null (deepinfer runs the language model only and skips the vision weights)")
+            problems.append(f"vision_config = {show_value(vision)} has the wrong type ({type_name(vision)}): must be "
+                            f"an object or null (deepinfer runs the language model only and skips the vision weights)")
         if isinstance(rope, dict):
             kind_key = "rope_type" if "rope_type" in rope else "type"
             if rope.get(kind_key, "yarn") != "yarn":
