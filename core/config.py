@@ -16,29 +16,41 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from deepinfer import envs
 
 
+# Upper bounds of the settings that size work and memory (far above what one engine runs; the model
+# families bound their own settings alike, models/common/config_values.py).
+MAX_TOKENS = 1 << 24  # max_model_len, max_num_batched_tokens (a model's max_position_embeddings is at most this)
+MAX_SEQS = 1 << 16  # max_num_seqs
+MAX_BLOCK_SIZE = 1 << 16  # compressed entries per cache block
+MAX_RANKS = 4096  # ep, dp, cp
+MAX_VOCAB = 1 << 22  # sampler_force_topk (at most a vocabulary)
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     model: str | None = Field(None, description="checkpoint directory or HF id (local cache); None: the default model")
     tokenizer: str | None = Field(None, description="tokenizer.json path; None: the checkpoint's, else DeepSeek-V4's")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    max_model_len: int | None = Field(None, ge=1, description="prompt + output tokens per request; None: min(model limit, 32768)")
-    max_num_seqs: int = Field(64, ge=1, description="sequences in one step")
-    max_num_batched_tokens: int = Field(8192, ge=1, description="tokens in one step (prefill chunks + decode)")
+    max_model_len: int | None = Field(None, ge=2, le=MAX_TOKENS,
+                                      description="prompt + output tokens per request; None: min(model limit, 32768)")
+    max_num_seqs: int = Field(64, ge=1, le=MAX_SEQS, description="sequences in one step")
+    max_num_batched_tokens: int = Field(8192, ge=1, le=MAX_TOKENS,
+                                        description="tokens in one step (prefill chunks + decode)")
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0,
                                           description="fraction of device memory (RAM on CPU) for weights plus cache")
     cache_memory_gb: float | None = Field(None, gt=0.0, allow_inf_nan=False,
                                           description="explicit cache size; overrides gpu_memory_utilization")
-    block_size: int = Field(64, ge=1, description="compressed entries per cache block")
+    block_size: int = Field(64, ge=1, le=MAX_BLOCK_SIZE, description="compressed entries per cache block")
     seed: int = Field(0, ge=0, lt=2**64, description="seed of the engine's shared sampling generator")
     accelerator: str | None = Field(None, description="back-end plugin name; None: auto (see DEEPINFER_ACCELERATOR)")
-    ep: int = Field(1, ge=1)
-    dp: int = Field(1, ge=1)
-    cp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1, le=MAX_RANKS)
+    dp: int = Field(1, ge=1, le=MAX_RANKS)
+    cp: int = Field(1, ge=1, le=MAX_RANKS)
     async_pipeline: bool | None = Field(
         None, description="prepare step N+1 on the host while step N runs; None (auto): on where the back end "
                           "declares host_overlap (GPU, NPU), off on the cpu back end")
-    sampler_force_topk: int | None = Field(None, ge=1, description="restrict sampling to the top-k logits first")
+    sampler_force_topk: int | None = Field(None, ge=1, le=MAX_VOCAB,
+                                           description="restrict sampling to the top-k logits first")
     model_options: dict[str, Any] = Field(
         default_factory=dict, description="[model_options]: overrides of the model family's options "
                                           "(OpDefaults.model_options, e.g. DeepSeek-V4's query_block), checked "

@@ -26,13 +26,17 @@ from dataclasses import dataclass
 class EnvVar:
     """One environment variable: its name, what it does, and the config field it sets, if any (an
     `EngineConfig` field for the core's variables, a field of the feature's config model for a
-    variable on a `FeatureSpec`), with the kind its value is converted to (str, int or bool)."""
+    variable on a `FeatureSpec`), with the kind its value is converted to (str, int or bool) and,
+    for a str, the values it may take."""
 
     name: str
     doc: str
     field: str | None = None
     kind: type = str
+    choices: tuple[str, ...] = ()  # the values a str variable may take (case-insensitive); () = any
 
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 #: The core's own variables (engine settings, back-end switches, paths).
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
@@ -79,7 +83,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "cpu back end: 1 keeps a checkpoint's FP8/FP4 linear and expert weights quantised in memory "
            "(about the checkpoint's bytes; products of up to 128 rows run on the stored codes in C, larger "
            "ones dequantise tile by tile); 0 (default) dequantises them at load.", kind=bool),
-    EnvVar("DEEPINFER_LOG_LEVEL", "Logging level of the `deepinfer` logger (default WARNING)."),
+    EnvVar("DEEPINFER_LOG_LEVEL", "Logging level of `deepinfer serve` (default INFO): DEBUG, INFO, WARNING, ERROR "
+           "or CRITICAL (any case); another value is an error when an engine or the server starts.",
+           choices=LOG_LEVELS),
     EnvVar("DEEPINFER_API_KEY",
            "deepinfer serve: the API key every route but /health requires (`Authorization: Bearer "
            "<key>`), when --api-key is not given. Unset: no key. Set but empty (a deploy script's unset "
@@ -122,9 +128,12 @@ def _raw(name: str) -> str | None:
 
 def get(name: str, default: str | None = None) -> str | None:
     """The raw value of a documented variable, the core's or an installed feature's (empty strings
-    count as unset). Raises KeyError for any other name: a typo in the code, not in the environment."""
-    _declaration(name)
+    count as unset). Raises KeyError for any other name: a typo in the code, not in the environment;
+    ValueError for a value outside the variable's `choices`."""
+    var = _declaration(name)
     value = _raw(name)
+    if value is not None and var.choices:
+        _convert(var, value)  # ValueError for a value outside its choices
     return default if value is None else value
 
 
@@ -155,7 +164,30 @@ def _convert(var: EnvVar, raw: str):
             return int(raw)
         except ValueError:
             raise ValueError(f"{var.name}={raw!r} is not an integer") from None
+    if var.choices and raw.strip().upper() not in var.choices:
+        raise ValueError(f"{var.name}={raw!r} is not valid; use one of {', '.join(var.choices)}")
     return raw
+
+
+def log_level(default: str = "INFO") -> int:
+    """DEEPINFER_LOG_LEVEL as a `logging` level (`default` when unset); ValueError for another value."""
+    return getattr(logging, get("DEEPINFER_LOG_LEVEL", default).strip().upper())
+
+
+def check_values() -> None:
+    """ValueError naming every set core variable whose value its kind refuses (a bool that is not
+    1/0, a log level that is not one), so that a bad value stops an engine at start-up rather than
+    being read, or ignored, later."""
+    problems = []
+    for var in VARIABLES.values():
+        raw = _raw(var.name)
+        if raw is not None and (var.kind is not str or var.choices):
+            try:
+                _convert(var, raw)
+            except ValueError as e:
+                problems.append(str(e))
+    if problems:
+        raise ValueError("invalid environment: " + "; ".join(problems))
 
 
 def engine_overrides() -> dict:

@@ -73,6 +73,35 @@ class ToyModel:
         return ForwardOutput(logits=out)
 
 
+class FaultyToyModel(ToyModel):
+    """A ToyModel whose logits break for sequences that start with token `trigger`, at every position
+    from `after` tokens on: one NaN (`fault="nan"`), one +inf ("inf") or every logit -inf ("-inf").
+    The other sequences get exactly the ToyModel's logits."""
+
+    def __init__(self, fault: str, trigger: int = 63, after: int = 0, **kw):
+        super().__init__(**kw)
+        self.fault, self.trigger, self.after = fault, trigger, after
+        self.first_token: dict[int, int] = {}  # slot -> the first token of its sequence
+
+    def forward(self, batch: ForwardBatch) -> ForwardOutput:
+        out = super().forward(batch)
+        ids, positions = batch.input_ids.tolist(), batch.positions.tolist()
+        slot_of_row, start = [], 0
+        for i, (q, ctx) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            slot = int(batch.slots[i])
+            if ctx == 0:
+                self.first_token[slot] = ids[start]
+            slot_of_row += [slot] * q
+            start += q
+        for k, r in enumerate(batch.logits_indices.tolist()):
+            if self.first_token.get(slot_of_row[r]) == self.trigger and positions[r] + 1 >= self.after:
+                if self.fault == "-inf":
+                    out.logits[k] = float("-inf")
+                else:
+                    out.logits[k, 7] = float(self.fault)
+        return out
+
+
 class ToyTokenizer:
     """Token v <-> one character; id 0 is BOS, 1 is EOS (decoded as nothing)."""
 

@@ -62,53 +62,78 @@ BAD_VALUES = [
     ("routed_scaling_factor", NAN, ["routed_scaling_factor", "nan", "finite number > 0"]),
     ("routed_scaling_factor", -INF, ["routed_scaling_factor", "-inf", "> 0"]),
     ("routed_scaling_factor", -1.5, ["routed_scaling_factor", "-1.5", "> 0"]),
-    ("sliding_window", 0, ["sliding_window", "= 0", "integer >= 1"]),
-    ("sliding_window", -8, ["sliding_window", "-8", "integer >= 1"]),
-    ("max_position_embeddings", 0, ["max_position_embeddings", "= 0", "integer >= 1"]),
-    ("max_position_embeddings", -512, ["max_position_embeddings", "-512", "integer >= 1"]),
-    ("index_topk", 0, ["index_topk", "= 0", "integer >= 1"]),
-    ("index_topk", -4, ["index_topk", "-4", "integer >= 1"]),
-    ("hc_sinkhorn_iters", -1, ["hc_sinkhorn_iters", "-1", "integer >= 1"]),
-    ("hc_sinkhorn_iters", 0, ["hc_sinkhorn_iters", "= 0", "integer >= 1"]),
-    ("hidden_size", [64], ["hidden_size", "[64]", "a list", "integer >= 1"]),
-    ("hidden_size", "64", ["hidden_size", "'64'", "a string", "integer >= 1"]),
-    ("hidden_size", 64.0, ["hidden_size", "64.0", "a float", "integer >= 1"]),
-    ("num_hidden_layers", True, ["num_hidden_layers", "True", "a bool", "integer >= 1"]),
-    ("num_hidden_layers", 0, ["num_hidden_layers", "= 0", "integer >= 1"]),
-    ("vocab_size", 0, ["vocab_size", "= 0", "integer >= 1"]),
-    ("num_attention_heads", 0, ["num_attention_heads", "= 0", "integer >= 1"]),
+    ("sliding_window", 0, ["sliding_window", "= 0", "integer in [1, "]),
+    ("sliding_window", -8, ["sliding_window", "-8", "integer in [1, "]),
+    ("max_position_embeddings", 0, ["max_position_embeddings", "= 0", "integer in [1, "]),
+    ("max_position_embeddings", -512, ["max_position_embeddings", "-512", "integer in [1, "]),
+    ("index_topk", 0, ["index_topk", "= 0", "integer in [1, "]),
+    ("index_topk", -4, ["index_topk", "-4", "integer in [1, "]),
+    ("hc_sinkhorn_iters", -1, ["hc_sinkhorn_iters", "-1", "integer in [1, "]),
+    ("hc_sinkhorn_iters", 0, ["hc_sinkhorn_iters", "= 0", "integer in [1, "]),
+    ("hidden_size", [64], ["hidden_size", "[64]", "a list", "integer in [1, "]),
+    ("hidden_size", "64", ["hidden_size", "'64'", "a string", "integer in [1, "]),
+    ("hidden_size", 64.0, ["hidden_size", "64.0", "a float", "integer in [1, "]),
+    ("num_hidden_layers", True, ["num_hidden_layers", "True", "a bool", "integer in [1, "]),
+    ("num_hidden_layers", 0, ["num_hidden_layers", "= 0", "integer in [1, "]),
+    ("vocab_size", 0, ["vocab_size", "= 0", "integer in [1, "]),
+    ("num_attention_heads", 0, ["num_attention_heads", "= 0", "integer in [1, "]),
     ("head_dim", 33, ["head_dim", "33", "even"]),
-    ("q_lora_rank", 0, ["q_lora_rank", "= 0", "integer >= 1"]),
-    ("o_lora_rank", -16, ["o_lora_rank", "-16", "integer >= 1"]),
-    ("o_groups", 0, ["o_groups", "= 0", "integer >= 1"]),
+    ("q_lora_rank", 0, ["q_lora_rank", "= 0", "integer in [1, "]),
+    ("o_lora_rank", -16, ["o_lora_rank", "-16", "integer in [1, "]),
+    ("o_groups", 0, ["o_groups", "= 0", "integer in [1, "]),
     ("o_groups", 3, ["o_groups", "3", "divide num_attention_heads * head_dim = 128"]),
-    ("index_n_heads", 0, ["index_n_heads", "= 0", "integer >= 1"]),
+    ("index_n_heads", 0, ["index_n_heads", "= 0", "integer in [1, "]),
     ("index_head_dim", 4, ["qk_rope_head_dim", "8", "<= index_head_dim = 4"]),
-    ("n_routed_experts", 0, ["n_routed_experts", "= 0", "integer >= 1"]),
+    ("n_routed_experts", 0, ["n_routed_experts", "= 0", "integer in [1, "]),
     ("num_experts_per_tok", 9, ["num_experts_per_tok", "9", "<= n_routed_experts = 8"]),
-    ("num_experts_per_tok", 0, ["num_experts_per_tok", "= 0", "integer >= 1"]),
+    ("num_experts_per_tok", 0, ["num_experts_per_tok", "= 0", "integer in [1, "]),
     ("n_shared_experts", 2, ["n_shared_experts", "2", "integer in [0, 1]"]),
-    ("moe_intermediate_size", 0, ["moe_intermediate_size", "= 0", "integer >= 1"]),
+    ("moe_intermediate_size", 0, ["moe_intermediate_size", "= 0", "integer in [1, "]),
     ("swiglu_limit", -1.0, ["swiglu_limit", "-1.0", "finite number >= 0"]),
     ("rope_theta", 0, ["rope_theta", "= 0", "finite number > 1"]),
     ("compress_rope_theta", NAN, ["compress_rope_theta", "nan", "finite number > 1"]),
-    ("hc_mult", 0, ["hc_mult", "= 0", "integer >= 1"]),
+    ("hc_mult", 0, ["hc_mult", "= 0", "integer in [1, "]),
     ("hc_eps", NAN, ["hc_eps", "nan", "finite number >= 0"]),
-    ("num_nextn_predict_layers", -1, ["num_nextn_predict_layers", "-1", "integer >= 0"]),
+    ("num_nextn_predict_layers", -1, ["num_nextn_predict_layers", "-1", "integer in [0, "]),
     ("partial_rotary_factor", 2.0, ["partial_rotary_factor", "2.0", "finite number in (0, 1]"]),
     ("scoring_func", 3, ["scoring_func", "3", "sqrtsoftplus"]),
     ("layer_types", "sliding_attention", ["layer_types", "'sliding_attention'", "a list"]),
-    ("compress_rates", {CSA: 0, HCA: 16}, ["compress_rates", CSA, "= 0", "integer >= 1"]),
+    ("compress_rates", {CSA: 0, HCA: 16}, ["compress_rates", CSA, "= 0", "integer in [1, "]),
     ("compress_rates", [4, 16], ["compress_rates", "[4, 16]", "an object"]),
     ("rope_parameters__compress__factor", 0, ["factor", "= 0", "finite number >= 1"]),
     ("rope_parameters__compress__original_max_position_embeddings", 0,
-     ["original_max_position_embeddings", "= 0", "integer >= 1"]),
+     ["original_max_position_embeddings", "= 0", "integer in [1, "]),
     ("rope_parameters__compress__beta_fast", -32, ["beta_fast", "-32", "finite number > 0"]),
     ("bos_token_id", 512, ["bos_token_id", "512", "[0, 512)"]),
     ("eos_token_id", -1, ["eos_token_id", "-1", "[0, 512)"]),
     ("eos_token_id", [1, 600], ["eos_token_id", "600", "[0, 512)"]),
     ("eos_token_id", "1", ["eos_token_id", "'1'", "integer"]),
     ("quantization_config", [1], ["quantization_config", "[1]", "an object"]),
+    # upper bounds: values that set work or memory (a hang, an allocation of terabytes)
+    ("hc_sinkhorn_iters", 1000000000, ["hc_sinkhorn_iters", "1000000000", "integer in [1, 1000]"]),
+    ("vocab_size", 2**40, ["vocab_size", str(2**40), "integer in [1, 4194304]"]),
+    ("max_position_embeddings", 2**31, ["max_position_embeddings", str(2**31), "integer in [1, 16777216]"]),
+    ("num_hidden_layers", 100000, ["num_hidden_layers", "100000", "integer in [1, 1024]"]),
+    ("hc_mult", 4096, ["hc_mult", "4096", "integer in [1, 64]"]),
+    ("sliding_window", 2**30, ["sliding_window", str(2**30), "integer in [1, 16777216]"]),
+    ("rope_parameters__compress__original_max_position_embeddings", 2**40,
+     ["original_max_position_embeddings", str(2**40), "integer in [1, 16777216]"]),
+    # values that were accepted and ignored
+    ("eos_token_id", [], ["eos_token_id = []", "empty", "null for none"]),
+    ("tie_word_embeddings", "yes", ["tie_word_embeddings", "'yes'", "a string", "must be false"]),
+    ("tie_word_embeddings", True, ["tie_word_embeddings = true", "separate output head"]),
+    ("quantization_config", {"quant_method": "awq", "bits": 4},
+     ["quantization_config.quant_method = 'awq'", "'fp8'", "keys deepinfer does not read: ['bits']"]),
+    ("quantization_config", {"quant_method": "fp8", "activation_scheme": "static"},
+     ["quantization_config.activation_scheme = 'static'", "'dynamic'"]),
+    ("quantization_config", {"quant_method": "fp8", "weight_block_size": [64, 128]},
+     ["quantization_config.weight_block_size = [64, 128]", "two equal integers"]),
+    ("expert_dtype", "int4", ["expert_dtype = 'int4'", "'fp4' or 'fp8'"]),
+    ("rope_parameters__main__rope_theta", 50000.0, ["rope_parameters.main.rope_theta = 50000.0",
+                                                   "disagrees with rope_theta = 10000.0"]),
+    ("rope_parameters__compress__rope_theta", 1.5, ["rope_parameters.compress.rope_theta = 1.5",
+                                                   "disagrees with compress_rope_theta = 160000.0"]),
+    ("rope_parameters__main__rope_type", "yarn", ["rope_parameters.main.rope_type = 'yarn'", "only the compress RoPE"]),
 ]
 
 
@@ -124,11 +149,11 @@ def test_bad_config_values_are_refused_when_loading(tmp_path, tiny_config, key, 
 
 
 @pytest.mark.parametrize("key, value, words", [
-    ("window_size", 0, ["window_size", "= 0", "integer >= 1"]),  # an alias is reported under its own name
-    ("n_hash_layers", -1, ["n_hash_layers", "-1", "integer >= 0"]),
-    ("compress_ratios", [0, 4, -16, 0], ["compress_ratios", "-16", "integer >= 0"]),
+    ("window_size", 0, ["window_size", "= 0", "integer in [1, "]),  # an alias is reported under its own name
+    ("n_hash_layers", -1, ["n_hash_layers", "-1", "integer in [0, "]),
+    ("compress_ratios", [0, 4, -16, 0], ["compress_ratios", "-16", "integer in [0, "]),
     ("rope_factor", "16", ["rope_factor", "'16'", "finite number >= 1"]),
-    ("original_seq_len", 32.5, ["original_seq_len", "32.5", "integer >= 0"]),
+    ("original_seq_len", 32.5, ["original_seq_len", "32.5", "integer in [0, "]),
     ("route_scale", NAN, ["route_scale", "nan", "finite number > 0"]),
 ])
 def test_official_spellings_are_checked_under_their_own_names(key, value, words):
@@ -138,6 +163,52 @@ def test_official_spellings_are_checked_under_their_own_names(key, value, words)
         DeepseekV4Config.from_dict({**OFFICIAL_ARGS, key: value})
     for w in words:
         assert w in str(e.value), (w, str(e.value))
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0, 0, 0]), ["compress_ratios has 46 entries", "one per layer",
+                                                                    "num_hidden_layers = 43", "one 0 per MTP layer"]),
+    (dict(compress_ratios=[0, 0] + [4, 128] * 20), ["compress_ratios has 42 entries", "num_hidden_layers = 43"]),
+    (dict(num_hash_layers=100), ["num_hash_layers = 100", "<= num_hidden_layers = 43"]),
+    (dict(rope_scaling={"factor": 0.5, "original_max_position_embeddings": 65536}),
+     ["rope_scaling.factor = 0.5", "without rope_type 'yarn'"]),
+    (dict(rope_scaling={"type": "default", "factor": 4}), ["rope_scaling.factor = 4", "without rope_type 'yarn'"]),
+    (dict(rope_parameters={"compress": {"rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536}},
+          rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 65536}),
+     ["rope_parameters.compress and rope_scaling disagree"]),
+], ids=["ratios-too-long", "ratios-too-short", "hash-layers", "factor-without-yarn", "factor-default-type",
+        "two-scalings"])
+def test_hub_values_that_were_silently_ignored_are_refused(change, words):
+    from test_model_config import FLASH_HUB
+
+    with pytest.raises(CheckpointError) as e:
+        DeepseekV4Config.from_dict({**FLASH_HUB, **change})
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_official_rope_factor_is_checked_even_without_yarn():
+    from test_model_config import OFFICIAL_ARGS
+
+    with pytest.raises(CheckpointError, match=r"rope_factor = 0.5 is out of range"):
+        DeepseekV4Config.from_dict({**OFFICIAL_ARGS, "original_seq_len": 0, "rope_factor": 0.5})
+
+
+def test_quantization_config_weight_block_size_is_used(tmp_path, tiny_config):
+    """An FP8 block size other than the official 128 is read (not ignored): the tiny FP8 checkpoint's
+    128-blocks then no longer fit their scales."""
+    from test_model_config import FLASH_HUB
+
+    transformers_block = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                          "modules_to_not_convert": None, "dequantize": False, "scale_fmt": "float",
+                          "expert_dtype": "fp8"}  # what transformers' FineGrainedFP8Config writes
+    assert DeepseekV4Config.from_dict({**FLASH_HUB, "quantization_config": transformers_block})
+    path = make_model(tmp_path / "fp8", "tiny", seed=3, quantize="fp8")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"does not fit the fp8 weight .* expected \("):
+        load_checkpoint(path)
 
 
 def test_every_problem_is_listed_in_one_error(tmp_path, tiny_config):
@@ -166,7 +237,7 @@ def test_config_json_that_is_not_json(tmp_path):
 
 
 def test_direct_construction_is_checked_too():
-    with pytest.raises(ValueError, match=r"sliding_window = 0 is out of range: must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"sliding_window = 0 is out of range: must be an integer in \[1, 16777216\]"):
         DeepseekV4Config(sliding_window=0, layer_types=("sliding_attention",) * 43,
                          mlp_layer_types=("moe",) * 43)
     with pytest.raises(ValueError, match=r"(?s)invalid make-model settings.*rms_norm_eps = -1.0 is out of range"):
@@ -177,7 +248,8 @@ def test_llm_refuses_a_bad_config_when_built(tmp_path, tiny_config):
     from deepinfer import LLM
 
     path = _config_only(tmp_path / "bad", _with(tiny_config, sliding_window=0))
-    with pytest.raises(CheckpointError, match=r"sliding_window = 0 is out of range: must be an integer >= 1"):
+    with pytest.raises(CheckpointError,
+                       match=r"sliding_window = 0 is out of range: must be an integer in \[1, 16777216\]"):
         LLM(model=str(path), accelerator="cpu")
 
 
@@ -264,6 +336,87 @@ def test_an_intact_copy_loads(tiny, tmp_path):
     assert set(load_checkpoint(good, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
 
 
+# --- non-finite values ---------------------------------------------------------------------------------
+
+def _poisoned_copy(source: Path, dest: Path, change) -> Path:
+    """A copy of a single-file checkpoint with `change(tensors)` applied to its tensors."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    return dest
+
+
+def _set(name: str, index, value: float):
+    def change(tensors):
+        tensors[name][index] = value
+    return change
+
+
+@pytest.fixture(scope="module")
+def fp8_tiny(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("valid") / "fp8", "tiny", seed=3, quantize="fp8")
+
+
+@pytest.mark.parametrize("name, index, value", [
+    ("model.norm.weight", (5,), NAN),  # a norm weight
+    ("model.layers.1.self_attn.kv_norm.weight", (0,), INF),
+    ("model.embed_tokens.weight", (300, 7), NAN),  # one embedding row: the embedding is read whole
+    ("model.layers.2.mlp.gate.e_score_correction_bias", (2,), -INF),
+    ("model.layers.1.attn_hc.scale", (1,), NAN),  # an mHC parameter
+], ids=["final-norm", "kv-norm", "embedding-row", "router-bias", "mhc-scale"])
+def test_non_finite_weights_are_refused_at_load(tiny, tmp_path, name, index, value):
+    bad = _poisoned_copy(tiny, tmp_path / "bad", _set(name, index, value))
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(bad, torch.float32)
+    message = str(e.value)
+    assert f"tensor {name}" in message and f"at index {list(index)}" in message and "non-finite" in message
+    assert str(bad / "model.safetensors") in message
+
+
+def test_a_nan_fp8_scale_is_refused_at_load(fp8_tiny, tmp_path):
+    def change(tensors):
+        scale = tensors["layers.0.attn.wkv.scale"]
+        scale.view(torch.uint8)[0, 0] = 0xFF  # ue8m0's NaN encoding
+    bad = _poisoned_copy(fp8_tiny, tmp_path / "bad", change)
+    for kept in ((), ("fp8_block128", "fp4_e2m1")):  # dequantised on load, or kept quantised
+        with pytest.raises(CheckpointError, match=r"tensor layers\.0\.attn\.wkv\.scale .* holds a non-finite value "
+                                                  r"\(nan\) at index \[0, 0\]"):
+            load_checkpoint(bad, torch.float32, weight_formats=kept)
+
+
+def test_llm_refuses_nan_weights_instead_of_emitting_token_0_forever(tiny, tmp_path):
+    from deepinfer import LLM
+
+    bad = _poisoned_copy(tiny, tmp_path / "bad", lambda t: t["model.norm.weight"].fill_(NAN))
+    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight .* non-finite"):
+        LLM(model=str(bad), accelerator="cpu", dtype="float32", max_model_len=64, max_num_seqs=2)
+
+
+def test_first_nonfinite_reads_small_tensors_whole_and_large_ones_at_sampled_rows():
+    from deepinfer.models.common.finite import SAMPLED_ROWS, WHOLE_LIMIT, first_nonfinite
+
+    small = torch.zeros(64, 64)
+    small[37, 5] = NAN
+    assert first_nonfinite(small) == (37, 5)
+    rows = 4 * WHOLE_LIMIT // 256
+    large = torch.zeros(rows, 256, dtype=torch.bfloat16)
+    large[rows - 1, 3] = INF  # the last row is always among the sampled ones
+    assert first_nonfinite(large) == (rows - 1, 3)
+    large[rows - 1, 3] = 0
+    large[1, 9] = NAN  # not a sampled row (the rows are spread over the tensor)
+    assert SAMPLED_ROWS < rows // 2 and first_nonfinite(large) is None and first_nonfinite(large, whole=True) == (1, 9)
+    codes = torch.zeros(4, 8, dtype=torch.uint8)
+    codes[2, 6] = 0x7F  # FP8 e4m3's NaN
+    assert first_nonfinite(codes.view(torch.float8_e4m3fn)) == (2, 6)
+    codes[2, 6] = 0xFF  # ue8m0's NaN
+    assert first_nonfinite(codes.view(torch.float8_e8m0fnu)) == (2, 6)
+    assert first_nonfinite(codes.view(torch.int8)) is None  # packed FP4 / integers: no NaN to have
+    assert first_nonfinite(torch.tensor(float("nan"))) == ()  # a scalar
+
+
 # --- shard index paths -------------------------------------------------------------------------------
 
 def _rewrite_index(folder: Path, change) -> str:
@@ -323,6 +476,66 @@ def test_hugging_face_cache_blob_symlinks_are_allowed(sharded, tmp_path):
         shutil.copy(f, blobs / f"blob{i}")
         (snapshot / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
     assert set(load_checkpoint(snapshot, torch.float32)[1]) == set(load_checkpoint(sharded, torch.float32)[1])
+
+
+def test_single_file_symlink_out_of_the_folder_is_refused_like_an_index_entry(tiny, tmp_path):
+    bad = tmp_path / "ckpt"
+    shutil.copytree(tiny, bad)
+    (bad / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
+    (bad / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    pattern = (rf"the checkpoint file {re.escape(str(bad / 'model.safetensors'))} is a symlink to "
+               rf"{re.escape(str((tmp_path / 'elsewhere.safetensors').resolve()))}, outside the checkpoint folder")
+    with pytest.raises(CheckpointError, match=pattern):
+        load_checkpoint(bad)
+    inside = tmp_path / "inside"  # a link to a file inside the folder is fine
+    shutil.copytree(tiny, inside)
+    (inside / "model.safetensors").rename(inside / "weights.bin")
+    (inside / "model.safetensors").symlink_to("weights.bin")
+    assert set(load_checkpoint(inside, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
+
+
+def test_hugging_face_cache_single_file_blob_is_allowed(tiny, tmp_path):
+    repo = tmp_path / "models--org--tiny"
+    snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    for i, f in enumerate(sorted(p for p in tiny.iterdir() if p.is_file())):
+        shutil.copy(f, blobs / f"blob{i}")
+        (snapshot / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    assert set(load_checkpoint(snapshot, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
+
+
+def _replace_with(path: Path, kind: str) -> str:
+    """Put a `kind` thing where the file `path` was; the words the error must use for it."""
+    import os
+
+    path.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+        return "is a named pipe (FIFO), not a regular file"
+    if kind == "directory":
+        path.mkdir()
+        return "is a directory, not a regular file"
+    if kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+        return "is a character device, not a regular file"
+    path.symlink_to(path.parent / "gone")  # a dangling symlink
+    return "is a symlink to"
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "dangling"])
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json", "shard"])
+def test_special_files_are_named_not_reported_missing(tiny, sharded, tmp_path, name, kind):
+    from deepinfer import LLM
+
+    bad = tmp_path / "ckpt"
+    shutil.copytree(sharded if name in ("model.safetensors.index.json", "shard") else tiny, bad)
+    target = bad / (sorted(p.name for p in bad.glob("model-*.safetensors"))[0] if name == "shard" else name)
+    words = _replace_with(target, kind)
+    for load in (lambda: load_checkpoint(bad), lambda: LLM(model=str(bad), accelerator="cpu")):
+        with pytest.raises(CheckpointError) as e:
+            load()
+        assert str(target) in str(e.value) and words in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("index, pattern", [

@@ -1,6 +1,8 @@
 """Engine configuration: sources, precedence, and errors that name the valid choices."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from pydantic import BaseModel, ConfigDict
 
@@ -49,6 +51,22 @@ def test_bad_values_name_choices(clean_env):
         load_config({"gpu_memory_utilization": 1.5})
     with pytest.raises(ValueError, match="divisible by ep"):
         load_config({"ep": 2, "dp": 1, "cp": 1})
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("max_model_len", 2**31, ["max_model_len", "less than or equal to 16777216"]),
+    ("max_model_len", 1, ["max_model_len", "greater than or equal to 2"]),  # no room for a prompt and one token
+    ("max_num_seqs", 10**7, ["max_num_seqs", "less than or equal to 65536"]),
+    ("max_num_batched_tokens", 2**40, ["max_num_batched_tokens", "less than or equal to 16777216"]),
+    ("block_size", 2**20, ["block_size", "less than or equal to 65536"]),
+    ("sampler_force_topk", 2**40, ["sampler_force_topk", "less than or equal to 4194304"]),
+    ("ep", 10**6, ["ep", "less than or equal to 4096"]),
+])
+def test_settings_that_size_work_have_upper_bounds(clean_env, key, value, words):
+    with pytest.raises(ValueError) as e:
+        load_config({key: value})
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
 
 
 def test_missing_and_invalid_toml(clean_env, tmp_path):
@@ -179,3 +197,32 @@ def test_every_variable_is_documented():
         assert var.name.startswith("DEEPINFER_") and len(var.doc) > 20
     with pytest.raises(KeyError, match="not a documented"):
         envs.get("DEEPINFER_NOT_A_THING")
+
+
+def test_a_log_level_that_is_not_one_is_refused(clean_env, capsys):
+    import logging
+
+    from deepinfer import LLM
+    from deepinfer.entrypoints.serve import main as serve
+
+    assert envs.log_level("INFO") == logging.INFO  # unset: the default
+    clean_env.setenv("DEEPINFER_LOG_LEVEL", "debug")
+    assert envs.log_level() == logging.DEBUG
+    envs.check_values()
+    clean_env.setenv("DEEPINFER_LOG_LEVEL", "garbage")
+    message = "DEEPINFER_LOG_LEVEL='garbage' is not valid; use one of DEBUG, INFO, WARNING, ERROR, CRITICAL"
+    for check in (envs.log_level, envs.check_values, lambda: envs.get("DEEPINFER_LOG_LEVEL")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            check()
+    with pytest.raises(ValueError, match=re.escape(message)):  # before any checkpoint is looked at
+        LLM(model="/nonexistent/checkpoint", accelerator="cpu")
+    assert serve(["--port", "0"]) == 2
+    assert f"error: {message}" in capsys.readouterr().err
+
+
+def test_a_boolean_variable_that_is_not_one_stops_the_engine_at_start_up(clean_env):
+    from deepinfer import LLM
+
+    clean_env.setenv("DEEPINFER_CPU_NATIVE", "maybe")
+    with pytest.raises(ValueError, match=r"invalid environment: DEEPINFER_CPU_NATIVE='maybe' is not a boolean"):
+        LLM(model="/nonexistent/checkpoint", accelerator="cpu")

@@ -174,6 +174,25 @@ def test_verify_greedy_rows_by_exact_match_with_a_bonus_and_dead_rows():
     assert out.token_ids.tolist()[3:] == [1, -1, -1] and out.dead.tolist()[3:] == [False, True, False]
 
 
+@pytest.mark.parametrize("greedy", [True, False], ids=["exact-match", "rejection"])
+def test_verify_stops_at_a_non_finite_row(greedy):
+    """Request 0's drafts all pass the target but its second row is NaN: it emits the first draft
+    and is flagged at row 1 (its later rows emit nothing). Request 1 has a broken row after a
+    rejected draft, which is never consulted: it emits as usual and is not flagged."""
+    vocab = 4
+    logits = torch.full((6, vocab), -30.0)
+    logits[torch.arange(6), torch.tensor([2, 3, 1, 0, 2, 3])] = 30.0  # the target's token at every row
+    logits[1, 0] = float("nan")
+    logits[5, 1] = float("nan")
+    q = None if greedy else torch.full((2, vocab), 0.25)
+    groups = [VerifyGroup(0, [2, 3], q, greedy, 5), VerifyGroup(3, [0, 1], q, greedy, 6)]
+    sampler = Sampler(ACC, generator=torch.Generator().manual_seed(0))
+    out = verify(logits, _meta([0.0 if greedy else 1.0] * 6), None, groups, sampler, ACC)
+    assert out.token_ids.tolist() == [2, -1, -1, 0, 2, -1]
+    assert out.nonfinite.tolist() == [False, True, False, False, False, False]
+    assert not out.dead.any() and torch.isfinite(out.logprobs).all()
+
+
 def test_verify_rejection_samples_non_greedy_rows():
     vocab = 4
     logits = torch.zeros(3, vocab)

@@ -10,7 +10,8 @@ import torch
 
 from deepinfer.logits_processor import LogitsProcessor, RequestRejected
 from deepinfer.sampling_params import SamplingParams
-from engine_helpers import ToyModel, run_all, toy_engine
+from deepinfer.engine.speculative import Drafts, Speculation, SpeculativeDecoder
+from engine_helpers import FaultyToyModel, ToyModel, run_all, toy_engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
 
@@ -90,10 +91,20 @@ def test_stop_strings_cut_the_text():
 
 def test_max_tokens_and_max_model_len():
     e = toy_engine(max_model_len=10)
-    outs = run_all(e, [[5] * 7, [5] * 10], [SamplingParams(temperature=0, max_tokens=50)] * 2)
-    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1]  # as vLLM: one token after a full prompt
-    assert outs[0].outputs[0].finish_reason == "length"
+    outs = run_all(e, [[5] * 7, [5] * 9], [SamplingParams(temperature=0, max_tokens=50)] * 2)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 1]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "length"]
     assert len(_first_run([4], max_tokens=3).token_ids) == 3
+
+
+def test_a_prompt_of_max_model_len_tokens_is_refused_alone():
+    """As vLLM: the prompt and at least one generated token must fit in max_model_len."""
+    e = toy_engine(max_model_len=10)
+    outs = run_all(e, [[5] * 9, [5] * 10, [6] * 4], [SamplingParams(temperature=0, max_tokens=50)] * 3)
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "length"]
+    assert "the prompt has 10 tokens" in outs[1].error and "max_model_len=10" in outs[1].error
+    assert "at most 9 prompt tokens" in outs[1].error and outs[1].outputs[0].token_ids == []
+    assert [len(o.outputs[0].token_ids) for o in (outs[0], outs[2])] == [1, 6]
 
 
 def test_bad_requests_fail_alone():
@@ -192,6 +203,75 @@ def test_all_masked_row_ends_the_request_as_dead_end(async_pipeline):
     assert out[0].outputs[0].finish_reason == "grammar_dead_end" and "masked" in out[0].error
     assert out[1].outputs[0].finish_reason == "length"
     e.shutdown()
+
+
+# ------------------------------------------------------------------- non-finite logits fail one request
+
+
+class NextTokenDrafter:
+    """Drafts `last + 1, last + 2, ...` (greedy drafts): sometimes right, mostly rejected."""
+
+    features = None
+    context_window = 0
+
+    def propose(self, requests, features):
+        return [Drafts([(r.emitted[-1] + 1 + i) % 64 for i in range(r.num_drafts)], [0.5] * r.num_drafts)
+                if r.num_drafts else None for r in requests]
+
+    def forget(self, request_id):
+        pass
+
+
+def _faulty_engine(fault: str, async_pipeline: bool, speculative: bool, processors=None, after: int = 6):
+    e = toy_engine(model=FaultyToyModel(fault, trigger=POISON, after=after), async_pipeline=async_pipeline,
+                   processors=processors)
+    if speculative:
+        e.speculator = SpeculativeDecoder(Speculation(NextTokenDrafter(), 2), e.sampler, e.accelerator, 256)
+        e.runner.speculator = e.scheduler.speculator = e.speculator
+    return e
+
+
+POISON = 63  # a sequence starting with it gets broken logits from its 6th position on (output token 3)
+FAULT_WORDS = {"nan": "1 NaN among 64 logits", "inf": "1 +inf among 64 logits", "-inf": "all 64 logits are -inf"}
+KINDS = {"greedy": SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+         "sampled": SamplingParams(temperature=0.8, top_p=0.9, max_tokens=8, seq_seed=11, ignore_eos=True),
+         "constrained": SamplingParams(temperature=0.7, max_tokens=8, so_args=SO, ignore_eos=True)}
+
+
+def _check_one_request_fails(fault, kind, async_pipeline, speculative):
+    params = KINDS[kind]
+    prompts = [[7, 8], [POISON, 5, 6], [9, 10, 11]]
+    others = [GREEDY, SamplingParams(temperature=1.0, max_tokens=10, seq_seed=5)]
+
+    def engine(after=6):
+        return _faulty_engine(fault, async_pipeline, speculative, [CountingGrammar(length=20)], after)
+
+    alone = [_tokens(run_all(engine(), [p], [sp]))[0] for p, sp in zip(prompts[::2], others)]
+    healthy = _tokens(run_all(engine(after=10**9), prompts[1:2], [params]))[0]  # the same request, no fault
+    e = engine()
+    outs = run_all(e, prompts, [others[0], params, others[1]])
+    bad = outs[1]
+    assert bad.outputs[0].finish_reason == "error", bad.outputs[0].finish_reason
+    assert "output token 3 are not finite" in bad.error and FAULT_WORDS[fault] in bad.error, bad.error
+    assert bad.outputs[0].token_ids == healthy[:3]  # the tokens before the broken position are kept
+    assert [o.outputs[0].finish_reason for o in (outs[0], outs[2])] == ["length", "length"]
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == alone  # as if alone
+    assert all(o.metrics.decode_ppl is not None and o.metrics.decode_ppl < float("inf") for o in outs)
+    assert e.stats().slots_used == 0
+    e.shutdown()
+
+
+@pytest.mark.parametrize("async_pipeline", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("fault", sorted(FAULT_WORDS))
+def test_non_finite_logits_fail_that_request_alone(fault, kind, async_pipeline):
+    _check_one_request_fails(fault, kind, async_pipeline, speculative=False)
+
+
+@pytest.mark.parametrize("async_pipeline", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_non_finite_logits_under_speculative_verification(kind, async_pipeline):
+    _check_one_request_fails("nan", kind, async_pipeline, speculative=True)
 
 
 def test_processor_failures_and_rejections_fail_only_that_request():

@@ -257,6 +257,35 @@ def test_model_options_accept_declared_keys_only():
         family.build_model(_Config(), object(), torch.float32, "cpu", blok=2)
 
 
+@pytest.mark.parametrize("model_type", ["deepseek_v4", "deepseek_v41"])
+@pytest.mark.parametrize("options, words", [
+    ({"query_block": 0}, ["model_options.query_block = 0 is out of range", "integer in [1, 8192]"]),
+    ({"query_block": -64}, ["model_options.query_block = -64"]),
+    ({"query_block": 10**9}, ["model_options.query_block = 1000000000", "[1, 8192]"]),
+    ({"query_block": "256"}, ["model_options.query_block = '256' has the wrong type (a string)"]),
+    ({"query_block": True}, ["model_options.query_block = True has the wrong type (a bool)"]),
+    ({"cp_min_tokens": 0}, ["model_options.cp_min_tokens = 0 is out of range"]),
+])
+def test_model_options_that_set_work_are_bounded(model_type, options, words):
+    family = get_model_family(model_type)
+    with pytest.raises(ValueError) as e:
+        family.model_options(options)
+    assert f"invalid model_options of model family '{model_type}'" in str(e.value)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert family.model_options({"query_block": 1, "cp_min_tokens": 1}) == {"query_block": 1, "cp_min_tokens": 1}
+
+
+def test_option_ranges_must_describe_declared_options():
+    from deepinfer.models.common.config_values import Range
+
+    with pytest.raises(ValueError, match=r"option_ranges \['blok'\] must be Ranges of declared model_options"):
+        OpDefaults(model_options={"block": 8}, option_ranges={"blok": Range(int, 1)})
+    family = _family(op_defaults=OpDefaults(model_options={"block": 8}, option_ranges={"block": Range(int, 1, 64)}))
+    with pytest.raises(ValueError, match=r"model_options.block = 65 is out of range: must be an integer in \[1, 64\]"):
+        family.model_options({"block": 65})
+
+
 def test_engine_config_overrides_the_familys_model_options(tmp_path):
     from deepinfer import LLM
     from deepinfer.config import load_config
@@ -274,3 +303,5 @@ def test_engine_config_overrides_the_familys_model_options(tmp_path):
     with pytest.raises(ValueError, match=r"model_options \['query_blok'\] are not options of model family "
                                          r"'deepseek_v4'; its options .* are: cp_min_tokens, query_block"):
         LLM(model=str(path), accelerator="cpu", config=str(toml))
+    with pytest.raises(ValueError, match=r"model_options.query_block = 0 is out of range"):  # before any weight is read
+        LLM(model=str(path), accelerator="cpu", model_options={"query_block": 0})

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from deepinfer.engine.sampler import Sampler, SamplingMetadata, position_seed
+from deepinfer.engine.sampler import Sampler, SamplingMetadata, nonfinite_problem, position_seed
 from deepinfer_plugins.cpu import CpuAccelerator
 
 V = 50
@@ -139,6 +139,51 @@ def test_all_masked_row_is_dead_not_nan(sampler):
         out = sampler(x, meta(2, temperature=temperature, top_p=0.9), mask)
         assert out.dead.tolist() == [False, True]
         assert out.token_ids[1] == -1 and out.logprobs[1] == 0.0 and not torch.isnan(out.logprobs).any()
+
+
+def _broken(x):
+    """Rows 1-3 of `x` broken (one NaN, one +inf, every logit -inf); rows 0 and 4 fine, row 4 with
+    -inf logits for some tokens (a model may ban tokens itself)."""
+    x = x.clone()
+    x[1, 3] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] = float("-inf")
+    x[4, :10] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.0), dict(temperature=0.0, logprobs=2), dict(temperature=1.0),
+                                dict(temperature=0.8, top_p=0.9, seeds=[7, 8, 9, 10, 11]),
+                                dict(temperature=0.0, banned=[(0, [1])])],
+                         ids=["greedy", "greedy-logprobs", "plain", "top-p-seeded", "banned"])
+def test_non_finite_rows_sample_nothing_and_the_others_are_unchanged(sampler, kw):
+    x = logits(5)
+    out = sampler(_broken(x), meta(5, **kw))
+    assert out.nonfinite.tolist() == [False, True, True, True, False]
+    assert out.token_ids.tolist()[1:4] == [-1, -1, -1] and not out.dead.any()
+    assert torch.isfinite(out.logprobs).all() and out.logprobs[1:4].tolist() == [0.0, 0.0, 0.0]
+    fine = sampler(_broken(x)[[0, 4]], meta(2, **{**kw, "seeds": [7, 11]}) if "seeds" in kw else meta(2, **kw))
+    if kw["temperature"] == 0.0 or "seeds" in kw:  # deterministic rows: as without the broken rows
+        assert out.token_ids[[0, 4]].tolist() == fine.token_ids.tolist()
+        torch.testing.assert_close(out.logprobs[[0, 4]], fine.logprobs)
+    assert int(out.token_ids[4]) >= 10  # a token the model banned (-inf) is never drawn
+
+
+def test_a_broken_row_under_a_mask_is_non_finite_not_a_dead_end(sampler):
+    x = _broken(logits(5))
+    mask = torch.full((5, (V + 31) // 32), -1, dtype=torch.int32)
+    mask[0] = 0  # row 0 (finite): nothing allowed
+    for temperature in (0.0, 1.0):
+        out = sampler(x, meta(5, temperature=temperature), mask)
+        assert out.dead.tolist() == [True, False, False, False, False]
+        assert out.nonfinite.tolist() == [False, True, True, True, False]
+
+
+def test_nonfinite_problem_says_what_was_wrong():
+    x = _broken(logits(5))
+    assert "output token 4 are not finite (1 NaN among 50 logits)" in nonfinite_problem(x[1], 4)
+    assert "(1 +inf among 50 logits)" in nonfinite_problem(x[2], 0)
+    assert "(all 50 logits are -inf)" in nonfinite_problem(x[3], 0)
 
 
 def test_logprobs_come_from_the_raw_distribution(sampler):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -77,6 +78,45 @@ def test_config_errors_name_the_keys(tiny):
     roles = {**good, "text_config": {**good["text_config"], "engram_head_dim": 48}}
     with pytest.raises(CheckpointError, match="text_config.engram_head_dim = 48 must be a multiple of 32"):
         parse_config(roles)
+
+
+def _text(**changes):
+    return ("text_config", changes)
+
+
+V41_BAD = [
+    (_text(hc_sinkhorn_iters=1000000000), ["text_config.hc_sinkhorn_iters = 1000000000", "integer in [1, 1000]"]),
+    (_text(vocab_size=2**40), ["text_config.vocab_size", "integer in [1, 4194304]"]),
+    (_text(num_hidden_layers=5000), ["text_config.num_hidden_layers = 5000", "integer in [1, 1024]"]),
+    (_text(engram_num_embeddings=[601, 2**50]), ["text_config.engram_num_embeddings", "row counts in [1, "]),
+    (_text(compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0, 0]),
+     ["text_config.compress_ratios has 13 entries", "one 0 per DSpark stage"]),
+    (_text(num_nextn_predict_layers=3, dspark_target_layer_ids=[5, 6, 7],
+           compress_ratios=[0, 0, 2, 2, 1, 1, 1, 1, 0, 4, 0]),
+     ["DSpark stages", "must be 0", "[0, 4, 0]"]),
+    (_text(tie_word_embeddings="yes"), ["text_config.tie_word_embeddings = 'yes'", "must be false"]),
+    (("tie_word_embeddings", True), ["tie_word_embeddings = true", "separate output head"]),
+    (("eos_token_id", []), ["eos_token_id = [] is empty"]),
+    (("quantization_config", {"quant_method": "gptq"}), ["quantization_config.quant_method = 'gptq'"]),
+    (("quantization_config", [1]), ["quantization_config = [1]", "an object"]),
+    (("vision_config", "none"), ["vision_config = 'none'", "an object or null"]),
+    (_text(rope_scaling={"type": "linear", "factor": 0.5}), ["text_config.rope_scaling.type = 'linear'"]),
+    (_text(rope_scaling={"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 64}),
+     ["text_config.rope_scaling.factor = 0.5 is out of range"]),
+]
+
+
+@pytest.mark.parametrize("change, words", V41_BAD, ids=[f"{k}:{sorted(v) if isinstance(v, dict) else v!r:.40}"
+                                                       for (k, v), _ in V41_BAD])
+def test_values_that_were_unbounded_or_ignored_are_refused(tiny, change, words):
+    good = json.loads((tiny / "config.json").read_text())
+    key, value = change
+    bad = {**good, "text_config": {**good["text_config"], **value}} if key == "text_config" else {**good, key: value}
+    with pytest.raises(CheckpointError) as e:
+        parse_config(bad)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+    assert "text_config.eos_token_id" not in str(e.value)  # top-level keys are named as spelt
 
 
 def test_tiny_has_every_role_and_exact_engram_rows(tiny, loaded):
@@ -279,6 +319,24 @@ def test_problems_are_listed_together_by_name(tiny, tmp_path):
                  "layers.4.attn.compressor.wgate.weight", "layers.1.engram.embed.weight"):
         assert name in message, name
     assert "missing tensors" in message and "unexpected tensors" in message and "wrong shape" in message
+
+
+@pytest.mark.parametrize("name, index, value", [
+    ("norm.weight", (3,), float("nan")),
+    ("embed.weight", (200, 5), float("inf")),
+    ("layers.5.attn.wkv.scale", (0, 0), None),  # ue8m0's NaN encoding in an FP8 scale
+    ("layers.1.engram.embed.scale", (0, 0), None),  # a memory-mapped Engram table's scale
+], ids=["norm", "embedding-row", "fp8-scale", "engram-scale"])
+def test_non_finite_values_are_refused_at_load(tiny, tmp_path, name, index, value):
+    def poison(t):
+        if value is None:
+            t[name].view(torch.uint8)[index] = 0xFF
+        else:
+            t[name][index] = value
+    ckpt = copy_with(tiny, tmp_path / "poisoned", edit=poison)
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} .* holds a non-finite value .* at index "
+                                              rf"{re.escape(str(list(index)))}"):
+        load_checkpoint(ckpt, torch.float32)
 
 
 def test_canonicalize_accepts_nemo_native_names():

@@ -357,8 +357,9 @@ class SamplingOps(_Interface):
     def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row of fp32 logits `[L, V]`: the first maximal index (`[L]` int64, as `argmax`) and
         the log-sum-exp (`[L]` fp32): greedy tokens and the normaliser of their log-probabilities.
-        Optional: this default runs `max` and `logsumexp` (two passes over the logits); a back end
-        fuses them."""
+        The log-sum-exp of a row with a NaN or +inf, or with every logit -inf, must not be finite
+        (as torch's): the engine fails that row's request by it. Optional: this default runs `max`
+        and `logsumexp` (two passes over the logits); a back end fuses them."""
         return logits.max(dim=-1).indices, torch.logsumexp(logits, dim=-1)
 
     def rejection_sample(self, target_probs: torch.Tensor, draft_probs: torch.Tensor | None,

@@ -1,10 +1,10 @@
 """Admission: a prompt and its sampling parameters become a `Request`, or the reason they cannot.
 
 `Admission.admit` tokenises the prompt, checks the request against the model (vocabulary,
-`max_model_len`, sampling values that depend on the vocabulary) and attaches the logits processors
-that track it. A problem with this request alone is returned as a message: the engine finishes the
-request with finish_reason "error" and carries on (see "The contract" in docs/engine.md). Nothing
-is queued here.
+`max_model_len`, which must hold the prompt plus one generated token, sampling values that depend
+on the vocabulary) and attaches the logits processors that track it. A problem with this request
+alone is returned as a message: the engine finishes the request with finish_reason "error" and
+carries on (see "The contract" in docs/engine.md). Nothing is queued here.
 """
 from __future__ import annotations
 
@@ -75,9 +75,10 @@ class Admission:
         if bad:
             return (f"prompt token ids {bad[:5]}{'...' if len(bad) > 5 else ''} are outside the vocabulary "
                     f"[0, {self.vocab_size})")
-        if len(ids) > self.max_model_len:
-            return (f"the prompt has {len(ids)} tokens, more than max_model_len={self.max_model_len}; shorten "
-                    f"it or raise max_model_len")
+        if len(ids) >= self.max_model_len:  # as vLLM: the prompt and at least one generated token must fit
+            return (f"the prompt has {len(ids)} tokens, but max_model_len={self.max_model_len} must hold the prompt "
+                    f"and at least one generated token: give at most {self.max_model_len - 1} prompt tokens, or "
+                    f"raise max_model_len")
         try:
             params._validate()  # the object may have been changed after it was built
         except ValueError as e:

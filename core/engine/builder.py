@@ -122,6 +122,7 @@ def build_engine(config: EngineConfig) -> tuple[EngineCore, BuildInfo]:
     from deepinfer.tokenizer import load_tokenizer
 
     envs.warn_unknown()
+    envs.check_values()
     check_parallel_layout(config)
     accelerator = select_accelerator(config.accelerator)
     device = accelerator.device(0)

@@ -20,7 +20,7 @@ import torch
 
 from deepinfer.engine.cache_manager import CacheManager
 from deepinfer.engine.request import Request
-from deepinfer.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, position_seed
+from deepinfer.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, nonfinite_problem, position_seed
 from deepinfer.engine.scheduler import ModelRunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
 from deepinfer.engine.speculative import DraftRows, SpeculativeDecoder
 from deepinfer.models.batch import long_tensor
@@ -200,26 +200,32 @@ class ModelRunner:
             drafts = self.speculator.propose(step, forward.streams, out)
         step.sched.capture_prefixes()  # snapshots at block boundaries, after every model call of the step
         step.sampled = out
-        return ModelRunnerOutput(sampled=self._per_request(step, out), drafts=drafts)
+        return ModelRunnerOutput(sampled=self._per_request(step, out, logits), drafts=drafts)
 
     @staticmethod
-    def _per_request(step: PreparedStep, out: SamplerOutput) -> dict[str, SampledTokens]:
-        """The sampler's rows as each request's emitted tokens (rows after them carry -1)."""
+    def _per_request(step: PreparedStep, out: SamplerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:
+        """The sampler's rows as each request's emitted tokens (rows after them carry -1), and why
+        the position after them could not be sampled, if it could not (`logits`: to say what was
+        wrong with a non-finite row)."""
         tokens = out.token_ids.tolist()
         logprobs = out.logprobs.tolist()
         dead = out.dead.tolist()
+        nonfinite = out.nonfinite.tolist()
         ranks = out.ranks.tolist() if out.ranks is not None else None
         result = {}
         for start, s in zip(step.logits_starts, step.sample_rows):
             end = start + len(s.draft_token_ids) + 1
             n = next((i for i in range(start, end) if tokens[i] < 0), end) - start
+            stop = start + n  # the row no token came from, if any
             k = s.params.logprobs
             top = None
             if k and out.top_ids is not None:
                 top = [list(zip(out.top_ids[row, :k].tolist(), out.top_logprobs[row, :k].tolist()))
                        for row in range(start, start + n)]
+            broken = stop < end and nonfinite[stop]
             result[s.request_id] = SampledTokens(
                 token_ids=tokens[start:start + n], logprobs=logprobs[start:start + n],
                 ranks=ranks[start:start + n] if ranks is not None and k is not None else None, top=top,
-                dead=start + n < end and dead[start + n])
+                dead=stop < end and dead[stop] and not broken,
+                error=nonfinite_problem(logits[stop], s.output_index + n) if broken else None)
         return result

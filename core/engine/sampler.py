@@ -3,6 +3,13 @@
 Policy lives here; the two device operations (applying a token bitmask, drawing from a
 distribution) are the accelerator's `apply_token_bitmask` and `sample` kernels.
 
+Non-finite logits: a row whose raw logits hold a NaN or +inf, or are all -inf, has no distribution
+to sample from. Its log-normaliser (the log-sum-exp the log-probabilities need anyway) is then not
+finite, which flags the row at no extra pass over the logits: the row gets token -1 and
+`nonfinite`, and the request fails alone (`nonfinite_problem` says what was wrong). Logits that
+are -inf for some tokens only (a model that bans tokens itself) are valid; the -inf that masks
+write are applied after this check, to a copy.
+
 Batch invariance: every decision is made per row from that row's own parameters, so a row is
 processed the same way whatever else is in the batch; with a per-request `seq_seed` the draw uses
 a generator seeded from (seq_seed, output position), so a request samples the same tokens alone
@@ -72,6 +79,8 @@ class SamplerOutput:
     # for logprobs
     ranks: torch.Tensor | None
     dead: torch.Tensor  # [L] bool: every token was masked
+    # [L] bool: the raw logits were not finite (a NaN or +inf, or every logit -inf): nothing was sampled
+    nonfinite: torch.Tensor
     top_ids: torch.Tensor | None = None  # [L, K] the K most likely tokens (raw distribution)
     top_logprobs: torch.Tensor | None = None  # [L, K]
 
@@ -87,6 +96,10 @@ class Sampler:
         if bitmask is None and not meta.banned and meta.all_greedy:
             return self._greedy(logits, meta)
         num_rows, vocab = logits.shape
+        log_norm = torch.logsumexp(logits, dim=-1)  # the logprobs' normaliser; not finite for a broken row
+        nonfinite = ~torch.isfinite(log_norm)
+        if bool(nonfinite.any()):  # one host sync per step, not per row
+            logits = logits.masked_fill(nonfinite.unsqueeze(1), 0.0)  # a harmless draw, discarded below
         masked, dead, alive, greedy, plain, needs_sort = self._prepare(logits, meta, bitmask)
         device = logits.device
         # greedy: the first maximal index, as argmax; max(dim) returns the same index 2.6x faster
@@ -104,30 +117,35 @@ class Sampler:
             probs, indices = self._sorted_probs(masked[needs_sort], meta, needs_sort, vocab)
             choice = self.accelerator.sample(probs, self._generators(meta, needs_sort, device))
             tokens[needs_sort] = indices.gather(1, choice.unsqueeze(1)).squeeze(1)
-        logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta)
-        if len(alive) < num_rows:  # dead rows (only under masks) score 0
-            logprobs = logprobs.masked_fill(dead, 0.0)
-        return SamplerOutput(token_ids=tokens, logprobs=logprobs, ranks=ranks, dead=dead,
+        logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta, log_norm)
+        tokens = tokens.masked_fill(nonfinite, -1)
+        dead = dead & ~nonfinite  # a broken row fails the request, whatever the masks allowed
+        logprobs = logprobs.masked_fill(dead | nonfinite, 0.0)  # dead rows (only under masks) score 0
+        return SamplerOutput(token_ids=tokens, logprobs=logprobs, ranks=ranks, dead=dead, nonfinite=nonfinite,
                              top_ids=top_ids, top_logprobs=top_logprobs)
 
     def _greedy(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Every row greedy and unconstrained (batch-1 and benchmark decode): the tokens and their
-        log-normaliser in one kernel, no row lists (the same tokens and figures as the general path)."""
+        log-normaliser in one kernel, no row lists (the same tokens and figures as the general path).
+        The non-finite check costs a few ops over `[L]`, no pass over the logits and no host sync."""
         tokens, log_norm = self.accelerator.argmax_logsumexp(logits)
+        nonfinite = ~torch.isfinite(log_norm)
         dead = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         if meta.wants_logprobs:
             logprobs, ranks, top_ids, top_logprobs = self.score(logits, tokens, meta, log_norm)
-            return SamplerOutput(token_ids=tokens, logprobs=logprobs, ranks=ranks, dead=dead,
-                                 top_ids=top_ids, top_logprobs=top_logprobs)
-        # what `score` computes without the clamp (no -1 token) and with one subtraction in place
-        logprobs = logits.gather(1, tokens.view(-1, 1)).view(-1).sub_(log_norm)
-        return SamplerOutput(token_ids=tokens, logprobs=logprobs, ranks=None, dead=dead)
+            return SamplerOutput(token_ids=tokens.masked_fill(nonfinite, -1),
+                                 logprobs=logprobs.masked_fill(nonfinite, 0.0), ranks=ranks, dead=dead,
+                                 nonfinite=nonfinite, top_ids=top_ids, top_logprobs=top_logprobs)
+        # what `score` computes without the clamp (no -1 token yet) and with one subtraction in place
+        logprobs = logits.gather(1, tokens.view(-1, 1)).view(-1).sub_(log_norm).masked_fill_(nonfinite, 0.0)
+        return SamplerOutput(token_ids=tokens.masked_fill(nonfinite, -1), logprobs=logprobs, ranks=None, dead=dead,
+                             nonfinite=nonfinite)
 
     def probabilities(self, logits: torch.Tensor, meta: SamplingMetadata,
                       bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """`[L, V]` fp32: the distribution `__call__` draws each row's token from (one-hot at the
         masked argmax for greedy rows, all zeros for dead rows). Speculative rejection sampling
-        needs it whole."""
+        needs it whole. The logits must be finite rows (`verify` replaces the others first)."""
         logits = logits.float()
         num_rows, vocab = logits.shape
         masked, _, _, greedy, plain, needs_sort = self._prepare(logits, meta, bitmask)
@@ -230,3 +248,14 @@ class Sampler:
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
         return probs, indices
+
+
+def nonfinite_problem(row: torch.Tensor, output_index: int) -> str:
+    """Why one row of raw logits (flagged `nonfinite`) could not be sampled: the request's error."""
+    row = row.float()
+    nan, pos_inf = int(row.isnan().sum()), int(row.isposinf().sum())
+    found = [f"{n} NaN" for n in (nan,) if n] + [f"{n} +inf" for n in (pos_inf,) if n]
+    what = ", ".join(found) + f" among {row.numel()} logits" if found else f"all {row.numel()} logits are -inf"
+    return (f"the model's logits for output token {output_index} are not finite ({what}), so no token could be "
+            f"sampled; the tokens before it are kept. This is a numerical fault in the model or the back end "
+            f"(e.g. corrupt weights, or an overflow in half precision), not a problem of this request")

@@ -36,6 +36,7 @@ how many drafts were accepted).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ from deepinfer.engine.speculative import Drafts, SpeculativeDecoder
 from deepinfer.engine.structured_masks import StructuredMasks
 from deepinfer.models.interface import CacheTensors
 from deepinfer.sampling_params import SamplingParams
+
+logger = logging.getLogger("deepinfer")
 
 DEAD_END = "grammar_dead_end"
 
@@ -150,13 +153,16 @@ class SchedulerOutput:
 class SampledTokens:
     """One sampled request's result in a step: the tokens it emits, in order (one without
     speculation; the accepted drafts and one target token with it), their raw log-probabilities,
-    and whether the position after them had every token masked (nothing could be sampled)."""
+    and whether the position after them had every token masked or non-finite logits (nothing could
+    be sampled there)."""
 
     token_ids: list[int]
     logprobs: list[float]
     ranks: list[int] | None = None  # per token, its rank (1 = most likely), when the request asks for logprobs
     top: list[list[tuple[int, float]]] | None = None  # per token, the request's top-k (id, logprob)
     dead: bool = False
+    #: the position after the tokens had non-finite logits: what was wrong (the request fails with it)
+    error: str | None = None
 
 
 @dataclass
@@ -418,7 +424,11 @@ class Scheduler:
                 self._finish(req, reason, stop_reason=stop_reason)
                 finished.append(req)
                 return  # the rest is discarded
-        if result.dead:
+        if result.error is not None:
+            logger.warning("request %s failed: %s", req.request_id, result.error)
+            self._finish(req, "error", error=result.error)
+            finished.append(req)
+        elif result.dead:
             self._finish(req, DEAD_END, error="every token of the vocabulary was masked by the logits processors, "
                                               "so no token could be sampled")
             finished.append(req)

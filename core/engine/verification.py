@@ -15,7 +15,9 @@ draft passes), so a verification emits between 1 and m + 1 tokens.
   use a generator seeded by (seq_seed, output index): the same request and drafts give the same
   tokens in any batch.
 
-Rows after the emitted ones carry token -1; a row where every token was masked is `dead`.
+Rows after the emitted ones carry token -1; a row where every token was masked is `dead`. A row
+whose raw logits are not finite (`Sampler`'s `nonfinite`) emits nothing, nor do the rows after it:
+the request keeps the tokens of the rows before it and fails, as it would without speculation.
 """
 from __future__ import annotations
 
@@ -61,9 +63,12 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor |
     device = logits.device
     tokens = torch.full((num_rows,), -1, dtype=torch.int64, device=device)
     dead = torch.zeros(num_rows, dtype=torch.bool, device=device)
+    log_norm = torch.logsumexp(logits.float(), dim=-1)  # the logprobs' normaliser; not finite for a broken row
+    nonfinite = ~torch.isfinite(log_norm)
+    flagged = torch.zeros(num_rows, dtype=torch.bool, device=device)  # the broken row each request stopped at
 
-    def sub(rows: list[int]):
-        return logits[rows], meta.subset(rows), None if bitmask is None else bitmask[rows]
+    def sub(rows: list[int], source: torch.Tensor = logits):
+        return source[rows], meta.subset(rows), None if bitmask is None else bitmask[rows]
 
     # greedy requests, and sampled requests without drafts: decoded row by row as without speculation
     plain_groups = [g for g in groups if g.greedy or g.num_drafts == 0]
@@ -74,17 +79,22 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor |
         picked[plain] = out.token_ids
         row_tokens = picked.tolist()
         dead[plain] = out.dead
+        flagged[plain] = out.nonfinite
         for g in plain_groups:
             a = g.logits_start
             n = greedy_accept_count(row_tokens[a:a + g.num_drafts], g.draft_token_ids)
             tokens[a:a + n + 1] = picked[a:a + n + 1]
             dead[a + n + 1:a + g.num_drafts + 1] = False
+            flagged[a + n + 1:a + g.num_drafts + 1] = False
 
     # sampled requests with drafts: rejection sampling
     sampled = [g for g in groups if not g.greedy and g.num_drafts > 0]
     if sampled:
         rows = [g.logits_start + i for g in sampled for i in range(g.num_drafts + 1)]
-        target = sampler.probabilities(*sub(rows))
+        broken = nonfinite.tolist()
+        # a broken row draws from finite stand-in logits; what it emits is cut off below
+        finite = logits.masked_fill(nonfinite.unsqueeze(1), 0.0) if any(broken[r] for r in rows) else logits
+        target = sampler.probabilities(*sub(rows, finite))
         drafts = torch.tensor([t for g in sampled for t in g.draft_token_ids], dtype=torch.int64, device=device)
         if all(g.draft_probs is None for g in sampled):
             q = None
@@ -100,11 +110,17 @@ def verify(logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor |
         for b, g in enumerate(sampled):
             row = emitted[b, :g.num_drafts + 1]
             count = int((row >= 0).sum())
-            tokens[g.logits_start:g.logits_start + count] = row[:count]
-            if count <= g.num_drafts and mass[offset + count] <= 0.0:
-                dead[g.logits_start + count] = True
+            a = g.logits_start
+            # each emitted token came from its own row's distribution: stop at the first broken one
+            first_broken = next((i for i in range(count) if broken[a + i]), None)
+            if first_broken is not None:
+                count = first_broken
+                flagged[a + count] = True
+            tokens[a:a + count] = row[:count]
+            if first_broken is None and count <= g.num_drafts and mass[offset + count] <= 0.0:
+                dead[a + count] = True
             offset += g.num_drafts + 1
 
-    logprobs, ranks, top_ids, top_logprobs = sampler.score(logits, tokens, meta)
+    logprobs, ranks, top_ids, top_logprobs = sampler.score(logits, tokens, meta, log_norm)
     return SamplerOutput(token_ids=tokens, logprobs=logprobs.masked_fill(tokens < 0, 0.0), ranks=ranks, dead=dead,
-                         top_ids=top_ids, top_logprobs=top_logprobs)
+                         nonfinite=flagged, top_ids=top_ids, top_logprobs=top_logprobs)

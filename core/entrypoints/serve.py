@@ -215,8 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from deepinfer.server.protocol import ServerSettings
 
-    level = envs.get("DEEPINFER_LOG_LEVEL", "INFO").upper()
-    logging.basicConfig(level=getattr(logging, level, logging.INFO), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        level = envs.log_level("INFO")
+    except ValueError as e:  # DEEPINFER_LOG_LEVEL=garbage
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         settings = ServerSettings(host=args.host, port=args.port, api_key=api_key(args),
                                   served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,

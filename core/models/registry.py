@@ -55,7 +55,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from deepinfer.models.common.config_values import type_name
+from deepinfer.models.common.config_values import Range, type_name
 from deepinfer.models.common.errors import CheckpointError, ModelFamilyPluginError, UnknownModelTypeError
 from deepinfer.models.common.safetensors_io import CONFIG_FILE, read_config
 from deepinfer.models.protocol import (
@@ -81,11 +81,14 @@ class OpDefaults:
     `model_ops`: the family's op table class (its model-specific fused ops with plain-torch
     defaults; a back end may override them through `Accelerator.model_ops`), or None.
     `model_options`: keyword defaults handed to the model class (e.g. DeepSeek-V4's `query_block`,
-    the prefill query-block size its attention kernels run over)."""
+    the prefill query-block size its attention kernels run over). `option_ranges`: the type and
+    bounds of the numeric ones (`config_values.Range`), checked on every override: an option that
+    sets work or a shape must be bounded, or `query_block = 0` runs and computes garbage."""
 
     required_ops: tuple[str, ...] = ()
     model_ops: type | None = None
     model_options: Mapping[str, Any] = field(default_factory=dict)
+    option_ranges: Mapping[str, Range] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         ops = tuple(self.required_ops)
@@ -98,8 +101,13 @@ class OpDefaults:
             raise ValueError(f"model_options keys must be keyword names; got {bad}")
         if self.model_ops is not None and not isinstance(self.model_ops, type):
             raise ValueError(f"model_ops must be a class (the family's op table); got {self.model_ops!r}")
+        ranges = dict(self.option_ranges)
+        bad = sorted(k for k, r in ranges.items() if k not in options or not isinstance(r, Range))
+        if bad:
+            raise ValueError(f"option_ranges {bad} must be Ranges of declared model_options ({sorted(options)})")
         object.__setattr__(self, "required_ops", ops)
         object.__setattr__(self, "model_options", MappingProxyType(options))
+        object.__setattr__(self, "option_ranges", MappingProxyType(ranges))
 
     def missing_ops(self, accelerator: object) -> list[str]:
         return [op for op in self.required_ops if not callable(getattr(accelerator, op, None))
@@ -197,13 +205,18 @@ class ModelFamily:
     def model_options(self, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The keyword options the model class is built with: `op_defaults.model_options` updated
         with `overrides` (e.g. `EngineConfig.model_options`). ValueError for an option the family does
-        not declare, naming it and the declared ones."""
+        not declare, naming it and the declared ones, and for a value outside its `option_ranges`."""
         declared = self.op_defaults.model_options
         unknown = sorted(set(overrides or {}) - set(declared))
         if unknown:
             known = ", ".join(sorted(declared)) or "none"
             raise ValueError(f"model_options {unknown} are not options of model family {self.model_type!r}; its "
                              f"options (OpDefaults.model_options) are: {known}. Remove or rename them")
+        ranges = self.op_defaults.option_ranges
+        problems = [p for k, v in (overrides or {}).items()
+                    if k in ranges and (p := ranges[k].problem(f"model_options.{k}", v)) is not None]
+        if problems:
+            raise ValueError(f"invalid model_options of model family {self.model_type!r}: " + "; ".join(problems))
         return {**declared, **(overrides or {})}
 
     def build_model(self, config: Any, accelerator: object, dtype: torch.dtype, device: torch.device | str,

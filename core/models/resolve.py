@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepinfer import envs
+from deepinfer.models.common.files import regular_file
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class ResolvedModel:
 
 
 def _require_config(path: Path, how: str) -> Path:
-    if not (path / CONFIG_FILE).is_file():
+    if not regular_file(path / CONFIG_FILE, "the checkpoint's config.json"):  # a FIFO or a folder: said so
         raise FileNotFoundError(
             f"HF checkpoint requires config.json: {path / CONFIG_FILE} does not exist ({how}). Point it at "
             f"the folder that holds config.json and the *.safetensors files, or finish the download.")

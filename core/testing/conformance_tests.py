@@ -436,6 +436,21 @@ def test_argmax_logsumexp(acc):
     _close(log_norm, torch.logsumexp(logits, -1), torch.float32, "argmax_logsumexp")
 
 
+@pytest.mark.level(1)
+def test_argmax_logsumexp_flags_non_finite_rows(acc):
+    """The engine fails a request whose logits are broken by this normaliser (docs/engine.md): it
+    must not be finite for a row with a NaN or a +inf, or with every logit -inf, and must be finite
+    for a row where only some logits are -inf."""
+    logits = torch.randn(4, 300, generator=_gen(15))
+    logits[0, 5] = float("nan")
+    logits[1, 9] = float("inf")
+    logits[2] = float("-inf")
+    logits[3, :200] = float("-inf")
+    _, log_norm = acc.argmax_logsumexp(*_on(acc, logits))
+    assert torch.isfinite(log_norm.cpu()).tolist() == [False, False, False, True], \
+        "argmax_logsumexp: the log-sum-exp of a NaN, +inf or all -inf row must not be finite"
+
+
 @pytest.mark.level(2)
 def test_seeded_sampling_is_deterministic_per_row(acc):
     probs = torch.softmax(torch.randn(3, 1000, generator=_gen(11)), -1)

@@ -12,8 +12,10 @@
 3. `validate(expected, shapes)` compares them with what the config expects: one CheckpointError
    listing every missing, unexpected and mis-shaped tensor plus the problems found while planning;
 4. `check_memory(loaded_bytes, dtype)` refuses a load that does not fit in RAM;
-5. `load(units, rename, target_dtype, dtype)` reads memory-mapped tensors one at a time,
-   dequantises (fp32, exact, then one rounding), canonicalises and converts them.
+5. `load(units, rename, target_dtype, dtype, whole)` reads memory-mapped tensors one at a time,
+   dequantises (fp32, exact, then one rounding), canonicalises and converts them, and refuses NaN
+   and infinite values (`finite.py`: scales and the `whole` names read entirely, other tensors
+   whole when small, at sampled rows when large).
 
 `keep_quantized(formats, quantizable)` (before steps 2-5) keeps a quantised weight quantised instead:
 when its format (`fp8_block<B>`, `fp4_e2m1`) is one of `formats` (the back end's
@@ -29,7 +31,7 @@ stored tensor as before). Its size in the memory check is then its stored bytes.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -39,6 +41,7 @@ import torch
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.common import quant
 from deepinfer.models.common.errors import CheckpointError, CheckpointTooLargeError
+from deepinfer.models.common.finite import first_nonfinite, nonfinite_message
 from deepinfer.models.common.safetensors_io import (
     CONFIG_FILE, TensorEntry, get_tensor, open_safetensors, read_config, read_headers, safetensors_files,
 )
@@ -313,9 +316,12 @@ class SafetensorsCheckpoint:
     def check_memory(self, loaded_bytes: int, dtype: torch.dtype, smaller: str = "a smaller checkpoint") -> None:
         check_memory(loaded_bytes, self.disk_bytes, dtype, self.root, smaller)
 
-    def iter_loaded(self, units: list[LoadUnit], rename: Rename, target_dtype: TargetDtype, dtype: torch.dtype
-                    ) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-        """(canonical name, tensor) for every unit, reading files through memory maps."""
+    def iter_loaded(self, units: list[LoadUnit], rename: Rename, target_dtype: TargetDtype, dtype: torch.dtype,
+                    whole: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(canonical name, tensor) for every unit, reading files through memory maps. Every tensor
+        is checked for NaN and infinite values (`finite.first_nonfinite`): the scales of quantised
+        weights and the canonical names in `whole` entirely, the others whole when small and at
+        sampled rows when large; one found is a CheckpointError naming the tensor and its file."""
         entries = self.entries
         by_file: dict[Path, list[LoadUnit]] = {}
         for u in units:
@@ -331,15 +337,26 @@ class SafetensorsCheckpoint:
                         else:
                             with open_safetensors(scale_file) as g:
                                 scale = get_tensor(g, scale_file, u.scale_name)
+                        _check_finite(u.scale_name, scale_file, scale, whole=True)
                         kept = self._kept(u, tensor, scale, rename, target_dtype, dtype)
                         if kept is not None:  # memory-mapped views; the model copies them
+                            _check_finite(u.name, file, tensor)  # the FP8 codes (FP4 has no NaN)
                             yield from kept.items()
                             continue
                         # dequantise in fp32 (exact), then round once to the target dtype below
                         tensor = quant.dequantize(tensor, scale, torch.float32, self.block_size)
                     for name, piece in rename({u.name: tensor}).items():
-                        yield name, piece.to(target_dtype(name, dtype)).contiguous()
+                        piece = piece.to(target_dtype(name, dtype)).contiguous()
+                        _check_finite(u.name if name == u.name else f"{u.name} (loaded as {name})", file, piece,
+                                      whole=name in whole)
+                        yield name, piece
 
-    def load(self, units: list[LoadUnit], rename: Rename, target_dtype: TargetDtype, dtype: torch.dtype
-             ) -> dict[str, torch.Tensor | QuantizedWeight]:
-        return dict(self.iter_loaded(units, rename, target_dtype, dtype))
+    def load(self, units: list[LoadUnit], rename: Rename, target_dtype: TargetDtype, dtype: torch.dtype,
+             whole: Collection[str] = ()) -> dict[str, torch.Tensor | QuantizedWeight]:
+        return dict(self.iter_loaded(units, rename, target_dtype, dtype, whole))
+
+
+def _check_finite(name: str, file: Path, tensor: torch.Tensor, whole: bool = False) -> None:
+    index = first_nonfinite(tensor, whole)
+    if index is not None:
+        raise CheckpointError(nonfinite_message(name, file, index, tensor))

@@ -1,9 +1,10 @@
 """Reading (and writing) a checkpoint folder's files: `config.json` and safetensors, validated.
 
 Nothing here knows a model. `read_config` reads `config.json` as a dict; `safetensors_files` lists
-the weight files (a single `model.safetensors`, or the shards of `model.safetensors.index.json`,
-whose entries must stay inside the folder); `read_safetensors_header` checks one file's whole
-layout against its size before the safetensors library opens it; `read_headers` gives every
+the weight files (a single `model.safetensors`, or the shards of `model.safetensors.index.json`),
+which must stay inside the folder and be regular files (`files.regular_file`);
+`read_safetensors_header` checks one file's whole layout against its size before the safetensors
+library opens it; `read_headers` gives every
 stored tensor's file, dtype and shape without reading data; `open_safetensors`/`get_tensor` read
 memory-mapped tensors and name the file when that fails. Every problem is a `CheckpointError`.
 """
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from deepinfer.models.common.config_values import type_name
 from deepinfer.models.common.errors import CheckpointError
+from deepinfer.models.common.files import regular_file
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -42,9 +44,9 @@ OTHER_SAFETENSORS_DTYPES = ("U16", "U32", "U64", "F6_E2M3", "F6_E3M2", "C64")
 
 def read_config(path: str | Path) -> dict:
     """The checkpoint's `config.json` as a dict (FileNotFoundError in DeepInfer's wording if absent;
-    CheckpointError if it is not JSON or not a JSON object)."""
+    CheckpointError if it is not a regular file, not JSON or not a JSON object)."""
     config_path = Path(path) / CONFIG_FILE
-    if not config_path.is_file():
+    if not regular_file(config_path, "the checkpoint's config.json"):
         raise FileNotFoundError(
             f"HF checkpoint requires config.json: {config_path} does not exist. Point the model path at "
             f"the folder that holds config.json and the *.safetensors files (or the download is incomplete).")
@@ -81,19 +83,27 @@ def _shard_path(root: Path, index: Path, tensor: str, name: object) -> Path:
         raise CheckpointError(f"{entry} points outside the checkpoint folder {root}; shard entries must be file "
                               f"names relative to that folder")
     path = root / name
+    regular_file(path, f"the shard (listed in {INDEX_FILE})")  # what it is first: a FIFO or /dev/zero is named
+    return _inside(root, path, entry, "the shard")
+
+
+def _inside(root: Path, path: Path, what: str, copy: str) -> Path:
+    """`path`, refused when it resolves (through symlinks) outside the checkpoint folder (the
+    Hugging Face cache's `blobs/` counts as inside, `_allowed_roots`)."""
     real = path.resolve()
     if not any(real.is_relative_to(r) for r in _allowed_roots(root)):
-        raise CheckpointError(f"{entry} is a symlink to {real}, outside the checkpoint folder {root.resolve()}; "
-                              f"copy the shard into the folder instead")
+        raise CheckpointError(f"{what} is a symlink to {real}, outside the checkpoint folder {root.resolve()}; "
+                              f"copy {copy} into the folder instead")
     return path
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
     """The checkpoint's safetensors files: the shards of the index, else `model.safetensors`. Index
-    entries must name files inside the folder (no absolute paths, no `..`, no symlinks out)."""
+    entries and the single file must stay inside the folder (no absolute paths, no `..`, no
+    symlinks out), and every one must be a regular file (`regular_file`)."""
     root = Path(path)
     index = root / INDEX_FILE
-    if index.is_file():
+    if regular_file(index, "the shard index"):
         try:
             data = json.loads(index.read_text(encoding="utf-8"))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -110,13 +120,14 @@ def safetensors_files(path: str | Path) -> list[Path]:
             if not isinstance(name, str) or name not in files:
                 files[name] = _shard_path(root, index, tensor, name)
         files_list = [files[name] for name in sorted(files)]
-        absent = [f.name for f in files_list if not f.is_file()]
+        absent = [f.name for f in files_list if not regular_file(f, f"the shard (listed in {INDEX_FILE})")]
         if absent:
             raise FileNotFoundError(f"{index} lists shards that are not in {root}: {', '.join(absent)} "
                                     f"(incomplete download?)")
         return files_list
-    if (root / SINGLE_FILE).is_file():
-        return [root / SINGLE_FILE]
+    single = root / SINGLE_FILE
+    if regular_file(single, "the checkpoint file"):  # the index's containment rule applies to it too
+        return [_inside(root, single, f"the checkpoint file {single}", SINGLE_FILE)]
     found = sorted(p.name for p in root.glob("*.safetensors"))
     hint = f" (found {', '.join(found)} but no {INDEX_FILE} listing them)" if found else ""
     raise FileNotFoundError(f"no weights in {root}: expected {SINGLE_FILE} or {INDEX_FILE}{hint}")

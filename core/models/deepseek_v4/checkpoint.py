@@ -39,7 +39,9 @@ from deepinfer.models.common import checkpoint as _common
 from deepinfer.models.common.checkpoint import (  # noqa: F401  (re-exported)
     MAX_LISTED, SafetensorsCheckpoint, available_memory_bytes,
 )
+from deepinfer.models.common.config_values import fp8_block_size
 from deepinfer.models.common.config_values import type_name as _kind
+from deepinfer.models.common.quant import FP8_BLOCK
 from deepinfer.models.common.errors import CheckpointTooLargeError  # noqa: F401  (re-exported)
 from deepinfer.models.common.safetensors_io import (  # noqa: F401  (re-exported)
     CONFIG_FILE, INDEX_FILE, MAX_HEADER_BYTES, SINGLE_FILE, TensorEntry, read_config, read_headers,
@@ -54,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 # the embedding's stored dtype is the checkpoint's dtype ("auto")
 DTYPE_REFERENCE_NAMES = ("embed.weight", "model.embed_tokens.weight")
+# checked for NaN / infinity entirely at load, whatever their size (the others: see common/finite.py)
+FINITE_WHOLE = ("embed.weight",)
 _SMALLER = "a smaller checkpoint (e.g. one written by `deepinfer make-model`)"
 
 
@@ -103,7 +107,8 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     CheckpointTooLargeError (a MemoryError) when the loaded tensors would not fit in RAM.
     """
     root, config = _common.checkpoint_config(path, config_dict, parse_config)
-    ckpt = SafetensorsCheckpoint(root)
+    # FP8 blocks of quantization_config.weight_block_size (checked with the config), else the official 128
+    ckpt = SafetensorsCheckpoint(root, block_size=fp8_block_size(config.quantization_config, FP8_BLOCK))
     dtype = resolve_dtype(dtype, ckpt.entries)
 
     for name, entry in ckpt.entries.items():
@@ -121,6 +126,6 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     ckpt.validate(expected_weight_shapes(config), shapes, naming="official")
     ckpt.check_memory(sum(sizes.values()), dtype, smaller=_SMALLER)
 
-    tensors = ckpt.load(units, canonicalize, target_dtype, dtype)
+    tensors = ckpt.load(units, canonicalize, target_dtype, dtype, whole=FINITE_WHOLE)
     check_hash_tables(tensors, config)
     return config, tensors

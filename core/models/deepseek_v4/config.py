@@ -23,7 +23,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from deepinfer.models.common.config_values import Range
+from deepinfer.models.common.config_values import (
+    MAX_COMPRESS_RATE, MAX_DRAFT_LAYERS, MAX_EXPERTS, MAX_HC_MULT, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS,
+    MAX_POSITIONS, MAX_SINKHORN_ITERS, MAX_VOCAB, MAX_WIDTH, Range, quantization_problems, tied_embeddings_problem,
+    token_ids_problem,
+)
 from deepinfer.models.common.config_values import plain_number as _plain  # noqa: F401  (re-exported)
 from deepinfer.models.common.config_values import range_problems as _range_problems
 from deepinfer.models.common.config_values import report as _report
@@ -45,53 +49,54 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 # Every numeric DeepseekV4Config field, with what the model code needs of it. Cross-field rules
 # (divisibility, top-k <= experts, rotary dims, token ids < vocab_size) are in `_cross_field_problems`.
 FIELD_RANGES: dict[str, Range] = {
-    "vocab_size": Range(int, 1),
-    "hidden_size": Range(int, 1),
-    "num_hidden_layers": Range(int, 1),
-    "num_attention_heads": Range(int, 1),
-    "head_dim": Range(int, 2),
-    "qk_rope_head_dim": Range(int, 2),
-    "q_lora_rank": Range(int, 1),
-    "o_groups": Range(int, 1),
-    "o_lora_rank": Range(int, 1),
-    "sliding_window": Range(int, 1),  # the window ring holds sliding_window keys per sequence
-    "csa_compress_rate": Range(int, 1),
-    "hca_compress_rate": Range(int, 1),
-    "index_n_heads": Range(int, 1),
-    "index_head_dim": Range(int, 2),
-    "index_topk": Range(int, 1),
-    "n_routed_experts": Range(int, 1),
-    "num_experts_per_tok": Range(int, 1),
+    "vocab_size": Range(int, 1, MAX_VOCAB),
+    "hidden_size": Range(int, 1, MAX_WIDTH),
+    "num_hidden_layers": Range(int, 1, MAX_LAYERS),
+    "num_attention_heads": Range(int, 1, MAX_HEADS),
+    "head_dim": Range(int, 2, MAX_HEAD_DIM),
+    "qk_rope_head_dim": Range(int, 2, MAX_HEAD_DIM),
+    "q_lora_rank": Range(int, 1, MAX_WIDTH),
+    "o_groups": Range(int, 1, MAX_HEADS),
+    "o_lora_rank": Range(int, 1, MAX_WIDTH),
+    "sliding_window": Range(int, 1, MAX_POSITIONS),  # the window ring holds sliding_window keys per sequence
+    "csa_compress_rate": Range(int, 1, MAX_COMPRESS_RATE),
+    "hca_compress_rate": Range(int, 1, MAX_COMPRESS_RATE),
+    "index_n_heads": Range(int, 1, MAX_HEADS),
+    "index_head_dim": Range(int, 2, MAX_HEAD_DIM),
+    "index_topk": Range(int, 1, MAX_POSITIONS),
+    "n_routed_experts": Range(int, 1, MAX_EXPERTS),
+    "num_experts_per_tok": Range(int, 1, MAX_HEADS),
     "n_shared_experts": Range(int, 0, 1),  # the shared expert is one fused matrix, or none
-    "moe_intermediate_size": Range(int, 1),
+    "moe_intermediate_size": Range(int, 1, MAX_WIDTH),
     "routed_scaling_factor": Range(float, 0, open_low=True),
     "swiglu_limit": Range(float, 0),  # 0 = no clamp
     "rope_theta": Range(float, 1, open_low=True),  # log(base) divides in the YaRN ramp
     "compress_rope_theta": Range(float, 1, open_low=True),
-    "max_position_embeddings": Range(int, 1),
-    "hc_mult": Range(int, 1),
-    "hc_sinkhorn_iters": Range(int, 1),  # the first normalisation always runs
+    "max_position_embeddings": Range(int, 1, MAX_POSITIONS),
+    "hc_mult": Range(int, 1, MAX_HC_MULT),
+    "hc_sinkhorn_iters": Range(int, 1, MAX_SINKHORN_ITERS),  # the first normalisation always runs
     "hc_eps": Range(float, 0),
     "rms_norm_eps": Range(float, 0),
-    "num_nextn_predict_layers": Range(int, 0),
+    "num_nextn_predict_layers": Range(int, 0, MAX_DRAFT_LAYERS),
 }
 YARN_RANGES: dict[str, Range] = {
     "factor": Range(float, 1),
-    "original_max_position_embeddings": Range(int, 1),
+    "original_max_position_embeddings": Range(int, 1, MAX_POSITIONS),
     "beta_fast": Range(float, 0, open_low=True),
     "beta_slow": Range(float, 0, open_low=True),
 }
 # keys that only steer parsing (official / transformers spellings)
 PARSE_RANGES: dict[str, Range] = {
-    "num_hash_layers": Range(int, 0),
+    "num_hash_layers": Range(int, 0, MAX_LAYERS),  # and at most num_hidden_layers
     "partial_rotary_factor": Range(float, 0, 1, open_low=True),
-    "compress_ratios": Range(int, 0),  # per entry
-    "compress_rates": Range(int, 1),  # per entry
-    "original_seq_len": Range(int, 0),  # 0 = no YaRN
+    "compress_ratios": Range(int, 0, MAX_COMPRESS_RATE),  # per entry
+    "compress_rates": Range(int, 1, MAX_COMPRESS_RATE),  # per entry
+    "original_seq_len": Range(int, 0, MAX_POSITIONS),  # 0 = no YaRN
     "rope_factor": Range(float, 1),
     "beta_fast": YARN_RANGES["beta_fast"],
     "beta_slow": YARN_RANGES["beta_slow"],
 }
+EXPERT_DTYPES = ("fp4", "fp8")
 
 
 def _token_id_problem(key: str, value: Any, many: bool) -> str | None:
@@ -225,12 +230,13 @@ class DeepseekV4Config(BaseModel):
         if self.num_experts_per_tok > self.n_routed_experts:
             problems.append(f"num_experts_per_tok = {self.num_experts_per_tok} is out of range: must be <= "
                             f"n_routed_experts = {self.n_routed_experts}")
-        V = self.vocab_size
         for key, value in (("bos_token_id", self.bos_token_id), ("eos_token_id", self.eos_token_id)):
-            ids = value if isinstance(value, tuple) else () if value is None else (value,)
-            if any(not 0 <= i < V for i in ids):
-                problems.append(f"{key} = {_show(value)} is out of range: token ids must be in [0, {V}) "
-                                f"(vocab_size = {V})")
+            if (p := token_ids_problem(key, value, self.vocab_size)) is not None:
+                problems.append(p)
+        problems += quantization_problems(self.quantization_config)
+        if self.expert_dtype not in (None, *EXPERT_DTYPES):
+            problems.append(f"expert_dtype = {_show(self.expert_dtype)} is not supported: choose "
+                            f"{' or '.join(map(repr, EXPERT_DTYPES))} (or leave it out)")
         return problems
 
     # ----- derived -----
@@ -303,6 +309,8 @@ class DeepseekV4Config(BaseModel):
             out["expert_dtype"] = get.check("quantization_config.expert_dtype",
                                             out["quantization_config"].get("expert_dtype"), None, kinds=str,
                                             want="a string or null")
+        if (p := tied_embeddings_problem("tie_word_embeddings", d.get("tie_word_embeddings"))) is not None:
+            get.problems.append(p)
         norm_topk = get.lookup("norm_topk_prob", default=True)[1]
         if norm_topk is not True:
             get.problems.append(f"norm_topk_prob = {_show(norm_topk)} is not supported: must be true for DeepSeek-V4 "
@@ -331,6 +339,12 @@ class DeepseekV4Config(BaseModel):
                                                                      rng=PARSE_RANGES["compress_rates"])
         layer_types = get.str_list("layer_types")
         ratios = get.int_list("compress_ratios", PARSE_RANGES["compress_ratios"])
+        n_mtp = out["num_nextn_predict_layers"]
+        if ratios is not None and len(ratios) not in (n_layers, n_layers + n_mtp):
+            get.problems.append(f"compress_ratios has {len(ratios)} entries: give one per layer, num_hidden_layers = "
+                                f"{n_layers} (optionally followed by one 0 per MTP layer, "
+                                f"num_nextn_predict_layers = {n_mtp})")
+            ratios = None
         if layer_types is None and ratios is not None:
             try:
                 layer_types, csa_rate, hca_rate = _types_from_ratios(ratios[:n_layers], csa_rate, hca_rate)
@@ -347,12 +361,17 @@ class DeepseekV4Config(BaseModel):
 
         mlp_types = get.str_list("mlp_layer_types")
         if mlp_types is None:
-            n_hash = get.number("num_hash_layers", "n_hash_layers", default=3, rng=PARSE_RANGES["num_hash_layers"])
+            n_hash = get.number("num_hash_layers", "n_hash_layers", default=min(3, n_layers),
+                                rng=PARSE_RANGES["num_hash_layers"])
+            if n_hash > n_layers:
+                key = get.lookup("num_hash_layers", "n_hash_layers", default=None)[0]
+                get.problems.append(f"{key} = {n_hash} is out of range: must be <= num_hidden_layers = {n_layers}")
             mlp_types = ["hash_moe"] * min(n_layers, n_hash) + ["moe"] * max(0, n_layers - n_hash)
         out["mlp_layer_types"] = tuple(mlp_types[:n_layers])
 
         rope_scaling = get.typed("rope_scaling", default=None, kinds=dict, want="an object or null")
         out["rope_scaling"] = _parse_yarn(get, rope_scaling, rope_params)
+        _check_rope_bases(get, rope_params, out)
         if get.problems:
             raise CheckpointError(_report(source, get.problems))
         try:
@@ -537,40 +556,76 @@ def _types_from_ratios(ratios: list[int], csa_rate: int, hca_rate: int) -> tuple
 
 
 def _parse_yarn(get: _KeyReader, rope_scaling: dict | None, rope_params: dict | None) -> YarnScaling | None:
-    src, where = None, ""
+    """The compress RoPE's YaRN scaling: from `rope_parameters.compress` (transformers), `rope_scaling`
+    (hub) or the official keys. When both of the first two are given they must agree: neither is
+    silently dropped."""
+    sources = []
     if rope_params is not None and isinstance(rope_params.get("compress"), dict):
-        src, where = rope_params["compress"], "rope_parameters.compress"
-    elif rope_scaling is not None:
-        src, where = rope_scaling, "rope_scaling"
-    elif rope_params:
-        src, where = rope_params, "rope_parameters"
-    if src is not None:
-        kind = src.get("rope_type", src.get("type", "default"))
-        if kind in ("default", None):
-            return None
-        if kind != "yarn":
-            key = "rope_type" if "rope_type" in src else "type"
-            get.problems.append(f"{where}.{key} = {_show(kind)} is not supported for DeepSeek-V4; choose 'yarn' "
-                                f"or none")
-            return None
-        if src.get("mscale") or src.get("mscale_all_dim"):
-            get.problems.append(f"{where}: YaRN mscale is not used by DeepSeek-V4; remove mscale/mscale_all_dim")
-        if src.get("attention_factor") not in (None, 1.0, 1):
-            get.problems.append(f"{where}.attention_factor = {_show(src.get('attention_factor'))} is not supported: "
-                                f"DeepSeek-V4 uses YaRN with attention_factor 1.0")
-        values = {}
-        for field, rng in YARN_RANGES.items():
-            if src.get(field) is None and field in ("factor", "original_max_position_embeddings"):
-                get.problems.append(f"{where}.{field} is missing: YaRN needs it ({rng.describe()})")
-                continue
-            values[field] = get.check(f"{where}.{field}", src.get(field), None, rng=rng)
-        if len(get.problems) or any(values.get(f) is None for f in ("factor", "original_max_position_embeddings")):
-            return None
-        return YarnScaling(**{k: v for k, v in values.items() if v is not None})
+        sources.append((rope_params["compress"], "rope_parameters.compress"))
+    if rope_scaling is not None:
+        sources.append((rope_scaling, "rope_scaling"))
+    if not sources and rope_params:
+        sources.append((rope_params, "rope_parameters"))
+    if sources:
+        before = len(get.problems)
+        parsed = [_yarn_block(get, src, where) for src, where in sources]
+        if len(parsed) == 2 and parsed[0] != parsed[1] and len(get.problems) == before:
+            get.problems.append(f"rope_parameters.compress and rope_scaling disagree ({_show(sources[0][0])} vs "
+                                f"{_show(sources[1][0])}); give the compress RoPE's scaling once")
+        return parsed[0]
     # official inference/config.json style
     original = get.number("original_seq_len", default=0)
+    factor = get.number("rope_factor", default=40.0)  # checked even when unused (original_seq_len 0)
     if original:
-        values = {"factor": get.number("rope_factor", default=40.0), "original_max_position_embeddings": original,
+        values = {"factor": factor, "original_max_position_embeddings": original,
                   "beta_fast": get.number("beta_fast", default=32.0), "beta_slow": get.number("beta_slow", default=1.0)}
         return None if get.problems else YarnScaling(**values)
     return None
+
+
+def _check_rope_bases(get: _KeyReader, rope_params: dict | None, out: dict[str, Any]) -> None:
+    """transformers' `rope_parameters` repeats the RoPE bases: they must agree with the ones read
+    (`rope_theta`, `compress_rope_theta`), and the main RoPE is never scaled; nothing there is ignored."""
+    for block, key in (("main", "rope_theta"), ("compress", "compress_rope_theta")):
+        inner = (rope_params or {}).get(block)
+        theta = inner.get("rope_theta") if isinstance(inner, dict) else None
+        if theta is not None and theta != out[key]:
+            get.problems.append(f"rope_parameters.{block}.rope_theta = {_show(theta)} disagrees with {key} = "
+                                f"{_show(out[key])}; give the same value (or leave one out)")
+    main = (rope_params or {}).get("main")
+    kind = main.get("rope_type", main.get("type")) if isinstance(main, dict) else None
+    if kind not in (None, "default"):
+        get.problems.append(f"rope_parameters.main.rope_type = {_show(kind)} is not supported: DeepSeek-V4 scales only "
+                            f"the compress RoPE (rope_parameters.compress); use 'default'")
+
+
+def _yarn_block(get: _KeyReader, src: dict, where: str) -> YarnScaling | None:
+    """One RoPE scaling object: None for no scaling ("default"), else its YaRN settings, checked."""
+    kind = src.get("rope_type", src.get("type", "default"))
+    if kind in ("default", None):
+        factor = src.get("factor")
+        if factor is not None and factor != 1:
+            get.problems.append(f"{where}.factor = {_show(factor)} is given without rope_type 'yarn': DeepSeek-V4 "
+                                f"scales positions only through YaRN; set rope_type 'yarn' (with "
+                                f"original_max_position_embeddings) or remove factor")
+        return None
+    if kind != "yarn":
+        key = "rope_type" if "rope_type" in src else "type"
+        get.problems.append(f"{where}.{key} = {_show(kind)} is not supported for DeepSeek-V4; choose 'yarn' "
+                            f"or none")
+        return None
+    if src.get("mscale") or src.get("mscale_all_dim"):
+        get.problems.append(f"{where}: YaRN mscale is not used by DeepSeek-V4; remove mscale/mscale_all_dim")
+    if src.get("attention_factor") not in (None, 1.0, 1):
+        get.problems.append(f"{where}.attention_factor = {_show(src.get('attention_factor'))} is not supported: "
+                            f"DeepSeek-V4 uses YaRN with attention_factor 1.0")
+    values = {}
+    before = len(get.problems)
+    for field, rng in YARN_RANGES.items():
+        if src.get(field) is None and field in ("factor", "original_max_position_embeddings"):
+            get.problems.append(f"{where}.{field} is missing: YaRN needs it ({rng.describe()})")
+            continue
+        values[field] = get.check(f"{where}.{field}", src.get(field), None, rng=rng)
+    if len(get.problems) > before or any(values.get(f) is None for f in ("factor", "original_max_position_embeddings")):
+        return None
+    return YarnScaling(**{k: v for k, v in values.items() if v is not None})

@@ -11,6 +11,7 @@ from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.make_model import CHECKPOINT_MAKER
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
+from deepinfer.models.common.config_values import MAX_POSITIONS, MAX_QUERY_BLOCK, Range
 from deepinfer.models.registry import ModelFamily, OpDefaults, activation_reserve_bytes, register_model_family
 
 # every op the V4 model code calls: the generic accelerator kernels, then V4's own (DeepseekV4Ops)
@@ -26,6 +27,8 @@ QUERY_BLOCK = 256
 # CP group (shorter steps - decode, speculative verification - run whole on every rank)
 CP_MIN_TOKENS = 16
 
+OPTION_RANGES = {"query_block": Range(int, 1, MAX_QUERY_BLOCK), "cp_min_tokens": Range(int, 1, MAX_POSITIONS)}
+
 
 def activation_bytes(config: DeepseekV4Config, max_num_batched_tokens: int, max_num_seqs: int) -> int:
     """The residual stream is `hc_mult` copies of the hidden state (mHC)."""
@@ -39,7 +42,8 @@ FAMILY = register_model_family(ModelFamily(
     load_checkpoint=load_checkpoint,
     model_class=DeepseekV4ForCausalLM,
     op_defaults=OpDefaults(required_ops=REQUIRED_OPS, model_ops=DeepseekV4Ops,
-                           model_options={"query_block": QUERY_BLOCK, "cp_min_tokens": CP_MIN_TOKENS}),
+                           model_options={"query_block": QUERY_BLOCK, "cp_min_tokens": CP_MIN_TOKENS},
+                           option_ranges=OPTION_RANGES),
     activation_bytes=activation_bytes,
     make_checkpoint=CHECKPOINT_MAKER,
     aliases=("v4",),

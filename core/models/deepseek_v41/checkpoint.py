@@ -39,7 +39,7 @@ import torch
 
 from deepinfer.models.common import checkpoint as _common
 from deepinfer.models.common.checkpoint import SafetensorsCheckpoint
-from deepinfer.models.common.config_values import show_value
+from deepinfer.models.common.config_values import fp8_block_size, quantization_problems, report
 from deepinfer.models.common.config_values import type_name as _kind
 from deepinfer.models.common.errors import CheckpointError
 from deepinfer.models.common.safetensors_io import CONFIG_FILE
@@ -57,6 +57,8 @@ TOKEN_MAP = "engram.token_map"
 RELEASE_BLOCK_SIZE = 32  # FP8 block size when quantization_config has no weight_block_size
 SUPPORTED_MODEL_TYPES = (MODEL_TYPE, TEXT_MODEL_TYPE)
 DTYPE_REFERENCE_NAMES = ("embed.weight", "model.embed_tokens.weight")
+# checked for NaN / infinity entirely at load, whatever their size (the others: see common/finite.py)
+FINITE_WHOLE = ("embed.weight",)
 _ENGRAM_DTYPES = {"weight": torch.float8_e4m3fn, "scale": torch.float8_e8m0fnu}
 _SMALLER = "a smaller checkpoint (e.g. one written by `deepinfer make-model --family v41`)"
 
@@ -80,13 +82,10 @@ def parse_config(config_dict: dict, source: str = CONFIG_FILE) -> DeepseekV41Con
 def block_size(config: DeepseekV41Config, source: str = CONFIG_FILE) -> int:
     """Rows and columns per FP8 scale block: `quantization_config.weight_block_size` ([b, b]), or
     32 (the release's) when absent. CheckpointError for any other form."""
-    q = config.quantization_config or {}
-    value = q.get("weight_block_size", [RELEASE_BLOCK_SIZE, RELEASE_BLOCK_SIZE])
-    if (isinstance(value, list) and len(value) == 2 and value[0] == value[1]
-            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
-        return value[0]
-    raise CheckpointError(f"{source}: quantization_config.weight_block_size = {show_value(value)} is not supported: "
-                          f"it must be two equal positive integers (square FP8 blocks), e.g. [32, 32]")
+    size = fp8_block_size(config.quantization_config, RELEASE_BLOCK_SIZE)
+    if size is None:
+        raise CheckpointError(report(source, quantization_problems(config.quantization_config)))
+    return size
 
 
 def target_dtype(official_name: str, dtype: torch.dtype) -> torch.dtype:
@@ -209,7 +208,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
 
     in_ram = sum(n for name, n in sizes.items() if weight_kind(name) != "quantized")
     ckpt.check_memory(in_ram + (0 if token_map is None else token_map.numel() * 8), dtype, smaller=_SMALLER)
-    tensors = ckpt.load(units, canonicalize, target_dtype, dtype)
+    tensors = ckpt.load(units, canonicalize, target_dtype, dtype, whole=FINITE_WHOLE)
     if token_map is not None:
         tensors[TOKEN_MAP] = token_map
     return config, tensors

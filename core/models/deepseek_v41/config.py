@@ -20,7 +20,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from deepinfer.models.common.config_values import Range, range_problems, report, show_value, type_name
+from deepinfer.models.common.config_values import (
+    MAX_COMPRESS_RATE, MAX_DRAFT_LAYERS, MAX_EXPERTS, MAX_HC_MULT, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS,
+    MAX_POSITIONS, MAX_SINKHORN_ITERS, MAX_VOCAB, MAX_WIDTH, Range, quantization_problems, range_problems, report,
+    show_value, tied_embeddings_problem, token_ids_problem, type_name,
+)
 from deepinfer.models.common.errors import CheckpointError
 from deepinfer.models.deepseek_v4.config import YarnScaling
 
@@ -28,50 +32,55 @@ MODEL_TYPE = "deepseek_v41"
 TEXT_MODEL_TYPE = "deepseek_v41_text"
 SLIDING, FULL, REINDEX, REUSE = "sliding", "full", "reindex", "reuse"
 
+MAX_ENGRAM_ROWS = 1 << 40  # rows of one memory-mapped Engram table (the release's: 3.8e8)
+
 FIELD_RANGES: dict[str, Range] = {
-    "vocab_size": Range(int, 1),
-    "hidden_size": Range(int, 1),
-    "num_hidden_layers": Range(int, 1),
-    "num_attention_heads": Range(int, 1),
-    "head_dim": Range(int, 2),
-    "qk_rope_head_dim": Range(int, 2),
-    "q_lora_rank": Range(int, 1),
-    "o_groups": Range(int, 1),
-    "o_lora_rank": Range(int, 1),
-    "sliding_window": Range(int, 1),
-    "index_n_heads": Range(int, 1),
-    "index_head_dim": Range(int, 2),
-    "index_topk": Range(int, 1),
-    "candidate_source_layer_id": Range(int, -1),
-    "candidate_topk_blocks": Range(int, 1),
-    "candidate_block_size": Range(int, 1),
-    "n_routed_experts": Range(int, 1),
-    "num_experts_per_tok": Range(int, 1),
+    "vocab_size": Range(int, 1, MAX_VOCAB),
+    "hidden_size": Range(int, 1, MAX_WIDTH),
+    "num_hidden_layers": Range(int, 1, MAX_LAYERS),
+    "num_attention_heads": Range(int, 1, MAX_HEADS),
+    "head_dim": Range(int, 2, MAX_HEAD_DIM),
+    "qk_rope_head_dim": Range(int, 2, MAX_HEAD_DIM),
+    "q_lora_rank": Range(int, 1, MAX_WIDTH),
+    "o_groups": Range(int, 1, MAX_HEADS),
+    "o_lora_rank": Range(int, 1, MAX_WIDTH),
+    "sliding_window": Range(int, 1, MAX_POSITIONS),
+    "index_n_heads": Range(int, 1, MAX_HEADS),
+    "index_head_dim": Range(int, 2, MAX_HEAD_DIM),
+    "index_topk": Range(int, 1, MAX_POSITIONS),
+    "candidate_source_layer_id": Range(int, -1, MAX_LAYERS),
+    "candidate_topk_blocks": Range(int, 1, MAX_POSITIONS),
+    "candidate_block_size": Range(int, 1, MAX_POSITIONS),
+    "n_routed_experts": Range(int, 1, MAX_EXPERTS),
+    "num_experts_per_tok": Range(int, 1, MAX_HEADS),
     "n_shared_experts": Range(int, 1, 1),
-    "moe_intermediate_size": Range(int, 1),
+    "moe_intermediate_size": Range(int, 1, MAX_WIDTH),
     "routed_scaling_factor": Range(float, 0, open_low=True),
     "gate_temp": Range(float, 0, open_low=True),
     "swiglu_limit": Range(float, 0),
     "rope_theta": Range(float, 1, open_low=True),
     "compress_rope_theta": Range(float, 1, open_low=True),
-    "max_position_embeddings": Range(int, 1),
-    "hc_mult": Range(int, 1),
-    "hc_sinkhorn_iters": Range(int, 1),
+    "max_position_embeddings": Range(int, 1, MAX_POSITIONS),
+    "hc_mult": Range(int, 1, MAX_HC_MULT),
+    "hc_sinkhorn_iters": Range(int, 1, MAX_SINKHORN_ITERS),
     "hc_eps": Range(float, 0),
     "rms_norm_eps": Range(float, 0, open_low=True),
-    "engram_max_ngram_size": Range(int, 2),
-    "engram_vocab_size": Range(int, 2),
-    "engram_n_heads": Range(int, 1),
-    "engram_head_dim": Range(int, 1),
-    "engram_pad_token_id": Range(int, 0),
-    "engram_compressed_vocab_size": Range(int, 1),
-    "num_nextn_predict_layers": Range(int, 0),
-    "dspark_block_size": Range(int, 0),
-    "dspark_noise_token_id": Range(int, 0),
-    "dspark_markov_rank": Range(int, 1),
-    "dspark_n_routed_experts": Range(int, 1),
-    "dspark_num_experts_per_tok": Range(int, 1),
+    "engram_max_ngram_size": Range(int, 2, 16),
+    "engram_vocab_size": Range(int, 2, MAX_ENGRAM_ROWS),
+    "engram_n_heads": Range(int, 1, MAX_HEADS),
+    "engram_head_dim": Range(int, 1, MAX_HEAD_DIM),
+    "engram_pad_token_id": Range(int, 0, MAX_VOCAB),
+    "engram_compressed_vocab_size": Range(int, 1, MAX_VOCAB),
+    "num_nextn_predict_layers": Range(int, 0, MAX_DRAFT_LAYERS),
+    "dspark_block_size": Range(int, 0, 64),
+    "dspark_noise_token_id": Range(int, 0, MAX_VOCAB),
+    "dspark_markov_rank": Range(int, 1, MAX_WIDTH),
+    "dspark_n_routed_experts": Range(int, 1, MAX_EXPERTS),
+    "dspark_num_experts_per_tok": Range(int, 1, MAX_HEADS),
 }
+#: settings a composite config.json holds at its top level, not in text_config
+_TOP_LEVEL_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "quantization_config",
+                   "expert_dtype")
 _LIST_FIELDS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "engram_layer_ids",
                 "engram_num_embeddings", "dspark_target_layer_ids")
 
@@ -157,6 +166,8 @@ class DeepseekV41Config(BaseModel):
                         isinstance(v, int) and not isinstance(v, bool) for v in value)):
                     problems.append(f"{key} = {show_value(value)} has the wrong type ({type_name(value)}): must be "
                                     f"a list of integers")
+            if not isinstance(data.get("quantization_config"), (dict, type(None))):
+                problems += quantization_problems(data["quantization_config"])
             if problems:
                 raise ValueError("\n".join(problems))
         return data
@@ -170,13 +181,17 @@ class DeepseekV41Config(BaseModel):
 
     def _cross_field_problems(self) -> list[str]:
         p: list[str] = []
-        L, ratios = self.num_hidden_layers, self.compress_ratios
-        if len(ratios) < L:
-            p.append(f"compress_ratios has {len(ratios)} entries but num_hidden_layers is {L}; give one per layer")
+        L, ratios, n_draft = self.num_hidden_layers, self.compress_ratios, self.num_nextn_predict_layers
+        if len(ratios) not in (L, L + n_draft):
+            p.append(f"compress_ratios has {len(ratios)} entries: give one per layer, num_hidden_layers = {L} "
+                     f"(optionally followed by one 0 per DSpark stage, num_nextn_predict_layers = {n_draft})")
             return p
-        if any(r < 0 for r in ratios):
-            p.append(f"compress_ratios = {show_value(list(ratios))} must hold non-negative integers")
+        if any(not 0 <= r <= MAX_COMPRESS_RATE for r in ratios):
+            p.append(f"compress_ratios = {show_value(list(ratios))} must hold integers in [0, {MAX_COMPRESS_RATE}]")
             return p
+        if any(ratios[L:]):
+            p.append(f"compress_ratios = {show_value(list(ratios))} is not valid: the entries of the DSpark stages "
+                     f"(after the first {L}) must be 0 (sliding-only), got {list(ratios[L:])}")
         for key, ids in (("kv_source_layer_ids", self.kv_source_layer_ids),
                          ("index_source_layer_ids", self.index_source_layer_ids),
                          ("engram_layer_ids", self.engram_layer_ids)):
@@ -203,8 +218,9 @@ class DeepseekV41Config(BaseModel):
         if len(self.engram_num_embeddings) != len(self.engram_layer_ids):
             p.append(f"engram_num_embeddings has {len(self.engram_num_embeddings)} entries but engram_layer_ids has "
                      f"{len(self.engram_layer_ids)}; give one table size per Engram layer")
-        if any(n < 1 for n in self.engram_num_embeddings):
-            p.append("engram_num_embeddings must hold positive row counts")
+        if any(not 1 <= n <= MAX_ENGRAM_ROWS for n in self.engram_num_embeddings):
+            p.append(f"engram_num_embeddings = {show_value(list(self.engram_num_embeddings))} must hold row counts in "
+                     f"[1, {MAX_ENGRAM_ROWS}]")
         if self.engram_layer_ids and self.engram_head_dim % 32:
             p.append(f"engram_head_dim = {self.engram_head_dim} must be a multiple of 32 (the Engram tables keep "
                      f"one scale per 32 channels)")
@@ -218,12 +234,11 @@ class DeepseekV41Config(BaseModel):
                      f"= {self.n_routed_experts}")
         if self.scoring_func != "sqrtsoftplus":
             p.append(f"scoring_func = {self.scoring_func!r} is not supported by DeepSeek-V4.1; use 'sqrtsoftplus'")
-        V = self.vocab_size
         for key, value in (("bos_token_id", self.bos_token_id), ("eos_token_id", self.eos_token_id),
                            ("engram_pad_token_id", self.engram_pad_token_id)):
-            ids = value if isinstance(value, tuple) else () if value is None else (value,)
-            if any(not 0 <= i < V for i in ids):
-                p.append(f"{key} = {show_value(value)} is out of range: token ids must be in [0, {V})")
+            if (problem := token_ids_problem(key, value, self.vocab_size)) is not None:
+                p.append(problem)
+        p += quantization_problems(self.quantization_config)
         return p + self._dspark_problems()
 
     def _dspark_problems(self) -> list[str]:
@@ -320,21 +335,30 @@ class DeepseekV41Config(BaseModel):
             fields["eos_token_id"] = tuple(fields["eos_token_id"])
         rope = fields.pop("rope_scaling", cls.model_fields["rope_scaling"].default)
         problems = []
+        for where, block in ((prefix, text), ("", top)):
+            if (p := tied_embeddings_problem(f"{where}tie_word_embeddings", block.get("tie_word_embeddings"))):
+                problems.append(p)
+        vision = top.get("vision_config")
+        if vision is not None and not isinstance(vision, dict):
+            problems.append(f"vision_config = {show_value(vision)} has the wrong type ({type_name(vision)}): must be "
+                            f"an object or null (deepinfer runs the language model only and skips the vision weights)")
         if isinstance(rope, dict):
-            if rope.get("rope_type", rope.get("type", "yarn")) != "yarn":
-                problems.append(f"{prefix}rope_scaling.rope_type = {rope.get('rope_type')!r} is not supported; "
+            kind_key = "rope_type" if "rope_type" in rope else "type"
+            if rope.get(kind_key, "yarn") != "yarn":
+                problems.append(f"{prefix}rope_scaling.{kind_key} = {rope.get(kind_key)!r} is not supported; "
                                 f"DeepSeek-V4.1 uses 'yarn'")
             else:
                 keys = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow")
                 try:
                     rope = YarnScaling(**{k: rope[k] for k in keys if k in rope})
                 except ValidationError as err:
-                    problems += [f"{prefix}rope_scaling: {e['msg']}" for e in err.errors()]
+                    problems += [f"{prefix}rope_scaling.{line}" for e in err.errors()
+                                 for line in str(e["msg"]).removeprefix("Value error, ").split("\n")]
         fields["rope_scaling"] = rope
         q = top.get("quantization_config")
-        if isinstance(q, dict):
+        if q is not None:  # checked with the other values (quantization_problems)
             fields["quantization_config"] = q
-            fields["expert_dtype"] = q.get("expert_dtype")
+            fields["expert_dtype"] = q.get("expert_dtype") if isinstance(q, dict) else None
         for key in _LIST_FIELDS:
             if isinstance(fields.get(key), list):
                 fields[key] = tuple(fields[key])
@@ -345,7 +369,8 @@ class DeepseekV41Config(BaseModel):
                 for e in err.errors():
                     for line in str(e["msg"]).removeprefix("Value error, ").split("\n"):
                         loc = ".".join(str(x) for x in e["loc"])
-                        problems.append(f"{prefix}{line}" if not loc else f"{prefix}{loc}: {line}")
+                        where = "" if line.startswith(_TOP_LEVEL_KEYS) else prefix  # keys of the composite's top
+                        problems.append(f"{where}{line}" if not loc else f"{prefix}{loc}: {line}")
         raise CheckpointError(report(source, problems))
 
     def to_dict(self) -> dict[str, Any]:

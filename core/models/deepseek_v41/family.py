@@ -10,6 +10,7 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.make_model import CHECKPOINT_MAKER
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops
+from deepinfer.models.common.config_values import MAX_POSITIONS, MAX_QUERY_BLOCK, Range
 from deepinfer.models.registry import ModelFamily, OpDefaults, activation_reserve_bytes, register_model_family
 
 # every op the V4.1 model code calls: the generic accelerator kernels, then V4.1's own (DeepseekV41Ops)
@@ -20,6 +21,8 @@ REQUIRED_OPS = (
 )
 QUERY_BLOCK = 256
 CP_MIN_TOKENS = 16  # a step with a chunk this long is split over the context-parallel group
+
+OPTION_RANGES = {"query_block": Range(int, 1, MAX_QUERY_BLOCK), "cp_min_tokens": Range(int, 1, MAX_POSITIONS)}
 
 
 def activation_bytes(config: DeepseekV41Config, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -34,7 +37,8 @@ FAMILY = register_model_family(ModelFamily(
     load_checkpoint=load_checkpoint,
     model_class=DeepseekV41ForCausalLM,
     op_defaults=OpDefaults(required_ops=REQUIRED_OPS, model_ops=DeepseekV41Ops,
-                           model_options={"query_block": QUERY_BLOCK, "cp_min_tokens": CP_MIN_TOKENS}),
+                           model_options={"query_block": QUERY_BLOCK, "cp_min_tokens": CP_MIN_TOKENS},
+                           option_ranges=OPTION_RANGES),
     activation_bytes=activation_bytes,
     make_checkpoint=CHECKPOINT_MAKER,
     aliases=("v41",),
