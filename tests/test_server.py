@@ -219,6 +219,9 @@ def test_invalid_requests_get_a_4xx_naming_the_problem(server):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
     with pytest.raises(openai.BadRequestError, match="prompt has .* tokens"):
         client.completions.create(model=server.model, prompt=[5] * 3000, max_tokens=4)
+    # a prompt of exactly max_model_len tokens leaves no room for one generated token: refused up front
+    with pytest.raises(openai.BadRequestError, match="prompt has 2048 tokens, more than .* limit of 2047"):
+        client.completions.create(model=server.model, prompt=[5] * 2048, max_tokens=4)
     auth = {"Authorization": f"Bearer {KEY}"}
     bad_json = httpx.post(server.url + "/v1/chat/completions", content=b"{oops", headers=auth)
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]

@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=256, help="requests accepted and unfinished before "
                                                                 "new ones get HTTP 429")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the engine's max_model_len")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="default: the engine's max_model_len - 1 (a prompt and one generated token must fit)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request is aborted")
     p.add_argument("--body-timeout", type=float, default=30.0,
                    help="seconds a request body may take to arrive (slower or shorter bodies get 408)")

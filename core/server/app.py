@@ -99,7 +99,8 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
               max_model_len: int, tokenizer: Any) -> FastAPI:
     metrics = ServerMetrics()
     front.snapshot.step_seconds = metrics.step_time  # the engine thread observes into /metrics' histogram
-    max_prompt = min(settings.max_prompt_tokens or max_model_len, max_model_len)
+    # the engine's rule (vLLM's): a prompt and at least one generated token fit in max_model_len
+    max_prompt = min(settings.max_prompt_tokens or max_model_len - 1, max_model_len - 1)
     created = int(time.time())
     app = FastAPI(title="deepinfer", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.front, app.state.metrics, app.state.chat = front, metrics, chat
