@@ -48,8 +48,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "Local checkpoint directory that replaces the *default* model; an explicitly given model "
            "always wins."),
     EnvVar("DEEPINFER_CACHE_DIR",
-           "Where deepinfer keeps generated files such as the embedded default model "
-           "(default ~/.cache/deepinfer)."),
+           "Where deepinfer keeps generated files: the embedded default model (models/) and the cpu back "
+           "end's compiled kernels (cpu_native/); default ~/.cache/deepinfer. Each is a private store, "
+           "created 0700 and refused unless it is yours and writable by nobody else (deepinfer.private_store)."),
     EnvVar("DEEPINFER_CPU_NATIVE",
            "cpu back end: 1 (default) compiles and uses the C kernels (element-wise, decode-sized "
            "products incl. AMX tiles where the CPU has them, decode attention, MoE dispatch/combine, "

@@ -79,3 +79,19 @@ def _restore_deepinfer_env():
         if key not in saved:
             del os.environ[key]
     os.environ.update(saved)
+
+
+@pytest.fixture
+def no_hang():
+    """Fail the test with TimeoutError when its body blocks for 60 s, instead of hanging the suite
+    (e.g. opening a FIFO for reading waits forever for a writer). Main thread only (SIGALRM)."""
+    import signal
+
+    def expire(signum, frame):
+        raise TimeoutError("blocked for 60 s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(60)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)

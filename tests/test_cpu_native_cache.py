@@ -222,3 +222,28 @@ def test_load_refuses_a_library_that_does_not_match_its_record(tmp_path):
     path.with_name(path.name + ".sha256").unlink()
     with pytest.raises(native.CacheError, match="refusing to load"):
         native._load(path)
+
+
+def test_a_fifo_under_the_library_or_record_name_is_refused_without_blocking(tmp_path, no_hang):
+    # a FIFO opened for reading waits for a writer forever: the cache opens files without blocking
+    # and reads regular files only
+    path = tmp_path / "kernels-x.so"
+    os.mkfifo(path)
+    with pytest.raises(native.CacheError, match="a FIFO, not a regular file"):
+        native._load(path)
+    path.unlink()
+    path.write_bytes(b"\x7fELF")
+    os.mkfifo(path.with_name(path.name + ".sha256"))
+    assert native.build._read_digest(path) is None  # no record: rebuild, never load
+    with pytest.raises(native.CacheError, match="do not match"):
+        native._load(path)
+
+
+def test_a_cache_root_that_is_a_device_names_the_variable(monkeypatch, caplog):
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", "/dev/null")
+    monkeypatch.delenv("DEEPINFER_CPU_NATIVE", raising=False)
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        assert native.library() is None
+    [message] = warnings_of(caplog)
+    assert "/dev/null is a character device, not a directory" in message
+    assert "point DEEPINFER_CACHE_DIR at a directory of yours" in message

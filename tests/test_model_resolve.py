@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -99,8 +101,16 @@ def test_default_model_is_a_v41_created_once(hub, tmp_path, clean_env):
     target = tmp_path / "cache" / "models" / "default-v41"
     target.mkdir(parents=True)  # a stale one (another family's marker) is replaced
     (target / MARKER_FILE).write_text(json.dumps({"family": "v4", "spec_version": 1, "size": "default"}))
-    first = resolve_model(None)
+    umask = os.umask(0o002)  # a user-private-group umask: plain writes would be group-writable
+    try:
+        first = resolve_model(None)
+    finally:
+        os.umask(umask)
     assert first.is_default and first.path == target and first.name == "default-v41"
+    # a private store: folders 0700, files 0600
+    assert stat.S_IMODE(os.stat(target.parent).st_mode) == 0o700
+    for path in [target, *target.rglob("*")]:
+        assert stat.S_IMODE(os.lstat(path).st_mode) == (0o700 if path.is_dir() else 0o600), path
     assert json.loads((target / MARKER_FILE).read_text())["family"] == "v41"
     stamp = (first.path / "model.safetensors").stat().st_mtime_ns
     assert resolve_model(None).path == first.path
@@ -114,3 +124,69 @@ def test_default_model_is_a_v41_created_once(hub, tmp_path, clean_env):
     assert {name.split(".")[1] for name in tensors if name.startswith("mtp.")} == {
         str(i) for i in range(config.num_nextn_predict_layers)}
     assert load_tokenizer(first.path, vocab_size=config.vocab_size).encode("<think>") == [128821]
+
+
+def _earlier_default(cache: Path) -> Path:
+    """A current default model as earlier versions left it under DEEPINFER_CACHE_DIR=cache: folders
+    0755, files 0644 (a marker and a stand-in weights file: nothing here loads it)."""
+    from deepinfer.models.deepseek_v41.make_model import FAMILY, MARKER_FILE, SPEC_VERSION
+
+    target = cache / "models" / "default-v41"
+    (target / "tokenizer").mkdir(parents=True)
+    (target / MARKER_FILE).write_text(json.dumps({"family": FAMILY, "spec_version": SPEC_VERSION,
+                                                  "size": "default"}))
+    (target / "model.safetensors").write_bytes(b"weights")
+    (target / "tokenizer" / "tokenizer.json").write_text("{}")
+    for path in [cache / "models", *target.parent.rglob("*")]:
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
+    return target
+
+
+def test_an_earlier_versions_default_model_keeps_working(hub, tmp_path, clean_env):
+    clean_env.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
+    target = _earlier_default(tmp_path / "cache")
+    stamp = (target / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model(None).path == target
+    assert (target / "model.safetensors").stat().st_mtime_ns == stamp  # used as it is, not rebuilt
+    assert stat.S_IMODE(os.stat(target.parent).st_mode) == 0o700  # its folder tightened
+
+
+SPOILED = {
+    "weights writable by everyone": lambda t: os.chmod(t / "model.safetensors", 0o666),
+    "tokenizer folder writable by its group": lambda t: os.chmod(t / "tokenizer", 0o775),
+    "weights a symlink": lambda t: ((t / "model.safetensors").unlink(),
+                                    (t / "model.safetensors").symlink_to(t.parent.parent / "planted")),
+    "model of another user": lambda t: os.chown(t, 65534, 65534),
+}
+
+
+@pytest.mark.parametrize("how", list(SPOILED))
+def test_a_default_model_others_could_have_changed_is_refused(hub, tmp_path, clean_env, how):
+    from deepinfer.private_store import StoreError
+
+    if how == "model of another user" and os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    clean_env.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
+    target = _earlier_default(tmp_path / "cache")
+    (tmp_path / "cache" / "planted").write_bytes(b"other weights")
+    SPOILED[how](target)
+    with pytest.raises(StoreError) as err:
+        resolve_model(None)
+    message = str(err.value)
+    assert "default model" in message and f"rm -r {target}" in message and "DEEPINFER_CACHE_DIR" in message
+    assert (target / "model.safetensors").exists() or (target / "model.safetensors").is_symlink()  # left alone
+
+
+@pytest.mark.parametrize("what", ["/dev/null", "a file"])
+def test_a_cache_dir_that_is_not_a_directory_names_the_variable(hub, tmp_path, clean_env, what):
+    from deepinfer.private_store import StoreError
+
+    path = Path(what) if what.startswith("/") else tmp_path / "file"
+    if what == "a file":
+        path.write_text("not a folder")
+    clean_env.setenv("DEEPINFER_CACHE_DIR", str(path))
+    with pytest.raises(StoreError) as err:
+        resolve_model(None)
+    message = str(err.value)
+    assert f"{path} is " in message and "not a directory" in message
+    assert "point DEEPINFER_CACHE_DIR at a directory of yours" in message

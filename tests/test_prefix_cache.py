@@ -6,8 +6,14 @@ covers several entries of every rate; the cache's first hit restores 64 tokens o
 """
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import logging
+import os
 import random
+import shutil
+import stat
 
 import pytest
 import torch
@@ -339,3 +345,215 @@ def test_preempted_requests_resume_from_their_own_snapshots(ckpts):
                 assert stats["hits"] == llm.stats()["num_preemptions"]  # each readmission restores
                 assert stats["prefill_tokens_saved"] > 0
     assert tokens[True] == tokens[False]
+
+
+# -- the persistence folder is a private store; a bad file is skipped, never restored -------------
+
+IDENTITY = "ab" * 32
+
+
+def _toy_disk(directory) -> tuple:
+    """A toy store of one 2-block chain (slot state at its end) saved to `directory`."""
+    from deepinfer_plugins.features.prefix_cache.persist import DiskStore
+
+    store, tensors = _toy_store(capacity_bytes=1 << 20)
+    _capture(store, tensors, [1] * 8, 10.0)
+    DiskStore(directory, IDENTITY).save(store)
+    return store
+
+
+def _reload(directory) -> tuple:
+    from deepinfer_plugins.features.prefix_cache.persist import DiskStore
+
+    store, _ = _toy_store(capacity_bytes=1 << 20)
+    return DiskStore(directory, IDENTITY).load(store), store
+
+
+def _split(f) -> tuple[dict, bytes]:
+    from deepinfer_plugins.features.prefix_cache.persist import MAGIC
+
+    data = f.read_bytes()
+    end = data.index(b"\n", len(MAGIC))
+    return json.loads(data[len(MAGIC):end]), data[end + 1:]
+
+
+def _resign(f, body=None, header=None, payload: bytes | None = None) -> None:
+    """Rewrite a cache file as whoever can write the folder could: a changed body (or raw payload)
+    under a matching checksum, or a changed header line."""
+    from deepinfer_plugins.features.prefix_cache.persist import MAGIC
+
+    head, old = _split(f)
+    if body is not None:
+        tensors = torch.load(io.BytesIO(old), weights_only=True)
+        body(tensors)
+        buf = io.BytesIO()
+        torch.save(tensors, buf)
+        payload = buf.getvalue()
+    payload = old if payload is None else payload
+    head.update(payload_bytes=len(payload), payload_sha256=hashlib.sha256(payload).hexdigest())
+    line = json.dumps(head).encode() if header is None else header(head)
+    f.write_bytes(MAGIC + line + b"\n" + payload)
+
+
+def _leaf(directory):
+    """The file of the block that holds slot state (the chain's last)."""
+    [leaf] = [f for f in directory.glob("*.dipc") if _split(f)[0]["depth"] == 2]
+    return leaf
+
+
+def _set(path: str, value):
+    def change(body):
+        *outer, last = path.split("/")
+        holder = body
+        for key in outer:
+            holder = holder[key]
+        if value is None:
+            del holder[last]
+        else:
+            holder[last] = value(holder.get(last))
+    return change
+
+
+BAD_BLOCKS = {
+    "wrong shape": dict(body=_set("slot/ring", lambda t: torch.zeros(1, 5))),
+    "wrong dtype": dict(body=_set("slot/ring", lambda t: t.double())),
+    "extra tensor": dict(body=_set("slot/extra", lambda t: torch.zeros(1, 4))),
+    "missing group": dict(body=_set("entries/c2", None)),
+    "entries of another length": dict(body=_set("entries/c2/e", lambda t: torch.cat([t, t], dim=1))),
+    "NaN": dict(body=_set("slot/ring", lambda t: t.fill_(float("nan")))),
+    "not tensors": dict(body=_set("slot/ring", lambda t: [1.0, 2.0])),
+    "header list": dict(header=lambda head: b"[1, 2]"),
+    "header string": dict(header=lambda head: b'"depth"'),
+    "header null": dict(header=lambda head: b"null"),
+    "depth Infinity": dict(header=lambda head: json.dumps(head).replace('"depth": 2', '"depth": Infinity').encode()),
+    "garbage payload": dict(payload=b"garbage that is no torch.save archive"),
+}
+
+
+@pytest.mark.parametrize("bad", list(BAD_BLOCKS))
+def test_a_block_that_does_not_fit_the_layout_is_skipped_with_a_warning(tmp_path, caplog, bad):
+    d = tmp_path / "pc"
+    _toy_disk(d)
+    leaf = _leaf(d)
+    _resign(leaf, **BAD_BLOCKS[bad])
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        loaded, store = _reload(d)
+    assert loaded == 1 and all(node.slot is None for node in store.nodes.values())  # the first block only
+    [warning] = [r.getMessage() for r in caplog.records if "prefix cache" in r.getMessage()]
+    assert str(leaf) in warning
+
+
+def test_a_block_whose_depth_does_not_follow_its_parent_is_not_loaded(tmp_path):
+    d = tmp_path / "pc"
+    _toy_disk(d)
+    _resign(_leaf(d), header=lambda head: json.dumps({**head, "depth": 7}).encode())
+    assert _reload(d)[0] == 1
+
+
+def test_persisted_files_are_private(tmp_path):
+    d = tmp_path / "pc"
+    d.mkdir(mode=0o755)
+    os.chmod(d, 0o755)  # as earlier versions made it: others could read every cached state
+    _toy_disk(d)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    files = sorted(os.listdir(d))
+    assert len(files) == 2 and all(f.endswith(".dipc") for f in files)  # no temporary file left
+    assert all(stat.S_IMODE(os.stat(d / f).st_mode) == 0o600 for f in files)
+    assert _reload(d)[0] == 2
+
+
+def test_saving_never_writes_through_a_planted_symlink(tmp_path):
+    """Block keys are predictable from any file's header: a link planted under a block's final or
+    temporary name must not make the engine overwrite the file it points to."""
+    from deepinfer_plugins.features.prefix_cache.persist import DiskStore
+
+    store, tensors = _toy_store(capacity_bytes=1 << 20)
+    _capture(store, tensors, [1] * 8, 10.0)
+    d = tmp_path / "pc"
+    disk = DiskStore(d, IDENTITY)
+    victims = []
+    for i, key in enumerate(store.nodes):
+        for name in (f"{key.hex()}.tmp", f"{key.hex()}.dipc"):
+            victim = tmp_path / f"victim-{i}-{name[-4:]}"
+            victim.write_bytes(b"precious")
+            (d / name).symlink_to(victim)
+            victims.append(victim)
+    disk.save(store)
+    assert all(v.read_bytes() == b"precious" for v in victims)
+    assert not any((d / f"{key.hex()}.dipc").is_symlink() for key in store.nodes)
+    assert _reload(d)[0] == 2
+
+
+@pytest.mark.parametrize("bits", [0o777, 0o770], ids=oct)
+def test_a_folder_others_can_write_is_refused(tmp_path, bits):
+    from deepinfer.private_store import StoreError
+    from deepinfer_plugins.features.prefix_cache.persist import DiskStore
+
+    d = tmp_path / "pc"
+    d.mkdir()
+    os.chmod(d, bits)
+    with pytest.raises(StoreError) as err:
+        DiskStore(d, IDENTITY)
+    assert str(d) in str(err.value) and "DEEPINFER_PREFIX_CACHE_DIR" in str(err.value)
+    assert "chmod 700" in str(err.value)
+
+
+def test_a_folder_of_another_user_is_refused(tmp_path, monkeypatch):
+    from deepinfer.private_store import StoreError
+    from deepinfer_plugins.features.prefix_cache.persist import DiskStore
+
+    d = tmp_path / "pc"
+    _toy_disk(d)
+    me = os.getuid()
+    if me == 0:
+        os.chown(d, 65534, 65534)  # nobody
+    else:
+        monkeypatch.setattr(os, "getuid", lambda: me + 1)
+    with pytest.raises(StoreError, match="owned by"):
+        DiskStore(d, IDENTITY)
+
+
+def test_a_fifo_a_symlink_or_an_oversized_file_named_like_a_block_is_skipped(tmp_path, caplog, no_hang):
+    d = tmp_path / "pc"
+    _toy_disk(d)
+    (d / "link.dipc").symlink_to(_leaf(d))
+    os.mkfifo(d / "fifo.dipc")  # opened for reading, it would wait for a writer forever
+    store, _ = _toy_store(capacity_bytes=1 << 20)
+    with open(d / "huge.dipc", "wb") as f:
+        f.truncate(store.max_block_bytes + (2 << 20))
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        assert _reload(d)[0] == 2
+    for name, why in (("fifo.dipc", "FIFO"), ("link.dipc", ""), ("huge.dipc", "more than")):
+        [warning] = [r.getMessage() for r in caplog.records if str(d / name) in r.getMessage()]
+        assert why in warning
+
+
+@pytest.fixture(scope="module")
+def persisted_p1(ckpts, tmp_path_factory):
+    """The folder a V4 engine persisted after serving P1."""
+    d = tmp_path_factory.mktemp("persisted") / "pc"
+    with _llm(ckpts["v4"], {"dir": str(d)}) as llm:
+        _run(llm, [P1])
+    return d
+
+
+@pytest.mark.parametrize("bad", ["wrong shape", "NaN"])
+def test_a_bad_block_on_disk_is_skipped_not_restored(ckpts, reference, persisted_p1, tmp_path, caplog, bad):
+    """Re-signed with a tensor of the wrong shape, it used to load and fail the first step that hit
+    it (the whole generate() call; in the server, the engine loop); with NaN it was restored and
+    changed the outputs."""
+    d = tmp_path / "pc"
+    shutil.copytree(persisted_p1, d)
+    largest = max(d.glob("*.dipc"), key=lambda f: f.stat().st_size)  # holds the slot state at 64
+
+    def spoil(body):
+        name, t = next(iter(body["slot"].items()))
+        body["slot"][name] = t[..., :-1].clone() if bad == "wrong shape" else t.fill_(float("nan"))
+
+    _resign(largest, body=spoil)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="deepinfer"):
+        with _llm(ckpts["v4"], {"dir": str(d)}) as llm:
+            got = _run(llm, [P2])[0]
+    _same(got, reference["v4"]["p2"])
+    assert any(str(largest) in r.getMessage() for r in caplog.records)

@@ -10,7 +10,8 @@ Rules (the seeds' examples/_config.py behaviour, without downloads):
   one); else `deepseek-ai/DeepSeek-V4.1-Flash-1017` (`DEFAULT_HF_MODEL_ID`, the seeds' default) when
   the local Hugging Face cache holds it; else the embedded default model, a small random-weight
   DeepSeek-V4.1 checkpoint (make-model size `default`) created on first use in
-  `$DEEPINFER_CACHE_DIR/models/default-v41` (default `~/.cache/deepinfer/...`) and reused.
+  `$DEEPINFER_CACHE_DIR/models/default-v41` (default `~/.cache/deepinfer/...`), a private store
+  (see `ensure_default_model`), and reused.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from deepinfer import envs
 from deepinfer.models.common.files import regular_file
+from deepinfer.private_store import PrivateDir, cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +110,13 @@ def find_in_hf_cache(model_id: str, revision: str | None = None) -> Path:
     return _require_config(candidate, f"Hugging Face cache snapshot of {model_id}")
 
 
-def deepinfer_cache_dir() -> Path:
-    """Where deepinfer keeps generated files (`DEEPINFER_CACHE_DIR`, default ~/.cache/deepinfer)."""
-    configured = envs.get("DEEPINFER_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "deepinfer"
-
-
 def default_model_dir() -> Path:
-    return deepinfer_cache_dir() / "models" / DEFAULT_MODEL_NAME
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
+
+
+def _models_dir() -> PrivateDir:
+    return PrivateDir(default_model_dir().parent, "default model folder",
+                      "replace the weights and tokenizer this engine loads")
 
 
 def _is_current_default(path: Path) -> bool:
@@ -132,19 +133,28 @@ def _is_current_default(path: Path) -> bool:
 def ensure_default_model() -> Path:
     """The embedded default model's directory, creating it on first use (a few seconds).
 
-    It is written to a temporary folder next to its final place and renamed, so concurrent
-    processes never see a half-written checkpoint; a stale one (an older make-model spec, another family or size) is replaced.
+    It lives in a private store (`deepinfer.private_store`): `$DEEPINFER_CACHE_DIR/models` is
+    created 0700 (an existing one of this user's is tightened to 0700), and the model is written
+    to a temporary folder next to its final place (folders 0700, files 0600) and renamed, so
+    concurrent processes never see a half-written checkpoint; a stale one (an older make-model
+    spec, another family or size) is replaced. An existing model folder, or anything in it, that
+    is a symlink, is not this user's or is writable by group or others is refused (StoreError)
+    rather than rebuilt in place: someone else could have changed its weights, deleting their
+    files may not even be possible, and the user should know that someone else could write there.
     """
     from deepinfer.models.deepseek_v41.make_model import make_model
 
-    target = default_model_dir()
-    if _is_current_default(target):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    models = _models_dir()
+    folder = models.ensure()
+    target = folder / DEFAULT_MODEL_NAME
+    if os.path.lexists(target):
+        models.check_tree(target, f"remove the model (`rm -r {target}`) so that it is rebuilt privately")
+        if _is_current_default(target):
+            return target
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=folder))
     try:
         make_model(tmp, size=DEFAULT_MODEL_SIZE, seed=0, overwrite=True, progress=False)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        _make_private(tmp)
         if target.exists() and not _is_current_default(target):
             shutil.rmtree(target, ignore_errors=True)
         try:
@@ -155,6 +165,16 @@ def ensure_default_model() -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _make_private(top: Path) -> None:
+    """Folders 0700 and files 0600 under `top`, whatever the umask gave them."""
+    top.chmod(0o700)
+    for folder, dirs, files in os.walk(top):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), 0o700)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o600)
 
 
 def resolve_model(model_name: str | os.PathLike | None = None) -> ResolvedModel:

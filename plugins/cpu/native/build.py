@@ -8,12 +8,13 @@ and loads it with ctypes (one dlopen). Without a working compiler, or with a cac
 cannot be used safely, it logs one warning and returns None: the pure-torch kernels are used
 instead.
 
-The cache holds code this process will run, so it is guarded (see `_cache_directory`, `_compile`
-and `_open_verified`): the directory must belong to this user and be writable by nobody else (it is
-created 0700), a library is written under a temporary name and renamed, its sha256 is recorded
-next to it (`kernels-<key>.so.sha256`, also written atomically), and a library is loaded only
-from the file descriptor whose contents matched that record. A missing or wrong record means
-rebuild, never load.
+The cache holds code this process will run, so it follows the private-store rule of
+`deepinfer.private_store` (the directory is created 0700 and must belong to this user and be
+writable by nobody else; files are written under an exclusive temporary name and renamed, and
+opened without following symlinks or blocking, regular files of this user only). On top of it
+(`_compile`, `_open_verified`), each library's sha256 is recorded next to it
+(`kernels-<key>.so.sha256`), and a library is loaded only from the file descriptor whose contents
+matched that record. A missing or wrong record means rebuild, never load.
 
 `DEEPINFER_CPU_NATIVE_ISA` picks a build switch (`BUILD_VARIANTS`): all the CPU offers, or a build
 without AMX, without AVX512-BF16, without any AVX-512, or without AVX2/FMA (the plain C paths).
@@ -30,9 +31,7 @@ import hmac
 import logging
 import os
 import shlex
-import stat
 import subprocess
-import tempfile
 from pathlib import Path
 
 # torch first: its libgomp.so.1 is then already loaded, and the loader resolves the library's
@@ -40,6 +39,8 @@ from pathlib import Path
 import torch
 
 from deepinfer import envs
+from deepinfer.private_store import (PrivateDir, StoreError, UnsafeFileError, cache_root, open_private, read_private,
+                                     write_private)
 from deepinfer_plugins.cpu.native import binding
 
 logger = logging.getLogger("deepinfer")
@@ -83,9 +84,9 @@ class CompilerError(RuntimeError):
     """The C compiler is missing or failed."""
 
 
-class CacheError(RuntimeError):
-    """The kernel cache directory or a file in it cannot be used (safely); the message names the
-    path, what is wrong and the fix."""
+#: The kernel cache directory or a file in it cannot be used (safely); the message names the path,
+#: what is wrong and the fix. The private-store rule's error, under the name this back end used first.
+CacheError = StoreError
 
 
 def enabled() -> bool:
@@ -107,11 +108,6 @@ def build_flags(variant: str | None = None) -> tuple[str, ...]:
     return FLAGS + BUILD_VARIANTS[build_variant() if variant is None else variant]
 
 
-def cache_root() -> Path:
-    configured = envs.get("DEEPINFER_CACHE_DIR")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "deepinfer"
-
-
 def cache_dir() -> Path:
     return cache_root() / "cpu_native"
 
@@ -120,88 +116,17 @@ def _compiler() -> list[str]:
     return shlex.split(os.environ.get("CC") or "cc")
 
 
-def _owner(uid: int) -> str:
-    try:
-        import pwd
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except (ImportError, KeyError):
-        return f"uid {uid}"
-
-
-def _unwritable(path: Path, exc: OSError) -> CacheError:
-    return CacheError(f"cannot create or write the kernel cache directory {path}: {exc}. Fix: make it writable "
-                      f"by you (e.g. `mkdir -p {path} && chmod 700 {path}`) or point DEEPINFER_CACHE_DIR at a "
-                      f"directory you own")
-
-
-def _unsafe(path: Path, st: os.stat_result, problem: str, fix: str) -> CacheError:
-    return CacheError(f"refusing the kernel cache directory {path}: it {problem} (mode {stat.filemode(st.st_mode)} "
-                      f"{stat.S_IMODE(st.st_mode):04o}, owner {_owner(st.st_uid)}; this process runs as "
-                      f"{_owner(os.getuid())}), so someone else could plant a library there that this process "
-                      f"would run. Fix: {fix}, or point DEEPINFER_CACHE_DIR at a directory only you can write")
-
-
-def _check_directory(path: Path) -> None:
-    """The library directory itself: a real directory (not a symlink), owned by this user, not
-    writable by its group or by others."""
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        raise _unsafe(path, st, "is a symbolic link" if stat.S_ISLNK(st.st_mode) else "is not a directory",
-                      f"replace it with a directory of yours (`rm {path} && mkdir -m 700 {path}`)")
-    if st.st_uid != os.getuid():
-        raise _unsafe(path, st, "is not owned by you", f"remove it (`rm -r {path}`; it is rebuilt 0700) or "
-                                                       f"`chown` it to yourself and `chmod 700 {path}`")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise _unsafe(path, st, "is writable by " + ("others" if st.st_mode & stat.S_IWOTH else "its group"),
-                      f"`chmod 700 {path}` (and delete the libraries in it if you did not build them)")
-
-
-def _check_root(path: Path) -> None:
-    """The folder above it (DEEPINFER_CACHE_DIR): whoever may rename its entries could swap the
-    library directory, so it must belong to this user or root and not be writable by everyone
-    unless sticky (as /tmp)."""
-    st = os.stat(path)
-    if st.st_uid not in (os.getuid(), 0):
-        raise _unsafe(path, st, "is owned by another user", "use a directory of your own")
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise _unsafe(path, st, "is writable by everyone (and not sticky)", f"`chmod o-w {path}` (or `chmod +t`)")
+def _private_dir(path: Path) -> PrivateDir:
+    return PrivateDir(path, "kernel cache directory", "plant a library there that this process would run")
 
 
 def _cache_directory() -> Path:
     """The library directory, created 0700 when missing, else checked (CacheError)."""
-    root, path = cache_root(), cache_dir()
-    try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _check_root(root)
-        try:
-            os.mkdir(path, 0o700)
-            os.chmod(path, 0o700)  # exactly 0700, whatever the umask
-        except FileExistsError:
-            pass
-        _check_directory(path)
-    except CacheError:
-        raise
-    except OSError as exc:
-        raise _unwritable(path, exc) from exc
-    return path
+    return _private_dir(cache_dir()).ensure()
 
 
 def _digest_path(target: Path) -> Path:
     return target.with_name(target.name + ".sha256")
-
-
-def _write_atomically(target: Path, write) -> None:
-    """`write(tmp_path)` fills a temporary file in target's directory, which then replaces target in
-    one rename: readers see the old file or the complete new one."""
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o700 if target.suffix == ".so" else 0o600)
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _compile(target: Path, compiler: list[str], flags: tuple[str, ...] = FLAGS) -> str:
@@ -223,34 +148,30 @@ def _compile(target: Path, compiler: list[str], flags: tuple[str, ...] = FLAGS) 
             digest = hashlib.sha256(f.read()).hexdigest()
 
     try:
-        _write_atomically(target, build)
-        _write_atomically(_digest_path(target), lambda tmp: Path(tmp).write_text(digest + "\n"))
+        write_private(target, build, mode=0o700)
+        write_private(_digest_path(target), (digest + "\n").encode())
     except OSError as exc:
-        raise _unwritable(target.parent, exc) from exc
+        raise _private_dir(target.parent).unwritable(exc) from exc
     return digest
 
 
 def _read_digest(target: Path) -> str | None:
-    """The sha256 recorded for `target`, or None when there is no (well-formed) record."""
+    """The sha256 recorded for `target`, or None when there is no (well-formed, private) record."""
     try:
-        fd = os.open(_digest_path(target), os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        data, _ = read_private(_digest_path(target), _DIGEST_FILE_MAX)
     except OSError:
         return None
-    with os.fdopen(fd, "rb") as f:
-        text = f.read(_DIGEST_FILE_MAX).decode("ascii", "replace").strip()
+    text = data.decode("ascii", "replace").strip()
     return text.lower() if len(text) == 64 and all(c in "0123456789abcdefABCDEF" for c in text) else None
 
 
 def _open_verified(target: Path) -> tuple[int, bool]:
-    """Open `target` (not through a symlink) and check it: a regular file of this user that its
-    group and others cannot write, whose sha256 is the recorded one. Returns (fd, matches); the
-    caller closes the fd. OSError when it cannot be opened."""
-    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    """Open `target` under the private-store rule (not through a symlink, without blocking; a
+    regular file of this user that its group and others cannot write: UnsafeFileError otherwise)
+    and check that its sha256 is the recorded one. Returns (fd, matches); the caller closes the
+    fd. OSError when it cannot be opened."""
+    fd = open_private(target)
     try:
-        st = os.fstat(fd)
-        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
-                or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)):
-            return fd, False
         h = hashlib.sha256()
         while chunk := os.read(fd, 1 << 20):
             h.update(chunk)
@@ -307,15 +228,15 @@ def _build() -> Path:
         os.close(fd)
     except FileNotFoundError:
         matches = None
-    except OSError as exc:  # e.g. a symlink planted under the name (O_NOFOLLOW)
-        logger.warning("deepinfer: cannot open the cached kernel library %s (%s); rebuilding it", target, exc)
-        matches = False
+    except OSError as exc:  # a symlink (O_NOFOLLOW), a FIFO, a file that is not a private one of yours
+        logger.warning("deepinfer: cannot use the cached kernel library %s (%s); rebuilding it", target, exc)
+        matches = None
     if matches is False:
         if _read_digest(target) is None:
             logger.info("deepinfer: the cached kernel library %s has no recorded sha256; rebuilding it", target)
         else:
-            logger.warning("deepinfer: the cached kernel library %s does not match its recorded sha256 (or is not a "
-                           "private file of yours); not loading it, rebuilding it", target)
+            logger.warning("deepinfer: the cached kernel library %s does not match its recorded sha256; not "
+                           "loading it, rebuilding it", target)
     if not matches:
         _compile(target, compiler, flags)
     return target
@@ -330,12 +251,15 @@ def _load(path: Path) -> ctypes.CDLL:
     """Load the library at `path` after checking it against its recorded sha256 (CacheError when it
     does not match). On Linux the verified descriptor itself is loaded, so the file cannot be
     swapped between the check and the load."""
-    fd, matches = _open_verified(path)
+    fix = f"Fix: delete both files so that the library is rebuilt, and check who can write {path.parent}"
+    try:
+        fd, matches = _open_verified(path)
+    except UnsafeFileError as exc:
+        raise CacheError(f"refusing to load {path}: {exc}. {fix}") from exc
     if not matches:
         os.close(fd)
         raise CacheError(f"refusing to load {path}: its contents do not match the sha256 recorded in "
-                         f"{_digest_path(path)} (or it is not a private file of yours). Fix: delete both files so "
-                         f"that the library is rebuilt, and check who can write {path.parent}")
+                         f"{_digest_path(path)}. {fix}")
     by_fd = f"/proc/self/fd/{fd}"
     if os.path.exists(by_fd):
         try:

@@ -65,7 +65,8 @@ class PrefixCachePlugin:
             env_vars=(
                 EnvVar(ENV_VAR, "1: reuse the model state of cached prompt prefixes (prefix cache); 0: off.",
                        field="enabled", kind=bool),
-                EnvVar(DIR_VAR, "prefix cache: persist it in this directory (loaded at start, written at shutdown).",
+                EnvVar(DIR_VAR, "prefix cache: persist it in this directory (loaded at start, written at shutdown; "
+                                "created 0700 and refused unless it is yours and writable by nobody else).",
                        field="dir"),
                 EnvVar(MB_VAR, "prefix cache: host memory for cached state in MiB (default 1024; LRU eviction).",
                        field="capacity_mb", kind=int),

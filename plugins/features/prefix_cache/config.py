@@ -28,5 +28,7 @@ class PrefixCacheConfig(BaseModel):
                                                "least recently used blocks are evicted beyond it")
     dir: str | None = Field(
         None, description="persist the cache in this directory (DEEPINFER_PREFIX_CACHE_DIR): loaded at engine start, "
-                          "written at shutdown; files are checksummed and versioned by model, engine and layout, "
-                          "and a corrupt or mismatched file is ignored with a warning")
+                          "written at shutdown; a private store (created 0700, refused unless it is yours and "
+                          "writable by nobody else; files 0600); files are checksummed and versioned by model, "
+                          "engine and layout, and a file that is corrupt, mismatched or does not fit the cache "
+                          "layout is skipped with a warning")

@@ -60,6 +60,24 @@ def entry_rows(block_ids: list[int], block_size: int, first: int, last: int, dev
     return (table[e // block_size] * block_size + e % block_size).to(device)
 
 
+def _check_names(what: str, got: object, want: dict) -> None:
+    if not isinstance(got, dict) or set(got) != set(want):
+        held = sorted(map(str, got)) if isinstance(got, dict) else type(got).__name__
+        raise ValueError(f"its {what} are {held}, not this engine's {sorted(want)}")
+
+
+def _check_tensors(what: str, got: object, want: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+    _check_names(f"{what} tensors", got, want)
+    for name, (shape, dtype) in want.items():
+        t = got[name]
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device != HOST:
+            raise ValueError(f"{what} {name!r} is not a dense host tensor")
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            raise ValueError(f"{what} {name!r} is {t.dtype} {list(t.shape)}, not this engine's {dtype} {list(shape)}")
+        if t.is_floating_point() and not torch.isfinite(t.float()).all():
+            raise ValueError(f"{what} {name!r} holds non-finite values")
+
+
 class Hit:
     """A cached prefix found by `lookup`: it keeps its own references to the chain's tensors, so an
     eviction before the step runs changes nothing."""
@@ -160,6 +178,34 @@ class PrefixStore:
     def stats(self) -> PrefixCacheStats:
         with self._lock:
             return self._counts.model_copy(update={"blocks": len(self.nodes), "bytes_used": self.bytes_used})
+
+    # -- blocks read from disk ---------------------------------------------------------------------
+
+    def _expected(self) -> tuple[dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]],
+                                 dict[str, tuple[tuple[int, ...], torch.dtype]]]:
+        """(entries, slot): each tensor's shape and dtype in a block of this store."""
+        entries = {g.name: {t.name: ((len(t.owners), self.entries_per_block[g.name], *t.shape), t.dtype)
+                            for t in g.tensors} for g in self.layout.block_groups}
+        slot = {t.name: ((len(t.owners), *t.shape), t.dtype) for t in self.layout.slot_tensors}
+        return entries, slot
+
+    @property
+    def max_block_bytes(self) -> int:
+        """The tensor bytes of one block with slot state: a cache file cannot hold more."""
+        return (sum(self.entries_per_block[g.name] * g.bytes_per_entry() for g in self.layout.block_groups)
+                + self.layout.bytes_per_slot())
+
+    def check_block(self, node: Node) -> None:
+        """ValueError naming what does not fit this store's layout in a block read from disk: its
+        groups and tensors, their shapes and dtypes, and finite floating-point values. Only a block
+        that passes is ever restored, so a bad file can neither fail a step nor change an output
+        by holding NaN."""
+        entries, slot = self._expected()
+        _check_names("block groups", node.entries, entries)
+        for group, tensors in entries.items():
+            _check_tensors(f"block group {group!r}", node.entries[group], tensors)
+        if node.slot is not None:
+            _check_tensors("slot state", node.slot, slot)
 
     # -- the store --------------------------------------------------------------------------------
 
