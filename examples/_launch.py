@@ -50,8 +50,19 @@ def check_context_parallel_model(model_name: str | None, cp: int) -> None:
     check_context_parallel(family, cp)
 
 
-def launch_dp(main: Callable[..., Any], sizes: ParallelLayout, accelerator_class: type, args: tuple = (),
-              threads_per_rank: int | None = None) -> list[Any]:
+def launch_dp(main: Callable[..., Any], sizes: int | ParallelLayout, accelerator_class: type | None = None,
+              args: tuple = (), threads_per_rank: int | None = None) -> list[Any]:
     """Run `main(RankContext, *args)` once per rank of this node (one process per rank when the
-    world is larger than 1); returns the ranks' values in rank order, or raises RankFailed."""
+    world is larger than 1); returns the ranks' values in rank order, or raises RankFailed.
+
+    `sizes` is the layout (`resolve_parallel`), or just the number of data-parallel ranks, as in the
+    seeds' `launch_dp(main, dp_size)`: dp_size independent ranks (ep = cp = 1; several nodes from
+    WORLD_SIZE/RANK), each with its own engine. `accelerator_class` defaults to the back end
+    DEEPINFER_ACCELERATOR selects."""
+    if accelerator_class is None:
+        from deepinfer.plugins import select_accelerator_class
+
+        accelerator_class = select_accelerator_class(None)
+    if not isinstance(sizes, ParallelLayout):
+        sizes = resolve_parallel(1, sizes, 1, accelerator_class.name)
     return launch(main, args, sizes, accelerator_class, threads_per_rank)
