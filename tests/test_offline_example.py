@@ -142,6 +142,28 @@ def test_output_line_format(example, tiny_model, capsys):
     assert [line for line in out if line.startswith("DP ")] == [m.group(0) for m in samples]
 
 
+def test_long_context_on_a_short_model_is_one_error_before_anything_runs(example, tiny_model, capsys):
+    """The tiny model holds 512 positions: --long_context (16,389 + 4,096 tokens per sample) is
+    refused with one message and a non-zero status, before any engine is built."""
+    assert example.main(["--model_name", tiny_model, "--long_context"]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: --long_context needs 20,485 tokens per sample"), errors
+    assert "Traceback" not in captured.err
+    assert "512" in errors[0] and "without --long_context" in errors[0]
+    assert "DP " not in captured.out and "Model:" not in captured.out
+
+
+def test_a_failed_sample_makes_the_exit_status_non_zero(example, tiny_model, monkeypatch, capsys):
+    """Should a sample still fail in the engine (here: the check above skipped), its line says why and
+    the example exits 1 with one summary line, instead of 0."""
+    monkeypatch.setattr(example, "check_long_context", lambda model_name: None)
+    assert example.main(["--model_name", tiny_model, "--long_context"]) == 1
+    captured = capsys.readouterr()
+    assert len([line for line in captured.out.splitlines() if line.startswith("DP 0;")]) == 4
+    assert "error: 4 of 4 samples failed" in captured.err
+
+
 SEED_FEATURES = """
 from pydantic import BaseModel
 import deepinfer
