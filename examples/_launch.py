@@ -18,10 +18,26 @@ from typing import Any, Callable, Mapping
 from deepinfer.parallel.launch import RankContext, RankFailed, launch
 from deepinfer.parallel.layout import (ACCELERATOR_DEFAULT_EP, DEFAULT_EP, ParallelConfigError, ParallelLayout,
                                        check_runnable, env_int, resolve_layout)
+from deepinfer.plugins import PluginError
 
 ParallelSizes = ParallelLayout  # the examples' older name
-__all__ = ["ACCELERATOR_DEFAULT_EP", "DEFAULT_EP", "ParallelConfigError", "ParallelSizes", "RankContext",
-           "RankFailed", "check_context_parallel_model", "env_int", "launch_dp", "resolve_parallel"]
+__all__ = ["ACCELERATOR_DEFAULT_EP", "DEFAULT_EP", "REFUSALS", "ParallelConfigError", "ParallelSizes", "RankContext",
+           "RankFailed", "check_context_parallel_model", "env_int", "error_line", "launch_dp", "resolve_parallel"]
+
+#: What deepinfer raises on purpose, each with the reason and the fix in its message: a back end
+#: that is absent or unusable here (PluginError), a setting, layout or model the engine refuses
+#: (ValueError, ParallelConfigError), a missing file. The examples print these as one `error:` line.
+REFUSALS: tuple[type[BaseException], ...] = (PluginError, ValueError, FileNotFoundError)
+
+
+def error_line(exc: BaseException) -> str:
+    """What an example prints for `exc` on stderr: `error: <message>` for a refusal, raised here or
+    in a rank of the launch (RankFailed carries the rank's exception); anything else is a crash and
+    keeps its traceback (a rank's text, or the caller lets it propagate)."""
+    cause = exc.exception if isinstance(exc, RankFailed) else exc
+    if isinstance(cause, REFUSALS):
+        return f"error: {cause}"
+    return f"error: {exc}"
 
 
 def resolve_parallel(ep: int | None, dp: int | None, cp: int, accelerator: str,

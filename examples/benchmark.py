@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` import
 
 from bench import accounting, results  # noqa: E402
 from bench.layout import Layout, resolve_layout  # noqa: E402
-from _launch import RankContext, check_context_parallel_model, launch_dp, resolve_parallel  # noqa: E402
+from _launch import (REFUSALS, RankContext, RankFailed, check_context_parallel_model, error_line,  # noqa: E402
+                     launch_dp, resolve_parallel)
 from _speculation import NEXTN_VAR, drafter_unsupported, speculation_off_note  # noqa: E402
 
 # The seeds' defaults (sized for a node of SM100 GPUs) and a CPU preset of the same shape that a
@@ -505,8 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     args._argv = argv
     try:
         record = run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (*REFUSALS, RankFailed, RuntimeError) as e:  # RuntimeError: e.g. a benchmark request the engine refused
+        print(error_line(e), file=sys.stderr)
         return 2
     roofline_text = record.pop("_roofline_text", None)
     if record["layout"]["rank"] > 0:

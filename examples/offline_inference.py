@@ -40,8 +40,8 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import (ParallelConfigError, ParallelSizes, RankContext, RankFailed, check_context_parallel_model,  # noqa: E402
-                     launch_dp, resolve_parallel)
+from _launch import (REFUSALS, ParallelConfigError, ParallelSizes, RankContext, RankFailed,  # noqa: E402
+                     check_context_parallel_model, error_line, launch_dp, resolve_parallel)
 from _prompts import LONG_CONTEXT_INPUT_TOKENS, LONG_CONTEXT_OUTPUT_TOKENS, prepare_offline_prompts  # noqa: E402
 from _speculation import drafter_unsupported, speculation_off_note  # noqa: E402
 
@@ -242,10 +242,10 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
     result: dict = {"status": 0, "header": [], "lines": {}, "checked": {}, "errors": []}
     try:
         llm = create_llm(args, ctx.layout, accelerator)
-    except (ValueError, FileNotFoundError) as e:  # a model, setting or feature the engine refuses, in its words
+    except REFUSALS as e:  # a back end, model, setting or feature the engine refuses, in its words
         if not ctx.layout.is_single:
             raise  # the other ranks would wait for this one in a collective: end the launch
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(error_line(e), file=sys.stderr, flush=True)
         return {**result, "status": 1}
     info = llm.build_info
     if info.is_default_model:
@@ -308,14 +308,14 @@ def print_results(results: list[dict], check_structured: bool, samples: bool = T
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    accelerator = accelerator_name()
-    try:
+    try:  # refusals before any process starts: the back end, the layout, the model
+        accelerator = accelerator_name()
         sizes = resolve_parallel(args.ep, args.dp, args.cp, accelerator)
         check_context_parallel_model(args.model_name, sizes.cp)
         if args.long_context:
             check_long_context(args.model_name)
-    except (ParallelConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except REFUSALS as e:
+        print(error_line(e), file=sys.stderr)
         return 2
     from deepinfer.plugins import select_accelerator_class
 
@@ -325,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         exit_now_on_interrupt()
     except ParallelConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     except RankFailed as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(error_line(e), file=sys.stderr, flush=True)
         return 1
     if sizes.node_rank > 0:
         print(f"node {sizes.node_rank} of {sizes.nodes}: node 0 prints the samples", file=sys.stderr, flush=True)
