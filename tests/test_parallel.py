@@ -160,6 +160,8 @@ def test_a_failing_rank_ends_the_launch_with_its_error():
     with pytest.raises(RankFailed, match=r"rank 1 failed") as failed:
         launch(fail_on_rank_one, (), ParallelLayout(ep=2, dp=2), _cpu(), threads_per_rank=1)
     assert failed.value.rank == 1 and "ValueError: rank one cannot load its shard" in failed.value.error
+    # the exception itself comes back too: callers print a refusal as one line (examples/_launch.error_line)
+    assert isinstance(failed.value.exception, ValueError) and str(failed.value.exception) == "rank one cannot load its shard"
     assert time.monotonic() - start < 60
 
 
