@@ -26,6 +26,11 @@ repeat: tokens, sequence steps and accepted tokens summed over the DP ranks, sec
 rank's (the phase's wall time), then divided by the devices (scale) as below: whole-run
 throughput per device. Its record keeps every rank's raw runs under "ranks".
 
+While it runs (stderr, node 0): the plan before anything is built (with the flags that shrink the
+seeds' accelerator sizes on a CPU), an estimate of the whole run from a short calibration prompt,
+another of the timed phases after the warm-up, and progress bars on a terminal
+(`examples/bench/progress.py`).
+
 Method: `examples/bench/workloads.py`. Accounting: `examples/bench/accounting.py`. Roofline
 (`--roofline`): `examples/bench/roofline.py` and `model_cost.py` (per family: `cost_v4.py`,
 `cost_v41.py`). Environment: WORLD_SIZE, RANK, CUDA_VISIBLE_DEVICES (parallel scale = WORLD_SIZE x
@@ -48,7 +53,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` importable
 
-from bench import accounting, results  # noqa: E402
+from bench import accounting, progress, results  # noqa: E402
 from bench.layout import Layout, resolve_layout  # noqa: E402
 from _launch import (REFUSALS, RankContext, RankFailed, check_context_parallel_model, error_line,  # noqa: E402
                      launch_dp, resolve_parallel)
@@ -116,6 +121,18 @@ class Settings:
     prefill_batch_size: int
     decode_tokens: int
     prefill_batches: int
+
+
+def planned_work(settings: Settings) -> progress.Work:
+    """What one repeat of the timed phases runs on each data-parallel rank."""
+    prefill_requests = -(-settings.prefill_batches * settings.prefill_batch_size // settings.non_cached_tokens)
+    return progress.Work(prefill_prompts=prefill_requests, prompt_len=settings.non_cached_tokens,
+                         decode_sequences=settings.decode_num_requests, context_len=settings.context_length,
+                         decode_steps=settings.decode_tokens)
+
+
+def _stderr_note(enabled: bool):
+    return (lambda text: print(text, file=sys.stderr, flush=True)) if enabled else (lambda text: None)
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
@@ -302,6 +319,10 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
     # the launcher's rules and refusals (nodes, devices, CP support) before anything starts
     parallel = resolve_parallel(layout.ep, layout.dp, layout.cp, accelerator, env)
     check_context_parallel_model(args.model_name, parallel.cp)
+    if args.phase != "none":
+        _stderr_note(layout.rank == 0)(progress.plan_text(
+            planned_work(settings), args.phase, args.repeats, settings.prefill_batch_size, args.preset, accelerator,
+            layout.scale, warmup=not args.no_warmup))
 
     ranks: list[dict] = []
     if args.phase != "none":
@@ -404,6 +425,45 @@ def _engine_kwargs(args: argparse.Namespace, settings: Settings, parallel: Any, 
     return kwargs
 
 
+CALIBRATION_PROMPT_TOKENS, CALIBRATION_OUTPUT_TOKENS = 256, 6
+
+
+def _note_calibrated_estimate(llm: Any, args: argparse.Namespace, settings: Settings, work: progress.Work,
+                              sequences: int, synced, note) -> None:
+    """Before the warm-up (whose one full prefill step alone can take minutes on a CPU): time one
+    short prompt and a few decode steps, twice (the first pays first-call costs), and say how long
+    the whole run will take at that speed."""
+    from bench import workloads
+
+    length = max(1, min(CALIBRATION_PROMPT_TOKENS, llm.config.max_model_len - CALIBRATION_OUTPUT_TOKENS - 1))
+    params = workloads.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=CALIBRATION_OUTPUT_TOKENS)
+    for seed in (10**6 + 5, 10**6 + 7):
+        prompt = workloads.random_prompts(1, length, llm.engine.vocab_size, seed=seed)
+        _, trace = synced(workloads.run_requests(llm, prompt, params))
+    tokens_per_s = workloads.tokens_per_second(trace, length)
+    if not tokens_per_s:
+        return
+    speed = progress.Speed(tokens_per_s, workloads.decode_step_seconds(trace), f"a {length}-token calibration prompt")
+    warmup_tokens, warmup_steps = 0, 0
+    if args.phase in ("both", "prefill"):
+        warmup_tokens += 2 * -(-settings.prefill_batch_size // settings.non_cached_tokens) * settings.non_cached_tokens
+    if args.phase in ("both", "decode"):
+        warmup_tokens += sequences * min(settings.non_cached_tokens, WARMUP_PROMPT_TOKENS)
+        warmup_steps += WARMUP_OUTPUT_TOKENS
+    seconds = progress.estimate_seconds(work, args.phase, args.repeats, speed, warmup_tokens, warmup_steps)
+    if seconds is not None:
+        note(progress.estimate_text(seconds, speed, "the warm-up and the timed phases take"))
+
+
+def _watched(label: str, rank: int, run, decode_steps: int | None = None):
+    """`run(progress)` with progress bars on node 0's first rank (on a terminal; see bench/progress.py)."""
+    bars = progress.PhaseProgress(label, decode_steps=decode_steps, enabled=None if rank == 0 else False)
+    try:
+        return run(bars.update)
+    finally:
+        bars.close()
+
+
 def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequences: int, profile: bool,
                   rank: int, say, dp_rank: int = 0) -> tuple[list[dict], list[dict]]:
     """Warm-up, then prefill and decode alternately `--repeats` times; raw results per repeat. Every
@@ -425,7 +485,11 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         return roofline.measure_machine(trials=3).to_json()
 
     vocab = llm.engine.vocab_size
+    work = planned_work(settings)
+    note = _stderr_note(rank == 0)
+    prefill_speed = decode_step = None
     if not args.no_warmup:
+        _note_calibrated_estimate(llm, args, settings, work, sequences, synced, note)
         # First-call costs stay out of the timings: allocation, kernel selection, and on the cpu
         # back end oneDNN's JIT compilation of every new GEMM shape (~3 ms each), so the warm-up
         # runs one full prefill step and decode at the timed batch size. The prefill warm-up runs
@@ -435,14 +499,24 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         greedy = dict(temperature=0.0, ignore_eos=True)
         if args.phase in ("both", "prefill"):
             step = -(-settings.prefill_batch_size // settings.non_cached_tokens)
-            for seed in (10**6 + 1, 10**6 + 3):
+            for i, seed in enumerate((10**6 + 1, 10**6 + 3)):
                 warm = workloads.random_prompts(step, settings.non_cached_tokens, vocab, seed=seed)
-                synced(workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=1, **greedy)))
+                _, trace = synced(_watched(f"warm-up prefill {i + 1}/2", rank, lambda bars: workloads.run_requests(
+                    llm, warm, workloads.SamplingParams(max_tokens=1, **greedy), progress=bars)))
+            prefill_speed = workloads.tokens_per_second(trace, step * settings.non_cached_tokens)  # the second run
         if args.phase in ("both", "decode"):
             warm = workloads.random_prompts(sequences, short, vocab, seed=10**6 + 2)
-            synced(workloads.run_requests(llm, warm,
-                                          workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy)))
-    prefill_requests = -(-settings.prefill_batches * settings.prefill_batch_size // settings.non_cached_tokens)
+            _, trace = synced(_watched("warm-up decode", rank, lambda bars: workloads.run_requests(
+                llm, warm, workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy), progress=bars)))
+            decode_step = workloads.decode_step_seconds(trace)
+            if prefill_speed is None:  # decode only: its prompts' prefill is the speed to go by
+                prefill_speed = workloads.tokens_per_second(trace, sequences * short)
+        if prefill_speed:
+            speed = progress.Speed(prefill_speed, decode_step, "the warm-up")
+            seconds = progress.estimate_seconds(work, args.phase, args.repeats, speed)
+            if seconds is not None:
+                note(progress.estimate_text(seconds, speed, "the timed phases take"))
+    prefill_requests = work.prefill_prompts
     prefill_runs: list[dict] = []
     decode_runs: list[dict] = []
     profiler = _profiler(profile)
@@ -451,16 +525,19 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
     try:
         for r in range(args.repeats):
             seed = args.seed + 2 * (dp_rank * args.repeats + r)
+            of = f" {r + 1}/{args.repeats}" if args.repeats > 1 else ""
             if args.phase in ("both", "prefill"):
                 prompts = workloads.random_prompts(prefill_requests, settings.non_cached_tokens, vocab, seed=seed)
                 m = machine()
-                run = synced(workloads.run_prefill(llm, prompts, settings.prefill_batch_size, profiler))
+                run = synced(_watched(f"prefill phase{of}", rank, lambda bars: workloads.run_prefill(
+                    llm, prompts, settings.prefill_batch_size, profiler, progress=bars)))
                 prefill_runs.append(dict(run.to_json(), machine=m))
             if args.phase in ("both", "decode"):
                 prompts = workloads.random_prompts(sequences, settings.context_length, vocab, seed=seed + 1)
                 m = machine()
-                run = synced(workloads.run_decode(llm, prompts, settings.decode_tokens, settings.prefill_batch_size,
-                                                  engine_nextn(llm), profiler))
+                run = synced(_watched(f"decode phase{of}", rank, lambda bars: workloads.run_decode(
+                    llm, prompts, settings.decode_tokens, settings.prefill_batch_size, engine_nextn(llm), profiler,
+                    progress=bars), decode_steps=settings.decode_tokens))
                 decode_runs.append(dict(run.to_json(), machine=m))
     finally:
         if profiler is not None:

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import accounting, cost_v41, model_cost, results, roofline  # noqa: E402
+from bench import accounting, cost_v41, model_cost, progress, results, roofline  # noqa: E402
 from bench.layout import devices_per_node, resolve_layout, validate_cp  # noqa: E402
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
@@ -131,6 +131,52 @@ def test_preset_fills_only_flags_that_were_not_given():
         == (64, 32768, 4096, 32768)
     with pytest.raises(ValueError, match="--decode_num_requests 0 must be >= 1"):
         benchmark.resolve_settings(benchmark.build_parser().parse_args(["--decode_num_requests", "0"]))
+
+
+# --- telling the user what runs: the plan, estimates, progress bars ------------------------------
+
+def test_the_plan_of_the_seeds_defaults_on_a_cpu_names_the_work_and_how_to_shrink_it():
+    settings = benchmark.resolve_settings(benchmark.build_parser().parse_args([]))
+    work = benchmark.planned_work(settings)
+    assert (work.prefill_prompts, work.prefill_tokens, work.decode_prompt_tokens) == (16, 65536, 2097152)
+    text = progress.plan_text(work, "both", 1, settings.prefill_batch_size, "seeds", "cpu", 1, warmup=True)
+    assert "16 prompts x 4,096 tokens = 65,536 tokens, 32,768 per step" in text
+    assert "64 sequences, first prefilled to 32,768 tokens each (2,097,152 prompt tokens), then 64 steps" in text
+    assert "--preset cpu" in text and "--decode_num_requests" in text and "--phase prefill|decode" in text
+    on_gpu = progress.plan_text(work, "decode", 3, settings.prefill_batch_size, "seeds", "nvidia", 8, warmup=False)
+    assert "--preset cpu" not in on_gpu and "prefill:" not in on_gpu and "x 3" in on_gpu
+
+
+def test_estimates_count_every_prompt_token_and_decode_step():
+    work = progress.Work(prefill_prompts=2, prompt_len=100, decode_sequences=4, context_len=50, decode_steps=10)
+    speed = progress.Speed(prefill_tokens_per_s=100.0, decode_step_s=0.5, measured_on="a test")
+    # (200 + 4 x 50) tokens / 100 per s + 10 steps x 0.5 s, twice
+    assert progress.estimate_seconds(work, "both", 2, speed) == pytest.approx(2 * (4.0 + 5.0))
+    assert progress.estimate_seconds(work, "prefill", 1, speed, extra_prefill_tokens=300) == pytest.approx(5.0)
+    assert progress.estimate_seconds(work, "decode", 1, progress.Speed(100.0, None, "x")) is None
+    assert "at least 2.5 h" in progress.estimate_text(9000.0, speed, "it takes")
+
+
+def test_progress_bars_follow_prefilled_tokens_then_decode_steps():
+    import io
+    from types import SimpleNamespace as NS
+
+    out = io.StringIO()
+    bars = progress.PhaseProgress("decode phase", decode_steps=4, stream=out, enabled=True)
+    requests = [NS(num_prompt_tokens=30, num_computed_tokens=20), NS(num_prompt_tokens=30, num_computed_tokens=0)]
+    bars.update(requests, NS(all_started=[False], advances=[0]))
+    assert bars._prefill.n == 20 and bars._decode is None
+    requests[1].num_computed_tokens = 30
+    requests[0].num_computed_tokens = 31  # prompt plus a decoded token: counted up to the prompt
+    bars.update(requests, NS(all_started=[False, True], advances=[1, 2]))
+    bars.update(requests, NS(all_started=[False, True, True], advances=[1, 2, 8]))  # 3 steps each
+    assert bars._prefill.n == 60 and bars._decode.n == 3
+    bars.close()
+    text = out.getvalue()
+    assert "decode phase: prefill: 100%" in text and "60.0/60.0" in text and "decode phase: decode:  75%" in text
+    quiet = progress.PhaseProgress("x", stream=io.StringIO())  # not a terminal: no bars
+    quiet.update(requests, NS(all_started=[True], advances=[0]))
+    assert quiet._prefill is None
 
 
 # --- model cost: a small config counted by hand --------------------------------------------------
@@ -400,10 +446,15 @@ def test_benchmark_end_to_end_writes_a_valid_record(tiny_model, tmp_path, capsys
     out = tmp_path / "results.jsonl"
     argv = ["--model_name", str(tiny_model), *TINY_ARGS, "--repeats", "2", "--result_jsonl", str(out), "--tag", "e2e"]
     assert benchmark.main(argv) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     for label in ("prefill throughput:", "decode avg_SPS:", "full-acceptance accounting",
                   "accepted tokens (measured)"):
         assert label in printed
+    # what runs and how long, on stderr before and after the warm-up
+    assert "benchmark plan (seeds sizes, 1 device(s), cpu back end), per repeat x 2:" in captured.err
+    assert "estimate: the warm-up and the timed phases take at least" in captured.err
+    assert "estimate: the timed phases take at least" in captured.err
     [record] = results.read_jsonl(out)
     assert record["tag"] == "e2e" and record["nextn"] == 0 and record["layout"]["scale"] == 1
     assert len(record["prefill"]) == 2 and len(record["decode"]) == 2
