@@ -13,6 +13,9 @@ Node 0 prints three numbers (plus the true accepted-token throughput beside the 
                        accounting": counts 1 + nextn tokens per request per step whatever the
                        drafts' true acceptance, so it overstates output speed when drafts are rejected)
   accepted throughput  tokens actually emitted per second per device in the same window
+  with --accept_rate A: avg_SPS x decode_num_requests x (1 + A x verified drafts per step) / cp,
+                       the throughput at that acceptance (and the per-user speed), for drafters
+                       that, with random weights, accept nothing
 
 Parallel layout (`examples/bench/layout.py`): scale = WORLD_SIZE x devices per node (1 on the CPU
 back end), ep = scale, --cp divides it, dp = scale / cp. A scale above 1 starts this node's ranks
@@ -106,11 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure memory bandwidth and bf16 matmul throughput (right before every timed "
                         "phase) and print each figure as a fraction of its bound")
     p.add_argument("--no_warmup", action="store_true", help="skip the untimed warm-up requests")
+    p.add_argument("--accept_rate", type=_share, default=None,
+                   help="also report decode throughput and per-user speed as if this share (0..1) of the verified "
+                        "drafts were accepted: avg_SPS x decode_num_requests x (1 + accept_rate x verified drafts "
+                        "per step) / cp (random-weight drafters accept almost nothing)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--result_jsonl", default=None, help="append one JSON object with the raw quantities here")
     p.add_argument("--tag", default="", help="free text stored in the result record (e.g. a sweep tag)")
     p.add_argument("--profile_dir", default="profiles", help="where PROFILE=1 writes its trace")
     return p
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a share between 0 and 1") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not between 0 and 1")
+    return value
 
 
 @dataclass(frozen=True)
@@ -285,6 +302,15 @@ def format_figures(record: dict[str, Any]) -> str:
             f"   [per user {_fmt(f['decode_per_user_tokens_per_s'], 'tokens/s')}; "
             f"{f['decode_acceptance_length']['median']:.2f} tokens per sequence per step]",
         ]
+        accept = record["settings"].get("accept_rate")
+        if accept is not None:
+            v = f["decode_verified_drafts_per_step"]["median"]
+            lines.append(
+                f"decode throughput at accept_rate {accept:g} (avg_SPS x {req} x (1 + {accept:g} x {v:.2f} verified "
+                f"drafts per step) / cp={cp}): "
+                f"{_fmt(f['decode_assumed_acceptance_tokens_per_s_per_device'], 'tokens/s/device')}"
+                f"   [per user {_fmt(f['decode_assumed_acceptance_per_user_tokens_per_s'], 'tokens/s')}"
+                + ("; no drafts verified: speculation off" if not v else "") + "]")
     return "\n".join(lines)
 
 
@@ -347,6 +373,7 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
         "tag": args.tag,
         "argv": list(getattr(args, "_argv", [])),
         "settings": dict(vars(settings), preset=args.preset, cp=args.cp, yoco_clip=args.yoco_clip,
+                         accept_rate=args.accept_rate,
                          prompt_mode=args.prompt_mode, phase=args.phase, repeats=args.repeats, seed=args.seed),
         "layout": {"world_size": layout.world_size, "rank": layout.rank, "devices_per_node": layout.devices_per_node,
                    "scale": layout.scale, "cp": layout.cp, "dp": layout.dp, "ep": layout.ep,

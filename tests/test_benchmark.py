@@ -58,6 +58,18 @@ def test_full_acceptance_overstates_rejected_drafts():
     assert accounting.accepted_throughput(10 * 4 * 2, 1.0, 1) == 80
 
 
+def test_assumed_acceptance_accounting():
+    # 3 drafts verified per step, 0.75 of them accepted: 1 + 2.25 tokens per sequence per step
+    assert accounting.tokens_per_step(3.0, 0.75) == 3.25
+    assert accounting.assumed_acceptance_throughput(10.0, 8, 3.0, 0.75, 2) == pytest.approx(10 * 8 * 3.25 / 2)
+    # every draft verified and accepted: the seeds' full-acceptance accounting
+    assert accounting.assumed_acceptance_throughput(10.0, 64, 5, 1.0, 8) == pytest.approx(
+        accounting.full_acceptance_throughput(10.0, 64, 5, 8))
+    assert accounting.tokens_per_step(0.0, 0.75) == 1.0  # no speculation: the measured figure
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        accounting.tokens_per_step(3.0, 1.5)
+
+
 def test_prefill_throughput_is_per_device():
     assert accounting.prefill_throughput(8192, 2.0, 4) == 1024
 
@@ -399,6 +411,24 @@ def test_sweep_plot_from_a_small_jsonl(tmp_path, mode):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_decode_plot_at_an_assumed_acceptance(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    for value, speed in [(1, 20.0), (4, 15.0)]:
+        rec = _record("decode", value, speed)
+        rec["settings"]["accept_rate"] = 0.5
+        rec["decode"][0]["speculation"] = {"num_verifications": 10 * value, "num_drafts_verified": 40 * value,
+                                           "num_drafts_accepted": 0, "num_tokens_emitted": 10 * value}
+        results.append_jsonl(path, rec)
+    records = results.read_jsonl(path)
+    # 4 drafts verified per step, half assumed accepted: 3 tokens per step instead of the measured 1
+    assert [p[:2] for p in plot_pareto.points(records, "decode")] == [
+        (pytest.approx(60.0), pytest.approx(60.0)), (pytest.approx(45.0), pytest.approx(180.0))]
+    assert plot_pareto.main(["decode", str(path), str(tmp_path / "d.png")]) == 0
+    results.append_jsonl(path, _record("decode", 16, 8.0))  # a run without --accept_rate
+    assert plot_pareto.main(["decode", str(path), str(tmp_path / "d.png")]) == 2
+    assert "different --accept_rate values" in capsys.readouterr().err
+
+
 def test_plot_reports_bad_input(tmp_path, capsys):
     path = tmp_path / "r.jsonl"
     path.write_text("not json\n")
@@ -415,6 +445,13 @@ def test_run_sweep_checks_its_arguments():
     assert bad_mode.returncode == 2 and "mode must be decode or prefill" in bad_mode.stderr
     bad_ctx = subprocess.run(["bash", str(script), "decode", "t", "lots"], capture_output=True, text=True)
     assert bad_ctx.returncode == 2 and "CONTEXT must be a token count" in bad_ctx.stderr
+    for args, message in [(["decode", "t", "64", "1,2,4"], "a list of batch sizes goes in --points 1,2,4"),
+                          (["decode", "t", "64", "3", "1.5"], "ACCEPT must be a share between 0 and 1, got '1.5'"),
+                          (["decode", "t", "64", "3", "0.75", "9"], "unexpected argument '9'"),
+                          (["prefill", "t", "64", "512,1024"], "a list of points goes in --points"),
+                          (["prefill", "t", "64", "--points", "1,x"], "--points must be comma-separated")]:
+        out = subprocess.run(["bash", str(script), *args], capture_output=True, text=True)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
 
 
 # --- end to end on the tiny model ----------------------------------------------------------------
@@ -439,6 +476,34 @@ def tiny_v41(tmp_path_factory):
 
 TINY_ARGS = ["--decode_num_requests", "3", "--context_length", "20", "--non_cached_tokens", "24",
              "--prefill_batch_size", "48", "--decode_tokens", "5", "--prefill_batches", "2"]
+
+
+def test_the_seeds_decode_sweep_with_draft_length_and_acceptance(tiny_model, tmp_path):
+    """`run_sweep.sh decode TAG CONTEXT 3 0.75` (the seeds' command, at tiny sizes): every run drafts 3
+    tokens (DEEPINFER_USE_NEXTN_DECODE=3) and the chart is the throughput at 0.75 of the verified
+    drafts accepted: avg_SPS x requests x (1 + 0.75 x 3) / cp, 3.25 tokens per step."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env.update(PYTHON=sys.executable, SWEEP_DIR=str(tmp_path), OMP_NUM_THREADS="1", DEEPINFER_ACCELERATOR="cpu")
+    out = subprocess.run(["bash", str(EXAMPLES / "sweep" / "run_sweep.sh"), "decode", "tiny-decode", "20", "3", "0.75",
+                          "--points", "1,2", "--model_name", str(tiny_model), "--prefill_batch_size", "48",
+                          "--decode_tokens", "4", "--no_warmup"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode, 1 requests at context 20, nextn 3, accept_rate 0.75" in out.stdout
+    assert "decode throughput at accept_rate 0.75 (avg_SPS x 2 x (1 + 0.75 x 3.00 verified drafts per step)" \
+        in out.stdout
+    records = results.read_jsonl(tmp_path / "tiny-decode" / "results.jsonl")
+    assert [r["settings"]["decode_num_requests"] for r in records] == [1, 2]
+    for r in records:
+        assert r["nextn"] == 3 and r["settings"]["accept_rate"] == 0.75 and r["settings"]["context_length"] == 20
+        f = results.figures(r)
+        assert f["decode_verified_drafts_per_step"]["median"] == 3.0  # fixed-length verification
+        sps = f["decode_avg_sps"]["median"]
+        assert f["decode_assumed_acceptance_tokens_per_s_per_device"]["median"] == pytest.approx(
+            sps * r["settings"]["decode_num_requests"] * 3.25)
+        assert f["decode_assumed_acceptance_per_user_tokens_per_s"]["median"] == pytest.approx(sps * 3.25)
+    assert (tmp_path / "tiny-decode" / "decode_pareto.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_benchmark_end_to_end_writes_a_valid_record(tiny_model, tmp_path, capsys, clean_env):
