@@ -14,8 +14,8 @@ Node 0 prints three numbers (plus the true accepted-token throughput beside the 
                        drafts' true acceptance, so it overstates output speed when drafts are rejected)
   accepted throughput  tokens actually emitted per second per device in the same window
   with --accept_rate A: avg_SPS x decode_num_requests x (1 + A x verified drafts per step) / cp,
-                       the throughput at that acceptance (and the per-user speed), for drafters
-                       that, with random weights, accept nothing
+                       the throughput (and per-user speed) if a share A of the verified drafts were
+                       accepted (a random-weight drafter accepts almost nothing)
 
 Parallel layout (`examples/bench/layout.py`): scale = WORLD_SIZE x devices per node (1 on the CPU
 back end), ep = scale, --cp divides it, dp = scale / cp. A scale above 1 starts this node's ranks
