@@ -129,10 +129,11 @@ def resolve_feature_configs(config: EngineConfig, feature_models: dict[str, type
     """Validate each enabled feature's table against its own model; environment variables that
     configure a feature are merged in (and rejected when the feature is not installed).
 
-    A feature is enabled when it has a table in `config.features` or an environment variable.
+    A feature is enabled when it has a table in `config.features` or an environment variable that
+    turns it on (`EnvVar.enables_feature`).
     Every problem is reported at once.
     """
-    tables = _merge(config.features, envs.feature_overrides(set(feature_models)))
+    tables = _merge(config.features, envs.feature_overrides(set(feature_models), set(config.features)))
     problems, out = [], {}
     for name, table in tables.items():
         model = feature_models.get(name)

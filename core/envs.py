@@ -20,6 +20,7 @@ import difflib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True)
@@ -27,13 +28,19 @@ class EnvVar:
     """One environment variable: its name, what it does, and the config field it sets, if any (an
     `EngineConfig` field for the core's variables, a field of the feature's config model for a
     variable on a `FeatureSpec`), with the kind its value is converted to (str, int or bool) and,
-    for a str, the values it may take."""
+    for a str, the values it may take.
+
+    `enables_feature` (feature variables): "when_set", setting the variable turns its feature on;
+    "when_true" (booleans), only a true value does, while a false one just configures the feature
+    when something else turns it on (a config table, another variable): a variable that chooses
+    a mode of the feature must not switch the whole feature on by saying "not this mode"."""
 
     name: str
     doc: str
     field: str | None = None
     kind: type = str
     choices: tuple[str, ...] = ()  # the values a str variable may take (case-insensitive); () = any
+    enables_feature: Literal["when_set", "when_true"] = "when_set"
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -197,9 +204,11 @@ def engine_overrides() -> dict:
             if v.field and _raw(v.name) is not None}
 
 
-def feature_overrides(installed_features: set[str]) -> dict[str, dict]:
+def feature_overrides(installed_features: set[str], enabled_features: set[str] = frozenset()) -> dict[str, dict]:
     """Feature config fields set through the environment, per feature, as the features' specs
-    declare them.
+    declare them. A feature appears when one of its set variables turns it on or it is in
+    `enabled_features` (turned on otherwise, e.g. by a config table); variables that only
+    configure it (`EnvVar.enables_feature`) leave a feature that is off out.
 
     Raises ValueError for a set variable that configures a feature outside `installed_features`,
     or one in `NOT_IN_THIS_RELEASE` that no installed feature declares: the user asked for
@@ -211,6 +220,7 @@ def feature_overrides(installed_features: set[str]) -> dict[str, dict]:
             raise ValueError(f"{name} is set, but it configures {what}, which is not available in this release "
                              f"of deepinfer (no installed feature plugin declares {name}). Unset {name}.")
     out: dict[str, dict] = {}
+    turned_on = set(enabled_features)
     for name, (feature, var) in declared.items():
         raw = _raw(name)
         if raw is None:
@@ -219,8 +229,11 @@ def feature_overrides(installed_features: set[str]) -> dict[str, dict]:
             raise ValueError(
                 f"{name} is set, but it configures the feature '{feature}', which is not available in this "
                 f"installation (installed features: {sorted(installed_features) or 'none'}). Unset {name}.")
-        out.setdefault(feature, {})[var.field] = _convert(var, raw)
-    return out
+        value = _convert(var, raw)
+        out.setdefault(feature, {})[var.field] = value
+        if var.enables_feature == "when_set" or value is True:
+            turned_on.add(feature)
+    return {feature: fields for feature, fields in out.items() if feature in turned_on}
 
 
 _warned: set[str] = set()

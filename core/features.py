@@ -42,6 +42,9 @@ class FeatureSpec(BaseModel):
             if var.kind not in (str, int, bool):
                 raise ValueError(f"feature '{self.name}': environment variable {var.name} has kind "
                                  f"{var.kind!r}; use str, int or bool")
+            if var.enables_feature == "when_true" and var.kind is not bool:
+                raise ValueError(f"feature '{self.name}': environment variable {var.name} turns the feature on "
+                                 f"only when true, which needs kind bool")
         return self
 
 

@@ -18,10 +18,26 @@ from typing import Any, Callable, Mapping
 from deepinfer.parallel.launch import RankContext, RankFailed, launch
 from deepinfer.parallel.layout import (ACCELERATOR_DEFAULT_EP, DEFAULT_EP, ParallelConfigError, ParallelLayout,
                                        check_runnable, env_int, resolve_layout)
+from deepinfer.plugins import PluginError
 
 ParallelSizes = ParallelLayout  # the examples' older name
-__all__ = ["ACCELERATOR_DEFAULT_EP", "DEFAULT_EP", "ParallelConfigError", "ParallelSizes", "RankContext",
-           "RankFailed", "check_context_parallel_model", "env_int", "launch_dp", "resolve_parallel"]
+__all__ = ["ACCELERATOR_DEFAULT_EP", "DEFAULT_EP", "REFUSALS", "ParallelConfigError", "ParallelSizes", "RankContext",
+           "RankFailed", "check_context_parallel_model", "env_int", "error_line", "launch_dp", "resolve_parallel"]
+
+#: What deepinfer raises on purpose, each with the reason and the fix in its message: a back end
+#: that is absent or unusable here (PluginError), a setting, layout or model the engine refuses
+#: (ValueError, ParallelConfigError), a missing file. The examples print these as one `error:` line.
+REFUSALS: tuple[type[BaseException], ...] = (PluginError, ValueError, FileNotFoundError)
+
+
+def error_line(exc: BaseException) -> str:
+    """What an example prints for `exc` on stderr: `error: <message>` for a refusal, raised here or
+    in a rank of the launch (RankFailed carries the rank's exception); anything else is a crash and
+    keeps its traceback (a rank's text, or the caller lets it propagate)."""
+    cause = exc.exception if isinstance(exc, RankFailed) else exc
+    if isinstance(cause, REFUSALS):
+        return f"error: {cause}"
+    return f"error: {exc}"
 
 
 def resolve_parallel(ep: int | None, dp: int | None, cp: int, accelerator: str,
@@ -50,8 +66,19 @@ def check_context_parallel_model(model_name: str | None, cp: int) -> None:
     check_context_parallel(family, cp)
 
 
-def launch_dp(main: Callable[..., Any], sizes: ParallelLayout, accelerator_class: type, args: tuple = (),
-              threads_per_rank: int | None = None) -> list[Any]:
+def launch_dp(main: Callable[..., Any], sizes: int | ParallelLayout, accelerator_class: type | None = None,
+              args: tuple = (), threads_per_rank: int | None = None) -> list[Any]:
     """Run `main(RankContext, *args)` once per rank of this node (one process per rank when the
-    world is larger than 1); returns the ranks' values in rank order, or raises RankFailed."""
+    world is larger than 1); returns the ranks' values in rank order, or raises RankFailed.
+
+    `sizes` is the layout (`resolve_parallel`), or just the number of data-parallel ranks, as in the
+    seeds' `launch_dp(main, dp_size)`: dp_size independent ranks (ep = cp = 1; several nodes from
+    WORLD_SIZE/RANK), each with its own engine. `accelerator_class` defaults to the back end
+    DEEPINFER_ACCELERATOR selects."""
+    if accelerator_class is None:
+        from deepinfer.plugins import select_accelerator_class
+
+        accelerator_class = select_accelerator_class(None)
+    if not isinstance(sizes, ParallelLayout):
+        sizes = resolve_parallel(1, sizes, 1, accelerator_class.name)
     return launch(main, args, sizes, accelerator_class, threads_per_rank)

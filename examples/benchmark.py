@@ -13,6 +13,9 @@ Node 0 prints three numbers (plus the true accepted-token throughput beside the 
                        accounting": counts 1 + nextn tokens per request per step whatever the
                        drafts' true acceptance, so it overstates output speed when drafts are rejected)
   accepted throughput  tokens actually emitted per second per device in the same window
+  with --accept_rate A: avg_SPS x decode_num_requests x (1 + A x verified drafts per step) / cp,
+                       the throughput (and per-user speed) if a share A of the verified drafts were
+                       accepted (a random-weight drafter accepts almost nothing)
 
 Parallel layout (`examples/bench/layout.py`): scale = WORLD_SIZE x devices per node (1 on the CPU
 back end), ep = scale, --cp divides it, dp = scale / cp. A scale above 1 starts this node's ranks
@@ -25,6 +28,11 @@ prompts; the ranks of a CP group run the same ones. Node 0 combines one rank per
 repeat: tokens, sequence steps and accepted tokens summed over the DP ranks, seconds the longest
 rank's (the phase's wall time), then divided by the devices (scale) as below: whole-run
 throughput per device. Its record keeps every rank's raw runs under "ranks".
+
+While it runs (stderr, node 0): the plan before anything is built (with the flags that shrink the
+seeds' accelerator sizes on a CPU), an estimate of the whole run from a short calibration prompt,
+another of the timed phases after the warm-up, and progress bars on a terminal
+(`examples/bench/progress.py`).
 
 Method: `examples/bench/workloads.py`. Accounting: `examples/bench/accounting.py`. Roofline
 (`--roofline`): `examples/bench/roofline.py` and `model_cost.py` (per family: `cost_v4.py`,
@@ -48,9 +56,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` importable
 
-from bench import accounting, results  # noqa: E402
+from bench import accounting, progress, results  # noqa: E402
 from bench.layout import Layout, resolve_layout  # noqa: E402
-from _launch import RankContext, check_context_parallel_model, launch_dp, resolve_parallel  # noqa: E402
+from _launch import (REFUSALS, RankContext, RankFailed, check_context_parallel_model, error_line,  # noqa: E402
+                     launch_dp, resolve_parallel)
 from _speculation import NEXTN_VAR, drafter_unsupported, speculation_off_note  # noqa: E402
 
 # The seeds' defaults (sized for a node of SM100 GPUs) and a CPU preset of the same shape that a
@@ -100,11 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure memory bandwidth and bf16 matmul throughput (right before every timed "
                         "phase) and print each figure as a fraction of its bound")
     p.add_argument("--no_warmup", action="store_true", help="skip the untimed warm-up requests")
+    p.add_argument("--accept_rate", type=_share, default=None,
+                   help="also report decode throughput and per-user speed as if this share (0..1) of the verified "
+                        "drafts were accepted: avg_SPS x decode_num_requests x (1 + accept_rate x verified drafts "
+                        "per step) / cp (random-weight drafters accept almost nothing)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--result_jsonl", default=None, help="append one JSON object with the raw quantities here")
     p.add_argument("--tag", default="", help="free text stored in the result record (e.g. a sweep tag)")
     p.add_argument("--profile_dir", default="profiles", help="where PROFILE=1 writes its trace")
     return p
+
+
+def _share(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a share between 0 and 1") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value} is not between 0 and 1")
+    return value
 
 
 @dataclass(frozen=True)
@@ -115,6 +138,18 @@ class Settings:
     prefill_batch_size: int
     decode_tokens: int
     prefill_batches: int
+
+
+def planned_work(settings: Settings) -> progress.Work:
+    """What one repeat of the timed phases runs on each data-parallel rank."""
+    prefill_requests = -(-settings.prefill_batches * settings.prefill_batch_size // settings.non_cached_tokens)
+    return progress.Work(prefill_prompts=prefill_requests, prompt_len=settings.non_cached_tokens,
+                         decode_sequences=settings.decode_num_requests, context_len=settings.context_length,
+                         decode_steps=settings.decode_tokens)
+
+
+def _stderr_note(enabled: bool):
+    return (lambda text: print(text, file=sys.stderr, flush=True)) if enabled else (lambda text: None)
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
@@ -267,6 +302,15 @@ def format_figures(record: dict[str, Any]) -> str:
             f"   [per user {_fmt(f['decode_per_user_tokens_per_s'], 'tokens/s')}; "
             f"{f['decode_acceptance_length']['median']:.2f} tokens per sequence per step]",
         ]
+        accept = record["settings"].get("accept_rate")
+        if accept is not None:
+            v = f["decode_verified_drafts_per_step"]["median"]
+            lines.append(
+                f"decode throughput at accept_rate {accept:g} (avg_SPS x {req} x (1 + {accept:g} x {v:.2f} verified "
+                f"drafts per step) / cp={cp}): "
+                f"{_fmt(f['decode_assumed_acceptance_tokens_per_s_per_device'], 'tokens/s/device')}"
+                f"   [per user {_fmt(f['decode_assumed_acceptance_per_user_tokens_per_s'], 'tokens/s')}"
+                + ("; no drafts verified: speculation off" if not v else "") + "]")
     return "\n".join(lines)
 
 
@@ -301,6 +345,10 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
     # the launcher's rules and refusals (nodes, devices, CP support) before anything starts
     parallel = resolve_parallel(layout.ep, layout.dp, layout.cp, accelerator, env)
     check_context_parallel_model(args.model_name, parallel.cp)
+    if args.phase != "none":
+        _stderr_note(layout.rank == 0)(progress.plan_text(
+            planned_work(settings), args.phase, args.repeats, settings.prefill_batch_size, args.preset, accelerator,
+            layout.scale, warmup=not args.no_warmup))
 
     ranks: list[dict] = []
     if args.phase != "none":
@@ -325,6 +373,7 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
         "tag": args.tag,
         "argv": list(getattr(args, "_argv", [])),
         "settings": dict(vars(settings), preset=args.preset, cp=args.cp, yoco_clip=args.yoco_clip,
+                         accept_rate=args.accept_rate,
                          prompt_mode=args.prompt_mode, phase=args.phase, repeats=args.repeats, seed=args.seed),
         "layout": {"world_size": layout.world_size, "rank": layout.rank, "devices_per_node": layout.devices_per_node,
                    "scale": layout.scale, "cp": layout.cp, "dp": layout.dp, "ep": layout.ep,
@@ -403,6 +452,45 @@ def _engine_kwargs(args: argparse.Namespace, settings: Settings, parallel: Any, 
     return kwargs
 
 
+CALIBRATION_PROMPT_TOKENS, CALIBRATION_OUTPUT_TOKENS = 256, 6
+
+
+def _note_calibrated_estimate(llm: Any, args: argparse.Namespace, settings: Settings, work: progress.Work,
+                              sequences: int, synced, note) -> None:
+    """Before the warm-up (whose one full prefill step alone can take minutes on a CPU): time one
+    short prompt and a few decode steps, twice (the first pays first-call costs), and say how long
+    the whole run will take at that speed."""
+    from bench import workloads
+
+    length = max(1, min(CALIBRATION_PROMPT_TOKENS, llm.config.max_model_len - CALIBRATION_OUTPUT_TOKENS - 1))
+    params = workloads.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=CALIBRATION_OUTPUT_TOKENS)
+    for seed in (10**6 + 5, 10**6 + 7):
+        prompt = workloads.random_prompts(1, length, llm.engine.vocab_size, seed=seed)
+        _, trace = synced(workloads.run_requests(llm, prompt, params))
+    tokens_per_s = workloads.tokens_per_second(trace, length)
+    if not tokens_per_s:
+        return
+    speed = progress.Speed(tokens_per_s, workloads.decode_step_seconds(trace), f"a {length}-token calibration prompt")
+    warmup_tokens, warmup_steps = 0, 0
+    if args.phase in ("both", "prefill"):
+        warmup_tokens += 2 * -(-settings.prefill_batch_size // settings.non_cached_tokens) * settings.non_cached_tokens
+    if args.phase in ("both", "decode"):
+        warmup_tokens += sequences * min(settings.non_cached_tokens, WARMUP_PROMPT_TOKENS)
+        warmup_steps += WARMUP_OUTPUT_TOKENS
+    seconds = progress.estimate_seconds(work, args.phase, args.repeats, speed, warmup_tokens, warmup_steps)
+    if seconds is not None:
+        note(progress.estimate_text(seconds, speed, "the warm-up and the timed phases take"))
+
+
+def _watched(label: str, rank: int, run, decode_steps: int | None = None):
+    """`run(progress)` with progress bars on node 0's first rank (on a terminal; see bench/progress.py)."""
+    bars = progress.PhaseProgress(label, decode_steps=decode_steps, enabled=None if rank == 0 else False)
+    try:
+        return run(bars.update)
+    finally:
+        bars.close()
+
+
 def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequences: int, profile: bool,
                   rank: int, say, dp_rank: int = 0) -> tuple[list[dict], list[dict]]:
     """Warm-up, then prefill and decode alternately `--repeats` times; raw results per repeat. Every
@@ -424,7 +512,11 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         return roofline.measure_machine(trials=3).to_json()
 
     vocab = llm.engine.vocab_size
+    work = planned_work(settings)
+    note = _stderr_note(rank == 0)
+    prefill_speed = decode_step = None
     if not args.no_warmup:
+        _note_calibrated_estimate(llm, args, settings, work, sequences, synced, note)
         # First-call costs stay out of the timings: allocation, kernel selection, and on the cpu
         # back end oneDNN's JIT compilation of every new GEMM shape (~3 ms each), so the warm-up
         # runs one full prefill step and decode at the timed batch size. The prefill warm-up runs
@@ -434,14 +526,24 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         greedy = dict(temperature=0.0, ignore_eos=True)
         if args.phase in ("both", "prefill"):
             step = -(-settings.prefill_batch_size // settings.non_cached_tokens)
-            for seed in (10**6 + 1, 10**6 + 3):
+            for i, seed in enumerate((10**6 + 1, 10**6 + 3)):
                 warm = workloads.random_prompts(step, settings.non_cached_tokens, vocab, seed=seed)
-                synced(workloads.run_requests(llm, warm, workloads.SamplingParams(max_tokens=1, **greedy)))
+                _, trace = synced(_watched(f"warm-up prefill {i + 1}/2", rank, lambda bars: workloads.run_requests(
+                    llm, warm, workloads.SamplingParams(max_tokens=1, **greedy), progress=bars)))
+            prefill_speed = workloads.tokens_per_second(trace, step * settings.non_cached_tokens)  # the second run
         if args.phase in ("both", "decode"):
             warm = workloads.random_prompts(sequences, short, vocab, seed=10**6 + 2)
-            synced(workloads.run_requests(llm, warm,
-                                          workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy)))
-    prefill_requests = -(-settings.prefill_batches * settings.prefill_batch_size // settings.non_cached_tokens)
+            _, trace = synced(_watched("warm-up decode", rank, lambda bars: workloads.run_requests(
+                llm, warm, workloads.SamplingParams(max_tokens=WARMUP_OUTPUT_TOKENS, **greedy), progress=bars)))
+            decode_step = workloads.decode_step_seconds(trace)
+            if prefill_speed is None:  # decode only: its prompts' prefill is the speed to go by
+                prefill_speed = workloads.tokens_per_second(trace, sequences * short)
+        if prefill_speed:
+            speed = progress.Speed(prefill_speed, decode_step, "the warm-up")
+            seconds = progress.estimate_seconds(work, args.phase, args.repeats, speed)
+            if seconds is not None:
+                note(progress.estimate_text(seconds, speed, "the timed phases take"))
+    prefill_requests = work.prefill_prompts
     prefill_runs: list[dict] = []
     decode_runs: list[dict] = []
     profiler = _profiler(profile)
@@ -450,16 +552,19 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
     try:
         for r in range(args.repeats):
             seed = args.seed + 2 * (dp_rank * args.repeats + r)
+            of = f" {r + 1}/{args.repeats}" if args.repeats > 1 else ""
             if args.phase in ("both", "prefill"):
                 prompts = workloads.random_prompts(prefill_requests, settings.non_cached_tokens, vocab, seed=seed)
                 m = machine()
-                run = synced(workloads.run_prefill(llm, prompts, settings.prefill_batch_size, profiler))
+                run = synced(_watched(f"prefill phase{of}", rank, lambda bars: workloads.run_prefill(
+                    llm, prompts, settings.prefill_batch_size, profiler, progress=bars)))
                 prefill_runs.append(dict(run.to_json(), machine=m))
             if args.phase in ("both", "decode"):
                 prompts = workloads.random_prompts(sequences, settings.context_length, vocab, seed=seed + 1)
                 m = machine()
-                run = synced(workloads.run_decode(llm, prompts, settings.decode_tokens, settings.prefill_batch_size,
-                                                  engine_nextn(llm), profiler))
+                run = synced(_watched(f"decode phase{of}", rank, lambda bars: workloads.run_decode(
+                    llm, prompts, settings.decode_tokens, settings.prefill_batch_size, engine_nextn(llm), profiler,
+                    progress=bars), decode_steps=settings.decode_tokens))
                 decode_runs.append(dict(run.to_json(), machine=m))
     finally:
         if profiler is not None:
@@ -505,8 +610,8 @@ def main(argv: list[str] | None = None) -> int:
     args._argv = argv
     try:
         record = run(args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (*REFUSALS, RankFailed, RuntimeError) as e:  # RuntimeError: e.g. a benchmark request the engine refused
+        print(error_line(e), file=sys.stderr)
         return 2
     roofline_text = record.pop("_roofline_text", None)
     if record["layout"]["rank"] > 0:

@@ -4,6 +4,7 @@
     python examples/offline_inference.py --model_name /path/to/checkpoint
     python examples/offline_inference.py --check_structured_output
     python examples/offline_inference.py --long_context        # 16,389 input + 4,096 output tokens each
+                                                               # (refused up front on a shorter model)
 
 For each sample it prints one line:
 
@@ -39,9 +40,9 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _launch import (ParallelConfigError, ParallelSizes, RankContext, RankFailed, check_context_parallel_model,  # noqa: E402
-                     launch_dp, resolve_parallel)
-from _prompts import prepare_offline_prompts  # noqa: E402
+from _launch import (REFUSALS, ParallelConfigError, ParallelSizes, RankContext, RankFailed,  # noqa: E402
+                     check_context_parallel_model, error_line, launch_dp, resolve_parallel)
+from _prompts import LONG_CONTEXT_INPUT_TOKENS, LONG_CONTEXT_OUTPUT_TOKENS, prepare_offline_prompts  # noqa: E402
 from _speculation import drafter_unsupported, speculation_off_note  # noqa: E402
 
 # Engine settings baked into the example (as in the seeds). max_model_len is left to the engine's
@@ -105,6 +106,29 @@ def format_result(rank: int, prompt_text: str | None, output) -> str:
     shown_output = completion.text if output.error is None else f"[{completion.finish_reason}: {output.error}]"
     return (f"DP {rank}; INPUT: {one_line(prompt_text, INPUT_DISPLAY_CHARS)}; OUTPUT: {one_line(shown_output)}; "
             f"output_tokens={len(completion.token_ids)}; accept_rate={accept}; decode_ppl={ppl}")
+
+
+def check_long_context(model_name: str | None) -> None:
+    """Refuse --long_context before any process starts when the model cannot hold one sample's
+    prompt and output (the engine would fail every sample alone); ValueError with the fix. A model
+    that cannot be resolved here is left to the engine, which reports that in its own words."""
+    from deepinfer.engine.builder import DEFAULT_MAX_MODEL_LEN
+    from deepinfer.models.registry import checkpoint_family
+    from deepinfer.models.resolve import resolve_model
+
+    try:
+        path = resolve_model(model_name).path
+        family, raw = checkpoint_family(path)
+        limit = family.parse_config(raw, str(path / "config.json")).max_position_embeddings
+    except (OSError, ValueError, RuntimeError):
+        return
+    usable = MAX_MODEL_LEN or min(limit, DEFAULT_MAX_MODEL_LEN)
+    needed = LONG_CONTEXT_INPUT_TOKENS + LONG_CONTEXT_OUTPUT_TOKENS
+    if needed > usable:
+        raise ValueError(f"--long_context needs {needed:,} tokens per sample ({LONG_CONTEXT_INPUT_TOKENS:,} prompt + "
+                         f"{LONG_CONTEXT_OUTPUT_TOKENS:,} output), but the model at {path} holds {usable:,} "
+                         f"(max_position_embeddings {limit:,}); use a checkpoint with a longer context (--model_name) "
+                         f"or run without --long_context")
 
 
 def accelerator_name() -> str:
@@ -218,10 +242,10 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
     result: dict = {"status": 0, "header": [], "lines": {}, "checked": {}, "errors": []}
     try:
         llm = create_llm(args, ctx.layout, accelerator)
-    except (ValueError, FileNotFoundError) as e:  # a model, setting or feature the engine refuses, in its words
+    except REFUSALS as e:  # a back end, model, setting or feature the engine refuses, in its words
         if not ctx.layout.is_single:
             raise  # the other ranks would wait for this one in a collective: end the launch
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(error_line(e), file=sys.stderr, flush=True)
         return {**result, "status": 1}
     info = llm.build_info
     if info.is_default_model:
@@ -240,6 +264,10 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
         if problems:
             result["errors"].append(f"[rank {rank}] structured output check FAILED:\n  " + "\n  ".join(problems))
             result["status"] = 1
+    failed = sum(o.error is not None for o in outputs.values())
+    if failed:  # each failed sample's line says why; the run must not look successful
+        result["errors"].append(f"error: {failed} of {len(outputs)} samples failed (their lines say why)")
+        result["status"] = 1
     total = sum(len(o.outputs[0].token_ids) for o in outputs.values())
     # a summary, not a sample: only sample lines start with "DP <rank>;" (scripts parse them)
     who = f"{rank}" if ctx.layout.cp == 1 else f"{rank}, CP rank {ctx.rank % ctx.layout.cp}"
@@ -280,12 +308,14 @@ def print_results(results: list[dict], check_structured: bool, samples: bool = T
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    accelerator = accelerator_name()
-    try:
+    try:  # refusals before any process starts: the back end, the layout, the model
+        accelerator = accelerator_name()
         sizes = resolve_parallel(args.ep, args.dp, args.cp, accelerator)
         check_context_parallel_model(args.model_name, sizes.cp)
-    except (ParallelConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if args.long_context:
+            check_long_context(args.model_name)
+    except REFUSALS as e:
+        print(error_line(e), file=sys.stderr)
         return 2
     from deepinfer.plugins import select_accelerator_class
 
@@ -295,10 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         exit_now_on_interrupt()
     except ParallelConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(error_line(e), file=sys.stderr)
         return 2
     except RankFailed as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print(error_line(e), file=sys.stderr, flush=True)
         return 1
     if sizes.node_rank > 0:
         print(f"node {sizes.node_rank} of {sizes.nodes}: node 0 prints the samples", file=sys.stderr, flush=True)

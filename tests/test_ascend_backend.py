@@ -340,6 +340,46 @@ def test_torch_npu_that_does_not_load_is_explained(monkeypatch):
         AscendAccelerator()
 
 
+@pytest.fixture
+def no_switches(monkeypatch):
+    for var in ("ASCEND_LAUNCH_BLOCKING", "ASCEND_SLOG_PRINT_TO_STDOUT"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_readable_error_switches_are_honoured(torch_npu, ascend_machine, no_switches):
+    """The seeds' ASCEND_LAUNCH_BLOCKING=1 / ASCEND_SLOG_PRINT_TO_STDOUT=1: doctor shows them, and with
+    operators synchronous the engine runs its steps synchronously too (no host_overlap, so the async
+    pipeline is off by default and an NPU error surfaces in the step that caused it)."""
+    from deepinfer_plugins.ascend950 import AscendAccelerator
+
+    ascend_machine()
+    assert AscendAccelerator().capabilities().host_overlap
+    assert "ASCEND_" not in ascprobe.probe().reason.replace("ASCEND_HOME_PATH", "")
+    no_switches.setenv("ASCEND_LAUNCH_BLOCKING", "1")
+    no_switches.setenv("ASCEND_SLOG_PRINT_TO_STDOUT", "1")
+    assert not AscendAccelerator().capabilities().host_overlap
+    reason = ascprobe.probe().reason
+    assert "ASCEND_LAUNCH_BLOCKING=1 (operators run synchronously" in reason
+    assert "ASCEND_SLOG_PRINT_TO_STDOUT=1 (CANN's logs go to stdout)" in reason
+
+
+def test_an_npu_start_up_failure_names_the_switches_that_are_off(no_switches):
+    from deepinfer_plugins.ascend950 import AscendAccelerator
+
+    no_switches.setitem(sys.modules, "torch_npu", None)  # import fails, like libhccl.so missing
+    with pytest.raises(RuntimeError, match="rerun with ASCEND_LAUNCH_BLOCKING=1 ASCEND_SLOG_PRINT_TO_STDOUT=1"):
+        AscendAccelerator()
+    no_switches.setenv("ASCEND_LAUNCH_BLOCKING", "1")
+    with pytest.raises(RuntimeError) as failed:
+        AscendAccelerator()
+    assert "rerun with ASCEND_SLOG_PRINT_TO_STDOUT=1 (CANN's logs go to stdout)" in str(failed.value)
+    no_switches.setenv("ASCEND_SLOG_PRINT_TO_STDOUT", "1")
+    with pytest.raises(RuntimeError) as failed:
+        AscendAccelerator()
+    assert "rerun with" not in str(failed.value) and "does not load" in str(failed.value)
+
+
 # ------------------------------------------------------------------------------ conformance kit
 
 PLUMBING_PLUGIN = '''

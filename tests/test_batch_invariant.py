@@ -245,14 +245,49 @@ def test_default_accelerator_method_refuses():
         Bare().set_batch_invariant(True)
 
 
-def test_variable_length_verification_is_refused(tiny_v4, monkeypatch):
-    from deepinfer import LLM
-    from deepinfer.plugins import PluginError
+@pytest.mark.parametrize("family, varlen, temperature", [("v4", "1", 0.0), ("v41", "1", 0.0), ("v4", "0", 0.8)])
+def test_speculative_decoding_keeps_the_guarantee(family, varlen, temperature, tiny_v4, tmp_path, clean_env,
+                                                  one_thread):
+    """The seeds' NVIDIA default with DSpark, DEEPINFER_BATCH_INVARIANT=1 with DEEPINFER_ENABLE_MTP_VARLEN=1,
+    runs. How many drafts each request verifies then depends on the batch, but the forward is
+    batch-invariant and greedy verification emits exactly the tokens decoding without speculation
+    emits: greedy tokens and log-probabilities are the same bits alone and in batches. With
+    fixed-length verification (MTP_VARLEN=0) seq_seed-sampled tokens are too (docs/batch_invariance.md).
+    V4: the self drafter with 30% wrong drafts (accept and reject paths); V4.1: its DSpark head and
+    confidence head."""
+    from deepinfer.models.deepseek_v41.make_model import make_model
 
-    monkeypatch.setenv("DEEPINFER_BATCH_INVARIANT", "1")
-    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
-    with pytest.raises(PluginError, match="DEEPINFER_ENABLE_MTP_VARLEN=0"):
-        LLM(model=tiny_v4, accelerator="cpu", dtype="bfloat16", max_model_len=64)
+    path = tiny_v4 if family == "v4" else str(make_model(tmp_path / "v41", "tiny", seed=0, with_dspark=True))
+    drafter = {"drafter": "self", "self_draft_error_rate": 0.3} if family == "v4" else {}
+    clean_env.setenv("DEEPINFER_BATCH_INVARIANT", "1")
+    clean_env.setenv("DEEPINFER_ENABLE_MTP_VARLEN", varlen)
+    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    params = [SamplingParams(temperature=temperature, max_tokens=10, ignore_eos=True, logprobs=VOCAB,
+                             seq_seed=1000 + i if temperature else None) for i in range(len(PROMPTS))]
+
+    def run(**kw):
+        from deepinfer import LLM
+
+        llm = LLM(**{**dict(model=path, accelerator="cpu", dtype="bfloat16", max_model_len=96, max_num_seqs=12,
+                            max_num_batched_tokens=256, features={"dspark": drafter}), **kw})
+        try:
+            assert llm.engine.accelerator.invariant
+            assert (llm.engine.speculator.policy is not None) == (varlen == "1")  # confidence-scheduled
+            if kw.get("max_num_seqs") == 1:
+                outs = [llm.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(PROMPTS, params)]
+            else:
+                outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            return _traces(outs), llm.engine.spec_stats.num_drafts_verified
+        finally:
+            llm.shutdown()
+
+    alone, _ = run(max_num_seqs=1)
+    batch12, verified = run()
+    three, _ = run(max_num_seqs=3, max_num_batched_tokens=16)  # prompts chunked
+    assert verified > 0
+    for i in range(len(PROMPTS)):
+        assert batch12[i] == alone[i], f"request {i} differs in a batch of 12"
+        assert three[i] == alone[i], f"request {i} differs with max_num_seqs=3"
 
 
 def test_env_var_enables_the_feature(tiny_v4, monkeypatch):

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
-from bench import accounting, cost_v41, model_cost, results, roofline  # noqa: E402
+from bench import accounting, cost_v41, model_cost, progress, results, roofline  # noqa: E402
 from bench.layout import devices_per_node, resolve_layout, validate_cp  # noqa: E402
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
@@ -56,6 +56,18 @@ def test_full_acceptance_overstates_rejected_drafts():
     sps = accounting.decode_avg_sps(10, 1.0)
     assert accounting.full_acceptance_throughput(sps, 4, 3, 1) == 160
     assert accounting.accepted_throughput(10 * 4 * 2, 1.0, 1) == 80
+
+
+def test_assumed_acceptance_accounting():
+    # 3 drafts verified per step, 0.75 of them accepted: 1 + 2.25 tokens per sequence per step
+    assert accounting.tokens_per_step(3.0, 0.75) == 3.25
+    assert accounting.assumed_acceptance_throughput(10.0, 8, 3.0, 0.75, 2) == pytest.approx(10 * 8 * 3.25 / 2)
+    # every draft verified and accepted: the seeds' full-acceptance accounting
+    assert accounting.assumed_acceptance_throughput(10.0, 64, 5, 1.0, 8) == pytest.approx(
+        accounting.full_acceptance_throughput(10.0, 64, 5, 8))
+    assert accounting.tokens_per_step(0.0, 0.75) == 1.0  # no speculation: the measured figure
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        accounting.tokens_per_step(3.0, 1.5)
 
 
 def test_prefill_throughput_is_per_device():
@@ -131,6 +143,52 @@ def test_preset_fills_only_flags_that_were_not_given():
         == (64, 32768, 4096, 32768)
     with pytest.raises(ValueError, match="--decode_num_requests 0 must be >= 1"):
         benchmark.resolve_settings(benchmark.build_parser().parse_args(["--decode_num_requests", "0"]))
+
+
+# --- telling the user what runs: the plan, estimates, progress bars ------------------------------
+
+def test_the_plan_of_the_seeds_defaults_on_a_cpu_names_the_work_and_how_to_shrink_it():
+    settings = benchmark.resolve_settings(benchmark.build_parser().parse_args([]))
+    work = benchmark.planned_work(settings)
+    assert (work.prefill_prompts, work.prefill_tokens, work.decode_prompt_tokens) == (16, 65536, 2097152)
+    text = progress.plan_text(work, "both", 1, settings.prefill_batch_size, "seeds", "cpu", 1, warmup=True)
+    assert "16 prompts x 4,096 tokens = 65,536 tokens, 32,768 per step" in text
+    assert "64 sequences, first prefilled to 32,768 tokens each (2,097,152 prompt tokens), then 64 steps" in text
+    assert "--preset cpu" in text and "--decode_num_requests" in text and "--phase prefill|decode" in text
+    on_gpu = progress.plan_text(work, "decode", 3, settings.prefill_batch_size, "seeds", "nvidia", 8, warmup=False)
+    assert "--preset cpu" not in on_gpu and "prefill:" not in on_gpu and "x 3" in on_gpu
+
+
+def test_estimates_count_every_prompt_token_and_decode_step():
+    work = progress.Work(prefill_prompts=2, prompt_len=100, decode_sequences=4, context_len=50, decode_steps=10)
+    speed = progress.Speed(prefill_tokens_per_s=100.0, decode_step_s=0.5, measured_on="a test")
+    # (200 + 4 x 50) tokens / 100 per s + 10 steps x 0.5 s, twice
+    assert progress.estimate_seconds(work, "both", 2, speed) == pytest.approx(2 * (4.0 + 5.0))
+    assert progress.estimate_seconds(work, "prefill", 1, speed, extra_prefill_tokens=300) == pytest.approx(5.0)
+    assert progress.estimate_seconds(work, "decode", 1, progress.Speed(100.0, None, "x")) is None
+    assert "at least 2.5 h" in progress.estimate_text(9000.0, speed, "it takes")
+
+
+def test_progress_bars_follow_prefilled_tokens_then_decode_steps():
+    import io
+    from types import SimpleNamespace as NS
+
+    out = io.StringIO()
+    bars = progress.PhaseProgress("decode phase", decode_steps=4, stream=out, enabled=True)
+    requests = [NS(num_prompt_tokens=30, num_computed_tokens=20), NS(num_prompt_tokens=30, num_computed_tokens=0)]
+    bars.update(requests, NS(all_started=[False], advances=[0]))
+    assert bars._prefill.n == 20 and bars._decode is None
+    requests[1].num_computed_tokens = 30
+    requests[0].num_computed_tokens = 31  # prompt plus a decoded token: counted up to the prompt
+    bars.update(requests, NS(all_started=[False, True], advances=[1, 2]))
+    bars.update(requests, NS(all_started=[False, True, True], advances=[1, 2, 8]))  # 3 steps each
+    assert bars._prefill.n == 60 and bars._decode.n == 3
+    bars.close()
+    text = out.getvalue()
+    assert "decode phase: prefill: 100%" in text and "60.0/60.0" in text and "decode phase: decode:  75%" in text
+    quiet = progress.PhaseProgress("x", stream=io.StringIO())  # not a terminal: no bars
+    quiet.update(requests, NS(all_started=[True], advances=[0]))
+    assert quiet._prefill is None
 
 
 # --- model cost: a small config counted by hand --------------------------------------------------
@@ -353,6 +411,24 @@ def test_sweep_plot_from_a_small_jsonl(tmp_path, mode):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_decode_plot_at_an_assumed_acceptance(tmp_path, capsys):
+    path = tmp_path / "results.jsonl"
+    for value, speed in [(1, 20.0), (4, 15.0)]:
+        rec = _record("decode", value, speed)
+        rec["settings"]["accept_rate"] = 0.5
+        rec["decode"][0]["speculation"] = {"num_verifications": 10 * value, "num_drafts_verified": 40 * value,
+                                           "num_drafts_accepted": 0, "num_tokens_emitted": 10 * value}
+        results.append_jsonl(path, rec)
+    records = results.read_jsonl(path)
+    # 4 drafts verified per step, half assumed accepted: 3 tokens per step instead of the measured 1
+    assert [p[:2] for p in plot_pareto.points(records, "decode")] == [
+        (pytest.approx(60.0), pytest.approx(60.0)), (pytest.approx(45.0), pytest.approx(180.0))]
+    assert plot_pareto.main(["decode", str(path), str(tmp_path / "d.png")]) == 0
+    results.append_jsonl(path, _record("decode", 16, 8.0))  # a run without --accept_rate
+    assert plot_pareto.main(["decode", str(path), str(tmp_path / "d.png")]) == 2
+    assert "different --accept_rate values" in capsys.readouterr().err
+
+
 def test_plot_reports_bad_input(tmp_path, capsys):
     path = tmp_path / "r.jsonl"
     path.write_text("not json\n")
@@ -369,6 +445,13 @@ def test_run_sweep_checks_its_arguments():
     assert bad_mode.returncode == 2 and "mode must be decode or prefill" in bad_mode.stderr
     bad_ctx = subprocess.run(["bash", str(script), "decode", "t", "lots"], capture_output=True, text=True)
     assert bad_ctx.returncode == 2 and "CONTEXT must be a token count" in bad_ctx.stderr
+    for args, message in [(["decode", "t", "64", "1,2,4"], "a list of batch sizes goes in --points 1,2,4"),
+                          (["decode", "t", "64", "3", "1.5"], "ACCEPT must be a share between 0 and 1, got '1.5'"),
+                          (["decode", "t", "64", "3", "0.75", "9"], "unexpected argument '9'"),
+                          (["prefill", "t", "64", "512,1024"], "a list of points goes in --points"),
+                          (["prefill", "t", "64", "--points", "1,x"], "--points must be comma-separated")]:
+        out = subprocess.run(["bash", str(script), *args], capture_output=True, text=True)
+        assert out.returncode == 2 and message in out.stderr, (args, out.stderr)
 
 
 # --- end to end on the tiny model ----------------------------------------------------------------
@@ -395,15 +478,48 @@ TINY_ARGS = ["--decode_num_requests", "3", "--context_length", "20", "--non_cach
              "--prefill_batch_size", "48", "--decode_tokens", "5", "--prefill_batches", "2"]
 
 
+def test_the_seeds_decode_sweep_with_draft_length_and_acceptance(tiny_model, tmp_path):
+    """`run_sweep.sh decode TAG CONTEXT 3 0.75` (the seeds' command, at tiny sizes): every run drafts 3
+    tokens (DEEPINFER_USE_NEXTN_DECODE=3) and the chart is the throughput at 0.75 of the verified
+    drafts accepted: avg_SPS x requests x (1 + 0.75 x 3) / cp, 3.25 tokens per step."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    env.update(PYTHON=sys.executable, SWEEP_DIR=str(tmp_path), OMP_NUM_THREADS="1", DEEPINFER_ACCELERATOR="cpu")
+    out = subprocess.run(["bash", str(EXAMPLES / "sweep" / "run_sweep.sh"), "decode", "tiny-decode", "20", "3", "0.75",
+                          "--points", "1,2", "--model_name", str(tiny_model), "--prefill_batch_size", "48",
+                          "--decode_tokens", "4", "--no_warmup"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "decode, 1 requests at context 20, nextn 3, accept_rate 0.75" in out.stdout
+    assert "decode throughput at accept_rate 0.75 (avg_SPS x 2 x (1 + 0.75 x 3.00 verified drafts per step)" \
+        in out.stdout
+    records = results.read_jsonl(tmp_path / "tiny-decode" / "results.jsonl")
+    assert [r["settings"]["decode_num_requests"] for r in records] == [1, 2]
+    for r in records:
+        assert r["nextn"] == 3 and r["settings"]["accept_rate"] == 0.75 and r["settings"]["context_length"] == 20
+        f = results.figures(r)
+        assert f["decode_verified_drafts_per_step"]["median"] == 3.0  # fixed-length verification
+        sps = f["decode_avg_sps"]["median"]
+        assert f["decode_assumed_acceptance_tokens_per_s_per_device"]["median"] == pytest.approx(
+            sps * r["settings"]["decode_num_requests"] * 3.25)
+        assert f["decode_assumed_acceptance_per_user_tokens_per_s"]["median"] == pytest.approx(sps * 3.25)
+    assert (tmp_path / "tiny-decode" / "decode_pareto.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_benchmark_end_to_end_writes_a_valid_record(tiny_model, tmp_path, capsys, clean_env):
     clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")  # no speculation, whether or not it is installed
     out = tmp_path / "results.jsonl"
     argv = ["--model_name", str(tiny_model), *TINY_ARGS, "--repeats", "2", "--result_jsonl", str(out), "--tag", "e2e"]
     assert benchmark.main(argv) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     for label in ("prefill throughput:", "decode avg_SPS:", "full-acceptance accounting",
                   "accepted tokens (measured)"):
         assert label in printed
+    # what runs and how long, on stderr before and after the warm-up
+    assert "benchmark plan (seeds sizes, 1 device(s), cpu back end), per repeat x 2:" in captured.err
+    assert "estimate: the warm-up and the timed phases take at least" in captured.err
+    assert "estimate: the timed phases take at least" in captured.err
     [record] = results.read_jsonl(out)
     assert record["tag"] == "e2e" and record["nextn"] == 0 and record["layout"]["scale"] == 1
     assert len(record["prefill"]) == 2 and len(record["decode"]) == 2

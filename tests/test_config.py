@@ -147,6 +147,10 @@ def test_a_spec_env_var_must_name_a_field_of_the_config_model(level_feature):
     with pytest.raises(ValueError, match="core's variables"):
         FeatureSpec(name="level", config_model=level_feature.LevelConfig, hooks=(),
                     env_vars=(envs.EnvVar("DEEPINFER_ACCELERATOR", "the level", field="level"),))
+    with pytest.raises(ValueError, match="only when true, which needs kind bool"):
+        FeatureSpec(name="level", config_model=level_feature.LevelConfig, hooks=(),
+                    env_vars=(envs.EnvVar("DEEPINFER_LEVEL", "the level", field="level", kind=int,
+                                          enables_feature="when_true"),))
 
 
 def test_two_features_cannot_declare_the_same_variable(fake_distribution):

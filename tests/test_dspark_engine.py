@@ -363,3 +363,8 @@ def test_environment_variables_turn_speculation_on_and_off(tiny, clean_env):
     llm = _llm(tiny)
     assert llm.engine.speculator is None and llm.engine.spec_stats is None
     llm.shutdown()
+    clean_env.delenv("DEEPINFER_USE_NEXTN_DECODE")
+    clean_env.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")  # fixed-length verification only: speculation stays off
+    llm = _llm(tiny)
+    assert llm.engine.speculator is None
+    llm.shutdown()

@@ -347,6 +347,24 @@ def test_config_defaults_env_vars_and_zero_disables(clean_env):
         DSparkConfig(drafter="ngram")
 
 
+def test_fixed_length_verification_alone_does_not_turn_speculation_on(clean_env):
+    """DEEPINFER_ENABLE_MTP_VARLEN=0 chooses fixed-length verification for speculation that is on for
+    other reasons (a table, DEEPINFER_USE_NEXTN_DECODE); on its own it turns nothing on. =1 asks for
+    confidence-scheduled verification, which needs speculation, so it does turn it on."""
+    from deepinfer.config import load_config, resolve_feature_configs
+
+    models = {"dspark": DSparkConfig}
+    clean_env.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    assert resolve_feature_configs(load_config(), models) == {}
+    table = load_config({"features": {"dspark": {"num_draft_tokens": 2}}})
+    assert resolve_feature_configs(table, models)["dspark"] == DSparkConfig(num_draft_tokens=2, variable_length=False)
+    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "4")
+    assert resolve_feature_configs(load_config(), models)["dspark"] == DSparkConfig(num_draft_tokens=4)
+    clean_env.delenv("DEEPINFER_USE_NEXTN_DECODE")
+    clean_env.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "1")
+    assert resolve_feature_configs(load_config(), models)["dspark"].variable_length
+
+
 def test_feature_is_installed_and_declares_the_draft_proposer_slot():
     from deepinfer.plugins import feature_specs
 

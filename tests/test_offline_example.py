@@ -142,6 +142,63 @@ def test_output_line_format(example, tiny_model, capsys):
     assert [line for line in out if line.startswith("DP ")] == [m.group(0) for m in samples]
 
 
+def test_long_context_on_a_short_model_is_one_error_before_anything_runs(example, tiny_model, capsys):
+    """The tiny model holds 512 positions: --long_context (16,389 + 4,096 tokens per sample) is
+    refused with one message and a non-zero status, before any engine is built."""
+    assert example.main(["--model_name", tiny_model, "--long_context"]) == 2
+    captured = capsys.readouterr()
+    errors = [line for line in captured.err.splitlines() if line.startswith("error")]
+    assert len(errors) == 1 and errors[0].startswith("error: --long_context needs 20,485 tokens per sample"), errors
+    assert "Traceback" not in captured.err
+    assert "512" in errors[0] and "without --long_context" in errors[0]
+    assert "DP " not in captured.out and "Model:" not in captured.out
+
+
+def test_a_failed_sample_makes_the_exit_status_non_zero(example, tiny_model, monkeypatch, capsys):
+    """Should a sample still fail in the engine (here: the check above skipped), its line says why and
+    the example exits 1 with one summary line, instead of 0."""
+    monkeypatch.setattr(example, "check_long_context", lambda model_name: None)
+    assert example.main(["--model_name", tiny_model, "--long_context"]) == 1
+    captured = capsys.readouterr()
+    assert len([line for line in captured.out.splitlines() if line.startswith("DP 0;")]) == 4
+    assert "error: 4 of 4 samples failed" in captured.err
+
+
+def _run_example(script: str, *args: str, **env: str):
+    import subprocess
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}
+    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          env={**clean, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **env}, timeout=300)
+
+
+@pytest.mark.parametrize("script", ["offline_inference.py", "benchmark.py"])
+@pytest.mark.parametrize("accelerator, reason", [("nvidia", "is not a CUDA build"),
+                                                 ("ascend", "torch_npu is not installed")])
+def test_an_unusable_back_end_is_one_error_line(script, accelerator, reason, tiny_model):
+    """The seeds' DEEPINFER_ACCELERATOR=nvidia|ascend on a machine without that hardware (here: a CPU
+    build of torch, no torch_npu): one `error:` line with the reason and the fix, no traceback."""
+    out = _run_example(script, "--model_name", tiny_model, DEEPINFER_ACCELERATOR=accelerator)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr
+    [line] = [line for line in out.stderr.splitlines() if line.startswith("error")]
+    assert line.startswith(f"error: accelerator '{accelerator}' is not usable on this machine") and reason in line
+    assert "DEEPINFER_ACCELERATOR=<name>" in line
+
+
+def test_a_refusal_in_every_rank_is_one_error_not_a_traceback(tiny_model):
+    """Two ranks (one process each) whose engines refuse to start (the batch_invariant feature on a
+    back end without the capability): the launch ends with the engine's message, not a rank's traceback."""
+    out = _run_example("offline_inference.py", "--model_name", tiny_model, "--ep", "1", "--dp", "2",
+                       "--threads_per_rank", "1", DEEPINFER_ACCELERATOR="cpu", DEEPINFER_CPU_NATIVE="0",
+                       DEEPINFER_BATCH_INVARIANT="1")
+    assert out.returncode == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    [line] = [line for line in out.stderr.splitlines() if line.startswith("error")]
+    assert line == "error: invalid feature combination:"
+    assert "needs the back-end capability 'batch_invariant'" in out.stderr
+
+
 SEED_FEATURES = """
 from pydantic import BaseModel
 import deepinfer

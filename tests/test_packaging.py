@@ -96,3 +96,12 @@ def test_demo_runs_from_the_wheel(fresh_venv, tmp_path):
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     assert rows, out.stdout + out.stderr
     assert len(rows[0]["token_ids"]) == 6 and rows[0]["finish_reason"] == "length"
+
+
+def test_wheel_metadata_says_beta(fresh_venv):
+    """The seeds' 0.1.0 is "Development Status :: 4 - Beta"; the installed wheel's metadata says so."""
+    code = ("import importlib.metadata as m; d = m.metadata('deepinfer'); "
+            "print(d['Version']); print('\\n'.join(d.get_all('Classifier')))")
+    out = sh(fresh_venv / "bin" / "python", "-c", code, env=venv_env(), cwd=fresh_venv).stdout.splitlines()
+    assert out[0] == "0.1.0"
+    assert [c for c in out[1:] if c.startswith("Development Status")] == ["Development Status :: 4 - Beta"]

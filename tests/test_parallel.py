@@ -160,12 +160,37 @@ def test_a_failing_rank_ends_the_launch_with_its_error():
     with pytest.raises(RankFailed, match=r"rank 1 failed") as failed:
         launch(fail_on_rank_one, (), ParallelLayout(ep=2, dp=2), _cpu(), threads_per_rank=1)
     assert failed.value.rank == 1 and "ValueError: rank one cannot load its shard" in failed.value.error
+    # the exception itself comes back too: callers print a refusal as one line (examples/_launch.error_line)
+    assert isinstance(failed.value.exception, ValueError) and str(failed.value.exception) == "rank one cannot load its shard"
     assert time.monotonic() - start < 60
 
 
 def test_a_rank_that_dies_silently_is_reported():
     with pytest.raises(RankFailed, match=r"exited with code 3"):
         launch(die_on_rank_one, (), ParallelLayout(ep=1, dp=2), _cpu(), threads_per_rank=1)
+
+
+def where_am_i(ctx, tag: str) -> tuple[int, int, int, str]:
+    return ctx.dp_rank, ctx.layout.dp, os.getpid(), tag
+
+
+def test_launch_dp_with_the_number_of_data_parallel_ranks(monkeypatch):
+    """The seeds' entry point `launch_dp(main, dp_size)`: one process per data-parallel rank on the
+    back end DEEPINFER_ACCELERATOR selects."""
+    monkeypatch.syspath_prepend(str(REPO / "examples"))
+    from _launch import launch_dp
+
+    for name, value in _env().items():
+        monkeypatch.setenv(name, value)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    ranks = launch_dp(where_am_i, 2, args=("hello",))
+    assert [(r[0], r[1], r[3]) for r in ranks] == [(0, 2, "hello"), (1, 2, "hello")]
+    pids = {r[2] for r in ranks}
+    assert len(pids) == 2 and os.getpid() not in pids
+    assert launch_dp(where_am_i, 1, args=("one",))[0][:2] == (0, 1)  # one rank runs in this process
+    with pytest.raises(ParallelConfigError, match="--dp 0 must be >= 1"):
+        launch_dp(where_am_i, 0)
 
 
 # ------------------------------------------------------------------------------ layout rules

@@ -41,11 +41,31 @@ STOP_GRACE_SECONDS = 5.0
 
 
 class RankFailed(RuntimeError):
-    """One rank of a launch failed; `rank` and its `error` (traceback text or exit code)."""
+    """One rank of a launch failed; `rank` and its `error` (traceback text or exit code), and
+    `exception`, the exception the rank raised, when it could be sent back (None otherwise), so that
+    a caller can tell a refusal raised on purpose from a crash."""
 
-    def __init__(self, rank: int, error: str):
+    def __init__(self, rank: int, error: str, exception: BaseException | None = None):
         super().__init__(f"rank {rank} failed:\n{error}")
-        self.rank, self.error = rank, error
+        self.rank, self.error, self.exception = rank, error, exception
+
+
+def _error_report(e: BaseException) -> tuple[str, bytes | None]:
+    """(traceback text, the pickled exception or None if it does not pickle) of a failed rank."""
+    text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    try:
+        return text, pickle.dumps(e.with_traceback(None))
+    except Exception:  # noqa: BLE001 - an exception that does not pickle is reported by its text alone
+        return text, None
+
+
+def _rank_failed(rank: int, report: tuple[str, bytes | None]) -> RankFailed:
+    text, pickled = report
+    try:
+        exception = pickle.loads(pickled) if pickled is not None else None
+    except Exception:  # noqa: BLE001 - e.g. a constructor that needs other arguments than its args
+        exception = None
+    return RankFailed(rank, text, exception)
 
 
 class RankContext(BaseModel):
@@ -155,7 +175,7 @@ def _rank_main(ctx: RankContext, accelerator: type[Accelerator], init_method: st
         # when this process exits, possibly before the parent has read them
         results.put((ctx.rank, "ok", pickle.dumps(values)))
     except BaseException as e:  # noqa: BLE001 - everything goes to the parent, which ends the launch
-        results.put((ctx.rank, "error", "".join(traceback.format_exception(type(e), e, e.__traceback__))))
+        results.put((ctx.rank, "error", _error_report(e)))
         raise SystemExit(1) from None
     try:
         import torch.distributed as dist
@@ -186,7 +206,7 @@ def gather_values(ctx: RankContext, value: Any) -> dict[int, Any]:
 class RankGroup:
     """This node's rank processes, started by `start_ranks`: `procs` by global rank, and the queue
     on which each reports (rank, "ok", pickled {rank: value}, see `gather_values`) or (rank, "error",
-    traceback text) when it ends."""
+    (traceback text, pickled exception or None)) when it ends."""
 
     def __init__(self, procs: dict[int, Any], results: Any):
         self.procs, self.results = procs, results
@@ -204,7 +224,7 @@ class RankGroup:
             while True:
                 who, status, value = self.results.get(timeout=POLL_SECONDS)
                 if who == rank and status == "error":
-                    return value
+                    return value[0]
         except queue_module.Empty:
             pass
         return f"process exited with code {proc.exitcode} without reporting an error" if proc.exitcode is not None \
@@ -295,7 +315,7 @@ def _collect(procs: dict[int, Any], results) -> list[Any]:
 
 def _record(rank: int, status: str, value: Any, values: dict[int, Any], reported: set[int]) -> None:
     if status == "error":
-        raise RankFailed(rank, value)
+        raise _rank_failed(rank, value)
     values.update(pickle.loads(value))
     reported.add(rank)
 

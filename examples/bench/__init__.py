@@ -9,5 +9,6 @@ Importable as `bench` once `examples/` is on `sys.path` (the scripts put it ther
   counted by the family's module (`cost_v4`: DeepSeek-V4, `cost_v41`: DeepSeek-V4.1);
 - `roofline`: measured memory bandwidth and bf16 matmul throughput, and the bounds they imply;
 - `workloads`: prompts and the timed prefill / decode phases run through the engine;
+- `progress`: the plan, the time estimates and the progress bars `benchmark.py` shows while it runs;
 - `results`: one JSON object per run (`--result_jsonl`).
 """

@@ -13,7 +13,15 @@ Definitions (the seeds' "Benchmark your node"):
   the per-device figure divides by dp x cp, which leaves the `/ cp` above;
 - decode throughput, accepted tokens (tokens/s/device) = tokens actually emitted during the decode
   phase / decode seconds / devices. Without speculation (nextn = 0) it equals the full-acceptance
-  figure whenever every sequence decodes in every step.
+  figure whenever every sequence decodes in every step;
+- decode throughput at an assumed acceptance (`--accept_rate A`, tokens/s/device)
+      = avg_SPS x decode_num_requests x (1 + A x verified drafts per step) / cp,
+  and the per-user speed avg_SPS x (1 + A x verified drafts per step): what the measured step rate
+  gives when a share A of the verified drafts is accepted (A = 1 with every draft verified is the
+  full-acceptance figure). A step verifies its drafts whatever their fate, so its time does not
+  depend on A; random-weight drafters accept almost nothing, which makes the measured accepted
+  figure meaningless for a real checkpoint's drafter. "verified drafts per step" is measured (nextn
+  with fixed-length verification, fewer with confidence-scheduled verification).
 """
 from __future__ import annotations
 
@@ -65,3 +73,20 @@ def acceptance_length(accepted_tokens: int, sequence_steps: int) -> float:
     at most 1 + nextn)."""
     _positive("sequence_steps", sequence_steps)
     return accepted_tokens / sequence_steps
+
+
+def tokens_per_step(verified_drafts_per_step: float, accept_rate: float) -> float:
+    """Tokens one sequence emits per decode step when a share `accept_rate` of its verified drafts is
+    accepted: 1 + accept_rate x verified drafts (the 1: the target's own token)."""
+    if not 0.0 <= accept_rate <= 1.0:
+        raise ValueError(f"accept_rate must be between 0 and 1, got {accept_rate}")
+    if verified_drafts_per_step < 0:
+        raise ValueError(f"verified drafts per step must be >= 0, got {verified_drafts_per_step}")
+    return 1.0 + accept_rate * verified_drafts_per_step
+
+
+def assumed_acceptance_throughput(avg_sps: float, decode_num_requests: int, verified_drafts_per_step: float,
+                                  accept_rate: float, cp: int) -> float:
+    """avg_SPS x decode_num_requests x (1 + accept_rate x verified drafts per step) / cp, tokens/s/device."""
+    _positive("cp", cp)
+    return avg_sps * decode_num_requests * tokens_per_step(verified_drafts_per_step, accept_rate) / cp

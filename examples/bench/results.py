@@ -50,6 +50,14 @@ def figures(record: dict[str, Any]) -> dict[str, dict[str, float] | None]:
             [d["speculation"]["num_drafts_accepted"] / d["speculation"]["num_drafts_verified"]
              for d in decode if d.get("speculation") and d["speculation"]["num_drafts_verified"]]),
     }
+    accept = record["settings"].get("accept_rate")
+    if accept is not None:  # projections from the measured step rate at an assumed acceptance
+        verified = [verified_drafts_per_step(d) for d in decode]
+        out["decode_assumed_acceptance_tokens_per_s_per_device"] = _median(
+            [accounting.assumed_acceptance_throughput(s, per_group, v, accept, cp) for s, v in zip(sps, verified)])
+        out["decode_assumed_acceptance_per_user_tokens_per_s"] = _median(
+            [s * accounting.tokens_per_step(v, accept) for s, v in zip(sps, verified)])
+        out["decode_verified_drafts_per_step"] = _median(verified)
     if record.get("roofline"):  # each phase against the machine measured right before it
         from bench import roofline
 
@@ -61,6 +69,14 @@ def figures(record: dict[str, Any]) -> dict[str, dict[str, float] | None]:
             [s / roofline.decode_bound(cost, roofline.Machine.from_json(d["machine"]))[0]
              for s, d in zip(sps, decode)])
     return out
+
+
+def verified_drafts_per_step(decode_run: dict[str, Any]) -> float:
+    """Drafts one sequence verified per decode step in a run (0 without speculation)."""
+    spec = decode_run.get("speculation")
+    if not spec or not spec["num_verifications"]:
+        return 0.0
+    return spec["num_drafts_verified"] / spec["num_verifications"]
 
 
 #: How one repeat's runs of several DP ranks combine into the run of the whole layout: counts add

@@ -61,9 +61,10 @@ class StepTrace:
 
 
 def run_requests(llm: Any, prompts: list[list[int]], params: Any, profiler: Any = None,
-                 stop: Callable[[StepTrace], bool] | None = None) -> tuple[list[Any], StepTrace]:
+                 stop: Callable[[StepTrace], bool] | None = None,
+                 progress: Callable[[list[Any], StepTrace], None] | None = None) -> tuple[list[Any], StepTrace]:
     """Submit every prompt, step the engine until all finish (or `stop(trace)` says enough was
-    measured: the rest is aborted), trace each step."""
+    measured: the rest is aborted), trace each step; `progress(requests, trace)` after each step."""
     engine = llm.engine
     trace = StepTrace(start=time.perf_counter(), start_monotonic=time.monotonic())
     requests = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
@@ -84,6 +85,8 @@ def run_requests(llm: Any, prompts: list[list[int]], params: Any, profiler: Any 
             trace.any_finished.append(any(r.is_finished for r in requests))
             if profiler is not None:
                 profiler.step()
+            if progress is not None:
+                progress(requests, trace)
             if stop is not None and stop(trace):
                 _abort_and_wait(engine)
                 break
@@ -97,6 +100,24 @@ def run_requests(llm: Any, prompts: list[list[int]], params: Any, profiler: Any 
     if bad:
         raise RuntimeError(f"a benchmark request ended with finish_reason {bad[0].finish_reason!r}: {bad[0].error}")
     return requests, trace
+
+
+def tokens_per_second(trace: StepTrace, tokens: int) -> float | None:
+    """Prompt tokens per second of a traced run: its `tokens` prompt tokens over the time until
+    every request had its first token."""
+    if True not in trace.all_started:
+        return None
+    seconds = trace.ends[trace.all_started.index(True)] - trace.start
+    return tokens / seconds if seconds > 0 else None
+
+
+def decode_step_seconds(trace: StepTrace) -> float | None:
+    """Mean engine step time once every request was prefilled; None when no such step ran."""
+    if True not in trace.all_started:
+        return None
+    first = trace.all_started.index(True)
+    steps = len(trace.ends) - 1 - first
+    return (trace.ends[-1] - trace.ends[first]) / steps if steps > 0 else None
 
 
 def _abort_and_wait(engine: Any) -> None:
@@ -126,9 +147,9 @@ class PrefillResult:
 
 
 def run_prefill(llm: Any, prompts: list[list[int]], prefill_batch_tokens: int,
-                profiler: Any = None) -> PrefillResult:
+                profiler: Any = None, progress: Callable[[list[Any], StepTrace], None] | None = None) -> PrefillResult:
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    requests, trace = run_requests(llm, prompts, params, profiler)
+    requests, trace = run_requests(llm, prompts, params, profiler, progress=progress)
     seconds = trace.ends[trace.all_started.index(True)] - trace.start
     ttft = sum(r.first_token_time - trace.start_monotonic for r in requests) / len(requests)
     tokens = sum(len(p) for p in prompts)
@@ -182,7 +203,7 @@ def _spec_counters(engine: Any) -> dict | None:
 
 
 def run_decode(llm: Any, prompts: list[list[int]], decode_steps: int, prefill_batch_tokens: int, nextn: int = 0,
-               profiler: Any = None) -> DecodeResult:
+               profiler: Any = None, progress: Callable[[list[Any], StepTrace], None] | None = None) -> DecodeResult:
     max_tokens = decode_max_tokens(len(prompts), len(prompts[0]), decode_steps, prefill_batch_tokens, nextn)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     before = _spec_counters(llm.engine)
@@ -193,7 +214,7 @@ def run_decode(llm: Any, prompts: list[list[int]], decode_steps: int, prefill_ba
         first = trace.all_started.index(True)
         return trace.advances[-1] - trace.advances[first] >= decode_steps * len(prompts)
 
-    _, trace = run_requests(llm, prompts, params, profiler, stop=enough)
+    _, trace = run_requests(llm, prompts, params, profiler, stop=enough, progress=progress)
     after = _spec_counters(llm.engine)
     first, last = decode_window(trace)
     return DecodeResult(

@@ -4,7 +4,8 @@
     python examples/sweep/plot_pareto.py prefill sweeps/TAG/results.jsonl sweeps/TAG/prefill_pareto.png
 
 decode:  throughput (accepted tokens/s/device) against per-user speed (tokens/s per sequence), one
-         point per --decode_num_requests; both axes are better higher.
+         point per --decode_num_requests; both axes are better higher. When the runs were made with
+         --accept_rate A (the sweep's ACCEPT), both axes are the projections at that acceptance.
 prefill: throughput (tokens/s/device) against the time of one prefill step of
          --prefill_batch_size tokens; throughput is better higher, latency lower.
 The Pareto front (points no other point beats on both axes) is drawn as a line.
@@ -24,17 +25,32 @@ from bench import results  # noqa: E402
 MODES = ("decode", "prefill")
 
 
+def assumed_acceptance(records: list[dict[str, Any]]) -> float | None:
+    """The --accept_rate every decode record was made with, or None when none was; mixing is an error
+    (projected and measured points are not comparable)."""
+    rates = {r["settings"].get("accept_rate") for r in records if r.get("decode")}
+    if len(rates) > 1:
+        raise ValueError(f"the records were made with different --accept_rate values {sorted(rates, key=str)}; "
+                         f"plot one sweep (one results.jsonl per TAG) at a time")
+    return rates.pop() if rates else None
+
+
 def points(records: list[dict[str, Any]], mode: str) -> list[tuple[float, float, str]]:
     """(x, y, label) per record that measured `mode`."""
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
+    projected = mode == "decode" and assumed_acceptance(records) is not None
     out = []
     for r in records:
         if not r.get(mode):
             continue
         f = results.figures(r)
         s = r["settings"]
-        if mode == "decode":
+        if projected:
+            out.append((f["decode_assumed_acceptance_per_user_tokens_per_s"]["median"],
+                        f["decode_assumed_acceptance_tokens_per_s_per_device"]["median"],
+                        f"{s['decode_num_requests']} req"))
+        elif mode == "decode":
             out.append((f["decode_per_user_tokens_per_s"]["median"],
                         f["decode_accepted_tokens_per_s_per_device"]["median"], f"{s['decode_num_requests']} req"))
         else:
@@ -80,7 +96,12 @@ def plot(records: list[dict[str, Any]], mode: str, out_png: str | Path) -> Path:
             label="Pareto front", zorder=3)
     for x, y, label in pts:
         ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 6), fontsize=8, color="#333333")
-    if mode == "decode":
+    accept = assumed_acceptance(records) if mode == "decode" else None
+    if accept is not None:
+        what = f"tokens/s at draft acceptance {accept:g}"
+        ax.set_xlabel(f"per-user speed ({what} per sequence)  \u2192 better")
+        ax.set_ylabel(f"decode throughput ({what}/device)  \u2192 better")
+    elif mode == "decode":
         ax.set_xlabel("per-user speed (accepted tokens/s per sequence)  \u2192 better")
         ax.set_ylabel("decode throughput (accepted tokens/s/device)  \u2192 better")
     else:

@@ -3,7 +3,8 @@
 Not run on Ascend hardware where it was written (none was available): the op plumbing is tested
 against a CPU stand-in of torch_npu (tests/fake_torch_npu), which says nothing about Ascend
 numerics or speed; see docs/backends.md. torch_npu is imported in `__init__`, never at module
-import, so listing and probing stay safe on machines without CANN.
+import, so listing and probing stay safe on machines without CANN. CANN's switches for readable
+errors (ASCEND_LAUNCH_BLOCKING, ASCEND_SLOG_PRINT_TO_STDOUT) are honoured as debugging.py says.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
 from deepinfer.accelerator.reference import TorchCollectives
-from deepinfer_plugins.ascend950 import devices
+from deepinfer_plugins.ascend950 import debugging, devices
 from deepinfer_plugins.ascend950 import probe as _probe
 from deepinfer_plugins.ascend950.kernels import FUSED_OPS, AscendKernels
 
@@ -42,9 +43,10 @@ class AscendAccelerator(TorchCollectives, AscendKernels, Accelerator):
         try:
             return importlib.import_module("torch_npu")
         except (ImportError, OSError, RuntimeError) as exc:
+            hint = debugging.readable_errors_hint()
             raise RuntimeError(f"torch_npu is installed but does not load ({type(exc).__name__}: {exc}); source "
                                f"CANN 9.2's set_env.sh (libhccl.so and libascendcl.so come from CANN) and "
-                               f"run `deepinfer doctor`") from exc
+                               f"run `deepinfer doctor`" + (f"; {hint}" if hint else "")) from exc
 
     def _check_runtime(self) -> list[devices.Chip]:
         """The SoC torch_npu runs on must be an Ascend 950 that CANN's kernels were installed for."""
@@ -59,8 +61,11 @@ class AscendAccelerator(TorchCollectives, AscendKernels, Accelerator):
         return visible
 
     def capabilities(self) -> Capabilities:
+        # ASCEND_LAUNCH_BLOCKING=1 asks for synchronous operators to read an error: then no async
+        # pipeline either, so the engine finishes each step before preparing the next (debugging.py)
         return Capabilities(name=self.name, device_type="npu", dtypes=("float32", "bfloat16"),
-                            token_bitmask=True, rejection_sampling=True, collectives="hccl", fast_paths=tuple(sorted(self.fused)))
+                            token_bitmask=True, rejection_sampling=True, collectives="hccl",
+                            fast_paths=tuple(sorted(self.fused)), host_overlap=not debugging.launch_blocking())
 
     # ----- device and memory -----
     def device(self, index: int = 0) -> torch.device:

@@ -12,7 +12,7 @@ import importlib.util
 import os
 
 from deepinfer.accelerator.interface import ProbeResult
-from deepinfer_plugins.ascend950 import devices
+from deepinfer_plugins.ascend950 import debugging, devices
 
 
 def probe() -> ProbeResult:
@@ -43,7 +43,8 @@ def probe() -> ProbeResult:
         return ProbeResult(usable=False, reason=problem, details={"cann": str(cann), "soc": visible[0].soc})
     mapping = devices.describe_mapping(visible)
     shown = f", {devices.VISIBLE_DEVICES_VAR}={visible_var}" if visible_var is not None else ""
+    switches = debugging.switches_on()
     return ProbeResult(usable=True, reason=f"{len(visible)}x {visible[0].soc}, CANN at {cann}{shown} "
-                                           f"(logical->chip {mapping})",
+                                           f"(logical->chip {mapping})" + (f"; {switches}" if switches else ""),
                        details={"cann": str(cann), "soc": visible[0].soc, "visible": mapping, "devices": str(len(visible)),
                                 "cann_kernels_for": ",".join(sorted(installed))})

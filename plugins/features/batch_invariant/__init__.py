@@ -9,16 +9,16 @@ are the same bits alone, in any batch, in any prefill chunk, and after a preempt
 per-request `seq_seed` the sampled tokens are then identical too. docs/batch_invariance.md has the
 guarantee, its limits and its cost.
 
-Speculative decoding keeps the guarantee only with fixed-length verification: confidence-scheduled
-verification (DEEPINFER_ENABLE_MTP_VARLEN=1) chooses per step how many drafts each request
-verifies from the whole batch's cost, so it is refused together with this feature.
+Speculative decoding: with fixed-length verification every guarantee holds. With
+confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN=1, the seeds' NVIDIA setting) the
+number of drafts each request verifies depends on the batch; the forward stays invariant, so greedy
+tokens and their log-probabilities still do not depend on the batch, but seq_seed-sampled tokens
+may (rejection sampling draws differently for a different number of drafts).
 
 This module stays import-light: the entry point imports it to read the FeatureSpec.
 """
 from __future__ import annotations
 
-from deepinfer import envs
-from deepinfer.config import EngineConfig
 from deepinfer.envs import EnvVar
 from deepinfer.features import FeatureSpec
 from deepinfer.hookspecs import EngineContext, hookimpl
@@ -27,19 +27,6 @@ from .config import BatchInvariantConfig
 
 NAME = "batch_invariant"
 ENV_VAR = "DEEPINFER_BATCH_INVARIANT"
-# the speculative-decoding feature's switch of confidence-scheduled (batch-dependent) verification
-VARLEN_FEATURE, VARLEN_FIELD, VARLEN_VAR = "dspark", "variable_length", "DEEPINFER_ENABLE_MTP_VARLEN"
-
-
-def _variable_length_verification(config: EngineConfig) -> bool:
-    """Whether the engine config or the environment turns on variable-length verification."""
-    table = config.features.get(VARLEN_FEATURE) or {}
-    if VARLEN_FIELD in table:
-        return bool(table[VARLEN_FIELD])
-    try:
-        return envs.get_bool(VARLEN_VAR, False)
-    except KeyError:  # the speculative-decoding feature is not installed
-        return False
 
 
 class BatchInvariantPlugin:
@@ -55,20 +42,12 @@ class BatchInvariantPlugin:
         return FeatureSpec(
             name=NAME,
             config_model=BatchInvariantConfig,
-            hooks=("deepinfer_feature_spec", "deepinfer_validate_config", "deepinfer_engine_start"),
+            hooks=("deepinfer_feature_spec", "deepinfer_engine_start"),
             env_vars=(EnvVar(ENV_VAR, "1: batch-invariant kernels (a request's logits and seq_seed-sampled tokens "
                                       "do not depend on its batch); 0: off.", field="enabled", kind=bool),),
             required_capabilities=("batch_invariant",),
             description="batch-invariant kernels: results independent of batching, chunking and preemption",
         )
-
-    @hookimpl
-    def deepinfer_validate_config(self, config: EngineConfig) -> list[str] | None:
-        if _variable_length_verification(config):
-            return [f"feature '{NAME}': variable-length verification ({VARLEN_VAR}=1, features.{VARLEN_FEATURE}."
-                    f"{VARLEN_FIELD}) decides each request's verified drafts from the whole batch, so tokens "
-                    f"would depend on the batch; set {VARLEN_VAR}=0 or disable {ENV_VAR}"]
-        return None
 
     @hookimpl
     def deepinfer_engine_start(self, engine: EngineContext) -> None:

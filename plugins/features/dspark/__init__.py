@@ -64,8 +64,10 @@ class DSparkPlugin:
                 EnvVar("DEEPINFER_USE_NEXTN_DECODE",
                        "Maximum speculative draft length (default 5); 0 disables speculation.",
                        field="num_draft_tokens", kind=int),
-                EnvVar("DEEPINFER_ENABLE_MTP_VARLEN", "1: confidence-scheduled variable-length verification.",
-                       field="variable_length", kind=bool),
+                EnvVar("DEEPINFER_ENABLE_MTP_VARLEN",
+                       "1: confidence-scheduled variable-length verification (turns speculation on); 0: "
+                       "fixed-length verification when speculation is on (it does not turn it on).",
+                       field="variable_length", kind=bool, enables_feature="when_true"),
             ),
             required_capabilities=("rejection_sampling",),
             slots=("draft_proposer",),
