@@ -66,9 +66,12 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
     EnvVar("DEEPINFER_CPU_NATIVE_ISA",
            "cpu back end: which instruction sets the C kernels are built for. native (default): all "
            "that -march=native offers; no-amx: no AMX tiles; no-avx512bf16: no AVX512-BF16 and no "
-           "AMX (AVX2/FMA dot products); no-avx512: no AVX-512 at all (AVX2/FMA dot products); no-avx2: "
-           "no AVX2/FMA either (the plain C loops). For testing the lower tiers on a bigger CPU, or "
-           "avoiding a broken path."),
+           "AMX (AVX2/FMA dot products); no-avx512: what an AVX2 CPU builds, -march=x86-64-v3 (AVX2/FMA "
+           "dot products, no AVX-512); no-avx2: what a CPU without AVX2 builds, -march=x86-64-v2 (the "
+           "plain C loops). A CPU below a switch's x86-64 level builds for itself with those sets "
+           "masked off. For testing the lower tiers on a bigger CPU (with ATEN_CPU_CAPABILITY=avx2 "
+           "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 to emulate an AVX2 CPU), or avoiding a "
+           "broken path."),
     EnvVar("DEEPINFER_CPU_PACKED_WEIGHTS",
            "cpu back end: 1 (default) keeps packed copies of the bf16 weights that linears read, "
            "each made at its second use in its row range: the C register tiles' for decode batches "

@@ -103,9 +103,12 @@ def single(cp_checkpoint) -> dict:
 def test_cp_prefill_matches_a_single_rank_prefill(cp_checkpoint, single, layout):
     ranks = launch(prefill_and_decode, (cp_checkpoint, CHUNKS), layout, _cpu(), threads_per_rank=1)
     layers = 6
+    # decode is not split; under expert parallelism its MoE layers (every layer) share the rows and
+    # gather their outputs (moe.py)
+    decode_gathers = DECODE_STEPS * layers if layout.ep > 1 else 0
     for r in ranks:
-        # two split prefill chunks: one gather per layer and one of the final streams each; decode not split
-        assert r["gathers"] == 2 * (layers + 1)
+        # two split prefill chunks: one gather per layer and one of the final streams each
+        assert r["gathers"] == 2 * (layers + 1) + decode_gathers
         assert r["tokens"] == single["tokens"]
         assert max_rel_diff(r["logits"], single["logits"]) < 1e-5
         assert r["state"].keys() == single["state"].keys()
@@ -197,6 +200,75 @@ def test_v41_bounded_replay_splits_the_encoder_and_the_kept_rows(v41_checkpoint)
         assert r["logits"].argmax(-1).tolist() == single["logits"].argmax(-1).tolist()
         for name, tensor in single["state"].items():
             assert torch.allclose(r["state"][name].float(), tensor.float(), atol=1e-5, rtol=1e-5), name
+
+
+# ------------------------------------- steps the CP group does not split, under expert parallelism
+
+# 4 prompts of 14-27 tokens (prefilled in one split step), as the example's
+PROMPTS = [[(7 * i + 3 * k) % 500 + 2 for i in range(n)] for k, n in enumerate([14, 19, 23, 27])]
+
+
+def position_sensitive(accel):
+    """`accel` with expert products whose bits depend on where a row sits in the expert's batch, as
+    a CPU GEMM's do where the tail rows of a tile take another kernel (an AVX2 CPU's: a row alone,
+    and the same row among others, differ in the last bits). Makes the test machine-independent."""
+    experts = accel.moe_experts
+
+    def moe_experts(rows, plan, w13, w2, swiglu_limit):
+        out = experts(rows, plan, w13, w2, swiglu_limit)
+        return out * (1 + torch.arange(rows.shape[0], dtype=out.dtype).unsqueeze(1) * 2 ** -20)
+
+    accel.moe_experts = moe_experts
+    return accel
+
+
+def unsplit_steps(ctx, checkpoint: str, sensitive: bool) -> dict:
+    """Rank target: PROMPTS prefilled in one step (split), then steps the CP group runs whole on every
+    rank: 3 verification-sized steps (6 rows per sequence, 5 rolled back as rejected drafts), 3
+    decode steps, and one of a single sequence (one row: the other rank's share is empty). Every
+    step's logits and every cache tensor afterwards."""
+    from deepinfer.models.registry import load_model_checkpoint
+
+    loaded = load_model_checkpoint(checkpoint, torch.float32)
+    accel = _cpu()()
+    model = loaded.family.build_model(loaded.config, position_sensitive(accel) if sensitive else accel,
+                                      torch.float32, "cpu", query_block=8)
+    model.load_weights(loaded.weights)
+    runner = Runner(model, max_rollback=6)
+    for key in range(len(PROMPTS)):
+        runner.add(key)
+    out = runner.step(dict(enumerate(PROMPTS)))
+    logits = [torch.cat(list(out.values()))]
+    last = {key: int(v[-1].argmax()) for key, v in out.items()}
+    for rows in [6] * 3 + [1] * 3:
+        out = runner.step({key: [t] + [(3 * t + j) % 500 for j in range(1, rows)] for key, t in last.items()})
+        for key in last:
+            runner.truncate(key, rows - 1)
+        logits.append(torch.cat(list(out.values())))
+        last = {key: int(v[0].argmax()) for key, v in out.items()}
+    logits.append(runner.step({0: [last[0]]})[0])
+    cache = model._cache
+    state = {f"slot.{k}": v.clone() for k, v in cache.slot.items()}
+    state.update({f"{g}.{k}": v.clone() for g, group in cache.blocks.items() for k, v in group.items()})
+    return {"logits": logits, "state": state}
+
+
+@pytest.mark.parametrize("sensitive", [False, True], ids=["cpu-kernels", "position-sensitive-experts"])
+def test_ranks_hold_the_same_bits_after_steps_not_split_under_expert_parallelism(v41_checkpoint, sensitive):
+    """--ep 2 --cp 2: a step the CP group does not split holds the same rows on both ranks. Each
+    rank used to send its copy of every row to the experts, where the two copies were computed in
+    different expert batches (position, row count, EPLB replica), so the ranks' logits and caches
+    drifted apart in the last bits (on an AVX2 CPU with the plain kernels, everywhere with
+    position-sensitive ones); now every row is computed once and the outputs all-gathered."""
+    ranks = launch(unsplit_steps, (v41_checkpoint, sensitive), ParallelLayout(ep=2, dp=1, cp=2), _cpu(),
+                   threads_per_rank=1)
+    first, second = ranks
+    assert len(first["logits"]) == 8
+    for step, (a, b) in enumerate(zip(first["logits"], second["logits"])):
+        assert torch.equal(a, b), f"step {step}: the ranks' logits differ"
+    assert first["state"].keys() == second["state"].keys()
+    for name, tensor in first["state"].items():
+        assert torch.equal(tensor, second["state"][name]), name
 
 
 # ----------------------------------------------------------------------------- the layouts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import subprocess
 
 import pytest
 import torch
@@ -1009,12 +1010,19 @@ SWITCHED_OFF = {"native": set(), "no-amx": {"amx"}, "no-avx512bf16": {"avx512bf1
                 "no-avx2": {"avx2", "fma", "avx512f", "avx512bf16", "amx"}}
 
 
-def cpu_isa() -> set[str] | None:
-    """This CPU's features under build_isa's names (Linux), or None where /proc/cpuinfo is missing."""
+def cpu_flags() -> set[str] | None:
+    """This CPU's /proc/cpuinfo flags (Linux), or None where /proc/cpuinfo is missing."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
     except (OSError, StopIteration):
+        return None
+
+
+def cpu_isa() -> set[str] | None:
+    """This CPU's features under build_isa's names (Linux), or None where /proc/cpuinfo is missing."""
+    flags = cpu_flags()
+    if flags is None:
         return None
     have = {name for name, flag in [("avx2", "avx2"), ("fma", "fma"), ("avx512f", "avx512f"),
                                     ("avx512bf16", "avx512_bf16")] if flag in flags}
@@ -1032,6 +1040,7 @@ def test_gemv_tier_follows_the_build(nat):
         assert native.planned_isa() == built
     reason = CpuAccelerator.probe().reason
     assert f"C decode kernels: {native.gemv_tier_for(built)}" in reason, reason
+    assert f"-march={native.planned_target()})" in reason, reason
     assert native.gemv_tier_for(frozenset({"avx2"})) == "portable"  # AVX2 without FMA: the plain loops
 
 
@@ -1039,10 +1048,69 @@ def test_switch_names_are_checked(monkeypatch):
     assert set(SWITCHED_OFF) == set(native.BUILD_VARIANTS) == set(native.SWITCHED_OFF)
     assert {k: set(v) for k, v in native.SWITCHED_OFF.items()} == SWITCHED_OFF
     monkeypatch.setenv("DEEPINFER_CPU_NATIVE_ISA", "no-avx512")
-    assert native.build_variant() == "no-avx512" and "-mno-avx512f" in native.build_flags()
+    assert native.build_variant() == "no-avx512" and "-DDEEPINFER_NO_AVX512" in native.build_flags()
     monkeypatch.setenv("DEEPINFER_CPU_NATIVE_ISA", "avx1024")
     with pytest.raises(ValueError, match="DEEPINFER_CPU_NATIVE_ISA"):
         native.build_variant()
+
+
+# /proc/cpuinfo flags: an AVX-512 server (x86-64-v4 and more), an AVX2 CPU, that CPU in a VM that
+# hides MOVBE, and a VM's CPU without SSE4.2 / POPCNT (qemu64)
+V2 = "fpu sse sse2 ssse3 cx16 sse4_1 sse4_2 popcnt lahf_lm"
+V3 = V2 + " avx avx2 bmi1 bmi2 f16c fma abm movbe xsave"
+AVX512_SERVER = V3 + " avx512f avx512bw avx512vl avx512_bf16 amx_tile amx_bf16 vaes gfni avx_vnni"
+NO_MOVBE = V3.replace(" movbe", "")
+QEMU64 = "fpu sse sse2 pni cx16 lahf_lm"
+
+
+def march(flags: tuple[str, ...]) -> list[str]:
+    return [f for f in flags if f.startswith("-march=")]
+
+
+@pytest.mark.parametrize("cpu", [AVX512_SERVER, V3], ids=["avx512-server", "avx2-cpu"])
+def test_lower_switches_compile_what_a_cpu_of_that_tier_builds(monkeypatch, cpu):
+    # no-avx512 is an AVX2 CPU's build (x86-64-v3), no-avx2 a CPU's without AVX2 (x86-64-v2): not this
+    # CPU with a feature masked off, which keeps its other extensions (VAES, GFNI, AVX-VNNI) and tuning
+    monkeypatch.setattr(native.build, "_cpuinfo_flags", lambda: cpu, raising=False)
+    assert march(native.build_flags("no-avx512")) == ["-march=x86-64-v3"]
+    assert march(native.build_flags("no-avx2")) == ["-march=x86-64-v2"]
+    for variant in ("native", "no-amx", "no-avx512bf16"):  # the CPU's own build, less what the switch removes
+        assert march(native.build_flags(variant)) == ["-march=native"]
+    monkeypatch.setenv("DEEPINFER_CPU_NATIVE_ISA", "no-avx512")
+    assert native.planned_target() == "x86-64-v3"
+    assert native.planned_isa() == {"avx2", "fma"}  # what the x86-64-v3 build compiles (build_isa's names)
+    monkeypatch.setenv("DEEPINFER_CPU_NATIVE_ISA", "no-avx2")
+    assert native.planned_target() == "x86-64-v2" and native.planned_isa() == frozenset()
+
+
+@pytest.mark.parametrize("variant, cpu", [("no-avx512", NO_MOVBE), ("no-avx512", None), ("no-avx2", QEMU64),
+                                          ("no-avx2", None)], ids=["v3-without-movbe", "v3-unknown", "qemu64",
+                                                                   "v2-unknown"])
+def test_a_cpu_below_the_switch_level_builds_for_itself(monkeypatch, variant, cpu):
+    # x86-64-v3 / v2 could hold instructions this CPU lacks (SIGILL): there, and where the CPU's flags
+    # are unknown, the switch masks its instruction sets off this CPU's own build, as before
+    monkeypatch.setattr(native.build, "_cpuinfo_flags", lambda: cpu, raising=False)
+    flags = native.build_flags(variant)
+    assert march(flags) == ["-march=native"]
+    assert {"-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-DDEEPINFER_NO_AVX512"} <= set(flags)
+    assert ({"-mno-avx2", "-mno-fma"} <= set(flags)) == (variant == "no-avx2")
+
+
+def predefined_macros(flags: tuple[str, ...]) -> set[str]:
+    """What the compiler predefines with `flags` (the instruction sets, the tuning), `-D`s left out."""
+    out = subprocess.run([*native._compiler(), *(f for f in flags if not f.startswith("-D")), "-dM", "-E", "-x", "c",
+                          "/dev/null"], capture_output=True, text=True, check=True)
+    return set(out.stdout.splitlines())
+
+
+@pytest.mark.parametrize("variant, level", [("no-avx512", "x86-64-v3"), ("no-avx2", "x86-64-v2")])
+def test_the_emulated_tier_compiles_exactly_the_level(variant, level):
+    # the compiler sees the level and nothing of this CPU's: the same predefined macros (extensions,
+    # tuning) as a plain -march=<level> build; on a CPU below the level the switch builds for it instead
+    have = cpu_flags()
+    if have is None or not set({"x86-64-v3": V3, "x86-64-v2": V2}[level].split()) <= have:
+        pytest.skip(f"this CPU lacks part of {level}: the {variant} switch builds for the CPU itself here")
+    assert predefined_macros(native.build_flags(variant)) == predefined_macros(native.FLAGS + (f"-march={level}",))
 
 
 def test_switch_is_part_of_the_cache_key(monkeypatch, tmp_path):

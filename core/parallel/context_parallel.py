@@ -9,7 +9,10 @@ tokens (window keys, compressor inputs, ...) the model gathers from the group wi
 rank then holds the whole step's rows of it, in the step's row order, and writes the same cache
 state a single rank would; it computes attention only for its own query rows. Every rank of the
 group therefore ends the step with the full cache state, and steps that are not split (decode,
-short chunks) run on every rank alike, in lockstep.
+short chunks) run on every rank alike, in lockstep. The ranks must hold bitwise-identical state,
+so under expert parallelism the MoE layers of a step that is not split compute each row once
+(each rank its share, outputs gathered: deepinfer.models.deepseek_v4.moe) instead of sending
+every rank's copy to the experts, where the copies would meet different expert batches.
 """
 from __future__ import annotations
 

@@ -43,7 +43,8 @@ def _decode_kernels() -> str:
     if isa is None:
         return "C kernels: instruction sets unknown (no /proc/cpuinfo)"
     tiles = " + AMX tiles" if "amx" in isa else ""
-    return f"C decode kernels: {native.gemv_tier_for(isa)}{tiles} (DEEPINFER_CPU_NATIVE_ISA={native.build_variant()})"
+    return (f"C decode kernels: {native.gemv_tier_for(isa)}{tiles} (DEEPINFER_CPU_NATIVE_ISA={native.build_variant()}: "
+            f"-march={native.planned_target()})")
 
 
 class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):

@@ -33,6 +33,7 @@ from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.parallel.context_parallel import RowSplit
 
 ATTN, FFN = "attn", "ffn"
 
@@ -45,6 +46,11 @@ class StepInputs:
     plan: StepPlan
     rope: RotaryTables
     cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]]  # frequency set -> cos, sin `[T, r/2]`
+
+    @property
+    def cp_split(self) -> RowSplit | None:
+        """The context-parallel split whose rows of this rank the step runs, or None: the whole step."""
+        return self.plan.split
 
 
 class BlockModule(Protocol):

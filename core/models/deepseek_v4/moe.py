@@ -5,6 +5,15 @@ route -> dispatch -> grouped experts -> combine, all through the accelerator: wi
 local as one `moe_sublayer` call (which a back end may fuse), under expert parallelism composed here
 around the all-to-all. Router logits are computed in fp32 (as the official code does; identical to
 transformers in fp32).
+
+Expert parallelism inside a context-parallel group: a step the CP group does not split (decode,
+verification, drafting, short chunks) holds the same rows on every rank of the group, which must
+end it with bitwise-identical state. Sent to the experts from every rank, a row's copies would be
+computed in different expert batches (another replica under EPLB, another row count and position
+in the expert's GEMM), and an expert product's bits depend on those on the CPU back end (kernel and
+tile choices by row count), so the ranks would drift apart. Instead each rank sends only its
+zig-zag share of the rows and the group all-gathers the outputs: every row is computed once, and
+every rank holds the same bits (`_shared_over_cp`).
 """
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator, MoEDispatch, routing_scores, shared_expert
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
 from deepinfer.parallel.expert_parallel import current_expert_parallel
 
 
@@ -32,6 +42,8 @@ class MoE:
             shards = [self.ep.local_experts(self.w13), self.ep.local_experts(self.w2)]
             self.w13 = self.w2 = None
             self.ep_key = self.ep.register(self._local_experts, config.hidden_size, config.n_routed_experts, shards)
+        # the CP group whose ranks share the rows of the steps it does not split (module doc)
+        self.cp = current_context_parallel() if self.ep is not None else None
         self.shared = None
         if config.n_shared_experts:
             # w1 and w3 fused into one [2I, D] matrix at load (weights.FUSED_PROJECTIONS)
@@ -44,20 +56,41 @@ class MoE:
 
     def run(self, x: torch.Tensor, step) -> torch.Tensor:
         """The block's sub-layer call (`block.StepInputs`): routing reads the step's token ids."""
-        return self.forward(x, step.input_ids)
+        return self.forward(x, step.input_ids, step.cp_split)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, cp_split: RowSplit | None = None) -> torch.Tensor:
+        """x `[T, D]` -> `[T, D]`. `cp_split`: the context-parallel split whose rows of this rank `x`
+        holds, or None when `x` is the whole step (on every rank of a CP group alike)."""
+        if self.ep is not None:
+            if self.cp is not None and cp_split is None:
+                return self._shared_over_cp(x, input_ids)
+            return self._exchange(x, input_ids)
         a, c = self.accel, self.c
-        hash_ids = self.tid2eid.index_select(0, input_ids) if self.is_hash else None  # rows: cheaper than indexing
         shared_w13, shared_w2 = (None, None) if self.shared is None else self.shared
-        if self.ep is None:
-            return a.moe_sublayer(x, self.gate, self.bias, hash_ids, self.w13, self.w2, shared_w13, shared_w2,
-                                  c.num_experts_per_tok, c.routed_scaling_factor, c.scoring_func, c.swiglu_limit)
+        return a.moe_sublayer(x, self.gate, self.bias, self._hash_ids(input_ids), self.w13, self.w2, shared_w13,
+                              shared_w2, c.num_experts_per_tok, c.routed_scaling_factor, c.scoring_func,
+                              c.swiglu_limit)
+
+    def _hash_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """A hash layer's experts of each row (rows of `tid2eid`: cheaper than indexing), else None."""
+        return self.tid2eid.index_select(0, input_ids) if self.is_hash else None
+
+    def _shared_over_cp(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Rows every rank of the CP group holds: each rank runs its zig-zag share of them through the
+        EP exchange, then the group all-gathers the outputs (module doc)."""
+        share = self.cp.split([x.shape[0]], x.device)
+        rows = share.local_rows
+        return share.gather(self._exchange(x.index_select(0, rows), input_ids.index_select(0, rows)))
+
+    def _exchange(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows: routing, the EP all-to-all to the experts' ranks and back, the combine."""
+        a, c = self.accel, self.c
         scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
-        weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor, hash_ids)
+        weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor,
+                                   self._hash_ids(input_ids))
         # logical experts -> physical slots (replicas under load balancing)
         rows, dispatch = a.moe_dispatch(x, self.ep.route(self.ep_key, ids), self.ep.num_slots(self.ep_key))
         y = a.moe_combine(self.ep.experts(self.ep_key, rows, dispatch), dispatch, weights)
         if self.shared is not None:
-            y = y.add_(shared_expert(a, x, shared_w13, shared_w2, c.swiglu_limit))  # into the fresh fp32 sum
+            y = y.add_(shared_expert(a, x, *self.shared, c.swiglu_limit))  # into the fresh fp32 sum
         return y.to(x.dtype)

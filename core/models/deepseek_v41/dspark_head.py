@@ -58,6 +58,7 @@ class _BlockStep:
     num_blocks: int
     block_size: int
     capture: None = None  # the target model's feature capture; never on a drafting pass
+    cp_split: None = None  # a drafting pass runs whole, on every rank of a context-parallel group
 
 
 class DraftAttention:

@@ -57,7 +57,7 @@ from deepinfer.models.deepseek_v41.state import (
     COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
 )
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
-from deepinfer.parallel.context_parallel import current_context_parallel
+from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
@@ -87,6 +87,11 @@ class StepInputs:
     candidates: dict = field(default_factory=dict)  # attention group -> candidate pool [B, S, E]
     kv_published: bool = False  # bounded replay: the decoder KV source already ran its compressor (replay.py)
     capture: dict[int, torch.Tensor | None] | None = None  # DSpark target layer -> its attention input's stream mean
+
+    @property
+    def cp_split(self) -> RowSplit | None:
+        """The context-parallel split whose rows of this rank the step runs, or None: the whole step."""
+        return self.plan.split
 
 
 class Site:

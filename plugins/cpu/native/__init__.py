@@ -44,7 +44,8 @@ from deepinfer_plugins.cpu.native.attention_layer_quant import (
 from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, HEADERS, ISA_BITS, SOURCES, SWITCHED_OFF,
                                                 CacheError, CompilerError, _build, _compile, _compiler, _cpu_features,
                                                 _load, active_library, build_flags, build_isa, build_variant,
-                                                cache_dir, cache_root, enabled, library, planned_isa)
+                                                cache_dir, cache_root, enabled, library, planned_isa,
+                                                planned_target)
 from deepinfer_plugins.cpu.native.compressor import compress_store, compress_store_arguments
 from deepinfer_plugins.cpu.native.experts import experts_bf16
 from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_tier, gemv_tier_for, gemv_tokens_bf16,
@@ -76,7 +77,7 @@ __all__ = [
     "indexer_scores", "library", "linear_amx_bf16",
     "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_arguments", "moe_layer_bf16", "moe_layer_quant",
     "moe_layer_quant_arguments", "moe_route_rows",
-    "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "quant_experts",
+    "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "planned_target", "quant_experts",
     "quant_grouped_linear", "quant_linear", "quant_simd", "rms_norm", "rms_norm_rotary", "rotary",
     "TRANSPOSED_MIXES", "transpose_fn", "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows",
     "swiglu",

@@ -17,7 +17,11 @@ opened without following symlinks or blocking, regular files of this user only).
 matched that record. A missing or wrong record means rebuild, never load.
 
 `DEEPINFER_CPU_NATIVE_ISA` picks a build switch (`BUILD_VARIANTS`): all the CPU offers, or a build
-without AMX, without AVX512-BF16, without any AVX-512, or without AVX2/FMA (the plain C paths).
+without AMX, without AVX512-BF16 (both `-march=native` with those masked off), or what a CPU one
+tier down builds: `no-avx512` compiles for x86-64-v3 (AVX2 + FMA, as an AVX2 CPU does) and
+`no-avx2` for x86-64-v2 (the plain C paths). A CPU below such a level compiles for itself with the
+switch's instruction sets masked off instead (`_BELOW_LEVEL`), so a build never holds an
+instruction the CPU lacks.
 
 The ctypes prototypes are declared by the binding modules (binding.Kernel, all imported by the
 package's __init__); `_load` applies every declared one to the loaded library.
@@ -53,19 +57,35 @@ SOURCES = tuple(HERE / name for name in ("isa.c", "norm_rope.c", "mhc.c", "activ
                                          "quant_gemv.c", "quant_experts.c", "selection.c", "packed_gemm.c",
                                          "moe_layer.c", "compressor.c", "attention_layer.c"))
 HEADERS = tuple(HERE / name for name in ("common.h", "gemv.h", "quant.h", "sink_attention.h"))
-FLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp")
-# Build switches (DEEPINFER_CPU_NATIVE_ISA): extra flags after FLAGS. The C files pick their AMX,
-# AVX512-BF16 and portable paths at compile time, so each switch compiles the next path down; on a
-# CPU without the feature a switch changes nothing (and the build is still checked).
+# Every build's flags; the build switch adds its target (-march) and the rest (build_flags).
+FLAGS = ("-O3", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp")
+# Build switches (DEEPINFER_CPU_NATIVE_ISA): the flags after FLAGS. The C files pick their AMX,
+# AVX512-BF16, AVX2/FMA and portable paths at compile time, so each switch compiles the next path
+# down. The two lowest compile what a CPU of that tier builds, not this CPU with a feature masked
+# off: `-march=native -mno-avx512f` on an AVX-512 CPU still has its other extensions (VAES, GFNI,
+# AVX-VNNI, ...) and its tuning, which an AVX2 CPU's build has not. x86-64-v3 is AVX2, FMA, BMI1/2,
+# F16C, LZCNT and MOVBE (every AVX2 CPU's), x86-64-v2 SSE4.2, SSSE3 and POPCNT; both tune generic.
 BUILD_VARIANTS: dict[str, tuple[str, ...]] = {
-    "native": (),
-    "no-amx": ("-mno-amx-tile", "-mno-amx-bf16"),
-    "no-avx512bf16": ("-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"),
-    # -mno-avx512f switches off every AVX-512 extension (BW, VL, BF16, FP16, ...); AMX goes too (its
-    # path needs AVX512-BF16). The define makes common.h refuse to compile if AVX-512 is still on.
-    "no-avx512": ("-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-DDEEPINFER_NO_AVX512"),
-    # the plain C paths (-mno-avx2 also removes every AVX-512 extension): what a CPU without AVX2 runs
-    "no-avx2": ("-mno-avx2", "-mno-fma", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-DDEEPINFER_NO_AVX512"),
+    "native": ("-march=native",),
+    "no-amx": ("-march=native", "-mno-amx-tile", "-mno-amx-bf16"),
+    "no-avx512bf16": ("-march=native", "-mno-avx512bf16", "-mno-amx-tile", "-mno-amx-bf16"),
+    # The define makes common.h refuse to compile if any AVX-512 (or AMX) macro is still on.
+    "no-avx512": ("-march=x86-64-v3", "-DDEEPINFER_NO_AVX512"),
+    "no-avx2": ("-march=x86-64-v2", "-DDEEPINFER_NO_AVX512"),
+}
+# The /proc/cpuinfo flags an x86-64 level's instructions need (lzcnt is `abm`, OSXSAVE shows as `xsave`).
+_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"})
+X86_64_LEVELS: dict[str, frozenset[str]] = {
+    "x86-64-v2": _V2,
+    "x86-64-v3": _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"},
+}
+# A switch's flags on a CPU below its level (a VM that hides MOVBE, a CPU without SSE4.2), or where
+# the CPU's flags are unknown: this CPU's own build with what the switch removes masked off
+# (-mno-avx512f switches off every AVX-512 extension; -mno-avx512f alone leaves AMX on, gcc 12).
+_BELOW_LEVEL: dict[str, tuple[str, ...]] = {
+    "no-avx512": ("-march=native", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-DDEEPINFER_NO_AVX512"),
+    "no-avx2": ("-march=native", "-mno-avx2", "-mno-fma", "-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16",
+                "-DDEEPINFER_NO_AVX512"),
 }
 # build_isa()'s bits (isa.c)
 ISA_BITS = {"avx2": 1, "fma": 2, "avx512f": 4, "avx512bf16": 8, "amx": 16}
@@ -104,8 +124,16 @@ def build_variant() -> str:
 
 
 def build_flags(variant: str | None = None) -> tuple[str, ...]:
-    """The compiler flags of a build switch (default: the one DEEPINFER_CPU_NATIVE_ISA selects)."""
-    return FLAGS + BUILD_VARIANTS[build_variant() if variant is None else variant]
+    """The compiler flags of a build switch (default: the one DEEPINFER_CPU_NATIVE_ISA selects) on this
+    CPU: its x86-64 level where the CPU has every feature of it, else `_BELOW_LEVEL`'s flags."""
+    variant = build_variant() if variant is None else variant
+    flags = BUILD_VARIANTS[variant]
+    level = X86_64_LEVELS.get(flags[0].removeprefix("-march="))
+    if level is not None:
+        cpu = _cpu_flag_set()
+        if cpu is None or not level <= cpu:
+            flags = _BELOW_LEVEL[variant]
+    return FLAGS + flags
 
 
 def cache_dir() -> Path:
@@ -182,10 +210,8 @@ def _open_verified(target: Path) -> tuple[int, bool]:
         raise
 
 
-def _cpu_features() -> str:
-    """What `-march=native` compiles for: the CPU's feature flags (Linux), else torch's ISA level. Part
-    of the cache key, so a cache directory shared between different CPUs never hands one of them a
-    library with instructions it lacks."""
+def _cpuinfo_flags() -> str | None:
+    """The CPU's feature flags as /proc/cpuinfo lists them (Linux), else None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -193,19 +219,38 @@ def _cpu_features() -> str:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return torch.backends.cpu.get_cpu_capability()
+    return None
+
+
+def _cpu_flag_set() -> frozenset[str] | None:
+    flags = _cpuinfo_flags()
+    return None if flags is None else frozenset(flags.split())
+
+
+def _cpu_features() -> str:
+    """What `-march=native` compiles for: the CPU's feature flags (Linux), else torch's ISA level. Part
+    of the cache key, so a cache directory shared between different CPUs never hands one of them a
+    library with instructions it lacks (and a switch's level or fallback follows the CPU too)."""
+    return _cpuinfo_flags() or torch.backends.cpu.get_cpu_capability()
 
 
 def planned_isa() -> frozenset[str] | None:
     """The instruction sets (ISA_BITS names) a build with the selected switch compiles for on this CPU,
-    from /proc/cpuinfo without compiling (None where it is missing): what `deepinfer doctor` shows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
+    from /proc/cpuinfo without compiling (None where it is missing): what `deepinfer doctor` shows.
+    A switch's x86-64 level holds exactly what it keeps of ISA_BITS (AVX2 and FMA for x86-64-v3,
+    neither for v2) and is used only on a CPU that has all of the level, so this is the CPU's set
+    less what the switch removes, with a level or without."""
+    flags = _cpu_flag_set()
+    if flags is None:
         return None
     have = frozenset(name for name, needed in _CPU_FLAGS.items() if set(needed) <= flags)
     return have - SWITCHED_OFF[build_variant()]
+
+
+def planned_target() -> str:
+    """The selected switch's `-march` target on this CPU (`native`, `x86-64-v3`, `x86-64-v2`), for
+    `deepinfer doctor`."""
+    return next(f for f in build_flags() if f.startswith("-march=")).removeprefix("-march=")
 
 
 def _build() -> Path:
