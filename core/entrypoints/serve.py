@@ -252,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     try:
-        run(app, front, settings, level.lower() if level.lower() in ("critical", "error", "warning", "info", "debug")
-            else "info")
+        run(app, front, settings, logging.getLevelName(level).lower())  # uvicorn's name of the same level
     finally:
         front.shutdown()
     return 0
