@@ -21,11 +21,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from deepinfer.models.common.config_values import (
-    MAX_COMPRESS_RATE, MAX_DRAFT_LAYERS, MAX_EXPERTS, MAX_HC_MULT, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS,
-    MAX_POSITIONS, MAX_SINKHORN_ITERS, MAX_VOCAB, MAX_WIDTH, Range, quantization_problems, range_problems, report,
+    MAX_COMPRESS_RATE, MAX_EXPERTS, MAX_HEAD_DIM, MAX_HEADS, MAX_LAYERS, MAX_POSITIONS, MAX_VOCAB, MAX_WIDTH, Range, quantization_problems, range_problems, report,
     show_value, tied_embeddings_problem, token_ids_problem, type_name,
 )
 from deepinfer.models.common.errors import CheckpointError
+from deepinfer.models.deepseek_v4.config import FIELD_RANGES as V4_FIELD_RANGES
 from deepinfer.models.deepseek_v4.config import YarnScaling
 
 MODEL_TYPE = "deepseek_v41"
@@ -34,36 +34,19 @@ SLIDING, FULL, REINDEX, REUSE = "sliding", "full", "reindex", "reuse"
 
 MAX_ENGRAM_ROWS = 1 << 40  # rows of one memory-mapped Engram table (the release's: 3.8e8)
 
+#: V4's range for each field the two families share, then V4.1's own fields (and the two that differ)
 FIELD_RANGES: dict[str, Range] = {
-    "vocab_size": Range(int, 1, MAX_VOCAB),
-    "hidden_size": Range(int, 1, MAX_WIDTH),
-    "num_hidden_layers": Range(int, 1, MAX_LAYERS),
-    "num_attention_heads": Range(int, 1, MAX_HEADS),
-    "head_dim": Range(int, 2, MAX_HEAD_DIM),
-    "qk_rope_head_dim": Range(int, 2, MAX_HEAD_DIM),
-    "q_lora_rank": Range(int, 1, MAX_WIDTH),
-    "o_groups": Range(int, 1, MAX_HEADS),
-    "o_lora_rank": Range(int, 1, MAX_WIDTH),
-    "sliding_window": Range(int, 1, MAX_POSITIONS),
-    "index_n_heads": Range(int, 1, MAX_HEADS),
-    "index_head_dim": Range(int, 2, MAX_HEAD_DIM),
-    "index_topk": Range(int, 1, MAX_POSITIONS),
+    **{name: V4_FIELD_RANGES[name] for name in (
+        "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "qk_rope_head_dim",
+        "q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "index_n_heads", "index_head_dim", "index_topk",
+        "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "routed_scaling_factor", "swiglu_limit",
+        "rope_theta", "compress_rope_theta", "max_position_embeddings", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+        "num_nextn_predict_layers")},
     "candidate_source_layer_id": Range(int, -1, MAX_LAYERS),
     "candidate_topk_blocks": Range(int, 1, MAX_POSITIONS),
     "candidate_block_size": Range(int, 1, MAX_POSITIONS),
-    "n_routed_experts": Range(int, 1, MAX_EXPERTS),
-    "num_experts_per_tok": Range(int, 1, MAX_HEADS),
     "n_shared_experts": Range(int, 1, 1),
-    "moe_intermediate_size": Range(int, 1, MAX_WIDTH),
-    "routed_scaling_factor": Range(float, 0, open_low=True),
     "gate_temp": Range(float, 0, open_low=True),
-    "swiglu_limit": Range(float, 0),
-    "rope_theta": Range(float, 1, open_low=True),
-    "compress_rope_theta": Range(float, 1, open_low=True),
-    "max_position_embeddings": Range(int, 1, MAX_POSITIONS),
-    "hc_mult": Range(int, 1, MAX_HC_MULT),
-    "hc_sinkhorn_iters": Range(int, 1, MAX_SINKHORN_ITERS),
-    "hc_eps": Range(float, 0),
     "rms_norm_eps": Range(float, 0, open_low=True),
     "engram_max_ngram_size": Range(int, 2, 16),
     "engram_vocab_size": Range(int, 2, MAX_ENGRAM_ROWS),
@@ -71,7 +54,6 @@ FIELD_RANGES: dict[str, Range] = {
     "engram_head_dim": Range(int, 1, MAX_HEAD_DIM),
     "engram_pad_token_id": Range(int, 0, MAX_VOCAB),
     "engram_compressed_vocab_size": Range(int, 1, MAX_VOCAB),
-    "num_nextn_predict_layers": Range(int, 0, MAX_DRAFT_LAYERS),
     "dspark_block_size": Range(int, 0, 64),
     "dspark_noise_token_id": Range(int, 0, MAX_VOCAB),
     "dspark_markov_rank": Range(int, 1, MAX_WIDTH),
