@@ -15,11 +15,9 @@ import torch
 from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.make_model import make_model, model_config
+from example_modules import load_example
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import compare_llamacpp as cmp  # noqa: E402
+cmp = load_example("compare_llamacpp.py")
 
 
 @pytest.mark.parametrize("size", ["tiny", "default"])
@@ -146,8 +144,7 @@ def test_prepare_writes_a_gguf_whose_experts_equal_deepinfers(tmp_path):
     model = make_model(tmp_path / "m", "tiny", seed=3, quantize="fp4-experts", hca_compress_rate=128,
                        vocab_size=129280)
     assert cmp.main(["prepare", "--model", str(model), "--llama-cpp", str(tree), "--out", str(tmp_path / "w")]) == 0
-    sys.path.insert(0, str(tree / "gguf-py"))
-    import gguf
+    gguf = cmp.load_gguf(tree / "gguf-py")
     from gguf import quants
 
     tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "w" / "model-bf16.gguf").tensors}
