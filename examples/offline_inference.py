@@ -35,15 +35,12 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _launch import (REFUSALS, ParallelConfigError, ParallelSizes, RankContext, RankFailed,  # noqa: E402
+from _launch import (REFUSALS, ParallelConfigError, ParallelSizes, RankContext, RankFailed,  # examples/
                      check_context_parallel_model, error_line, launch_dp, resolve_parallel)
-from _prompts import LONG_CONTEXT_INPUT_TOKENS, LONG_CONTEXT_OUTPUT_TOKENS, prepare_offline_prompts  # noqa: E402
-from _speculation import drafter_unsupported, speculation_off_note  # noqa: E402
+from _prompts import LONG_CONTEXT_INPUT_TOKENS, LONG_CONTEXT_OUTPUT_TOKENS, prepare_offline_prompts  # examples/
+from _speculation import drafter_unsupported, speculation_off_note  # examples/
 
 # Engine settings baked into the example (as in the seeds). max_model_len is left to the engine's
 # default, min(the model's limit, 32768): 32768 for DeepSeek-V4 checkpoints, less for tiny test models.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ LAYERS = [
     {"models", "features"},
     {"testing", "engine", "hookspecs", "plugins"},
     {"llm", "server", "__init__"},
-    {"cli", "entrypoints"},
+    {"cli", "entrypoints", "benchmarks"},
 ]
 
 
@@ -76,6 +77,33 @@ def test_the_layer_check_can_fail(tmp_path, monkeypatch):
             test_core_packages_import_downward_only()
     finally:
         bad.unlink()
+
+
+# Code that edits the import path: a module reached that way is hidden from readers and tools, and
+# an import then depends on what ran before. Examples import their own helpers by bare name (their
+# folder is first on sys.path when they run); tests load examples by path (tests/example_modules.py).
+SYS_PATH_EDIT = re.compile(r"\bsys\.path\s*(?:\.\s*(?:insert|append|extend)\s*\(|\[[^\]]*\]\s*=|\+=)")
+
+
+def _sys_path_edits(paths) -> list[str]:
+    return [f"{path.relative_to(REPO)}:{n}: {line.strip()}" for path in paths
+            for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if SYS_PATH_EDIT.search(line)]
+
+
+def test_no_code_edits_the_import_path():
+    paths = sorted(path for root in ("core", "plugins", "examples", "scripts", "tests")
+                   for path in (REPO / root).rglob("*.py"))
+    hits = _sys_path_edits(paths)
+    assert not hits, "\n".join(hits)
+
+
+def test_the_import_path_check_can_fail(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
+    probe = tmp_path / "probe.py"
+    path = "sys" + ".path"  # spelled apart, or this file would be a hit itself
+    probe.write_text(f"import sys\n{path}.insert(0, 'examples')\n{path}[:0] = ['x']\n{path}.append('y')\n"
+                     f"{path} += ['z']\nprint({path}[0])\n")
+    assert [hit.split(":")[1] for hit in _sys_path_edits([probe])] == ["2", "3", "4", "5"]
 
 
 EXTERNAL_DOC = re.compile(r"shared/|\b(?:deepseek-v4|deepseek-v41|anchors|machine|llamacpp-anchor|architecture)\.md\s*§")

@@ -9,9 +9,6 @@ declare.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,9 +19,7 @@ from deepinfer.accelerator.quantized_weight import (
 from deepinfer.accelerator.reference import TorchKernels, quantized_linear
 from deepinfer.models.common import quant
 from deepinfer.models.common.weights import concat_rows, fuse_experts, fuse_rows, group_rows
-
-sys.path.insert(0, str(Path(__file__).parent))
-from model_harness import Runner, max_rel_diff  # noqa: E402
+from model_harness import Runner, max_rel_diff
 
 REF = TorchKernels()
 V4_FORMATS = (FP8_BLOCK128, FP4_E2M1)

@@ -17,9 +17,9 @@ from deepinfer_plugins.features.structured_output import StructuredOutputConfig,
 from deepinfer_plugins.features.structured_output.grammar import fix_bounded_json_strings
 from deepinfer_plugins.features.structured_output.processor import DEAD_END, StructuredOutputProcessor
 from deepinfer_plugins.features.structured_output.vocabulary import Vocabulary, vocabulary_from_tokenizer
+from example_modules import load_example
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import _structured_output as samples  # noqa: E402
+samples = load_example("_structured_output.py")
 
 REGEX = r"[A-Z]{2}-[0-9]{3}"
 EBNF = 'root ::= "answer=" ("yes" | "no") ";level=" [1-3]'
@@ -408,7 +408,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def test_offline_inference_check_passes(tiny_checkpoint, capsys):
-    import offline_inference
+    offline_inference = load_example("offline_inference.py")
 
     assert offline_inference.main(["--model_name", str(tiny_checkpoint), "--check_structured_output"]) == 0
     captured = capsys.readouterr()
@@ -422,15 +422,15 @@ def test_offline_inference_check_exits_non_zero_on_a_violation(tiny_checkpoint):
     import textwrap
 
     # The injected violation: the regex validator expects lower-case letters the constraint forbids.
+    # `python -c` runs with the current folder first on sys.path: examples/, where the helper is.
     code = textwrap.dedent(f"""
         import runpy, sys
-        sys.path.insert(0, {str(EXAMPLES)!r})
         import _structured_output as S
         S.VALIDATORS["regex"] = lambda schema, text: S.validate_regex("[a-z]{{2}}-[0-9]{{3}}", text)
         sys.argv = ["offline_inference.py", "--model_name", {str(tiny_checkpoint)!r}, "--check_structured_output"]
         runpy.run_path({str(EXAMPLES / "offline_inference.py")!r}, run_name="__main__")
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=EXAMPLES)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "structured output check FAILED" in result.stderr
     assert "(regex): " in result.stderr and "does not fully match the regex '[a-z]{2}-[0-9]{3}'" in result.stderr
@@ -439,7 +439,7 @@ def test_offline_inference_check_exits_non_zero_on_a_violation(tiny_checkpoint):
 
 def test_end_to_end_bench_prints_one_row_per_constraint_and_batch(tiny_checkpoint, capsys):
     """examples/structured_output_bench.py --end_to_end: output format only (no timing checked)."""
-    import structured_output_bench
+    structured_output_bench = load_example("structured_output_bench.py")
 
     assert structured_output_bench.main(["--end_to_end", str(tiny_checkpoint), "--pairs", "1", "--batches", "2",
                                          "--prompt_tokens", "4", "--max_tokens", "3"]) == 0

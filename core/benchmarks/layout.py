@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping
 
-from _launch import env_int  # examples/ is on sys.path for every example
+from deepinfer.parallel.layout import env_int
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench import accounting
+from deepinfer.benchmarks import accounting
 
 SCHEMA = "deepinfer.benchmark/1"
 
@@ -59,7 +59,7 @@ def figures(record: dict[str, Any]) -> dict[str, dict[str, float] | None]:
             [s * accounting.tokens_per_step(v, accept) for s, v in zip(sps, verified)])
         out["decode_verified_drafts_per_step"] = _median(verified)
     if record.get("roofline"):  # each phase against the machine measured right before it
-        from bench import roofline
+        from deepinfer.benchmarks import roofline
 
         cost = roofline.WorkloadCost(**record["roofline"]["cost"])
         out["prefill_fraction_of_matmul_bound"] = _median(

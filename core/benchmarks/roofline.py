@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from bench import model_cost
+from deepinfer.benchmarks import model_cost
 
 
 @dataclass(frozen=True)
@@ -149,7 +149,7 @@ def report(cost: WorkloadCost, machines: list[Machine], prefill: list[tuple[floa
     m0 = machines[0]
     groups = ", ".join(f"{k} {v / 1e6:.1f}" for k, v in cost.bytes_by_group.items())
     lines = [
-        f"roofline (one device, {cost.model_type or 'model'}; what is counted: examples/bench/model_cost.py)",
+        f"roofline (one device, {cost.model_type or 'model'}; what is counted: deepinfer/benchmarks/model_cost.py)",
         f"  memory bandwidth (copy {m0.copy_mib} MiB, read+write): "
         f"{_spread([m.bandwidth_gbs for m in machines], '.1f')} GB/s",
         f"  bf16 matmul [{m0.matmul_shape[0]}x{m0.matmul_shape[2]}] x [{m0.matmul_shape[2]}x{m0.matmul_shape[1]}]: "

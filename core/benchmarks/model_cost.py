@@ -24,6 +24,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from deepinfer.models.cache_layout import CacheLayout
@@ -55,7 +56,7 @@ def layer_group(name: str) -> str:
     if ".ffn.shared_experts." in name or name.endswith(".ffn_norm.weight"):
         return "shared_expert"
     raise ValueError(f"the cost model does not know which group tensor {name!r} belongs to; add it to the "
-                     f"family's _group (examples/bench/cost_*.py)")
+                     f"family's _group (deepinfer/benchmarks/cost_*.py)")
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,7 @@ class FamilyCost:
 
 
 def _families() -> tuple[FamilyCost, ...]:
-    from bench import cost_v4, cost_v41  # they import this module's types
+    from deepinfer.benchmarks import cost_v4, cost_v41  # they import this module's types
 
     return cost_v4.COST, cost_v41.COST
 
@@ -158,7 +159,16 @@ def family_cost(config: Any) -> FamilyCost:
             return cost
     known = ", ".join(f"{c.model_type} ({c.config_class.__name__})" for c in families)
     raise ValueError(f"the benchmark's cost model does not know {type(config).__name__} configs; it counts {known}. "
-                     f"Run without --roofline, or add a cost module for this family to examples/bench/")
+                     f"Run without --roofline, or add a cost module for this family to deepinfer.benchmarks")
+
+
+def checkpoint_config(path: str | Path) -> tuple[Any, dict, str]:
+    """(parsed config, config.json as read, model_type) of the checkpoint folder `path`, parsed by
+    the family its config.json names (no weights read)."""
+    from deepinfer.models.registry import checkpoint_family
+
+    family, raw = checkpoint_family(path)
+    return family.parse_config(raw, str(Path(path) / "config.json")), raw, family.model_type
 
 
 def token_cost(config: Any, float_bytes: int = 2) -> TokenCost:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import re
 
-from bench.model_cost import (
+from deepinfer.benchmarks.model_cost import (
     EMBEDDING_ROW, ROUTED_EXPERTS, FamilyCost, TokenCost, layer_group, token_cost_from_shapes,
 )
 from deepinfer.models.cache_layout import CacheLayout

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from bench.model_cost import EMBEDDING_ROW, ROUTED_EXPERTS, FamilyCost, TokenCost, layer_group, token_cost_from_shapes
+from deepinfer.benchmarks.model_cost import (
+    EMBEDDING_ROW, ROUTED_EXPERTS, FamilyCost, TokenCost, layer_group, token_cost_from_shapes,
+)
 from deepinfer.models.cache_layout import CacheLayout
 from deepinfer.models.deepseek_v4.config import CSA, HCA, DeepseekV4Config
 from deepinfer.models.deepseek_v4.state import build_cache_layout
