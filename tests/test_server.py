@@ -450,7 +450,8 @@ def test_50_concurrent_clients_match_the_offline_engine(server):
             chunks = [c async for c in await client.completions.create(
                 model=server.model, prompt=p, max_tokens=5, temperature=0, stream=True,
                 stream_options={"include_usage": True})]
-            return "".join(c.choices[0].text for c in chunks), chunks[-1].usage.completion_tokens
+            assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])  # OpenAI's usage chunk
+            return "".join(c.choices[0].text for c in chunks[:-1]), chunks[-1].usage.completion_tokens
         out = await client.completions.create(model=server.model, prompt=p, max_tokens=5, temperature=0)
         return out.choices[0].text, out.usage.completion_tokens
 
@@ -539,7 +540,7 @@ def test_v41_chat_renders_constrains_and_parses_a_tool_call(v41_with_system_toke
     out = chat.output(prepared, "chatcmpl-v41", llm.tokenizer)
     out.push(result.outputs[0].token_ids)
     out.finish(result.outputs[0].finish_reason)
-    message = json.loads(out.response_json())["choices"][0]
+    message = out.response_dict()["choices"][0]
     assert message["finish_reason"] == "tool_calls", message
     (call,) = message["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
