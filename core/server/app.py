@@ -103,10 +103,12 @@ class GuardMiddleware:
             self.metrics.request_done(route, status[0] or 500)
 
     def _authorised(self, scope: dict) -> bool:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, token = header.partition(b" ")
-        # compare_digest on equal-length inputs is constant-time; hashing would work too
-        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+        headers = dict(scope["headers"])
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        anthropic = headers.get(b"x-api-key")  # the Anthropic SDK's header (/v1/messages)
+        # compare_digest is constant-time for inputs of equal length
+        return ((scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key))
+                or (anthropic is not None and hmac.compare_digest(anthropic.strip(), self.key)))
 
 
 #: the longest X-Request-Id a client may set (a longer or non-printable one is replaced)
@@ -476,6 +478,40 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
             return [outs[0].usage_chunk(sum(len(o.token_ids) for o in outs))]
 
         return StreamingResponse(sse_events(streams, on_delta, on_end, close), media_type="text/event-stream")
+
+    async def recipe_protocol(protocol: str, request: Request) -> Response:
+        """/v1/responses and /v1/messages: the recipe converts the request and writes the answer."""
+        body = await read_body(request)
+        check_model(body.get("model"))
+        prepared = chat.prepare_protocol(protocol, body)
+        check_prompt(len(prepared.prompt_token_ids))
+        rid = response_id("resp" if protocol == "responses" else "msg")
+        streams = await start([prepared.prompt_token_ids], prepared.params, protocol)
+        out = chat.output(prepared, rid, tokenizer)
+        if not prepared.stream:
+            def on_delta(_: int, delta: Delta) -> None:
+                out.push_delta(delta)
+                if delta.finished:
+                    out.finish(delta.finish_reason)
+            try:
+                await run_to_end(streams, request, on_delta)
+                return JSONResponse(out.response_dict())
+            finally:
+                out.close()
+
+        def on_event(_: int, delta: Delta) -> list[tuple[str, str]]:
+            return out.push_delta(delta) + (out.finish(delta.finish_reason) if delta.finished else [])
+
+        return StreamingResponse(sse_events(streams, on_event, list, out.close, done=None, error_event="error"),
+                                 media_type="text/event-stream")
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await recipe_protocol("responses", request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await recipe_protocol("messages", request)
 
     def chat_response(outs: list[ChatOutput]) -> dict[str, Any]:
         """One response with every sample's choice, usage over all of them."""

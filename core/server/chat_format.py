@@ -53,15 +53,25 @@ def import_recipe():
     return deepseek_recipe
 
 
+#: the protocols the recipe converts: name -> (its request class, its response class)
+PROTOCOLS = {"chat": ("ChatCompletionRequest", "ChatCompletionResponse"),
+             "responses": ("ResponsesRequest", "ResponsesResponse"),
+             "messages": ("MessagesRequest", "MessagesResponse")}
+
+
 @dataclass
 class PreparedChat:
-    """One chat request made ready for the engine."""
+    """One chat request (Chat Completions, Responses or Messages) made ready for the engine."""
 
     prompt_token_ids: list[int]
     params: SamplingParams
     stream: bool
     include_usage: bool
     conversation_request: Any  # the recipe's ConversationRequest (parsing options, chunk generator)
+    protocol: str = "chat"
+    #: Responses: the settings its responses report, and its namespace tools (read before conversion)
+    responses_echo: Any = None
+    namespace_tools: dict[str, tuple[str, str]] | None = None
 
 
 class ChatFormat:
@@ -112,12 +122,43 @@ class ChatFormat:
         if extension is not None and (body.get("response_format") or body.get("tools")):
             raise RequestError(400, f"give {STRUCTURED_OUTPUTS_FIELD} or response_format / tools, not both")
         include_usage = fields.stream_options is not None and fields.stream_options.include_usage
+        req = self._convert(self.dr.ChatCompletionRequest(self._recipe_body(body, fields)))
+        return self._for_engine(req, body, fields, include_usage)
+
+    def prepare_protocol(self, protocol: str, body: dict[str, Any]) -> PreparedChat:
+        """A Responses (`protocol` "responses") or Anthropic Messages ("messages") request body,
+        converted by the recipe; RequestError (4xx) for a bad request."""
+        if self.unavailable is not None:
+            raise RequestError(503, self.unavailable, "unavailable")
+        request = getattr(self.dr, PROTOCOLS[protocol][0])(body)
+        echo = namespace = None
+        if protocol == "responses":
+            try:
+                echo, namespace = request.echo(), request.namespace_tool_map(self.options)
+            except self.dr.ConversionError as e:
+                raise RequestError(400, _recipe_message(e)) from None
+        req = self._convert(request)
+        top_k = body.get("top_k") if protocol == "messages" else None  # Anthropic's; the recipe leaves it
+        if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
+            raise RequestError(400, f"top_k: must be a non-negative integer; got {top_k!r}")
+        fields = SamplingFields(top_k=top_k or 0)
+        prepared = self._for_engine(req, {}, fields, include_usage=True)
+        prepared.protocol, prepared.responses_echo, prepared.namespace_tools = protocol, echo, namespace
+        return prepared
+
+    def _convert(self, request: Any) -> Any:
         try:
-            req = self.dr.ChatCompletionRequest(self._recipe_body(body, fields)).convert(self.options)
+            return request.convert(self.options)
         except self.dr.ConversionError as e:
             raise RequestError(e.status_code if 400 <= e.status_code < 500 else 400, _recipe_message(e)) from None
         except ValueError as e:  # malformed body
             raise RequestError(400, str(e)) from None
+
+    def _for_engine(self, req: Any, body: dict[str, Any], fields: SamplingFields, include_usage: bool
+                    ) -> PreparedChat:
+        """The engine's prompt and SamplingParams of a converted request (`fields`: the sampling
+        fields the server reads itself; `body`: the request, for its schemas)."""
+        extension = getattr(fields, STRUCTURED_OUTPUTS_FIELD, None)
         try:
             ids = self.encoding.encode(req.conversation)
             max_tokens = req.resolve_max_tokens(len(ids), self.max_model_len)
@@ -132,7 +173,7 @@ class ChatFormat:
             so_args = self._answer_after_reasoning(so_args)
         if opts.output_constraint is not None:
             so_args = self._so_args(opts.output_constraint, thinking, req.conversation,
-                                    parallel=fields.parallel_tool_calls is not False, body=body)
+                                    parallel=getattr(fields, "parallel_tool_calls", None) is not False, body=body)
         stop = list(req.parsing_options.stop_sequences) or None
         # the request's own values; unset, the recipe's (DeepSeek's defaults for the model and mode)
         temperature = fields.temperature if fields.temperature is not None else opts.temperature
@@ -224,12 +265,17 @@ class ChatFormat:
         """The output parser of one sample (`index`) of a request; `tokenizer` is the engine's
         (text for the parser). With logprobs the parser is fed token ids and their log-probabilities
         and decodes them with the recipe's tokenizer."""
-        gen = self.dr.ChatCompletionRequest.chunk_generator(prepared.conversation_request, request_id,
-                                                            self.served_model_name)
+        request_cls = getattr(self.dr, PROTOCOLS[prepared.protocol][0])
+        gen = request_cls.chunk_generator(prepared.conversation_request, request_id, self.served_model_name)
+        if prepared.responses_echo is not None:
+            gen = gen.with_echo(prepared.responses_echo)
+        if prepared.namespace_tools:
+            gen = gen.with_namespace_tool_map(prepared.namespace_tools)
         with_logprobs = prepared.params.logprobs is not None
         processor = self.dr.StreamProcessor(gen, prepared.conversation_request.parsing_options,
                                             self.tokenizer if with_logprobs else None)
-        return ChatOutput(self.dr, processor, request_id, self.served_model_name, prepared, tokenizer, index)
+        cls = ChatOutput if prepared.protocol == "chat" else EventOutput
+        return cls(self.dr, processor, request_id, self.served_model_name, prepared, tokenizer, index)
 
 
 class ChatOutput:
@@ -264,7 +310,8 @@ class ChatOutput:
         self.usage: dict[str, Any] | None = None  # the recipe's, from the last chunk that carried it
         self.model, self.request_id, self.created = model, request_id, int(time.time())
         n = len(prepared.prompt_token_ids)
-        self.response = None if prepared.stream else dr.ChatCompletionResponse(request_id, model, self.created, n, 0)
+        self.response_cls = getattr(dr, PROTOCOLS[prepared.protocol][1])
+        self.response = None if prepared.stream else self.response_cls(request_id, model, self.created, n, 0)
         # the role chunk, sent with the first tokens
         self._first = self._emit(processor.push(dr.InferenceChunk.ready(prompt_usage=dr.PromptUsage(prompt_tokens=n))))
 
@@ -354,6 +401,22 @@ class ChatOutput:
     def reasoning_tokens(self) -> int:
         details = (self.usage or {}).get("completion_tokens_details") or {}
         return details.get("reasoning_tokens") or 0
+
+
+class EventOutput(ChatOutput):
+    """A Responses or Messages request's output: the recipe's events as named SSE events
+    (`(event name, JSON)` pairs) when streaming, the accumulated response otherwise. Their usage is
+    the recipe's (it counts the tokens it was told of)."""
+
+    def _emit(self, chunks: list[Any]) -> list[Any]:
+        if self.response is not None:
+            for c in chunks:
+                self.response.accumulate(c)
+            return []
+        return [(self.response_cls.sse_event_name(c), c.to_json()) for c in chunks]
+
+    def response_dict(self) -> dict[str, Any]:
+        return json.loads(self.response.to_json())
 
 
 def _top(entry: dict[int, Any], k: int) -> list[tuple[int, float]]:
