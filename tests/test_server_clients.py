@@ -255,7 +255,8 @@ def test_anthropic_messages_streaming_and_a_tool_call(server):  # noqa: F811
             "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
                              "required": ["city"]}}
     called = client.messages.create(model=server.model, max_tokens=200, tools=[tool],
-                                    tool_choice={"type": "any"}, messages=[{"role": "user", "content": "Weather?"}])
+                                    tool_choice={"type": "tool", "name": "get_weather"},
+                                    messages=[{"role": "user", "content": "Weather?"}])
     uses = [b for b in called.content if b.type == "tool_use"]
     assert called.stop_reason == "tool_use" and uses and uses[0].input["city"] in ("Paris", "Rome")
 
@@ -290,7 +291,7 @@ def test_lm_eval_local_completions_scores_as_the_offline_engine(server, offline,
 
     # what a loglikelihood task and a generate_until task built from a local file hand the model
     rows = [json.loads(line) for line in _local_task(tmp_path).read_text().splitlines()]
-    lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model=server.model, max_retries=1,
+    lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model=server.model, max_retries=1, auth_token=KEY,
                              num_concurrent=2)
     assert lm.tokenizer_backend == "remote"  # found /tokenizer_info and /tokenize: no local tokenizer needed
     ll_requests = [Instance("loglikelihood", {}, (r["context"], " " + c), i) for i, r in enumerate(rows)
