@@ -179,13 +179,14 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         except ValidationError as e:
             raise RequestError(400, validation_message(e)) from None
 
-    async def start(prompts: list[list[int]], params: SamplingParams, prefix: str) -> Streams:
-        """Queue one engine request per prompt and wait for their admission; an admission error is
-        a 400 (naming the prompt in a batch), and the others are aborted."""
+    async def start(prompts: list[list[int]], params: SamplingParams, rid: str) -> Streams:
+        """Queue one engine request per prompt (engine id: the response id `rid`, and the prompt's
+        index in a batch) and wait for their admission; an admission error is a 400 (naming the
+        prompt in a batch), and the others are aborted."""
         streams: list[RequestStream] = []
         try:
-            for prompt in prompts:
-                streams.append(await front.submit(prompt, params, prefix))
+            for i, prompt in enumerate(prompts):
+                streams.append(await front.submit(prompt, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
             firsts = [await s.next(settings.request_timeout_s) for s in streams]
         except BaseException as e:  # timed out, the queue is full, or the handler was cancelled (client gone)
             for s in streams:
@@ -411,7 +412,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         except ValueError as e:
             raise RequestError(400, str(e)) from None
         rid = response_id("cmpl")
-        streams = await start(prompts, params, "cmpl")
+        streams = await start(prompts, params, rid)
         texts = [p if isinstance(p, str) else tokenizer.decode(p) if req.echo else "" for p in req.prompts]
         groups = [PromptChoices(req, params, ids, text, tokenizer, i * req.n)
                   for i, (ids, text) in enumerate(zip(prompts, texts))]
@@ -450,7 +451,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         n_prompt = len(prepared.prompt_token_ids)
         check_prompt(n_prompt)
         rid = response_id("chatcmpl")
-        streams = await start([prepared.prompt_token_ids], prepared.params, "chatcmpl")
+        streams = await start([prepared.prompt_token_ids], prepared.params, rid)
         outs = [chat.output(prepared, rid, tokenizer, index=j) for j in range(prepared.params.num_samples)]
 
         def close() -> None:
@@ -486,7 +487,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         prepared = chat.prepare_protocol(protocol, body)
         check_prompt(len(prepared.prompt_token_ids))
         rid = response_id("resp" if protocol == "responses" else "msg")
-        streams = await start([prepared.prompt_token_ids], prepared.params, protocol)
+        streams = await start([prepared.prompt_token_ids], prepared.params, rid)
         out = chat.output(prepared, rid, tokenizer)
         if not prepared.stream:
             def on_delta(_: int, delta: Delta) -> None:

@@ -110,12 +110,14 @@ class FrontEnd:
         mean = self.snapshot.step_seconds.mean or 0.1
         return max(1, round(mean * 16))
 
-    async def submit(self, prompt: Any, params: SamplingParams, prefix: str = "req") -> RequestStream:
+    async def submit(self, prompt: Any, params: SamplingParams, prefix: str = "req",
+                     request_id: str | None = None) -> RequestStream:
+        """Queue a request (its engine id `request_id`, else `prefix` and a number) and open its stream."""
         if self.dead is not None:
             raise EngineDead(self.dead)
         if len(self._streams) >= self.max_pending:
             raise QueueFull(self.max_pending, self.retry_after())
-        rid = f"{prefix}-{next(self._ids)}"
+        rid = request_id or f"{prefix}-{next(self._ids)}"
         stream = RequestStream(self, rid)
         stream.submitted = time.monotonic()
         self._streams[rid] = (stream, asyncio.get_running_loop())
