@@ -4,8 +4,8 @@ xgrammar compiles a JSON schema into a grammar, and silently ignores the keyword
 (a `not`, an `if`/`then`/`else`, `uniqueItems`, ...): generation would then follow a looser schema
 than the one asked for, with no error. `unsupported_keyword` finds the first such keyword (with
 its place in the schema), so that the request is refused with a message naming it instead. The
-list was found by compiling, with xgrammar 0.2.9, a schema using each keyword and checking that an
-instance violating it is rejected; `tests/test_structured_output.py` checks each entry still holds.
+list was found by compiling, with xgrammar 0.2.9, a schema using each keyword and checking whether
+an instance violating it is rejected (`patternProperties` rejected valid instances too).
 Annotations (`title`, `description`, `default`, `examples`, unknown `format`s, ...) constrain
 nothing and are accepted.
 """
