@@ -155,7 +155,8 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_offline_engine(server, offl
     assert out.choices[0].text == offline.tokenizer.decode(ids) and out.usage.completion_tokens == 0
     gen = server.client().completions.create(model=server.model, prompt="Hi", max_tokens=3, logprobs=2, temperature=0)
     # the token and its 2 most likely alternatives (two byte tokens may share a key such as '\ufffd')
-    assert len(gen.choices[0].logprobs.tokens) == 3 and all(1 <= len(t) <= 3 for t in gen.choices[0].logprobs.top_logprobs)
+    logprobs = gen.choices[0].logprobs
+    assert len(logprobs.tokens) == 3 and all(1 <= len(t) <= 3 for t in logprobs.top_logprobs)
 
 
 def test_chat_logprobs(server, offline):  # noqa: F811

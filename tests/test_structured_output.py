@@ -471,7 +471,8 @@ def test_an_offline_json_constraint_with_an_unenforceable_keyword_fails_alone(ti
     bad = {"schema_type": "json", "schema": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}}
     out_bad, out_ok = tiny_llm_for_schema.generate(
         [[5, 6], [5, 6]], [SamplingParams(so_args=bad, max_tokens=4),
-                           SamplingParams(so_args={"schema_type": "json", "schema": {"type": "integer"}}, max_tokens=4)],
+                           SamplingParams(so_args={"schema_type": "json", "schema": {"type": "integer"}},
+                                          max_tokens=4)],
         use_tqdm=False)
     assert out_bad.outputs[0].finish_reason == "error" and "'if'" in out_bad.error
     assert out_ok.outputs[0].finish_reason in ("stop", "length")

@@ -53,7 +53,8 @@ class Admission:
         for i in range(params.num_samples):
             sample = params.clone(n=1, best_of=None, seq_seed=None if params.seq_seed is None else params.seq_seed + i,
                                   prompt_logprobs=params.prompt_logprobs if i == 0 else None)
-            source = prompt if i == 0 else {"prompt": members[0].prompt, "prompt_token_ids": members[0].prompt_token_ids}
+            first = members[0] if members else None
+            source = prompt if first is None else {"prompt": first.prompt, "prompt_token_ids": first.prompt_token_ids}
             req, problem = self.admit(source, sample, request_id if i == 0 else f"{request_id}#{i}", arrival_index)
             req.sample_index = i
             members.append(req)

@@ -3,8 +3,8 @@
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `POST /v1/responses`, `POST
 /v1/messages`, `GET /v1/models` and `/v1/models/{id}`, `POST /tokenize` and `/detokenize`,
 `GET /tokenizer_info`, `GET /version`, `GET /health`, `GET /metrics`. Every answer carries an
-`X-Request-Id` header (the client's, else a new one); response ids are random. Every answer that is not a success, on every path (unknown routes and methods
-included), is an OpenAI error object (`{"error": {"message", "type", ...}}`): a 4xx status naming
+`X-Request-Id` header (the client's, else a new one); response ids are random. Every answer that is
+not a success, on every path (unknown routes and methods included), is an OpenAI error object (`{"error": {"message", "type", ...}}`): a 4xx status naming
 the problem, 429 with `Retry-After` when the queue is full, 503 while the engine is down or the
 server shuts down, 504 on a request timeout. An unexpected exception is logged and answered with a
 bare 500 (never a stack trace) on a connection that stays usable.
@@ -186,7 +186,8 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
-                streams.append(await front.submit(prompt, params, request_id=rid if len(prompts) == 1 else f"{rid}-{i}"))
+                engine_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                streams.append(await front.submit(prompt, params, request_id=engine_id))
             firsts = [await s.next(settings.request_timeout_s) for s in streams]
         except BaseException as e:  # timed out, the queue is full, or the handler was cancelled (client gone)
             for s in streams:

@@ -150,7 +150,8 @@ class EngineLoop:
                 t.sent[i] += len(new)
                 if m.is_finished:
                     t.reported.add(i)
-                    delta.finished, delta.finish_reason, delta.error, delta.text = True, m.finish_reason, m.error, m.text
+                    delta.finished, delta.finish_reason = True, m.finish_reason
+                    delta.error, delta.text = m.error, m.text
                 delta.samples_left = len(members) - len(t.reported)
                 if not t.prompt_sent and t.request.prompt_logprobs is not None and t.request.prompt_scored:
                     delta.prompt_logprobs, t.prompt_sent = t.request.prompt_logprobs, True

@@ -162,7 +162,8 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _no_suffix(cls, suffix: str | None) -> str | None:
         if suffix:
-            raise ValueError("a suffix (fill in the middle) is not supported by this model's completions; leave it unset")
+            raise ValueError("a suffix (fill in the middle) is not supported by this model's completions; "
+                             "leave it unset")
         return suffix
 
     @model_validator(mode="after")
