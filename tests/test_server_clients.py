@@ -283,38 +283,53 @@ def test_langchain_invoke_and_structured_output(server):  # noqa: F811
 
 @pytest.mark.slow
 def test_lm_eval_local_completions_scores_as_the_offline_engine(server, offline, tmp_path, monkeypatch):  # noqa: F811
-    pytest.importorskip("lm_eval")
+    """lm-eval's own evaluator and `local-completions` client, default settings (it finds
+    /tokenizer_info and /tokenize and tokenises through the server), on two tasks built from local
+    files: a multiple-choice (loglikelihood) task and a generate_until task."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("OPENAI_API_KEY", KEY)
-    from lm_eval.api.instance import Instance
-    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
 
-    # what a loglikelihood task and a generate_until task built from a local file hand the model
-    rows = [json.loads(line) for line in _local_task(tmp_path).read_text().splitlines()]
-    lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model=server.model, max_retries=1, auth_token=KEY,
-                             num_concurrent=2)
-    assert lm.tokenizer_backend == "remote"  # found /tokenizer_info and /tokenize: no local tokenizer needed
-    ll_requests = [Instance("loglikelihood", {}, (r["context"], " " + c), i) for i, r in enumerate(rows)
-                   for c in r["choices"]]
-    scores = lm.loglikelihood(ll_requests)
-    for req, (score, _) in zip(ll_requests, scores):
-        context, continuation = req.args
-        ctx = lm.tok_encode(context)
-        whole = ctx + lm.tok_encode(continuation)
-        prompt = _offline(offline, whole, max_tokens=0, prompt_logprobs=0).prompt_logprobs
-        expected = sum(prompt[k][whole[k]].logprob for k in range(len(ctx), len(whole)))
-        assert score == pytest.approx(expected, abs=1e-5)
-    gen = lm.generate_until([Instance("generate_until", {}, (r["context"], {"until": ["\n\n"], "max_gen_toks": 6}), i)
-                             for i, r in enumerate(rows)])
-    want = [_offline(offline, lm.tok_encode(r["context"]), temperature=0, max_tokens=6, stop=["\n\n"]).outputs[0].text
-            for r in rows]
-    assert gen == want
+    tasks = _local_tasks(tmp_path)
+    out = lm_eval.simple_evaluate(
+        model="local-completions", model_args={"base_url": server.url + "/v1/completions", "model": server.model,
+                                               "auth_token": KEY, "max_retries": 1},
+        tasks=["deepinfer_local_mc", "deepinfer_local_gen"], task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True, limit=None)
+    tok = offline.tokenizer
+    scored = 0
+    for sample in out["samples"]["deepinfer_local_mc"]:
+        for (context, continuation), ((ll, _),) in zip(sample["arguments"], sample["resps"]):
+            ctx = tok.encode(context) if context else []
+            whole = ctx + tok.encode(continuation)
+            prompt = _offline(offline, whole, max_tokens=0, prompt_logprobs=0).prompt_logprobs
+            assert ll == pytest.approx(sum(prompt[k][whole[k]].logprob for k in range(len(ctx), len(whole))), abs=1e-5)
+            scored += 1
+    assert scored == 5
+    for sample in out["samples"]["deepinfer_local_gen"]:
+        (context, _), ((text,),) = sample["arguments"][0], [sample["resps"][0]]
+        want = _offline(offline, tok.encode(context), temperature=0, max_tokens=6, stop=["\n\n"]).outputs[0].text
+        assert text == want
+    assert len(out["samples"]["deepinfer_local_gen"]) == 2
 
 
-def _local_task(tmp_path):
-    path = tmp_path / "task.jsonl"
-    rows = [{"context": "The capital of France is", "choices": ["Paris", "Rome"]},
-            {"context": "Two plus two equals", "choices": ["four", "five", "six"]}]
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
+def _local_tasks(tmp_path):
+    """Two lm-eval tasks over a local JSON-lines file (no dataset download)."""
+    rows = [{"context": "The capital of France is", "choices": [" Paris", " Rome"], "answer": 0},
+            {"context": "Two plus two equals", "choices": [" four", " five", " six"], "answer": 0}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+              f"doc_to_text: \"{{{{context}}}}\"\n")
+    (folder / "mc.yaml").write_text("task: deepinfer_local_mc\n" + common + "output_type: multiple_choice\n"
+                                    "doc_to_choice: \"{{choices}}\"\ndoc_to_target: answer\n"
+                                    "target_delimiter: \"\"\nmetric_list:\n  - metric: acc\n")
+    (folder / "gen.yaml").write_text("task: deepinfer_local_gen\n" + common + "output_type: generate_until\n"
+                                     "doc_to_target: \"{{choices[answer]}}\"\ngeneration_kwargs:\n"
+                                     "  until: [\"\\n\\n\"]\n  max_gen_toks: 6\n  do_sample: false\n"
+                                     "metric_list:\n  - metric: exact_match\n")
+    return folder
