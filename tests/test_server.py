@@ -579,6 +579,19 @@ def test_an_empty_api_key_is_refused_at_start_up(flag, env, clean_env, capsys, t
     assert "is empty" in err and ("--api-key" if flag else "DEEPINFER_API_KEY") in err
 
 
+def test_the_model_may_be_given_positionally_as_vllm_takes_it(tmp_path, capsys, clean_env):
+    from deepinfer.entrypoints.serve import build_parser, main
+
+    args = build_parser().parse_args([str(tmp_path / "m"), "--data-parallel-size", "2", "--max-model-len", "64"])
+    assert (args.model_tag, args.dp, args.max_model_len) == (str(tmp_path / "m"), 2, 64)
+    with pytest.raises(SystemExit):
+        main(["a", "--model", "b"])
+    assert "the model is given twice" in capsys.readouterr().err
+    # the positional model is the one loaded: a missing one is the start-up error, naming it
+    assert main([str(tmp_path / "no-such-model"), "--accelerator", "cpu"]) == 1
+    assert "no-such-model" in capsys.readouterr().err
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
