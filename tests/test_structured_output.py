@@ -448,3 +448,42 @@ def test_end_to_end_bench_prints_one_row_per_constraint_and_batch(tiny_checkpoin
     assert [row.split(" | ")[:2] for row in rows[1:]] == [["| json free strings", "2"], ["| regex (seed)", "2"]]
     for row in rows[1:]:
         assert len(row.strip("|").split(" | ")) == 9
+
+
+def test_schema_keywords_the_grammar_cannot_enforce_are_found_where_they_are():
+    from deepinfer.json_schema_support import unsupported_keyword
+
+    ok = {"type": "object", "properties": {"not": {"type": "string", "maxLength": 3},  # a property named "not"
+                                           "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2}},
+          "$defs": {"x": {"allOf": [{"type": "integer"}]}}}
+    assert unsupported_keyword(ok) is None
+    nested = {"type": "object", "properties": {"tags": {"type": "array", "items": {"anyOf": [
+        {"type": "string"}, {"type": "array", "uniqueItems": True}]}}}}
+    problem = unsupported_keyword(nested, "response_format.json_schema.schema")
+    assert problem.startswith("response_format.json_schema.schema.properties.tags.items.anyOf.1: the JSON schema "
+                              "keyword 'uniqueItems'")
+    assert "'allOf' with 2 schemas" in unsupported_keyword({"allOf": [{"type": "integer"}, {"minimum": 3}]})
+
+
+def test_an_offline_json_constraint_with_an_unenforceable_keyword_fails_alone(tiny_llm_for_schema):
+    from deepinfer import SamplingParams
+
+    bad = {"schema_type": "json", "schema": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}}
+    out_bad, out_ok = tiny_llm_for_schema.generate(
+        [[5, 6], [5, 6]], [SamplingParams(so_args=bad, max_tokens=4),
+                           SamplingParams(so_args={"schema_type": "json", "schema": {"type": "integer"}},
+                                          max_tokens=4)],
+        use_tqdm=False)
+    assert out_bad.outputs[0].finish_reason == "error" and "'if'" in out_bad.error
+    assert out_ok.outputs[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_for_schema(tmp_path_factory):
+    from deepinfer import LLM
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    path = make_model(tmp_path_factory.mktemp("schema") / "m", "tiny", seed=0, with_mtp=False)
+    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_model_len=256)
+    yield llm
+    llm.shutdown()
