@@ -52,6 +52,11 @@ def import_recipe():
     return deepseek_recipe
 
 
+def tokenizer_file(tokenizer: Any) -> str | None:
+    """The tokenizer.json behind an engine's tokenizer, None when the engine has no text tokenizer."""
+    return getattr(tokenizer, "source", None) if getattr(tokenizer, "has_text", False) else None
+
+
 @dataclass
 class PreparedChat:
     """One chat request made ready for the engine."""
