@@ -34,18 +34,19 @@ correct: 'yes' if the extracted answer matches the correct answer, or differs on
 answer; 'no' for anything else (a different, inconsistent, ambiguous or missing answer).
 confidence: the confidence between 0 and 100 the response states; 100 if it states none."""
 
-#: what the judge must answer (string lengths bounded so that a constrained judge always ends)
-VERDICT_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "extracted_final_answer": {"type": "string", "maxLength": 1000},
-        "reasoning": {"type": "string", "maxLength": 4000},
-        "correct": {"type": "string", "enum": ["yes", "no"]},
-        "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
-    },
-    "required": ["extracted_final_answer", "reasoning", "correct", "confidence"],
-    "additionalProperties": False,
-}
+def verdict_schema(answer_chars: int, reasoning_chars: int) -> dict[str, Any]:
+    """What the judge must answer; the strings are bounded so that a constrained judge always ends."""
+    return {
+        "type": "object",
+        "properties": {
+            "extracted_final_answer": {"type": "string", "maxLength": answer_chars},
+            "reasoning": {"type": "string", "maxLength": reasoning_chars},
+            "correct": {"type": "string", "enum": ["yes", "no"]},
+            "confidence": {"type": "integer", "minimum": 0, "maximum": 100},
+        },
+        "required": ["extracted_final_answer", "reasoning", "correct", "confidence"],
+        "additionalProperties": False,
+    }
 
 
 class Verdict(BaseModel):
@@ -63,27 +64,29 @@ class JudgeError(RuntimeError):
 
 class Judge:
     """Asks `model` at `endpoint` (temperature 0) to judge one answer; `extra_body` is merged into
-    each request (e.g. `{"thinking": {"type": "disabled"}}` for a DeepSeek judge)."""
+    each request (e.g. `{"thinking": {"type": "disabled"}}` for a DeepSeek judge). The verdict's
+    extracted answer and reasoning are bounded to `answer_chars` and `reasoning_chars` characters."""
 
     def __init__(self, endpoint: Endpoint, model: str, prompt: str = JUDGE_PROMPT, max_tokens: int = 4096,
-                 extra_body: dict[str, Any] | None = None):
+                 extra_body: dict[str, Any] | None = None, answer_chars: int = 1000, reasoning_chars: int = 4000):
         for field in ("{question}", "{response}", "{correct_answer}"):
             if field not in prompt:
                 raise ValueError(f"the judge prompt must contain the placeholder {field}")
         self.endpoint, self.model, self.prompt, self.max_tokens = endpoint, model, prompt, max_tokens
         self.extra_body = dict(extra_body or {})
+        self.schema = verdict_schema(answer_chars, reasoning_chars)
 
     def describe(self) -> dict[str, Any]:
         """What identifies this judge's verdicts (recorded with each score)."""
-        return {"url": self.endpoint.base_url, "model": self.model, "prompt": fingerprint({"p": self.prompt}),
-                "extra_body": self.extra_body}
+        return {"url": self.endpoint.base_url, "model": self.model,
+                "prompt": fingerprint({"prompt": self.prompt, "schema": self.schema}), "extra_body": self.extra_body}
 
     def body(self, question: str, response: str, correct_answer: str) -> dict[str, Any]:
         text = self.prompt.replace("{question}", question).replace("{response}", response) \
             .replace("{correct_answer}", correct_answer)
         return {"model": self.model, "messages": [{"role": "user", "content": text}], "temperature": 0.0,
                 "max_tokens": self.max_tokens, "stream": False,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT_SCHEMA}},
+                "response_format": {"type": "json_schema", "json_schema": {"name": "verdict", "schema": self.schema}},
                 **self.extra_body}
 
     def judge(self, question: str, response: str, correct_answer: str) -> Verdict:

@@ -31,7 +31,7 @@ Status = Literal["scored", "unjudged", "skipped", "error"]
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _WRAPPER = re.compile(r"^\\(?:text|textbf|mathbf|mathrm|mbox)\s*\{(.*)\}$", re.S)
 _INTEGER = re.compile(r"0*(\d+)(?:\.0*)?")
-_ANSWER_LETTER = re.compile(r"(?i)[*_]{0,2}answer[*_]{0,2}\s*:[\s*_]{0,2}\s*\$?\s*"
+_ANSWER_LETTER = re.compile(r"(?i)[*_]{0,2}answer[*_]{0,2}\s*:[\s*_$]*"
                             r"(?:\\(?:boxed|text|textbf|mathbf)\s*\{\s*)?\(?([a-z])\)?(?![a-z0-9])")
 _EXACT_ANSWER = re.compile(r"(?im)^[*_]{0,2}exact answer[*_]{0,2}\s*:[*_]{0,2}\s*(.+?)\s*$")
 

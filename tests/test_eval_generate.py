@@ -1,0 +1,223 @@
+"""`deepinfer eval generate` and the judge on a tiny random DeepSeek-V4.1 (its cut-down real
+tokenizer has the chat tokens), through the offline engine and through our own server on
+127.0.0.1: resuming after an interruption, identical rows offline and over HTTP for greedy
+decoding, the judge's structured output, and the command's stages end to end.
+
+The text is gibberish; what is checked is the bookkeeping, the protocol and the equality."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("deepseek_recipe")
+
+from deepinfer.eval import generate as gen  # noqa: E402
+from deepinfer.eval.backends import Endpoint, EndpointBackend, SamplingSettings  # noqa: E402
+from deepinfer.eval.offline import EngineSpec, run_offline  # noqa: E402
+from deepinfer.eval.rows import GenerationFileError, RowWriter, read_rows  # noqa: E402
+from deepinfer.eval.tasks import Task, gpqa_tasks  # noqa: E402
+
+ENGINE = dict(accelerator="cpu", dtype="float32", max_model_len=2048, max_num_seqs=8)
+GREEDY = SamplingSettings(temperature=0.0, top_p=1.0, max_tokens=12, thinking=False)
+VOLATILE = ("fingerprint", "engine", "layout")  # what says which back end made a row
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    return str(make_model(tmp_path_factory.mktemp("eval") / "tiny-v41", "tiny", seed=0, max_position_embeddings=2048))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def gpqa_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "gpqa_diamond.csv"
+    lines = ["Record ID,Question,Correct Answer,Incorrect Answer 1,Incorrect Answer 2,Incorrect Answer 3"]
+    lines += [f"q{i},What is {i} plus {i}?,{2 * i},{2 * i + 1},{2 * i - 1},{i}" for i in range(1, 4)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _spec(model: str) -> EngineSpec:
+    return EngineSpec(model=model, accelerator="cpu", dtype="float32", max_model_len=2048, max_num_seqs=8)
+
+
+def _content(rows) -> list[dict]:
+    return sorted((r.model_dump(exclude=set(VOLATILE)) for r in rows), key=lambda r: (r["task_id"], r["sample"]))
+
+
+def test_an_interrupted_run_resumes_and_writes_each_row_once(model, gpqa_file, tmp_path, monkeypatch):
+    out = tmp_path / "gen.jsonl"
+    tasks = gpqa_tasks(gpqa_file)
+    run, done = gen.open_run(out, "gpqa", GREEDY, progress=False)
+    jobs = gen.plan(tasks, 2, seed=0, done=done)
+    assert len(jobs) == 6
+
+    calls = {"n": 0}
+    append = RowWriter.append
+
+    def interrupt_after_two(self, row):
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        append(self, row)
+
+    monkeypatch.setattr(RowWriter, "append", interrupt_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_offline(run, jobs, _spec(model))
+    monkeypatch.setattr(RowWriter, "append", append)
+    first = out.read_text(encoding="utf-8")
+    assert len(first.splitlines()) == 2
+
+    # a write cut off by the interruption: the partial line is dropped and that sample made again
+    with out.open("a", encoding="utf-8") as f:
+        f.write(first.splitlines()[0][:40])
+    run, done = gen.open_run(out, "gpqa", GREEDY, progress=False)
+    assert out.read_text(encoding="utf-8") == first and len(done) == 2
+    rest = gen.plan(tasks, 2, seed=0, done=done)
+    assert len(rest) == 4 and not {j.key for j in rest} & done
+    stats = run_offline(run, rest, _spec(model))
+    assert (stats.written, stats.failed) == (4, 0)
+
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith(first)  # the rows written before were not generated again
+    keys = [(r["task_id"], r["sample"], r["seed"]) for r in map(json.loads, text.splitlines())]
+    assert len(keys) == len(set(keys)) == 6
+    assert gen.plan(tasks, 2, 0, gen.open_run(out, "gpqa", GREEDY)[1]) == []  # nothing left
+
+    # the same file under other settings is refused, naming what differs
+    run, _ = gen.open_run(out, "gpqa", GREEDY.model_copy(update={"max_tokens": 13}), progress=False)
+    with pytest.raises(GenerationFileError, match="another engine or with other settings.*max_tokens.*12.*13"):
+        run_offline(run, gen.plan(tasks, 3, 0, done), _spec(model))
+
+
+def test_image_tasks_are_skipped_and_counted(model, tmp_path):
+    tasks = [Task(id="img", question="What is shown?", answer="a cat", answer_type="exact", image="data:image/png;base64,AA"),
+             Task(id="txt", question="Name a colour.", answer="red", answer_type="exact")]
+    run, done = gen.open_run(tmp_path / "hle.jsonl", "hle", GREEDY, progress=False)
+    stats = run_offline(run, gen.plan(tasks, 1, 0, done), _spec(model))
+    assert (stats.skipped, stats.written) == (1, 1)
+    rows = {r.task_id: r for r in read_rows(tmp_path / "hle.jsonl")}
+    assert rows["img"].finish_reason == "skipped" and "image" in rows["img"].error and not rows["img"].done
+    assert rows["txt"].done and rows["txt"].messages[0]["role"] == "system"
+
+
+# -- our own server ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def server(model):
+    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    from deepinfer.entrypoints.serve import build_server
+    from deepinfer.server.protocol import ServerSettings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    settings = ServerSettings(api_key="k", max_pending=64)
+    app, front = build_server(settings, model=model, **ENGINE)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    srv.should_exit = True
+    thread.join(timeout=30)
+    front.shutdown()
+    torch.set_num_threads(threads)
+
+
+def test_offline_and_server_generation_give_identical_rows_for_greedy(model, gpqa_file, server, tmp_path):
+    tasks = gpqa_tasks(gpqa_file)
+    offline_run, done = gen.open_run(tmp_path / "offline.jsonl", "gpqa", GREEDY, progress=False)
+    run_offline(offline_run, gen.plan(tasks, 2, 0, done), _spec(model))
+    served_run, done = gen.open_run(tmp_path / "served.jsonl", "gpqa", GREEDY, progress=False)
+    endpoint = Endpoint(server, api_key="k", timeout=120)
+    backend = EndpointBackend(endpoint, endpoint.default_model(), concurrency=3)
+    stats = gen.generate(served_run, backend, backend.describe(), gen.plan(tasks, 2, 0, done))
+    assert stats.failed == 0
+    offline, served = read_rows(tmp_path / "offline.jsonl"), read_rows(tmp_path / "served.jsonl")
+    assert len(offline) == 6 and all(r.done and r.completion_tokens > 0 and r.text for r in offline)
+    assert _content(offline) == _content(served)
+    assert served[0].engine["backend"] == "endpoint" and offline[0].engine["backend"] == "offline"
+
+
+def test_thinking_rows_keep_the_reasoning_apart(server, tmp_path):
+    """Thinking on (the default): the endpoint's reasoning_content lands in `reasoning`."""
+    tasks = [Task(id="t", question="Say hi.", answer="hi", answer_type="exact")]
+    settings = SamplingSettings(max_tokens=24)
+    run, done = gen.open_run(tmp_path / "think.jsonl", "hle", settings, progress=False)
+    endpoint = Endpoint(server, api_key="k", timeout=120)
+    backend = EndpointBackend(endpoint, endpoint.default_model())
+    gen.generate(run, backend, backend.describe(), gen.plan(tasks, 1, 0, done))
+    (row,) = read_rows(tmp_path / "think.jsonl")
+    assert row.done and row.reasoning and row.completion_tokens == 24 and row.finish_reason == "length"
+
+
+def test_the_judge_answers_in_its_schema_through_our_server(server):
+    from deepinfer.eval.judge import Judge
+    from deepinfer.eval.scoring import judge_row
+
+    endpoint = Endpoint(server, api_key="k", timeout=120)
+    # short strings: a random model's judge fills them to the bound
+    judge = Judge(endpoint, endpoint.default_model(), max_tokens=400, extra_body={"thinking": {"type": "disabled"}},
+                  answer_chars=30, reasoning_chars=60)
+    row = gen.make_row(gen.Run(Path("x"), "hle", GREEDY, {}), gen.Job(
+        Task(id="h", question="What is 3/4 as a decimal?", answer="0.75", answer_type="exact"), 0, 0,
+        [{"role": "user", "content": "What is 3/4 as a decimal?"}], None),
+        gen.Completion(text="Explanation: easy.\nExact Answer: 0.75\nConfidence: 90%", finish_reason="stop"), "f", {})
+    score = judge_row(row, judge)
+    assert score.status == "scored" and score.method == "judge", score.note
+    assert score.judge["model"] == endpoint.default_model() and 0 <= score.judge["confidence"] <= 100
+    assert isinstance(score.correct, bool)
+
+
+def test_a_judge_that_leaves_its_schema_leaves_the_row_unjudged(monkeypatch):
+    from deepinfer.eval.judge import Judge
+    from deepinfer.eval.scoring import judge_row
+
+    endpoint = Endpoint("http://127.0.0.1:9/v1")
+    monkeypatch.setattr(endpoint, "chat", lambda body: {"choices": [{"message": {"content": "yes, correct"}}]})
+    row = gen.make_row(gen.Run(Path("x"), "hle", GREEDY, {}), gen.Job(
+        Task(id="h", question="q", answer="1", answer_type="exact"), 0, 0, [], None),
+        gen.Completion(text="Exact Answer: 1", finish_reason="stop"), "f", {})
+    score = judge_row(row, Judge(endpoint, "judge"))
+    assert score.status == "unjudged" and "verdict schema" in score.note and score.answer == "1"
+    with pytest.raises(ValueError, match="placeholder {correct_answer}"):
+        Judge(endpoint, "judge", prompt="{question} {response}")
+
+
+def test_the_command_runs_generate_score_and_report(model, gpqa_file, tmp_path, capsys):
+    from deepinfer.cli import main
+
+    out = tmp_path / "gpqa" / "generations.jsonl"
+    args = ["eval", "generate", "gpqa", "--data", str(gpqa_file), "--samples", "2", "--output", str(out), "--model",
+            model, "--accelerator", "cpu", "--dtype", "float32", "--max-tokens", "8", "--no-progress"]
+    assert main(args) == 0
+    assert main(args) == 0  # resumed: nothing left to do
+    assert "6 done" in capsys.readouterr().out
+    assert main(["eval", "score", str(out)]) == 0
+    assert main(["eval", "report", str(tmp_path / "gpqa" / "scores.jsonl")]) == 0
+    summary = json.loads((tmp_path / "gpqa" / "scores_report.json").read_text())
+    assert summary["benchmark"] == "gpqa" and summary["tasks"] == 3 and summary["counted"] == 6
+    assert set(summary["pass@k"]) == {"1", "2"} and 0 <= summary["pass@1"] <= 1
+    assert main(["eval", "generate", "gpqa", "--output", str(out)]) == 2
+    assert "gpqa_diamond.csv" in capsys.readouterr().err
