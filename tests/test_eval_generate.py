@@ -221,3 +221,51 @@ def test_the_command_runs_generate_score_and_report(model, gpqa_file, tmp_path, 
     assert set(summary["pass@k"]) == {"1", "2"} and 0 <= summary["pass@1"] <= 1
     assert main(["eval", "generate", "gpqa", "--output", str(out)]) == 2
     assert "gpqa_diamond.csv" in capsys.readouterr().err
+
+
+def test_endpoint_flags_and_offline_flags_do_not_mix(capsys):
+    from deepinfer.cli import main
+
+    assert main(["eval", "generate", "aime26", "--endpoint", "http://127.0.0.1:9/v1", "--ep", "2", "--dtype",
+                 "float32"]) == 2
+    assert "--dtype, --ep configure the offline engine, which --endpoint replaces" in capsys.readouterr().err
+    assert main(["eval", "generate", "aime26", "--limit", "0"]) == 2
+    assert "--limit 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_the_endpoint_client_retries_busy_answers_and_reports_refusals():
+    """A 503 is tried again; a 400 is a failed sample carrying the server's message."""
+    import http.server
+
+    answers = [(503, {"error": {"message": "busy"}}),
+               (200, {"choices": [{"message": {"content": "Answer: B", "reasoning_content": "hmm"},
+                                   "finish_reason": "stop"}], "usage": {"prompt_tokens": 5, "completion_tokens": 3}}),
+               (400, {"error": {"message": "max_tokens is too large"}})]
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server interface
+            seen.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            status, body = answers.pop(0)
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        backend = EndpointBackend(Endpoint(f"http://127.0.0.1:{httpd.server_port}/v1", retries=2), "m", 1)
+        (rid, ok), = backend.run([("a", {"model": "m"})])
+        assert (rid, ok.text, ok.reasoning, ok.completion_tokens, ok.error) == ("a", "Answer: B", "hmm", 3, None)
+        (_, refused), = backend.run([("b", {"model": "m"})])
+        assert refused.error.endswith("HTTP 400: max_tokens is too large") and refused.finish_reason == "error"
+        assert len(seen) == 3
+    finally:
+        httpd.shutdown()

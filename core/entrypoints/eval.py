@@ -103,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _offline_flags_given(args: argparse.Namespace) -> list[str]:
+    """The flags configuring the offline engine that were given (a value other than the default)."""
+    flags = [("--model", args.model, None), ("--config", args.config, None), ("--accelerator", args.accelerator, None),
+             ("--dtype", args.dtype, None), ("--max-model-len", args.max_model_len, None),
+             ("--max-num-seqs", args.max_num_seqs, None), ("--ep", args.ep, 1), ("--dp", args.dp, None),
+             ("--cp", args.cp, 1), ("--threads-per-rank", args.threads_per_rank, None)]
+    return [flag for flag, value, default in flags if value != default]
+
+
 def _api_key(flag: str | None) -> str | None:
     return flag if flag is not None else (os.environ.get(API_KEY_VARIABLE) or None)
 
@@ -114,6 +123,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from deepinfer.eval.offline import EngineSpec, run_offline
 
     bench = find_benchmark(args.benchmark)
+    if args.endpoint:
+        offline = _offline_flags_given(args)
+        if offline:
+            raise ValueError(f"{', '.join(offline)} configure the offline engine, which --endpoint replaces; "
+                             f"leave them out (the server's own settings apply)")
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit {args.limit} must be >= 1")
     settings = SamplingSettings(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
                                 thinking=not args.no_thinking,
                                 reasoning_effort=None if args.reasoning_effort == "none" else args.reasoning_effort,

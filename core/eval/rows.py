@@ -87,7 +87,9 @@ def read_rows(path: str | Path) -> list[Row]:
             try:
                 row = Row.model_validate_json(line)
             except ValidationError as e:
-                where = "the last line is cut off (an interrupted write)" if not line.endswith("\n") else str(e)
+                where = ("the last line is cut off by an interrupted write; run `deepinfer eval generate` with the "
+                         "same arguments, which drops it and makes that sample again") if not line.endswith("\n") \
+                    else str(e)
                 raise GenerationFileError(f"{p} line {n} is not a generation row: {where}") from None
             latest.pop(row.key, None)  # a later row of a key replaces the earlier one, and takes its place
             latest[row.key] = row

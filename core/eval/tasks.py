@@ -67,7 +67,7 @@ def aime_tasks(year: int) -> list[Task]:
         raise DataError(f"the installed sgl-eval has no {_SGL_EVAL_AIME.format(yy=year % 100)}; install the "
                         f"version deepinfer reads with `{SGL_EVAL_INSTALL}`")
     tasks = []
-    for n, line in enumerate(source.read_text(encoding="utf-8").splitlines(), 1):
+    for line in source.read_text(encoding="utf-8").splitlines():
         if line.strip():
             item = json.loads(line)
             tasks.append(Task(id=str(item["id"]), question=item["problem"], answer=str(item["expected_answer"]),
