@@ -70,7 +70,7 @@ def prompt_templates() -> str:
 @dataclass
 class Run:
     """What a generate run needs besides the back end: where rows go, the benchmark, the settings,
-    and what the file held when the run started (its done keys and the fingerprints found)."""
+    and the fingerprints of the rows the file held when the run started."""
 
     output: Path
     benchmark: str

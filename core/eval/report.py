@@ -17,6 +17,7 @@ unjudged rows are left out and reported apart. With n samples of task i, c_i of 
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -104,8 +105,13 @@ def summarize(scores: list[Score]) -> dict[str, Any]:
         "mean_completion_tokens": statistics.fmean(s.completion_tokens for s in counted) if counted else None,
         "generation_errors": statuses.get("error", 0), "skipped": statuses.get("skipped", 0),
         "unjudged": statuses.get("unjudged", 0),
-        "per_task": [t.model_dump() for t in sorted(tasks, key=lambda t: t.task_id)],
+        "per_task": [t.model_dump() for t in sorted(tasks, key=lambda t: _natural(t.task_id))],
     }
+
+
+def _natural(text: str) -> list:
+    """A sort key that orders "aime26-2" before "aime26-10"."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _pct(x: float | None) -> str:
