@@ -20,6 +20,7 @@ LAYERS = [
     {"models", "features"},
     {"testing", "engine", "hookspecs", "plugins"},
     {"llm", "server", "__init__"},
+    {"eval"},
     {"cli", "entrypoints"},
 ]
 
