@@ -269,3 +269,54 @@ def test_the_endpoint_client_retries_busy_answers_and_reports_refusals():
         assert len(seen) == 3
     finally:
         httpd.shutdown()
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_run_deals_each_sample_to_one_rank(model, gpqa_file, tmp_path):
+    """--ep 2 (two data-parallel ranks in one expert-parallel group, spawned processes, shares of
+    unequal size): every sample is written once, with the rows a single engine writes."""
+    tasks = gpqa_tasks(gpqa_file)
+    single, done = gen.open_run(tmp_path / "single.jsonl", "gpqa", GREEDY, progress=False)
+    run_offline(single, gen.plan(tasks, 2, 0, done), _spec(model))
+    run, done = gen.open_run(tmp_path / "ep2.jsonl", "gpqa", GREEDY, progress=False)
+    jobs = gen.plan(tasks, 2, 0, done)
+    from deepinfer.eval.offline import owner
+
+    assert {owner(j, 2) for j in jobs} == {0, 1}
+    stats = run_offline(run, jobs, _spec(model).model_copy(update={"ep": 2, "threads_per_rank": 1}))
+    assert (stats.written, stats.failed) == (6, 0)
+    rows = read_rows(tmp_path / "ep2.jsonl")
+    assert len(rows) == 6 and {r.layout for r in rows} == {"ep=2 dp=2 cp=1 (world size 2)"}
+    assert _content(rows) == _content(read_rows(tmp_path / "single.jsonl"))
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_the_rows_and_the_same_command_finishes_the_run(model, gpqa_file, tmp_path):
+    """The real command, interrupted with SIGINT once rows are coming in, exits 130 at once; run
+    again, it makes only what is missing."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    out = tmp_path / "gen.jsonl"
+    command = [sys.executable, "-c", "import sys; from deepinfer.cli import main; sys.exit(main())", "eval", "generate",
+               "gpqa", "--data", str(gpqa_file), "--samples", "4", "--output", str(out), "--model", model,
+               "--accelerator", "cpu", "--dtype", "float32", "--max-tokens", "48", "--max-num-seqs", "1",
+               "--no-thinking", "--no-progress"]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("DEEPINFER_")}, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.is_file() and out.read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "run the same command again to resume" in err, err
+    kept = len(read_rows(out))
+    assert 2 <= kept < 12
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{kept} done" in done.stdout and f"{12 - kept} to generate" in done.stdout
+    keys = [(r["task_id"], r["sample"]) for r in map(json.loads, out.read_text().splitlines())]
+    assert len(keys) == len(set(keys)) == 12
