@@ -178,6 +178,15 @@ class Baselines:
     def record(self, build: ModelBuild, case: Case, values: dict[int, float]) -> None:
         self.measured[(build.key, case.layout, case.prompts)] = values
 
+    def check(self, model: Path, build: ModelBuild, case: Case) -> None:
+        """Measure `case` on `model` (built by `build`), record it for --output, and fail on a
+        value outside the tolerance."""
+        values = measure(model, case)
+        self.record(build, case, values)
+        assert values, "no sample was measured"
+        problems = self.mismatches(build, case, values)
+        assert not problems, "\n".join(problems)
+
     def candidate(self, base: dict[str, Any] | None = None) -> dict[str, Any]:
         """`base` (default: the baseline read at start) with this session's measurements merged in,
         only the samples measured."""

@@ -26,11 +26,7 @@ CASES = [
 
 @pytest.mark.parametrize("build, case", CASES)
 def test_decode_ppl_matches_the_baseline(build, case, built, baselines):
-    values = measure(built(build), case)
-    baselines.record(build, case, values)
-    assert len(values) == 4
-    problems = baselines.mismatches(build, case, values)
-    assert not problems, "\n".join(problems)
+    baselines.check(built(build), build, case)
 
 
 @pytest.mark.parametrize("build", [V4, V41], ids=["v4", "v41"])

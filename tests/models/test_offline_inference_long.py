@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from .ppl_baseline import Case, ModelBuild, measure
+from .ppl_baseline import Case, ModelBuild
 
 INPUT_TOKENS, OUTPUT_TOKENS = 2048, 32
 CONTEXT = (("max_position_embeddings", 4096),)
@@ -37,8 +37,4 @@ def test_the_prompts_reach_past_the_window_into_several_compressed_blocks(built)
     pytest.param(V41, Case(cp=2, long_context=LONG.long_context), id="v41-tiny-cp2", marks=pytest.mark.slow),
 ])
 def test_long_context_decode_ppl_matches_the_baseline(build, case, built, baselines):
-    values = measure(built(build), case)
-    baselines.record(build, case, values)
-    assert len(values) == 4
-    problems = baselines.mismatches(build, case, values)
-    assert not problems, "\n".join(problems)
+    baselines.check(built(build), build, case)
