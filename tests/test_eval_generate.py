@@ -112,8 +112,10 @@ def test_image_tasks_are_skipped_and_counted(model, tmp_path):
     stats = run_offline(run, gen.plan(tasks, 1, 0, done), _spec(model))
     assert (stats.skipped, stats.written) == (1, 1)
     rows = {r.task_id: r for r in read_rows(tmp_path / "hle.jsonl")}
-    assert rows["img"].finish_reason == "skipped" and "image" in rows["img"].error and not rows["img"].done
+    assert rows["img"].finish_reason == "skipped" and "image" in rows["img"].error
     assert rows["txt"].done and rows["txt"].messages[0]["role"] == "system"
+    _, done = gen.open_run(tmp_path / "hle.jsonl", "hle", GREEDY)
+    assert gen.plan(tasks, 1, 0, done) == []  # a resumed run does not write the skipped row again
 
 
 # -- our own server ---------------------------------------------------------------------------

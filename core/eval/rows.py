@@ -4,8 +4,9 @@ Rows are appended under an exclusive lock (`fcntl.flock`), one `write` per row, 
 data-parallel run can share one file. A run that stops (Ctrl-C, a crash, a lost node) leaves every
 finished row in place; the next run with the same arguments generates only the keys not yet
 written. A last line cut off mid-write is dropped when the file is opened for resuming. A row that
-failed (`error` set) or was skipped does not count as done: the next run tries it again, and a
-later row for the same key replaces it when the file is read. Rows of another engine or other
+failed does not count as done: the next run tries it again, and a later row for the same key
+replaces it when the file is read. A skipped row (an image task) counts as done: this deepinfer
+cannot run it, and one that can is another version, so another fingerprint and another file. Rows of another engine or other
 settings are refused (`generate.Run.check_resumable`).
 """
 from __future__ import annotations
@@ -56,7 +57,8 @@ class Row(BaseModel):
 
     @property
     def done(self) -> bool:
-        return self.error is None and self.finish_reason != "skipped"
+        """Whether a resumed run leaves this key alone (module docstring)."""
+        return self.error is None or self.finish_reason == "skipped"
 
     @property
     def question(self) -> str:
