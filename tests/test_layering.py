@@ -21,6 +21,7 @@ LAYERS = [
     {"models", "features"},
     {"testing", "engine", "hookspecs", "plugins"},
     {"llm", "server", "__init__"},
+    {"eval"},
     {"cli", "entrypoints", "benchmarks"},
 ]
 

@@ -130,7 +130,7 @@ def build_server(settings: Any, dp: Any = None, **engine_args: Any) -> tuple[Any
     calls `front.shutdown()` afterwards."""
     _import_web()
     from deepinfer.server.app import build_app
-    from deepinfer.server.chat_format import ChatFormat, import_recipe
+    from deepinfer.server.chat_format import ChatFormat, import_recipe, tokenizer_file
 
     import_recipe()  # before the model loads: a missing package is a start-up error
     llm = None
@@ -151,8 +151,7 @@ def build_server(settings: Any, dp: Any = None, **engine_args: Any) -> tuple[Any
         model_path, model_type, max_model_len, tokenizer = (info.model_path, info.model_type, info.max_model_len,
                                                             info.tokenizer)
     name = settings.served_model_name or Path(model_path).name
-    chat = ChatFormat(model_type=model_type, tokenizer_file=getattr(tokenizer, "source", None)
-                      if getattr(tokenizer, "has_text", False) else None, served_model_name=name,
+    chat = ChatFormat(model_type=model_type, tokenizer_file=tokenizer_file(tokenizer), served_model_name=name,
                       max_model_len=max_model_len, default_thinking=settings.default_thinking)
     if chat.unavailable is not None:
         logger.warning("chat completions are unavailable: %s", chat.unavailable)

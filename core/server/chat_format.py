@@ -59,6 +59,11 @@ PROTOCOLS = {"chat": ("ChatCompletionRequest", "ChatCompletionResponse"),
              "messages": ("MessagesRequest", "MessagesResponse")}
 
 
+def tokenizer_file(tokenizer: Any) -> str | None:
+    """The tokenizer.json behind an engine's tokenizer, None when the engine has no text tokenizer."""
+    return getattr(tokenizer, "source", None) if getattr(tokenizer, "has_text", False) else None
+
+
 @dataclass
 class PreparedChat:
     """One chat request (Chat Completions, Responses or Messages) made ready for the engine."""
