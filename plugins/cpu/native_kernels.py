@@ -279,6 +279,16 @@ class NativeCpuKernels(CpuKernels):
         avx2 = lib is not None and native.gemv_tier(lib) == "avx2-fma"
         return _AVX2_ONE_ROW_TILES_MIN_ELEMENTS if avx2 else 1 << 62
 
+    def linear_tiles(self, rows: int, dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy `linear` multiplies `rows` rows by on the C register tiles, or None (another
+        path; at a weight's first use in the tiles' row range: the lookup counts it, the copy is made at
+        the second)."""
+        low, high = self._packed_gemm_rows
+        if rows == 1 and weight.numel() >= self._one_row_tiles_min_elements:
+            low = 1  # the AVX2 tier's LM head
+        tiles = self.tile_weights if low <= rows <= high and dtype == torch.bfloat16 else None
+        return None if tiles is None else tiles.lookup(weight)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             y = self._quant_linear(x, weight)  # decode sizes: straight from the stored bytes
@@ -286,11 +296,7 @@ class NativeCpuKernels(CpuKernels):
         if self.invariant:
             return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
-        low, high = self._packed_gemm_rows
-        if rows == 1 and weight.numel() >= self._one_row_tiles_min_elements:
-            low = 1  # the AVX2 tier's LM head
-        tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None
-        packed = None if tiles is None else tiles.lookup(weight)  # None at a weight's first use
+        packed = self.linear_tiles(rows, x.dtype, weight)
         if packed is not None:
             flat = x.dim() == 2  # already [rows, K] and the product [rows, N]: no reshape, no view (2 ops a call)
             y = native.packed_linear_bf16(lib, x if flat else x.reshape(rows, x.shape[-1]), packed, weight.shape)

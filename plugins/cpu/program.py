@@ -257,6 +257,45 @@ class MoESublayer(Binder):
         return _bound(k, bound, self.patches, check=lambda status: status == 0)  # else the composed op
 
 
+class Linear(Binder):
+    """`linear` of bf16 rows `[M, K]` where it is one C call: the packed register tiles (their copy made), or
+    one row's GEMV. Other paths (AMX tiles, oneDNN, quantised weights) run as the composed op."""
+
+    patches = {"x": pointer("X", dtype=torch.bfloat16)}
+
+    def choices(self, k, a):
+        x, weight = a["x"], a["weight"]
+        if isinstance(weight, QuantizedWeight) or x.dim() != 2 or x.dtype is not torch.bfloat16:
+            return None
+        packed = k.linear_tiles(x.shape[0], x.dtype, weight)
+        if packed is not None:
+            return (packed,)
+        return (None,) if x.shape[0] == 1 and k.native_library is not None else None
+
+    def bind(self, k, a, choices):
+        x, weight, packed = a["x"], a["weight"], choices[0]
+        if packed is not None:
+            return _bound(k, native.packed_linear_arguments(k.native_library, x, packed, weight.shape), self.patches)
+        bound = native.gemv_bf16_arguments(k.native_library, weight, x)
+        if bound is None:
+            return None
+        binding = _bound(k, bound, {"x": pointer("x", dtype=torch.bfloat16)})
+        binding.outputs = binding.outputs.view(1, -1)  # linear's [1, N]
+        return binding
+
+
+class RmsNorm(Binder):
+    """`rms_norm` of contiguous 2-D rows."""
+
+    patches = {"x": pointer("x")}
+
+    def bind(self, k, a, choices):
+        x = a["x"]
+        if x.dim() != 2 or not x.is_contiguous():
+            return None
+        return _bound(k, native.rms_norm_arguments(k.native_library, x, a["weight"], a["eps"]), self.patches)
+
+
 #: the ops this back end binds, by the programs' names
 BINDERS: dict[str, Binder] = {
     "ops.hc_pre_norm": HcPreNorm(),
@@ -265,6 +304,8 @@ BINDERS: dict[str, Binder] = {
     "ops.compress_store": CompressStore(),
     "ops.decode_attention_output": AttentionOutput(),
     "kernels.moe_sublayer": MoESublayer(),
+    "kernels.linear": Linear(),
+    "kernels.rms_norm": RmsNorm(),
 }
 
 
