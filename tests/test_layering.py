@@ -15,8 +15,8 @@ CORE = REPO / "core"
 # Core's layers, lowest first: a module may import its own layer and the ones before it. (Imports
 # inside functions count too: a lazy import is still a dependency.)
 LAYERS = [
-    {"version", "envs", "private_store", "program", "sampling_params", "outputs", "logits_processor", "tokenizer",
-     "accelerator", "config"},
+    {"version", "envs", "private_store", "program", "json_schema_support", "sampling_params", "outputs",
+     "logits_processor", "tokenizer", "accelerator", "config"},
     {"parallel"},
     {"models", "features"},
     {"testing", "engine", "hookspecs", "plugins"},

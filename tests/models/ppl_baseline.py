@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,6 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 BASELINE_FILE = HERE / "offline_decode_ppl.json"
-EXAMPLES = HERE.parents[1] / "examples"
 #: a value is printed with 3 decimals; measured and baseline may each be off by half of the last one
 PRINT_ROUNDING = 0.001
 _PPL = re.compile(r"; decode_ppl=(n/a|[0-9.]+)$")
@@ -93,13 +91,16 @@ class Case:
 
 
 def example():
-    """examples/offline_inference.py imported under its own name, so that its rank function
-    pickles for the launcher's spawned ranks (which inherit sys.path)."""
-    if str(EXAMPLES) not in sys.path:
-        sys.path.insert(0, str(EXAMPLES))
-    import offline_inference
+    """examples/offline_inference.py, imported by its path (tests/example_modules.py)."""
+    from example_modules import load_example
 
-    return offline_inference
+    return load_example("offline_inference.py")
+
+
+def run_rank(*args: Any, **kwargs: Any) -> Any:
+    """The example's rank function. The launcher's spawned ranks import it from this module (its folder
+    is on the path pytest gives them) and load the example by its path, as the parent does."""
+    return example().run_rank(*args, **kwargs)
 
 
 def measure(model: Path, case: Case) -> dict[int, float]:
@@ -115,7 +116,7 @@ def measure(model: Path, case: Case) -> dict[int, float]:
     try:
         for k in saved:  # the example applies the seeds' defaults itself, as for a user
             del os.environ[k]
-        results = ex.launch_dp(ex.run_rank, sizes, select_accelerator_class("cpu"), (args, "cpu"),
+        results = ex.launch_dp(run_rank, sizes, select_accelerator_class("cpu"), (args, "cpu"),
                                threads_per_rank=1)
     finally:
         torch.set_num_threads(threads)
