@@ -12,6 +12,7 @@ import torch
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.model import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v4.weights import canonicalize
+from deepinfer.models.batch import ImageSpan
 from deepinfer.models.interface import ForwardBatch, allocate_cache_tensors
 
 # the test model: every layer type, both MLP types, YaRN, 16 indexer heads (no top-k ties),
@@ -126,8 +127,12 @@ class Runner:
         """Drop the last k tokens (rollback): only the length goes back."""
         self.seqs[key].length -= k
 
-    def batch(self, chunks: dict[object, list[int]], return_streams: bool = False) -> ForwardBatch:
+    def batch(self, chunks: dict[object, list[int]], return_streams: bool = False,
+              images: dict[object, list[tuple[int, object]]] | None = None) -> ForwardBatch:
+        """`images`: per key, the (span start position, preprocessed image) of its prompt's images."""
         ids, pos, q_lens, ctx, slots = [], [], [], [], []
+        spans = [ImageSpan(i, start, image) for i, key in enumerate(chunks)
+                 for start, image in (images or {}).get(key, ())]
         for key, toks in chunks.items():
             s = self.seqs[key]
             ids += toks
@@ -148,11 +153,13 @@ class Runner:
         return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long),
                             positions=torch.tensor(pos, dtype=torch.long),
                             query_lens=q_lens, context_lens=ctx, slots=torch.tensor(slots, dtype=torch.long),
-                            block_tables=tables, logits_indices=torch.arange(T), return_streams=return_streams)
+                            block_tables=tables, logits_indices=torch.arange(T), return_streams=return_streams,
+                            images=spans or None)
 
-    def step(self, chunks: dict[object, list[int]], return_streams: bool = False):
+    def step(self, chunks: dict[object, list[int]], return_streams: bool = False,
+             images: dict[object, list[tuple[int, object]]] | None = None):
         """Run one ragged step; returns {key: logits [len(chunk), V]} (and the streams when asked)."""
-        out = self.model.forward(self.batch(chunks, return_streams))
+        out = self.model.forward(self.batch(chunks, return_streams, images))
         result, streams, row = {}, {}, 0
         for key, toks in chunks.items():
             result[key] = out.logits[row:row + len(toks)]

@@ -157,9 +157,9 @@ def test_mutation_engram_history_lost_between_chunks_breaks_chunking(loaded, mon
     reference = full_logits(model, tokens)
     original = EngramHasher.hash
 
-    def forgetful(self, input_ids, plan, history):
+    def forgetful(self, input_ids, plan, history, dead=None):
         history.fill_(self.pad_id)  # as if the previous chunk's n-gram history were not kept
-        return original(self, input_ids, plan, history)
+        return original(self, input_ids, plan, history, dead)
 
     monkeypatch.setattr(EngramHasher, "hash", forgetful)
     runner = Runner(build(loaded))

@@ -25,13 +25,17 @@ TOKENIZER = Path("tokenizer") / "tokenizer.json"
 torch.compiler.set_stance("force_eager")
 
 
-def nemo_config(checkpoint_dir: str | Path):
-    """NeMo's `DeepseekV41Config` from the folder's config.json: text model in float32, no vision tower."""
+def nemo_config(checkpoint_dir: str | Path, vision: bool = False):
+    """NeMo's `DeepseekV41Config` from the folder's config.json: text model in float32, with the
+    folder's vision tower when `vision`, else none."""
     from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
 
     data = json.loads((Path(checkpoint_dir) / "config.json").read_text())
     data["text_config"] = {**data["text_config"], "dtype": "float32"}
-    data["vision_config"] = {"num_hidden_layers": 0}
+    if vision:
+        data["dtype"] = "float32"
+    else:
+        data["vision_config"] = {"num_hidden_layers": 0}
     data.pop("model_type", None)
     return DeepseekV41Config(**data)
 
@@ -59,18 +63,43 @@ def read_release_tensors(checkpoint_dir: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def build_nemo_model(checkpoint_dir: str | Path) -> torch.nn.Module:
+def build_nemo_model(checkpoint_dir: str | Path, vision: bool = False) -> torch.nn.Module:
     """NeMo's V4.1 model (eval mode, CPU, float32, torch backends) with the checkpoint's weights
-    loaded through NeMo's state-dict adapter and `load_state_dict(strict=True)`."""
+    loaded through NeMo's state-dict adapter and `load_state_dict(strict=True)` (with the vision
+    tower when `vision`; without it the checkpoint's vision tensors are left out)."""
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.models.deepseek_v41.model import DeepseekV41ForCausalLM
 
     backend = BackendConfig(attn="eager", linear="torch", rms_norm="torch_fp32", rope_fusion=False,
                             experts="torch", dispatcher="torch", gate_precision="float32",
                             enable_hf_state_dict_adapter=True)
-    model = DeepseekV41ForCausalLM(nemo_config(checkpoint_dir), backend=backend,
+    model = DeepseekV41ForCausalLM(nemo_config(checkpoint_dir, vision), backend=backend,
                                    tokenizer=nemo_tokenizer(checkpoint_dir))
     model.initialize_weights(dtype=torch.float32)
-    converted = model.state_dict_adapter.from_hf(read_release_tensors(checkpoint_dir))
+    tensors = read_release_tensors(checkpoint_dir)
+    if not vision:
+        tensors = {k: v for k, v in tensors.items() if not k.startswith(("vision.", "aligner.", "image_"))}
+    converted = model.state_dict_adapter.from_hf(tensors)
     model.load_state_dict(converted, strict=True)
     return model.eval()
+
+
+def nemo_vision(checkpoint_dir: str | Path):
+    """NeMo's vision transformer and aligner (float32) with the checkpoint's `vision.*` /
+    `aligner.*` tensors loaded strictly, and its three delimiter vectors by name."""
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41Config
+    from nemo_automodel.components.models.deepseek_v41.vision import (
+        DeepseekV41VisionAligner, DeepseekV41VisionTransformer,
+    )
+
+    data = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    data.pop("model_type", None)
+    config = DeepseekV41Config(**{**data, "dtype": "float32"})
+    tensors = {k: v.float() for k, v in read_release_tensors(checkpoint_dir).items()}
+    vit, aligner = DeepseekV41VisionTransformer(config), DeepseekV41VisionAligner(config)
+    for module, prefix in ((vit, "vision."), (aligner, "aligner.")):
+        module.load_state_dict({k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)},
+                               strict=True)
+        module.float().eval()
+    delimiters = {k: tensors[k] for k in ("image_start", "image_newline", "image_end")}
+    return vit, aligner, delimiters

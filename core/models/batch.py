@@ -30,6 +30,17 @@ def bool_tensor(values: Sequence[bool], device: torch.device | str | None = None
     return t if device is None else t.to(device)
 
 
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image of a sequence's prompt: its span starts at absolute position `start` and takes
+    `image.num_tokens` positions; `image` is the model's preprocessed image (for DeepSeek-V4.1 an
+    `image_processing.ProcessedImage`), whose `digest` keys the model's encoder cache."""
+
+    seq: int  # the sequence's index in the batch
+    start: int
+    image: object
+
+
 @dataclass
 class ForwardBatch:
     """One step's input, flattened over sequences (sequence i owns rows cu[i]:cu[i+1])."""
@@ -46,6 +57,8 @@ class ForwardBatch:
     #: prompt tokens of each sequence's request (a model's prefill plan may depend on it: V4.1's
     #: bounded replay keeps the last rows of the prompt); None where the caller does not know them
     prompt_lens: list[int] | None = None
+    #: the image spans that overlap this step's rows (a span may be split over chunks); None: no image
+    images: list[ImageSpan] | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -16,8 +16,10 @@ float32) unless the back end declares their format (`weight_formats`: then the l
 (float8_e4m3fn / float8_e8m0fnu) and memory-mapped from the shard file (the release's are about
 200 GB), so they take no RAM until rows are read, and the memory check leaves them out.
 
-`vision.*`, `aligner.*` and `image_{start,end,newline}` tensors are left out of the load (logged at
-info level). The DSpark drafter's `mtp.*` tensors are loaded (dequantised, checked against
+The image tower's `vision.*`, `aligner.*` and `image_{start,end,newline}` tensors are loaded (checked
+against `vision.vision_weight_shapes`; norms in fp32, the rest in `dtype`) when config.json has a
+`vision_config` with layers and the checkpoint holds them; otherwise they are left out (logged; a
+config with a tower and no tower tensors loads the text model, with a warning). The DSpark drafter's `mtp.*` tensors are loaded (dequantised, checked against
 `weights.dspark_weight_shapes`) when `text_config.num_nextn_predict_layers` > 0 and the checkpoint
 holds them; otherwise they are left out too.
 
@@ -45,6 +47,7 @@ from deepinfer.models.common.errors import CheckpointError
 from deepinfer.models.common.safetensors_io import CONFIG_FILE
 from deepinfer.models.deepseek_v41.config import MODEL_TYPE, TEXT_MODEL_TYPE, DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram_vocab import compressed_token_map
+from deepinfer.models.deepseek_v41.vision import is_vision_weight, vision_weight_shapes
 from deepinfer.models.deepseek_v41.weights import (
     DSPARK_PREFIX, SKIPPED_PREFIXES, canonicalize, dspark_weight_shapes, expected_weight_shapes, is_engram_table,
     is_quantizable, is_skipped, weight_kind,
@@ -154,8 +157,20 @@ def has_dspark_drafter(path: str | Path) -> bool:
     return any(name.removeprefix("model.").startswith(DSPARK_PREFIX) for name in entries)
 
 
-def _skip_non_backbone(ckpt: SafetensorsCheckpoint, root: Path, keep_dspark: bool = False) -> None:
-    skipped = [name for name in ckpt.entries if is_skipped(name, keep_dspark)]
+def _with_vision(ckpt: SafetensorsCheckpoint, root: Path, config: DeepseekV41Config) -> bool:
+    """Whether to load the image tower: the config has one and the checkpoint holds its tensors."""
+    if config.vision is None:
+        return False
+    if any(is_vision_weight(name.removeprefix("model.")) for name in ckpt.entries):
+        return True
+    logger.warning("checkpoint %s has no vision tower (vision.*) weights although config.json has a vision_config "
+                   "with %d layers; image input will not be available", root, config.vision.num_hidden_layers)
+    return False
+
+
+def _skip_non_backbone(ckpt: SafetensorsCheckpoint, root: Path, keep_dspark: bool = False,
+                       keep_vision: bool = False) -> None:
+    skipped = [name for name in ckpt.entries if is_skipped(name, keep_dspark, keep_vision)]
     if not skipped:
         return
     counts = Counter(next(p for p in SKIPPED_PREFIXES if name.removeprefix("model.").startswith(p))
@@ -196,13 +211,16 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype | str | None = torch.bf
     root, config = _common.checkpoint_config(path, config_dict, parse_config)
     ckpt = SafetensorsCheckpoint(root, block_size=block_size(config))
     dspark = _with_dspark(ckpt, root, config)
-    _skip_non_backbone(ckpt, root, dspark)
+    vision = _with_vision(ckpt, root, config)
+    _skip_non_backbone(ckpt, root, dspark, vision)
     dtype = _common.resolve_dtype(dtype, ckpt.entries, DTYPE_REFERENCE_NAMES)
     _check_engram_dtypes(ckpt)
     units = ckpt.plan(config.expert_dtype, keep_stored=is_engram_table)
     ckpt.keep_quantized(weight_formats, is_quantizable)
     shapes, sizes = ckpt.loaded_shapes(units, canonicalize, target_dtype, dtype)
     expected = expected_weight_shapes(config) | (dspark_weight_shapes(config) if dspark else {})
+    if vision:
+        expected |= vision_weight_shapes(config.vision, config.hidden_size)
     ckpt.validate(expected, shapes, naming="official")
     token_map = engram_token_map(root, config) if config.engram_layer_ids else None
 

@@ -27,6 +27,9 @@ from deepinfer.models.common.config_values import (
 from deepinfer.models.common.errors import CheckpointError
 from deepinfer.models.deepseek_v4.config import FIELD_RANGES as V4_FIELD_RANGES
 from deepinfer.models.deepseek_v4.config import YarnScaling
+from deepinfer.models.deepseek_v41.vision_config import (
+    VISION_MODEL_TYPE, VisionConfig, parse_vision_config, vision_config_problems,
+)
 
 MODEL_TYPE = "deepseek_v41"
 TEXT_MODEL_TYPE = "deepseek_v41_text"
@@ -136,6 +139,8 @@ class DeepseekV41Config(BaseModel):
     # checkpoint storage details, passed through for the loader
     quantization_config: dict[str, Any] | None = None
     expert_dtype: str | None = None
+    # the image tower and sizing (the composite's `vision_config`); None: a text-only model
+    vision: VisionConfig | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -220,6 +225,12 @@ class DeepseekV41Config(BaseModel):
                            ("engram_pad_token_id", self.engram_pad_token_id)):
             if (problem := token_ids_problem(key, value, self.vocab_size)) is not None:
                 p.append(problem)
+        if self.vision is not None and self.image_token_id is None:
+            p.append("image_token_id is null but vision_config has a vision tower: give the id of the image "
+                     "placeholder token (129264 in the release)")
+        elif self.vision is not None and (problem := token_ids_problem("image_token_id", self.image_token_id,
+                                                                         self.vocab_size)) is not None:
+            p.append(problem)
         p += quantization_problems(self.quantization_config)
         return p + self._dspark_problems()
 
@@ -321,9 +332,9 @@ class DeepseekV41Config(BaseModel):
             if (p := tied_embeddings_problem(f"{where}tie_word_embeddings", block.get("tie_word_embeddings"))):
                 problems.append(p)
         vision = top.get("vision_config")
-        if vision is not None and not isinstance(vision, dict):
-            problems.append(f"vision_config = {show_value(vision)} has the wrong type ({type_name(vision)}): must be "
-                            f"an object or null (deepinfer runs the language model only and skips the vision weights)")
+        problems += vision_config_problems(vision)
+        if not problems:
+            fields["vision"] = parse_vision_config(vision)
         if isinstance(rope, dict):
             kind_key = "rope_type" if "rope_type" in rope else "type"
             if rope.get(kind_key, "yarn") != "yarn":
@@ -358,7 +369,7 @@ class DeepseekV41Config(BaseModel):
     def to_dict(self) -> dict[str, Any]:
         """The composite release config.json (what `make-model --family v41` writes)."""
         text = self.model_dump(exclude={"bos_token_id", "eos_token_id", "pad_token_id", "image_token_id",
-                                        "quantization_config", "expert_dtype", "rope_scaling"})
+                                        "quantization_config", "expert_dtype", "rope_scaling", "vision"})
         text = {k: list(v) if isinstance(v, tuple) else v for k, v in text.items()}
         text["model_type"] = TEXT_MODEL_TYPE
         if self.rope_scaling is not None:
@@ -367,7 +378,8 @@ class DeepseekV41Config(BaseModel):
         out = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": MODEL_TYPE, "dtype": "bfloat16",
                "bos_token_id": self.bos_token_id, "eos_token_id": eos, "pad_token_id": self.pad_token_id,
                "image_token_id": self.image_token_id, "text_config": text,
-               "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 0}}
+               "vision_config": ({"model_type": VISION_MODEL_TYPE, "num_hidden_layers": 0} if self.vision is None
+                                 else self.vision.to_dict())}
         if self.quantization_config is not None:
             out["quantization_config"] = dict(self.quantization_config)
         return out

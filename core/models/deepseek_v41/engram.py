@@ -12,6 +12,10 @@ the next unused primes above `engram_vocab_size - 1`, drawn per layer (in config
 per head, each order restarting its search at `engram_vocab_size - 1` (used primes are skipped
 across layers); a head's rows start after the preceding heads' primes within the layer.
 
+Image span positions are dead (`hash(..., dead)`): their compressed id is `DEAD` (-1), also in the
+history, and a look-back stops at the first dead or pre-start slot: it and every older slot take
+the pad id, so no n-gram crosses an image. `Engram` adds nothing at a span position (its gate is 0).
+
 The n-gram history is per sequence state (`state.ENGRAM_HISTORY`: the compressed ids of the last
 N-1 + max_rollback positions, a ring by position), so it survives chunked prefill, preemption
 (recomputed with the prompt) and rollback, and nothing of it lives on the model.
@@ -36,6 +40,7 @@ from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 ENGRAM = "engram"
 SCALE_BLOCK = 32  # channels per ue8m0 scale of an Engram table row
 _SEED_STRIDE = 10007
+DEAD = -1  # the compressed id of an image span position
 
 
 def _is_prime(n: int) -> bool:
@@ -94,12 +99,16 @@ class EngramHasher:
                                     device=device)
         self.multipliers = torch.tensor(engram_multipliers(config), dtype=torch.long, device=device)  # [Le, N]
 
-    def hash(self, input_ids: torch.Tensor, plan, history: torch.Tensor) -> torch.Tensor:
+    def hash(self, input_ids: torch.Tensor, plan, history: torch.Tensor, dead: torch.Tensor | None = None
+             ) -> torch.Tensor:
         """input_ids `[T]`; `plan` the step's RaggedPlan; history `[num_slots, Re]` int64 (this
-        step's compressed ids are written into it after the look-ups)."""
+        step's compressed ids are written into it after the look-ups); dead `[T]` bool: the image
+        span positions, or None."""
         N, heads = self.c.engram_max_ngram_size, self.c.engram_n_heads
         dev = input_ids.device
         ids = self.token_map[input_ids]  # [T]
+        if dead is not None:
+            ids = ids.masked_fill(dead, DEAD)
         pos = plan.positions
         ctx = torch.tensor(plan.ctx, device=dev)[plan.row_seq]
         slot = torch.tensor(plan.slots, device=dev)[plan.row_seq]
@@ -107,13 +116,15 @@ class EngramHasher:
         flat_history = history.view(-1)
         rows = torch.arange(plan.T, device=dev)
         grams = []
+        blocked = torch.zeros_like(pos, dtype=torch.bool)  # the look-back passed the start or an image
         for k in range(N):
             p = pos - k
             in_step = p >= ctx
             from_step = ids[(rows - k).clamp(min=0)]
             from_history = flat_history[slot * ring + p.clamp(min=0) % ring]
             c = torch.where(in_step, from_step, from_history)
-            grams.append(torch.where(p >= 0, c, torch.full_like(c, self.pad_id)))
+            blocked = blocked | (p < 0) | (c == DEAD)
+            grams.append(torch.where(blocked, torch.full_like(c, self.pad_id), c))
         products = torch.stack(grams, dim=-1).unsqueeze(1) * self.multipliers  # [T, Le, N] (int64 wrap-around)
         h = products[..., 0]
         out = []
@@ -160,4 +171,6 @@ class Engram:
         rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
         dot = (h * self.qk * key).sum(-1) * rstd * D ** -0.5
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if getattr(step, "span_rows", None) is not None:  # no Engram contribution at image positions
+            gate = gate.masked_fill(step.span_rows.unsqueeze(-1), 0.0)
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(streams.dtype)

@@ -27,6 +27,13 @@ schedule scaled to 12 layers), `bench` (hidden 1024, 12 layers, about DeepSeek-V
 `default` and `bench` include the DSpark drafter (`mtp.0-2`, stored like the release: FP8 attention
 projections, `main_proj` and shared experts, FP4 routed experts, fp32 confidence head); tiny only
 with `with_dspark=True` (`--dspark`).
+
+With `with_vision=True` (`--vision`) the checkpoint also has an image tower (`VISION[size]`: a
+`vision_config` block and the 266-tensor layout of the release at that block's depth, in the
+storage dtype with fp32 norms; vision.py): tiny's is 2 layers of width 32 on 4-pixel patches, so a
+test image of a few dozen pixels is a handful of positions; default's 2 layers of width 64 with the
+release's sizing; bench's the release's tower. No preset has one unless asked, so the text models
+(and the baselines keyed on them) stay as they were.
 """
 from __future__ import annotations
 
@@ -49,6 +56,8 @@ from deepinfer.models.deepseek_v4.make_model import (
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.engram import engram_primes
 from deepinfer.models.deepseek_v41.engram_vocab import compressed_token_map
+from deepinfer.models.deepseek_v41.vision import is_vision_norm, is_vision_weight, vision_weight_shapes
+from deepinfer.models.deepseek_v41.vision_config import VisionConfig
 from deepinfer.models.deepseek_v41.weights import dspark_weight_shapes, expected_weight_shapes, weight_kind
 from deepinfer.models.registry import CheckpointMaker
 from deepinfer.tokenizer import TOKENIZER_DIR, TOKENIZER_FILE
@@ -113,6 +122,14 @@ DSPARK: dict[str, dict[str, Any]] = {
                   dspark_n_routed_experts=16, dspark_num_experts_per_tok=3),
 }
 _DSPARK_BY_DEFAULT = {"tiny": False, "default": True, "bench": True}
+# the image tower of each preset, written only with with_vision=True (`--vision`)
+VISION: dict[str, VisionConfig] = {
+    "tiny": VisionConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48,
+                         patch_size=4, max_image_tokens=64, min_pixels=576),
+    "default": VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128),
+    "bench": VisionConfig(),
+}
+TINY_IMAGE_TOKEN_ID = 500  # tiny's vocabulary has no 129264
 # tiny is split into several shards so that tests cover the index and scales in other shards
 _SHARD_BYTES = {"tiny": 256 * 2**10}
 
@@ -122,11 +139,12 @@ _FP4_RE = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]\.weight$")
 _ENGRAM_TABLE_RE = re.compile(r"^layers\.\d+\.engram\.embed\.weight$")
 
 
-def model_config(size: str = "tiny", with_dspark: bool | None = None, **overrides: Any
+def model_config(size: str = "tiny", with_dspark: bool | None = None, with_vision: bool = False, **overrides: Any
                  ) -> tuple[DeepseekV41Config, torch.dtype]:
     """The config and storage dtype of a preset with `DeepseekV41Config` field overrides (and
     `dtype`: "float32" or "bfloat16"). `with_dspark`: add the preset's DSpark drafter (`DSPARK`; its
-    three stages get compress ratio 0); None: the preset's default (not for tiny).
+    three stages get compress ratio 0); None: the preset's default (not for tiny). `with_vision`:
+    add the preset's image tower (`VISION`; tiny's placeholder id is `TINY_IMAGE_TOKEN_ID`).
     `engram_num_embeddings` is derived unless overridden; `engram_compressed_vocab_size` keeps its
     value here (`make_model` measures it on the tokenizer)."""
     if size not in SIZES:
@@ -135,7 +153,13 @@ def model_config(size: str = "tiny", with_dspark: bool | None = None, **override
     if _DSPARK_BY_DEFAULT[size] if with_dspark is None else with_dspark:
         fields.update(DSPARK[size])
         fields["compress_ratios"] = tuple(fields["compress_ratios"]) + (0,) * fields["num_nextn_predict_layers"]
+    if with_vision:
+        fields["vision"] = VISION[size]
+        if fields.get("image_token_id", 129264) is None:
+            fields["image_token_id"] = TINY_IMAGE_TOKEN_ID
     fields.update(overrides)
+    if isinstance(fields.get("vision"), dict):
+        fields["vision"] = VisionConfig(**fields["vision"])
     dtype_name = str(fields.pop("dtype"))
     if dtype_name not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype_name!r}; choose from {', '.join(_DTYPES)}")
@@ -166,7 +190,8 @@ def count_parameters(config: DeepseekV41Config) -> int:
 
 
 def all_weight_shapes(config: DeepseekV41Config) -> dict[str, tuple[int, ...]]:
-    return expected_weight_shapes(config) | dspark_weight_shapes(config)
+    vision = {} if config.vision is None else vision_weight_shapes(config.vision, config.hidden_size)
+    return expected_weight_shapes(config) | dspark_weight_shapes(config) | vision
 
 
 # --- random values ---------------------------------------------------------------------------
@@ -182,6 +207,13 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         return torch.randn(shape, generator=g)
     if name.endswith("gate.bias_vl"):
         return torch.randn(shape, generator=g) * 0.1
+    if is_vision_weight(name):  # norms U(0.8, 1.2), biases N(0, 0.1^2), delimiters N(0, 1)
+        if is_vision_norm(name):
+            return 0.8 + 0.4 * torch.rand(shape, generator=g)
+        if name.endswith(".bias"):
+            return torch.randn(shape, generator=g) * 0.1
+        if len(shape) == 1:
+            return torch.randn(shape, generator=g)
     return initial_value(name, shape, g)
 
 
@@ -211,7 +243,7 @@ def release_tensors(config: DeepseekV41Config, seed: int, dtype: torch.dtype, pr
 
 def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite: bool = False,
                max_shard_bytes: int | None = None, progress: bool | None = None, with_dspark: bool | None = None,
-               **overrides: Any) -> Path:
+               with_vision: bool = False, **overrides: Any) -> Path:
     """Write a random-weight DeepSeek-V4.1 checkpoint in the release layout to `out_dir`; its path.
 
     Args:
@@ -222,13 +254,14 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
         progress: show progress bars (None: only for checkpoints over 100 MB).
         with_dspark: write the DSpark drafter (`mtp.0-2`, the preset's `DSPARK` settings); None: the
             preset's default (default and bench: yes, tiny: no).
+        with_vision: write the preset's image tower (`VISION`) and its `vision_config`.
         **overrides: `DeepseekV41Config` fields and `dtype` (see `model_config`).
     Raises ValueError for unknown sizes or invalid settings (a model with Engram layers needs a
     vocabulary that holds at least the cut-down tokenizer) and FileExistsError for a non-empty
     `out_dir` without `overwrite`.
     """
     out = empty_out_dir(out_dir, overwrite)
-    config, dtype = model_config(size, with_dspark, **overrides)
+    config, dtype = model_config(size, with_dspark, with_vision, **overrides)
     n_params = count_parameters(config)
     if progress is None:
         progress = n_params * dtype.itemsize > 100 * 2**20
@@ -250,6 +283,7 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
     (out / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     marker = {"made_by": "deepinfer make-model", "family": FAMILY, "spec_version": SPEC_VERSION, "size": size,
               "seed": seed, "parameters": n_params, "dspark": config.num_nextn_predict_layers > 0,
+              **({"vision": True} if config.vision is not None else {}),
               "overrides": {k: (list(v) if isinstance(v, tuple) else v) for k, v in overrides.items()
                             if not isinstance(v, YarnScaling)}}
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, default=str))
@@ -287,20 +321,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="KEY=VALUE", help="override a config field (JSON value), e.g. --set sliding_window=16")
     parser.add_argument("--dspark", dest="with_dspark", action=argparse.BooleanOptionalAction, default=None,
                         help="write the DSpark drafter mtp.0-2 (default: yes for default and bench, no for tiny)")
+    parser.add_argument("--vision", dest="with_vision", action="store_true",
+                        help="also write an image tower (vision_config and vision.*/aligner.*/image_* tensors)")
     parser.add_argument("--max-shard-size", type=_parse_size_bytes, default=None,
                         help="split the weights into shards of at most this size (default 1GiB; tiny 256KiB)")
 
 
 def make_checkpoint(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite: bool = False, *,
                     dtype: str | None = None, overrides: list[tuple[str, Any]] | None = None,
-                    max_shard_size: int | None = None, with_dspark: bool | None = None) -> str:
+                    max_shard_size: int | None = None, with_dspark: bool | None = None,
+                    with_vision: bool = False) -> str:
     """`deepinfer make-model --family v41`: `make_model` with the command's flags; returns the
     summary line the command prints."""
     fields = dict(overrides or [])
     if dtype:
         fields["dtype"] = dtype
     out = make_model(out_dir, size=size, seed=seed, overwrite=overwrite, max_shard_bytes=max_shard_size,
-                     with_dspark=with_dspark, **fields)
+                     with_dspark=with_dspark, with_vision=with_vision, **fields)
     marker = json.loads((out / MARKER_FILE).read_text())
     disk = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     return (f"wrote {out}: DeepSeek-V4.1 {size}, {marker['parameters']:,} parameters, {disk / 2**20:.1f} MiB of "

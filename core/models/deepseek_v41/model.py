@@ -51,8 +51,10 @@ from deepinfer.models.deepseek_v41.attention import QR_PARTS, X_PARTS, Attention
 from deepinfer.models.deepseek_v41.config import FULL, DeepseekV41Config
 from deepinfer.models.deepseek_v41.context_parallel import gather_outputs, step_split
 from deepinfer.models.deepseek_v41.engram import Engram, EngramHasher
+from deepinfer.models.deepseek_v41.multimodal import ImageEmbedder, VisionRoutedMoE
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops, resolve_ops
 from deepinfer.models.deepseek_v41.replay import decoder_rows, decoder_start, minimum_keep_tokens
+from deepinfer.models.deepseek_v41.vision import VisionTower, is_vision_weight
 from deepinfer.models.deepseek_v41.state import (
     COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
 )
@@ -87,6 +89,7 @@ class StepInputs:
     candidates: dict = field(default_factory=dict)  # attention group -> candidate pool [B, S, E]
     kv_published: bool = False  # bounded replay: the decoder KV source already ran its compressor (replay.py)
     capture: dict[int, torch.Tensor | None] | None = None  # DSpark target layer -> its attention input's stream mean
+    span_rows: torch.Tensor | None = None  # [T] bool: image span positions (multimodal.py); None: no image
 
     @property
     def cp_split(self) -> RowSplit | None:
@@ -166,6 +169,7 @@ class DeepseekV41ForCausalLM:
         self._num_slots = 0
         self.replay_keep_tokens: int | None = None  # SWA bounded replay (replay.py); None: exact prefill
         self.dspark: DSparkHead | None = None  # the DSpark drafter, when the checkpoint has it
+        self.images: ImageEmbedder | None = None  # the image tower, when the checkpoint has it (multimodal.py)
 
     def set_bounded_replay(self, keep_tokens: int | None) -> None:
         """Run prefill with decoder-side SWA bounded replay keeping the last `keep_tokens` prompt
@@ -213,6 +217,11 @@ class DeepseekV41ForCausalLM:
         self.blocks = [self._build_block(i, strip_prefix(state, f"layers.{i}.")) for i in range(c.num_hidden_layers)]
         self.dspark = None
         self.__dict__.pop("drafter_unsupported", None)
+        self.images = None
+        if c.vision is not None and "vision.norm.weight" in weights:
+            tower = VisionTower(c.vision, {k: v for k, v in weights.items() if is_vision_weight(k)}, self.accel,
+                                self.dtype, self.device)
+            self.images = ImageEmbedder(tower)
         if c.num_nextn_predict_layers and any(k.startswith("mtp.") for k in state):
             from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
 
@@ -243,7 +252,9 @@ class DeepseekV41ForCausalLM:
         if i in c.engram_layer_ids:
             modules.append(Engram(c, c.engram_layer_ids.index(i), strip_prefix(w, "engram."), a))
         modules.append(Site(ATTN, Attention(c, i, strip_prefix(w, "attn."), a, ops), w, c, a, ops))
-        modules.append(Site(FFN, MoE(c, False, strip_prefix(w, "ffn."), a), w, c, a, ops))
+        ffn = strip_prefix(w, "ffn.")
+        moe = VisionRoutedMoE(c, ffn, a) if "gate.bias_vl" in ffn else MoE(c, False, ffn, a)
+        modules.append(Site(FFN, moe, w, c, a, ops))
         return DecoderBlock(modules, w)
 
     # ----- state -----
@@ -298,14 +309,22 @@ class DeepseekV41ForCausalLM:
         if cp_split is not None:
             ids, positions = ids[cp_split.local_rows], positions[cp_split.local_rows]
         cos_sin = self.rope.cos_sin_all(positions)
-        streams = self.top["embed.weight"][ids].unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
+        span_rows = dead = None  # image span positions: this rank's rows, the whole step's (Engram hashing)
+        if batch.images:  # image span rows replace the token embeddings before the streams expand
+            embedded, dead = self._embed_with_images(batch, all_ids)
+            span_rows = dead
+            if cp_split is not None:
+                embedded, span_rows = embedded[cp_split.local_rows], dead[cp_split.local_rows]
+        else:
+            embedded = self.top["embed.weight"][ids]
+        streams = embedded.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         pre = torch.zeros((ids.shape[0], c.hc_mult), dtype=torch.float32, device=self.device)
         pre[:, 0] = 1.0  # the first site reads stream 0
-        step = StepInputs(ids, plan, self.rope, cos_sin, pre)
+        step = StepInputs(ids, plan, self.rope, cos_sin, pre, span_rows=span_rows)
         if self.hasher is not None:  # hashed over the whole step (n-grams reach back; the history ring)
             history = self._layout.slot_tensor(ENGRAM_HISTORY).view(self._cache.slot[ENGRAM_HISTORY],
                                                                     c.engram_layer_ids[0])
-            step.engram_rows = self.hasher.hash(all_ids, plan, history)
+            step.engram_rows = self.hasher.hash(all_ids, plan, history, dead)
             if cp_split is not None:
                 step.engram_rows = step.engram_rows[cp_split.local_rows]
         features = batch.return_streams and self.dspark is not None
@@ -332,6 +351,29 @@ class DeepseekV41ForCausalLM:
         if features:
             out = self._target_features(capture, batch, logits_rows, split)
         return ForwardOutput(logits=logits, streams=out)
+
+    def _embed_with_images(self, batch: ForwardBatch, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's embeddings `[T, D]` with its image span rows from the tower, and the span mask `[T]`."""
+        if self.images is None:
+            raise ValueError(self.image_input_unsupported or "this model has no vision tower")
+        rows, values = self.images.step_rows(batch, self.device)
+        embedded = self.top["embed.weight"][ids]
+        mask = torch.zeros(ids.shape[0], dtype=torch.bool, device=self.device)
+        if rows.numel():
+            embedded = embedded.index_copy(0, rows, values.to(embedded.dtype))
+            mask[rows] = True
+        return embedded, mask
+
+    @property
+    def image_input_unsupported(self) -> str | None:
+        """Why this model refuses image input, or None when it takes images."""
+        if self.images is not None:
+            return None
+        if self.config.vision is None:
+            return ("this DeepSeek-V4.1 checkpoint is text-only (its config.json has no vision_config with layers); "
+                    "send text only, or load a checkpoint with the vision tower")
+        return ("this DeepSeek-V4.1 checkpoint's config.json has a vision_config but its weights have no vision "
+                "tower (vision.*, aligner.*, image_* tensors); load the full checkpoint to send images")
 
     def _target_features(self, capture: dict[int, torch.Tensor | None], batch: ForwardBatch, logits_rows: torch.Tensor,
                          split) -> torch.Tensor:

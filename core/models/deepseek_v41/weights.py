@@ -15,8 +15,9 @@
   expert) -> official names. Unknown names pass through with `model.` dropped, so that the loader
   reports them.
 - `is_skipped(name)`: tensors the backbone loader leaves out (`SKIPPED_PREFIXES`: the DSpark drafter
-  `mtp.*` unless the config has DSpark stages, the vision tower `vision.*` / `aligner.*`, the image
-  delimiters).
+  `mtp.*` unless the config has DSpark stages, the vision tower `vision.*` / `aligner.*` and the image
+  delimiters unless the config has a vision tower and the checkpoint holds it; their shapes:
+  `vision.vision_weight_shapes`).
 - `dspark_weight_shapes(config)`: the DSpark drafter's tensors (`mtp.{0..S-1}.*`), loaded with the
   backbone when `num_nextn_predict_layers` > 0 and the checkpoint holds them.
 
@@ -35,10 +36,11 @@ from deepinfer.models.common.weights import (
     CanonicalNames, canonicalize_blocks, drop_prefix, hf_scale_to_official, rename_prefix,
 )
 from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, DeepseekV41Config
+from deepinfer.models.deepseek_v41.vision import VISION_PREFIXES
 
 ENGRAM_GROUP = 32  # channels per ue8m0 scale of an Engram table row
 DSPARK_PREFIX = "mtp."
-SKIPPED_PREFIXES = (DSPARK_PREFIX, "vision.", "aligner.", "image_start", "image_end", "image_newline")
+SKIPPED_PREFIXES = (DSPARK_PREFIX,) + VISION_PREFIXES
 
 # read only through linear / grouped_linear / moe_experts; not the compressor's (kept in fp32 by the
 # model), the router, norms, the embedding or the Engram tables
@@ -46,7 +48,7 @@ _QUANTIZABLE_RE = re.compile(
     r"^(head|layers\.\d+\.(attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.(wq_b|weights_proj|wk))"
     r"|ffn\.(shared_experts|experts\.\d+)\.w[123]|engram\.wkv))\.weight$")
 _FP32_RE = re.compile(r"(^|\.)(hc_(attn|ffn)_(fn|base|scale)|attn\.attn_sink|ffn\.gate\.bias|ffn\.gate\.bias_vl"
-                      r"|confidence_head\.proj\.weight)$")
+                      r"|confidence_head\.proj\.weight)$|^vision\.(blocks\.\d+\.norm[12]|norm)\.weight$")
 _ENGRAM_TABLE_RE = re.compile(r"^layers\.\d+\.engram\.embed\.(weight|scale)$")
 _BLOCK_RE = re.compile(r"^(layers\.\d+)\.(.+)$")
 _GROUPED_RE = re.compile(r"^ffn\.experts\.(gate_and_up_projs|down_projs)$")
@@ -81,11 +83,12 @@ def is_engram_table(name: str) -> bool:
     return _ENGRAM_TABLE_RE.match(drop_prefix(name, "model.")) is not None
 
 
-def is_skipped(name: str, keep_dspark: bool = False) -> bool:
+def is_skipped(name: str, keep_dspark: bool = False, keep_vision: bool = False) -> bool:
     """Whether the loader leaves this stored tensor out (`SKIPPED_PREFIXES`; with `keep_dspark`,
-    the DSpark drafter's `mtp.*` tensors are loaded)."""
+    the DSpark drafter's `mtp.*` tensors are loaded, with `keep_vision` the image tower's)."""
     name = drop_prefix(name, "model.")
-    return name.startswith(SKIPPED_PREFIXES) and not (keep_dspark and name.startswith(DSPARK_PREFIX))
+    kept = (keep_dspark and name.startswith(DSPARK_PREFIX)) or (keep_vision and name.startswith(VISION_PREFIXES))
+    return name.startswith(SKIPPED_PREFIXES) and not kept
 
 
 def _layer_shapes(cfg: DeepseekV41Config, i: int) -> dict[str, tuple[int, ...]]:
