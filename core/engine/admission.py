@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from deepinfer.engine.multimodal import expand_images
 from deepinfer.engine.request import Request
 from deepinfer.logits_processor import LogitsProcessor, RequestRejected
 from deepinfer.sampling_params import SamplingParams
@@ -22,8 +23,10 @@ logger = logging.getLogger("deepinfer")
 
 
 class Admission:
-    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, processors: list[LogitsProcessor]):
+    def __init__(self, tokenizer: Any, *, vocab_size: int, max_model_len: int, processors: list[LogitsProcessor],
+                 model: Any = None):
         self.tokenizer = tokenizer
+        self.model = model  # preprocesses a prompt's images (multimodal.py)
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.processors = processors  # the engine's list (features add theirs once they start)
@@ -33,6 +36,9 @@ class Admission:
         """The request, and the problem that makes it fail (None: it may be queued). When it may be
         queued, the processors that track it have taken it."""
         text, token_ids, problem = self._tokenize(prompt)
+        images = ()
+        if problem is None and isinstance(prompt, dict) and "multi_modal_data" in prompt:
+            token_ids, images, problem = expand_images(token_ids, prompt["multi_modal_data"], self.model)
         if problem is None:
             problem = self._check(token_ids, params)
         processors: tuple[int, ...] = ()
@@ -40,7 +46,7 @@ class Admission:
             processors, problem = self._attach_processors(request_id, params)
         req = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids or [], params=params,
                       arrival_index=arrival_index, processors=processors,
-                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None, images=images)
         return req, problem
 
     def admit_samples(self, prompt: Any, params: SamplingParams, request_id: str, arrival_index: int
@@ -56,6 +62,8 @@ class Admission:
             first = members[0] if members else None
             source = prompt if first is None else {"prompt": first.prompt, "prompt_token_ids": first.prompt_token_ids}
             req, problem = self.admit(source, sample, request_id if i == 0 else f"{request_id}#{i}", arrival_index)
+            if first is not None:  # the prompt's ids are expanded already: the images come along
+                req.images = first.images
             req.sample_index = i
             members.append(req)
             if problem is not None:

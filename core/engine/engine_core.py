@@ -78,7 +78,7 @@ class EngineCore:
         self.sampler = Sampler(accelerator, force_topk=sampler_force_topk, generator=generator)
         self._processors: list[LogitsProcessor] = list(processors or ())  # shared by admission and masks
         self.admission = Admission(tokenizer, vocab_size=vocab_size, max_model_len=max_model_len,
-                                   processors=self._processors)
+                                   processors=self._processors, model=model)
         self.outputs = OutputProcessor(tokenizer, self.eos_token_ids, max_model_len=max_model_len)
         self.masks = StructuredMasks(self._processors, vocab_size)
         self.scheduler = Scheduler(cache, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

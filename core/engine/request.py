@@ -78,6 +78,8 @@ class Request:
     fork_pending: list[Request] = field(default_factory=list)
     #: on a member waiting to be forked: the first member (it is then in no queue)
     fork_source: Request | None = None
+    #: the prompt's images (`multimodal.PromptImage`: span start and the model's preprocessed image)
+    images: tuple = ()
 
     # -- token counts -----------------------------------------------------------------------------
 
@@ -113,6 +115,16 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def key_tokens(self, start: int, end: int) -> list[int]:
+        """`tokens(start, end)` as the prefix cache keys them: image span positions by the image's
+        pixels (multimodal.key_tokens), not by the placeholder id."""
+        tokens = self.tokens(start, end)
+        if not self.images:
+            return tokens
+        from deepinfer.engine.multimodal import key_tokens
+
+        return key_tokens(tokens, start, self.images)
 
     @property
     def is_finished(self) -> bool:

@@ -31,6 +31,7 @@ from deepinfer.engine.sampler import (LogitAdjustment, Sampler, SamplerOutput, S
 from deepinfer.engine.scheduler import (ModelRunnerOutput, PromptScores, SampledTokens, ScheduledRequest,
                                         SchedulerOutput)
 from deepinfer.engine.speculative import DraftRows, SpeculativeDecoder
+from deepinfer.engine.multimodal import step_images
 from deepinfer.models.batch import long_tensor
 from deepinfer.models.interface import ForwardBatch
 from deepinfer.sampling_params import SamplingParams
@@ -188,6 +189,7 @@ class ModelRunner:
             return_streams=bool(stream_indices),
             stream_indices=long_tensor(stream_indices, self.device) if stream_indices else None,
             prompt_lens=[s.request.num_prompt_tokens for s in sched.scheduled],
+            images=step_images(sched.scheduled),
         )
         needs_bitmask = any(s.constrained for s in sample_rows)
         rows = [(s, i) for s in sample_rows for i in range(1 + len(s.draft_token_ids))]

@@ -416,7 +416,7 @@ class Scheduler:
         if prefix is None or req.num_computed_tokens or not req.prompt_scored:
             return None  # (positions restored from the cache would have no logits to score)
         # at most all but the last token: the step must still compute the logits it samples from
-        return prefix.lookup(req.tokens(0, req.num_tokens), req.num_tokens - 1)
+        return prefix.lookup(req.key_tokens(0, req.num_tokens), req.num_tokens - 1)
 
     def _align(self, start: int, n: int) -> int:
         """With a prefix cache, a chunk [start, start + n) that crosses a multiple of block_tokens
@@ -460,7 +460,7 @@ class Scheduler:
                                          max(min(end, req.num_prompt_tokens - 1), start))
         prefix = self.cache.prefix_cache
         if prefix is not None and not num_drafts and end % prefix.block_tokens == 0:
-            out.prefix_capture = prefix.capture(req.tokens(0, known_end), end)
+            out.prefix_capture = prefix.capture(req.key_tokens(0, known_end), end)
         if self.speculator is not None:
             if num_drafts:
                 chosen = req.drafts.truncate(num_drafts)
@@ -487,7 +487,7 @@ class Scheduler:
             capture = s.prefix_capture
             # a request finished before this step was applied may have had its last token discarded
             if capture is not None and not s.request.is_finished and s.request.num_tokens >= capture.end:
-                capture.commit(s.request.tokens(0, capture.end))
+                capture.commit(s.request.key_tokens(0, capture.end))
         for s in scheduler_output.sampled:
             req = s.request
             result = output.sampled[s.request_id]

@@ -129,7 +129,9 @@ VISION: dict[str, VisionConfig] = {
     "default": VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128),
     "bench": VisionConfig(),
 }
-TINY_IMAGE_TOKEN_ID = 500  # tiny's vocabulary has no 129264
+TINY_IMAGE_TOKEN_ID = 505  # tiny's vocabulary has no 129264; 505 is its <｜image2｜>, as 129264 in the full one
+#: the image placeholder V4.1 spells differently from the V4 tokenizer make-model starts from
+V41_IMAGE_TOKEN = ("<｜deepseek_image｜>", "<｜image2｜>")
 # tiny is split into several shards so that tests cover the index and scales in other shards
 _SHARD_BYTES = {"tiny": 256 * 2**10}
 
@@ -271,6 +273,8 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
         raise ValueError(f"vocab_size {config.vocab_size} is too small for a tokenizer, which the Engram layers "
                          f"need; use a larger vocab_size")
     add_release_chat_tokens(out / TOKENIZER_DIR / TOKENIZER_FILE)
+    if config.vision is not None:
+        rename_image_token(out / TOKENIZER_DIR / TOKENIZER_FILE, config.image_token_id)
     if "engram_compressed_vocab_size" not in overrides:
         _, compressed = compressed_token_map(out / TOKENIZER_DIR / TOKENIZER_FILE)
         config = config.model_copy(update={"engram_compressed_vocab_size": compressed})
@@ -308,6 +312,19 @@ def add_release_chat_tokens(tokenizer_file: Path) -> None:
             continue
         (entry,) = [t for t in data["added_tokens"] if t["content"] == replaced]
         entry["content"] = token
+    tokenizer_file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
+
+
+def rename_image_token(tokenizer_file: Path, image_token_id: int) -> None:
+    """Spell the image placeholder as V4.1 does (`<｜deepseek_image｜>`, V4's `<｜image2｜>`), at
+    `image_token_id`. ValueError when that id is not V4's image token."""
+    data = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    new, old = V41_IMAGE_TOKEN
+    entries = [t for t in data["added_tokens"] if t["id"] == image_token_id and t["content"] in (old, new)]
+    if not entries:
+        raise ValueError(f"image_token_id {image_token_id} is not the tokenizer's {old} token; leave image_token_id "
+                         f"at the preset's value")
+    entries[0]["content"] = new
     tokenizer_file.write_text(json.dumps(data, ensure_ascii=False), encoding="utf-8")
 
 

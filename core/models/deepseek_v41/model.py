@@ -54,12 +54,14 @@ from deepinfer.models.deepseek_v41.engram import Engram, EngramHasher
 from deepinfer.models.deepseek_v41.multimodal import ImageEmbedder, VisionRoutedMoE
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops, resolve_ops
 from deepinfer.models.deepseek_v41.replay import decoder_rows, decoder_start, minimum_keep_tokens
+from deepinfer.models.deepseek_v41.image_processing import ProcessedImage, preprocess_image
 from deepinfer.models.deepseek_v41.vision import VisionTower, is_vision_weight
 from deepinfer.models.deepseek_v41.state import (
     COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
 )
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
 from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
+from deepinfer.parallel.expert_parallel import current_expert_parallel
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
@@ -365,9 +367,26 @@ class DeepseekV41ForCausalLM:
         return embedded, mask
 
     @property
+    def image_token_id(self) -> int | None:
+        """The image placeholder's token id (every position of an image span carries it)."""
+        return self.config.image_token_id
+
+    def preprocess_image(self, image) -> ProcessedImage:
+        """One PIL image planned, fitted and cut into patches for the tower (image_processing.py);
+        its `num_tokens` is the span's length. ValueError for an image the budget cannot hold."""
+        if self.config.vision is None:
+            raise ValueError(self.image_input_unsupported)
+        return preprocess_image(image, self.config.vision)
+
+    @property
     def image_input_unsupported(self) -> str | None:
         """Why this model refuses image input, or None when it takes images."""
         if self.images is not None:
+            if current_expert_parallel() is not None:
+                return ("image input under expert parallelism (--ep) is not built yet; serve DeepSeek-V4.1 image "
+                        "prompts without --ep")
+            if self.replay_keep_tokens is not None:
+                return "image input with SWA bounded replay (the swa_replay feature) is not built yet; turn it off"
             return None
         if self.config.vision is None:
             return ("this DeepSeek-V4.1 checkpoint is text-only (its config.json has no vision_config with layers); "

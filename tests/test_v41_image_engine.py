@@ -1,0 +1,159 @@
+"""DeepSeek-V4.1 image prompts through the engine (`LLM.generate` with `multi_modal_data`): greedy
+tokens equal the model's own forward over the span; batched text + image requests with chunked
+prefill splitting the spans equal batch-1; the prefix cache hits on the same image
+and misses on a different one; image input is refused, alone, with its reason."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.sampling_params import SamplingParams
+
+pytest.importorskip("PIL")
+
+PLACEHOLDER = "<｜deepseek_image｜>"
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from deepinfer.models.deepseek_v4.make_model import make_model as make_v4
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    root = tmp_path_factory.mktemp("v41-image-engine")
+    return {"vision": str(make_model(root / "vision", "tiny", seed=2, with_vision=True)),
+            "text": str(make_model(root / "text", "tiny", seed=2)),
+            "v4": str(make_v4(root / "v4", "tiny", seed=2))}
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def picture(width: int, height: int, seed: int):
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (height, width, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+def _llm(path, **kw):
+    from deepinfer import LLM
+
+    base = dict(model=path, accelerator="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+                max_num_batched_tokens=64)
+    return LLM(**{**base, **kw})
+
+
+def image_request(text_before: str, image, text_after: str = " what is it?"):
+    return {"prompt": f"{text_before}{PLACEHOLDER}{text_after}", "multi_modal_data": {"image": image}}
+
+
+REQUESTS = [
+    image_request("look: ", picture(40, 28, 1)),
+    "a plain text prompt about the weather today",
+    {"prompt": f"two pictures {PLACEHOLDER} and {PLACEHOLDER}: compare",
+     "multi_modal_data": {"image": [picture(24, 24, 2), picture(30, 45, 3)]}},
+    {"prompt": f"{PLACEHOLDER} then text", "multi_modal_data": {"image": picture(50, 20, 4)}},
+]
+
+
+def _tokens(outs):
+    for o in outs:
+        assert o.error is None, o.error
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_generate_equals_the_models_forward_over_the_span(ckpts, one_thread):
+    from model_harness import Runner
+
+    with _llm(ckpts["vision"]) as llm:
+        out = llm.generate([REQUESTS[0]], GREEDY, use_tqdm=False)[0]
+        model = llm.engine.model
+        assert out.error is None, out.error
+        prompt = out.prompt_token_ids
+        generated = out.outputs[0].token_ids
+        image_id = model.image_token_id
+        start = prompt.index(image_id)
+        span = model.preprocess_image(REQUESTS[0]["multi_modal_data"]["image"])
+        assert prompt[start:start + span.num_tokens] == [image_id] * span.num_tokens == [
+            t for t in prompt if t == image_id]
+        from deepinfer.models.deepseek_v41.checkpoint import load_checkpoint
+        from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
+        from model_harness import accelerator
+
+        config, weights = load_checkpoint(ckpts["vision"], torch.float32)
+        reference = DeepseekV41ForCausalLM(config, accelerator(), dtype=torch.float32)
+        reference.load_weights(weights)
+    runner = Runner(reference)
+    runner.add("s")
+    tokens = prompt + generated[:-1]
+    logits = runner.step({"s": tokens}, images={"s": [(start, span)]})["s"]
+    assert logits[len(prompt) - 1:].argmax(-1).tolist() == generated
+
+
+def test_batched_and_chunked_equals_batch_one(ckpts, one_thread):
+    requests = REQUESTS * 4
+    params = [SamplingParams(temperature=0, max_tokens=6 + i % 5, ignore_eos=True) for i in range(len(requests))]
+    single = _llm(ckpts["vision"], max_num_seqs=1, max_num_batched_tokens=128, async_pipeline=False,
+                  max_model_len=80)  # the reference: one request at a time, one chunk
+    reference = [_tokens(single.generate([r], p, use_tqdm=False))[0] for r, p in zip(requests, params)]
+    per_request = single.build_info.pool.bytes_per_max_request
+    single.shutdown()
+    # 13-token steps split every span over chunks; a small pool keeps the batch changing
+    with _llm(ckpts["vision"], max_num_batched_tokens=13, cache_memory_gb=2.5 * per_request / 2**30,
+              async_pipeline=True, max_model_len=80) as llm:
+        outs = llm.generate(requests, params, use_tqdm=False)
+        assert _tokens(outs) == reference
+
+
+def test_prefix_cache_keys_on_the_pixels(ckpts, one_thread):
+    same, other = picture(40, 28, 1), picture(40, 28, 9)
+    prompt = "describe this picture in detail please: "
+    with _llm(ckpts["vision"]) as llm:
+        want = {name: _tokens(llm.generate([image_request(prompt, im)], GREEDY, use_tqdm=False))[0]
+                for name, im in (("same", same), ("other", other))}
+    with _llm(ckpts["vision"], features={"prefix_cache": {"block_tokens": 8}}) as llm:
+        first = _tokens(llm.generate([image_request(prompt, same)], GREEDY, use_tqdm=False))[0]
+        stats = llm.stats()["prefix_cache"]
+        assert stats["hits"] == 0
+        again = _tokens(llm.generate([image_request(prompt, same)], GREEDY, use_tqdm=False))[0]
+        stats = llm.stats()["prefix_cache"]
+        assert stats["hits"] == 1 and stats["prefill_tokens_saved"] > 16  # past the text, into the span
+        saved = stats["prefill_tokens_saved"]
+        different = _tokens(llm.generate([image_request(prompt, other)], GREEDY, use_tqdm=False))[0]
+        stats = llm.stats()["prefix_cache"]
+    assert first == again == want["same"]
+    assert different == want["other"]
+    # the different image shares only the text before the span: at most those blocks are reused
+    text_tokens = len(llm.get_tokenizer().encode(prompt, add_bos=True))
+    assert stats["prefill_tokens_saved"] - saved <= text_tokens
+
+
+@pytest.mark.parametrize("case,words", [
+    ("v4", "does not take image input"),
+    ("text", "text-only"),
+    ("count", "has 1 image placeholders"),
+    ("type", "not a PIL.Image.Image"),
+    ("keys", 'the key "image" only'),
+])
+def test_image_input_is_refused_alone(ckpts, case, words, one_thread):
+    image = picture(24, 24, 0)
+    request = image_request("x ", image)
+    path = ckpts["vision"]
+    if case in ("v4", "text"):
+        path = ckpts[case]
+    elif case == "count":
+        request = image_request("x ", [image, image])
+    elif case == "type":
+        request = image_request("x ", "photo.png")
+    elif case == "keys":
+        request = {"prompt": "x", "multi_modal_data": {"video": image}}
+    with _llm(path) as llm:
+        bad, good = llm.generate([request, "a text prompt"], GREEDY, use_tqdm=False)
+    assert bad.error is not None and words in bad.error, bad.error
+    assert good.error is None and len(good.outputs[0].token_ids) == 5
