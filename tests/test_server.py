@@ -656,3 +656,23 @@ def test_sigterm_aborts_running_requests_after_the_shutdown_timeout_and_exits(se
     plain = answers["plain"]
     assert plain.status_code == 503 and "shut down before this request finished" in plain.json()["error"]["message"]
     assert "aborting 2 request(s) still running after 1 s" in proc.stdout.read()
+
+
+@pytest.mark.parametrize("route,body", [
+    ("/v1/chat/completions", {"model": "tiny-v4", "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}),
+    ("/v1/responses", {"model": "tiny-v4", "max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]}),
+], ids=["chat", "responses"])
+def test_image_content_parts_are_refused_not_dropped(server, route, body):
+    """The chat format renders an image part as text ("[Unsupported Image]" for V4, a placeholder
+    for V4.1): served, the image was silently ignored (a 200). It is a 400 naming the part until the
+    server takes images."""
+    r = _post(server, route, json.dumps(body))
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "image content parts" in message and ("messages[0].content[1]" in message or
+                                                 "input[0].content[1]" in message), message
+    _idle(server)

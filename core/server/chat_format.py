@@ -119,6 +119,7 @@ class ChatFormat:
         """Render, encode and map one request body; RequestError (4xx) for a bad request."""
         if self.unavailable is not None:
             raise RequestError(503, self.unavailable, "unavailable")
+        refuse_image_parts(body)
         try:
             fields = ChatFields.model_validate(body)
         except ValidationError as e:
@@ -135,6 +136,7 @@ class ChatFormat:
         converted by the recipe; RequestError (4xx) for a bad request."""
         if self.unavailable is not None:
             raise RequestError(503, self.unavailable, "unavailable")
+        refuse_image_parts(body)
         request = getattr(self.dr, PROTOCOLS[protocol][0])(body)
         echo = namespace = None
         if protocol == "responses":
@@ -422,6 +424,28 @@ class EventOutput(ChatOutput):
 
     def response_dict(self) -> dict[str, Any]:
         return json.loads(self.response.to_json())
+
+
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")  # Chat Completions, Responses, Messages
+
+
+def refuse_image_parts(body: Any) -> None:
+    """A 400 naming the first image content part of a request body (`messages[i].content[j]`,
+    `input[i].content[j]`): the chat format would render it as a text placeholder (V4.1) or as
+    "[Unsupported Image]" (V4), and the image would be silently dropped. Image prompts are served
+    offline only for now (docs/vision.md)."""
+    if not isinstance(body, dict):
+        return
+    for key in ("messages", "input"):
+        turns = body.get(key)
+        for i, turn in enumerate(turns if isinstance(turns, list) else ()):
+            parts = turn.get("content") if isinstance(turn, dict) else None
+            for j, part in enumerate(parts if isinstance(parts, list) else ()):
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    raise RequestError(400, f"{key}[{i}].content[{j}]: image content parts ({part['type']}) are not "
+                                            f"served yet, and the image would be dropped; send text only (image "
+                                            f"prompts work offline through LLM.generate with multi_modal_data, "
+                                            f"docs/vision.md)")
 
 
 def _top(entry: dict[int, Any], k: int) -> list[tuple[int, float]]:

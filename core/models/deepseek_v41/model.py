@@ -15,6 +15,11 @@ the streams it receives, but its sub-layer reads the streams collapsed with the 
 `pre` (carried on the step; one-hot on stream 0 before the first site), then expands with its own
 post and comb. The MoE is V4's without hash routing (every layer scored with `gate.bias`).
 
+With the vision tower's weights loaded (`vision_config` with layers), `self.images` runs it: a
+batch's `images` (the spans overlapping its chunks) replace those rows' token embeddings before the
+streams expand, and the step's span rows route with `gate.bias_vl` and are dead to Engram
+(multimodal.py, docs/vision.md).
+
 With the DSpark drafter's weights (`mtp.*`) loaded, `self.dspark` is its `DSparkHead`
 (dspark_head.py) and a batch with `return_streams` gets the DSpark target features of the asked
 rows in `ForwardOutput.streams` (the stream means entering the attention of each
