@@ -11,7 +11,7 @@ from deepinfer.sampling_params import SamplingParams
 
 pytest.importorskip("PIL")
 
-PLACEHOLDER = "<｜deepseek_image｜>"
+PLACEHOLDER = "<｜image｜>"  # token id 505 in tiny: make-model --vision spells it as deepseek-recipe does
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 

@@ -1,7 +1,8 @@
 """Image prompts: `{"prompt": ..., "multi_modal_data": {"image": PIL.Image | [PIL.Image, ...]}}`.
 
-The prompt holds one image placeholder (the model's `image_token_id`; DeepSeek-V4.1 spells it
-`<｜deepseek_image｜>`) where each image goes, in order. Admission (`expand_images`) preprocesses
+The prompt holds one image placeholder (the model's `image_token_id`, 129264 for DeepSeek-V4.1,
+which deepseek-recipe's V4.1 chat encoding spells `<｜image｜>`) where each image goes, in order;
+admission keys on the id, not on a spelling. Admission (`expand_images`) preprocesses
 each image with the model (`preprocess_image`: its size plan gives the span's length before any
 compute) and replaces its placeholder by the image's whole span of placeholder ids, so
 `max_model_len` and the token budget count the span. The request keeps the images
@@ -75,9 +76,9 @@ def expand_images(token_ids: list[int], data: Any, model: Any
     placeholder = model.image_token_id
     found = token_ids.count(placeholder)
     if found != len(images):
-        return token_ids, (), (f"the prompt has {found} image placeholders (token id {placeholder}, "
-                               f"<｜deepseek_image｜>) but multi_modal_data has {len(images)} images; put one "
-                               f"placeholder where each image goes")
+        return token_ids, (), (f"the prompt has {found} image placeholders (token id {placeholder}) but "
+                               f"multi_modal_data has {len(images)} images; put one placeholder where each image "
+                               f"goes")
     out: list[int] = []
     spans = []
     pending = iter(images)

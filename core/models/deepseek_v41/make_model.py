@@ -130,8 +130,9 @@ VISION: dict[str, VisionConfig] = {
     "bench": VisionConfig(),
 }
 TINY_IMAGE_TOKEN_ID = 505  # tiny's vocabulary has no 129264; 505 is its <｜image2｜>, as 129264 in the full one
-#: the image placeholder V4.1 spells differently from the V4 tokenizer make-model starts from
-V41_IMAGE_TOKEN = ("<｜deepseek_image｜>", "<｜image2｜>")
+#: the image placeholder as deepseek-recipe's V4.1 chat encoding spells it, and V4's spelling of the same id
+#: (NeMo AutoModel's processor spells it <｜deepseek_image｜>; deepinfer keys on the id)
+V41_IMAGE_TOKEN = ("<｜image｜>", "<｜image2｜>")
 # tiny is split into several shards so that tests cover the index and scales in other shards
 _SHARD_BYTES = {"tiny": 256 * 2**10}
 
@@ -316,7 +317,7 @@ def add_release_chat_tokens(tokenizer_file: Path) -> None:
 
 
 def rename_image_token(tokenizer_file: Path, image_token_id: int) -> None:
-    """Spell the image placeholder as V4.1 does (`<｜deepseek_image｜>`, V4's `<｜image2｜>`), at
+    """Spell the image placeholder as V4.1's chat encoding does (`<｜image｜>`, V4's `<｜image2｜>`), at
     `image_token_id`. ValueError when that id is not V4's image token."""
     data = json.loads(tokenizer_file.read_text(encoding="utf-8"))
     new, old = V41_IMAGE_TOKEN
