@@ -658,21 +658,36 @@ def test_sigterm_aborts_running_requests_after_the_shutdown_timeout_and_exits(se
     assert "aborting 2 request(s) still running after 1 s" in proc.stdout.read()
 
 
-@pytest.mark.parametrize("route,body", [
-    ("/v1/chat/completions", {"model": "tiny-v4", "max_tokens": 2, "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this?"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}),
-    ("/v1/responses", {"model": "tiny-v4", "max_output_tokens": 2, "input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "what is this?"},
-        {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]}),
-], ids=["chat", "responses"])
-def test_image_content_parts_are_refused_not_dropped(server, route, body):
-    """The chat format renders an image part as text ("[Unsupported Image]" for V4, a placeholder
-    for V4.1): served, the image was silently ignored (a 200). It is a 400 naming the part until the
-    server takes images."""
+def _png_data_url(width: int = 20, height: int = 10) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (width, height), (10, 200, 30)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("route,kind,url,words", [
+    ("/v1/chat/completions", "image_url", "png", "does not take image input"),
+    ("/v1/responses", "input_image", "png", "does not take image input"),
+    ("/v1/chat/completions", "image_url", "data:image/png;base64,iVBORw0KGgo=", "messages[0].content[1]: the image cannot be read"),
+    ("/v1/chat/completions", "image_url", "https://example.com/cat.png", "is not fetched"),
+    ("/v1/responses", "input_image", "data:image/png;base64,@@@", "input[0].content[1]: the data: URL's data is not valid base64"),
+], ids=["chat", "responses", "not-an-image", "http-url", "bad-base64"])
+def test_image_parts_on_a_text_model_are_a_400_not_dropped(server, route, kind, url, words):
+    """Before, the chat format rendered an image part as "[Unsupported Image]" and the server answered
+    200 with the image silently ignored. Now the image reaches admission, which refuses it on a model
+    without a vision tower; a bad image is a 400 naming its part."""
+    pytest.importorskip("PIL")
+    url = _png_data_url() if url == "png" else url
+    part = {"type": kind, "image_url": {"url": url} if kind == "image_url" else url}
+    text = {"type": "text" if kind == "image_url" else "input_text", "text": "what is this?"}
+    turns = [{"role": "user", "content": [text, part]}]
+    body = ({"model": "tiny-v4", "max_tokens": 2, "messages": turns} if route == "/v1/chat/completions"
+            else {"model": "tiny-v4", "max_output_tokens": 2, "input": turns})
     r = _post(server, route, json.dumps(body))
     assert r.status_code == 400, r.text
-    message = r.json()["error"]["message"]
-    assert "image content parts" in message and ("messages[0].content[1]" in message or
-                                                 "input[0].content[1]" in message), message
+    assert words in r.json()["error"]["message"], r.json()
     _idle(server)

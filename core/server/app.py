@@ -179,7 +179,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         except ValidationError as e:
             raise RequestError(400, validation_message(e)) from None
 
-    async def start(prompts: list[list[int]], params: SamplingParams, rid: str) -> Streams:
+    async def start(prompts: list[list[int] | dict], params: SamplingParams, rid: str) -> Streams:
         """Queue one engine request per prompt (engine id: the response id `rid`, and the prompt's
         index in a batch) and wait for their admission; an admission error is a 400 (naming the
         prompt in a batch), and the others are aborted."""
@@ -206,7 +206,9 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise RequestError(400, where + (first.error or f"the request finished at admission "
                                                             f"({first.finish_reason})"))
-        return Streams(streams)
+        out = Streams(streams)
+        out.prompt_tokens = [d.num_prompt_tokens for d in firsts]  # as admitted (image spans expanded)
+        return out
 
     async def next_delta(streams: Streams, deadline: float) -> tuple[int, Delta]:
         """The next (prompt index, delta); TimeoutError past the deadline."""
@@ -452,7 +454,8 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         n_prompt = len(prepared.prompt_token_ids)
         check_prompt(n_prompt)
         rid = response_id("chatcmpl")
-        streams = await start([prepared.prompt_token_ids], prepared.params, rid)
+        streams = await start([prepared.engine_prompt], prepared.params, rid)
+        prepared.admitted_prompt_tokens = streams.prompt_tokens[0]
         outs = [chat.output(prepared, rid, tokenizer, index=j) for j in range(prepared.params.num_samples)]
 
         def close() -> None:
@@ -488,7 +491,8 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         prepared = chat.prepare_protocol(protocol, body)
         check_prompt(len(prepared.prompt_token_ids))
         rid = response_id("resp" if protocol == "responses" else "msg")
-        streams = await start([prepared.prompt_token_ids], prepared.params, rid)
+        streams = await start([prepared.engine_prompt], prepared.params, rid)
+        prepared.admitted_prompt_tokens = streams.prompt_tokens[0]
         out = chat.output(prepared, rid, tokenizer)
         if not prepared.stream:
             def on_delta(_: int, delta: Delta) -> None:

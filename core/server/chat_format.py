@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -77,6 +77,21 @@ class PreparedChat:
     #: Responses: the settings its responses report, and its namespace tools (read before conversion)
     responses_echo: Any = None
     namespace_tools: dict[str, tuple[str, str]] | None = None
+    #: the request's images (PIL, in placeholder order; images.py), empty for a text request
+    images: list = field(default_factory=list)
+    #: the prompt's length as admitted (each image placeholder expanded to its span), once known
+    admitted_prompt_tokens: int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids) if self.admitted_prompt_tokens is None else self.admitted_prompt_tokens
+
+    @property
+    def engine_prompt(self) -> list[int] | dict[str, Any]:
+        """What the engine gets: the token ids, with the images when there are some."""
+        if not self.images:
+            return self.prompt_token_ids
+        return {"prompt_token_ids": self.prompt_token_ids, "multi_modal_data": {"image": self.images}}
 
 
 class ChatFormat:
@@ -119,7 +134,7 @@ class ChatFormat:
         """Render, encode and map one request body; RequestError (4xx) for a bad request."""
         if self.unavailable is not None:
             raise RequestError(503, self.unavailable, "unavailable")
-        refuse_image_parts(body)
+        images = _request_images(body)
         try:
             fields = ChatFields.model_validate(body)
         except ValidationError as e:
@@ -129,14 +144,16 @@ class ChatFormat:
             raise RequestError(400, f"give {STRUCTURED_OUTPUTS_FIELD} or response_format / tools, not both")
         include_usage = fields.stream_options is not None and fields.stream_options.include_usage
         req = self._convert(self.dr.ChatCompletionRequest(self._recipe_body(body, fields)))
-        return self._for_engine(req, body, fields, include_usage)
+        prepared = self._for_engine(req, body, fields, include_usage)
+        prepared.images = images
+        return prepared
 
     def prepare_protocol(self, protocol: str, body: dict[str, Any]) -> PreparedChat:
         """A Responses (`protocol` "responses") or Anthropic Messages ("messages") request body,
         converted by the recipe; RequestError (4xx) for a bad request."""
         if self.unavailable is not None:
             raise RequestError(503, self.unavailable, "unavailable")
-        refuse_image_parts(body)
+        images = _request_images(body)
         request = getattr(self.dr, PROTOCOLS[protocol][0])(body)
         echo = namespace = None
         if protocol == "responses":
@@ -151,6 +168,7 @@ class ChatFormat:
         fields = SamplingFields(top_k=top_k or 0)
         prepared = self._for_engine(req, {}, fields, include_usage=True)
         prepared.protocol, prepared.responses_echo, prepared.namespace_tools = protocol, echo, namespace
+        prepared.images = images
         return prepared
 
     def _convert(self, request: Any) -> Any:
@@ -316,7 +334,7 @@ class ChatOutput:
         self.closed = False
         self.usage: dict[str, Any] | None = None  # the recipe's, from the last chunk that carried it
         self.model, self.request_id, self.created = model, request_id, int(time.time())
-        n = len(prepared.prompt_token_ids)
+        n = prepared.num_prompt_tokens
         self.response_cls = getattr(dr, PROTOCOLS[prepared.protocol][1])
         self.response = None if prepared.stream else self.response_cls(request_id, model, self.created, n, 0)
         # the role chunk, sent with the first tokens
@@ -393,12 +411,12 @@ class ChatOutput:
     def response_dict(self) -> dict[str, Any]:
         """The accumulated response (not streaming), usage counted by the engine."""
         data = json.loads(self.response.to_json())
-        data["usage"] = _usage(data.get("usage"), len(self.prepared.prompt_token_ids), len(self.token_ids))
+        data["usage"] = _usage(data.get("usage"), self.prepared.num_prompt_tokens, len(self.token_ids))
         return data
 
     def usage_chunk(self, completion_tokens: int, reasoning_tokens: int | None = None) -> str:
         """OpenAI's last streamed chunk: no choices, the request's usage."""
-        usage = _usage(self.usage, len(self.prepared.prompt_token_ids), completion_tokens)
+        usage = _usage(self.usage, self.prepared.num_prompt_tokens, completion_tokens)
         if reasoning_tokens is not None and "completion_tokens_details" in usage:
             usage["completion_tokens_details"]["reasoning_tokens"] = reasoning_tokens
         return _dumps({"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
@@ -426,26 +444,11 @@ class EventOutput(ChatOutput):
         return json.loads(self.response.to_json())
 
 
-IMAGE_PART_TYPES = ("image_url", "input_image", "image")  # Chat Completions, Responses, Messages
+def _request_images(body: Any) -> list[Any]:
+    """The request's image parts decoded (images.py; a 400 naming a bad part)."""
+    from deepinfer.server.images import request_images
 
-
-def refuse_image_parts(body: Any) -> None:
-    """A 400 naming the first image content part of a request body (`messages[i].content[j]`,
-    `input[i].content[j]`): the chat format would render it as a text placeholder (V4.1) or as
-    "[Unsupported Image]" (V4), and the image would be silently dropped. Image prompts are served
-    offline only for now (docs/vision.md)."""
-    if not isinstance(body, dict):
-        return
-    for key in ("messages", "input"):
-        turns = body.get(key)
-        for i, turn in enumerate(turns if isinstance(turns, list) else ()):
-            parts = turn.get("content") if isinstance(turn, dict) else None
-            for j, part in enumerate(parts if isinstance(parts, list) else ()):
-                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                    raise RequestError(400, f"{key}[{i}].content[{j}]: image content parts ({part['type']}) are not "
-                                            f"served yet, and the image would be dropped; send text only (image "
-                                            f"prompts work offline through LLM.generate with multi_modal_data, "
-                                            f"docs/vision.md)")
+    return request_images(body)
 
 
 def _top(entry: dict[int, Any], k: int) -> list[tuple[int, float]]:

@@ -11,6 +11,7 @@ from deepinfer.server.engine_loop import Delta
 class Streams:
     def __init__(self, streams: list[RequestStream]):
         self.streams = streams
+        self.prompt_tokens: list[int] = []  # each prompt's length as admitted (set by the server's start)
         self._queue: asyncio.Queue[tuple[int, Delta]] = asyncio.Queue()
         self._open = sum(not s.finished for s in streams)
         self._pumps = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(streams) if not s.finished]
