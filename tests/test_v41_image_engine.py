@@ -157,3 +157,23 @@ def test_image_input_is_refused_alone(ckpts, case, words, one_thread):
         bad, good = llm.generate([request, "a text prompt"], GREEDY, use_tqdm=False)
     assert bad.error is not None and words in bad.error, bad.error
     assert good.error is None and len(good.outputs[0].token_ids) == 5
+
+
+def test_preempted_inside_a_span_recomputes_the_image(ckpts, one_thread):
+    """A request preempted after part of its image span is computed starts over from its prompt,
+    images included: the tokens are those of an uninterrupted run."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with _llm(ckpts["vision"], async_pipeline=False) as llm:
+        want = _tokens(llm.generate([REQUESTS[0]], params, use_tqdm=False))[0]
+    with _llm(ckpts["vision"], async_pipeline=False, max_num_batched_tokens=8) as llm:
+        engine = llm.engine
+        req = engine.add_request(REQUESTS[0], params)
+        (image,) = req.images
+        while req.num_computed_tokens <= image.start:  # 8-token chunks: stop inside the span
+            engine.step()
+        assert image.start < req.num_computed_tokens < image.end
+        engine.scheduler._preempt(req)  # what a full cache pool does to the newest request
+        while engine.has_unfinished():
+            engine.step()
+        assert req.num_preemptions == 1
+        assert req.to_output().outputs[0].token_ids == want
