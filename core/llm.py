@@ -86,6 +86,24 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def image_input_unsupported(self) -> str | None:
+        """Why this model does not take image input (`multi_modal_data`), or None when it does (a
+        DeepSeek-V4.1 checkpoint with its vision tower)."""
+        from deepinfer.engine.multimodal import image_refusal
+
+        return image_refusal(self.engine.model)
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """The text of the image placeholder token in this model's tokenizer (put one in the prompt
+        where each image goes), or None when the model does not take images (or its tokenizer has no
+        text for the token: then put the id, `prompt_token_ids`)."""
+        if self.image_input_unsupported is not None:
+            return None
+        to_text = getattr(self.engine.tokenizer, "id_to_token", None)
+        return to_text(self.engine.model.image_token_id) if to_text is not None else None
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, request_ids: Sequence[str] | None = None) -> list[RequestOutput]:

@@ -1,6 +1,8 @@
-"""Sample prompts of `offline_inference.py` (text only; this engine has no vision input)."""
+"""Sample prompts of `offline_inference.py`: text samples for every model, and image samples
+(`IMAGE_SAMPLES`, on the two pictures in examples/images/) for a model that reads images."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 #: (prompt, sampling overrides) - a mix of greedy and seeded sampling, short and longer outputs.
@@ -10,6 +12,15 @@ SAMPLES: list[tuple[str, dict[str, Any]]] = [
     ("Explain in one sentence why the sky is blue.", {"temperature": 0.0}),
     ("List three prime numbers greater than 100:", {"temperature": 0.8, "top_k": 50, "seq_seed": 2}),
 ]
+
+#: (image file under examples/images/, question, sampling overrides): added when the model has a vision
+#: tower (a DeepSeek-V4.1 checkpoint with `vision_config`). The pictures are ours, drawn by
+#: examples/images/draw_images.py.
+IMAGE_SAMPLES: list[tuple[str, str, dict[str, Any]]] = [
+    ("lighthouse.jpeg", "Describe this picture in one sentence.", {"temperature": 0.0}),
+    ("shapes.png", "How many red circles are in this picture?", {"temperature": 0.0}),
+]
+IMAGE_DIR = Path(__file__).resolve().parent / "images"
 
 #: --long_context: input and output tokens per sample (as in the seeds; --long_context_input_tokens /
 #: --long_context_output_tokens change them, e.g. to fit a small model).
@@ -47,3 +58,33 @@ def prepare_offline_prompts(tokenizer, long_context: bool = False, greedy: bool 
         ids = bos + body + question
         prompts.append({"prompt_token_ids": ids, "prompt": f"[{len(body)} filler tokens] {text}"})
     return prompts, params
+
+
+def image_samples_note(image_input_unsupported: str | None, long_context: bool = False) -> str | None:
+    """Why the image samples are skipped (a line for stderr), or None when they run."""
+    if image_input_unsupported is not None:
+        return f"note: the {len(IMAGE_SAMPLES)} image samples are skipped: {image_input_unsupported}"
+    if long_context:
+        return f"note: the {len(IMAGE_SAMPLES)} image samples are skipped with --long_context (text samples only)"
+    return None
+
+
+def prepare_image_prompts(placeholder: str, greedy: bool = False, image_dir: Path = IMAGE_DIR
+                          ) -> tuple[list[dict[str, Any]], list, list[str]]:
+    """The image samples as `{"prompt", "multi_modal_data"}` prompts (the chat format of DeepSeek-V4.1
+    with `placeholder`, the model's image token, before the question), one `SamplingParams` each and
+    the text to show for each (the file and the question)."""
+    from PIL import Image
+
+    from deepinfer.sampling_params import SamplingParams
+
+    prompts, params, shown = [], [], []
+    for name, question, overrides in IMAGE_SAMPLES:
+        with Image.open(image_dir / name) as opened:
+            image = opened.convert("RGB")
+        prompts.append({"prompt": f"<｜User｜>{placeholder}\n\n{question}<｜Assistant｜></think>",
+                        "multi_modal_data": {"image": image}})
+        shown.append(f"[image {name}] {question}")
+        params.append(SamplingParams(max_tokens=DEFAULT_OUTPUT_TOKENS,
+                                     **({"temperature": 0.0} if greedy else overrides)))
+    return prompts, params, shown

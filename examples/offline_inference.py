@@ -7,6 +7,13 @@
                                                                # (refused up front on a shorter model)
     python examples/offline_inference.py --greedy --dtype float32   # what tests/models' PPL baselines record
 
+Samples: four text prompts, and two image prompts (examples/images/lighthouse.jpeg and shapes.png,
+pictures drawn by examples/images/draw_images.py) when the model reads images: a DeepSeek-V4.1
+checkpoint with its vision tower (`deepinfer make-model --family v41 --vision` writes a random one).
+On any other model, the embedded default model included (it has no tower, so its recorded
+perplexity baselines stay those of the text samples), the image samples are skipped with one note
+on stderr that says why; so are they with --long_context.
+
 For each sample it prints one line:
 
     DP <rank>; INPUT: ...; OUTPUT: ...; output_tokens=...; accept_rate=...; decode_ppl=...
@@ -40,7 +47,8 @@ from typing import Callable
 
 from _launch import (REFUSALS, ParallelConfigError, ParallelSizes, RankContext, RankFailed,  # examples/
                      check_context_parallel_model, error_line, launch_dp, resolve_parallel)
-from _prompts import LONG_CONTEXT_INPUT_TOKENS, LONG_CONTEXT_OUTPUT_TOKENS, prepare_offline_prompts  # examples/
+from _prompts import (LONG_CONTEXT_INPUT_TOKENS, LONG_CONTEXT_OUTPUT_TOKENS, image_samples_note,  # examples/
+                      prepare_image_prompts, prepare_offline_prompts)
 from _speculation import drafter_unsupported, speculation_off_note  # examples/
 
 # Engine settings baked into the example (as in the seeds). max_model_len is left to the engine's
@@ -245,6 +253,23 @@ def check_structured_output(llm, ctx: RankContext) -> tuple[dict[int, str], list
                                 tok.decode([eos]) if eos is not None else "")
 
 
+def image_samples(llm, args: argparse.Namespace) -> tuple[list, list, list[str], str | None]:
+    """The image samples (prompts, params, texts shown) when the model reads images, else empty
+    lists and the reason they are skipped (one line for stderr)."""
+    refusal = llm.image_input_unsupported
+    if refusal is None and llm.image_placeholder is None:
+        refusal = "the model's tokenizer has no text for its image token"
+    if refusal is None:
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            refusal = "Pillow is not installed (pip install \"deepinfer[vision]\")"
+    note = image_samples_note(refusal, args.long_context)
+    if note is not None:
+        return [], [], [], note
+    return (*prepare_image_prompts(llm.image_placeholder, args.greedy), None)
+
+
 def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> dict:
     """One rank's work; returns what the first process prints (sample lines keyed by sample index)."""
     start = time.perf_counter()
@@ -265,11 +290,14 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
         result["header"].append(f"Model: {info.model_path}")
     prompts, params = prepare_offline_prompts(llm.tokenizer, args.long_context, args.greedy,
                                               args.long_context_input_tokens, args.long_context_output_tokens)
+    shown = [p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None for p in prompts]
+    image_prompts, image_params, image_shown, skipped = image_samples(llm, args)
+    if skipped is not None and ctx.is_first:
+        result["header_notes"] = [skipped]
+    prompts, params, shown = prompts + image_prompts, params + image_params, shown + image_shown
     outputs = generate_share(llm, ctx, prompts, params, use_tqdm=ctx.is_first)
     for i, out in outputs.items():
-        prompt = prompts[i]
-        text = prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict) else None
-        result["lines"][i] = format_result(rank, text, out)
+        result["lines"][i] = format_result(rank, shown[i], out)
     if args.check_structured_output:
         result["checked"], problems = check_structured_output(llm, ctx)
         if problems:
@@ -304,6 +332,9 @@ def print_results(results: list[dict], check_structured: bool, samples: bool = T
                     disagree.append(i)
         for i in sorted(merged):
             print(merged[i], flush=True)
+    for r in results:
+        for line in r.get("header_notes", []):
+            print(line, file=sys.stderr, flush=True)
     for r in results:
         for line in r["errors"]:
             print(line, file=sys.stderr, flush=True)

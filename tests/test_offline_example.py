@@ -333,3 +333,62 @@ def test_deepinfer_generate_rejects_bad_sampling_values(tiny_model, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", tiny_model, "--prompt", "x", "--top-p", "0"])
     assert "SamplingParams.top_p" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------- image samples
+
+
+@pytest.fixture(scope="module")
+def v41_vision_model(tmp_path_factory):
+    """A tiny DeepSeek-V4.1 with its (tiny) vision tower."""
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    return str(make_model(tmp_path_factory.mktemp("v41-vision") / "ckpt", size="tiny", seed=0, with_vision=True))
+
+
+def test_image_samples_run_on_a_model_with_a_tower(example, v41_vision_model, capsys):
+    pytest.importorskip("PIL")
+    from deepinfer import LLM
+
+    assert example.main(["--model_name", v41_vision_model, "--greedy", "--dtype", "float32"]) == 0
+    captured = capsys.readouterr()
+    samples = [m for m in map(LINE.match, captured.out.splitlines()) if m]
+    prompts = load_example("_prompts.py")
+    assert len(samples) == len(prompts.SAMPLES) + len(prompts.IMAGE_SAMPLES) == 6, captured.out
+    shown = [m.group(1) for m in samples[4:]]
+    assert shown == [f"[image {name}] {question}" for name, question, _ in prompts.IMAGE_SAMPLES]
+    assert "image samples are skipped" not in captured.err
+    # the sample's tokens are those of the same image prompt sent to LLM.generate directly
+    with LLM(model=v41_vision_model, accelerator="cpu", dtype="float32") as llm:
+        assert llm.image_input_unsupported is None and llm.image_placeholder == "<｜image｜>"
+        image_prompts, params, _ = prompts.prepare_image_prompts(llm.image_placeholder, greedy=True)
+        outs = llm.generate(image_prompts, params, use_tqdm=False)
+    for out, line in zip(outs, samples[4:]):
+        assert out.error is None, out.error
+        assert example.one_line(out.outputs[0].text) == line.group(2)
+        assert len(out.prompt_token_ids) > 40  # the span is in the prompt, not one placeholder token
+
+
+def test_image_samples_are_skipped_with_the_reason_on_a_text_model(example, v41_model, capsys):
+    assert example.main(["--model_name", v41_model]) == 0
+    captured = capsys.readouterr()
+    assert len([line for line in captured.out.splitlines() if LINE.match(line)]) == 4
+    assert re.search(r"^note: the 2 image samples are skipped: .*vision", captured.err, re.M), captured.err
+
+
+def test_the_sample_pictures_are_the_drawing_scripts(tmp_path):
+    """examples/images/*.{jpeg,png} are what draw_images.py draws (ours, reproducible)."""
+    pytest.importorskip("PIL")
+    from PIL import Image, ImageChops
+
+    from example_modules import load_file
+
+    draw = load_file(EXAMPLES / "images" / "draw_images.py", "example_draw_images")
+    fresh = draw.main(tmp_path)
+    for path in fresh:
+        shipped = EXAMPLES / "images" / path.name
+        assert shipped.stat().st_size < 64 * 1024
+        with Image.open(shipped) as a, Image.open(path) as b:
+            assert a.size == b.size
+            diff = ImageChops.difference(a.convert("RGB"), b.convert("RGB")).getextrema()
+            assert max(hi for _, hi in diff) <= (0 if path.suffix == ".png" else 8), (path.name, diff)
