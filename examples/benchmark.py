@@ -5,6 +5,8 @@
     python examples/benchmark.py --preset cpu --model_name /tmp/v4-bench --roofline --repeats 3
     python examples/benchmark.py --decode_num_requests 1           # low-latency, batch 1
     python examples/benchmark.py --cp 8 --prefill_batch_size 65536
+    python examples/benchmark.py --preset cpu --model_name /tmp/v41-vision --prompt_mode image --phase prefill
+                                 # image prefill: the tower (ms per image) and the text model apart
 
 Node 0 prints three numbers (plus the true accepted-token throughput beside the third):
   prefill throughput   tokens/s/device
@@ -108,7 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "on this node)")
     p.add_argument("--yoco_clip", action="store_true",
                    help="enable SWA bounded replay (the swa_replay feature) for prefill")
-    p.add_argument("--prompt_mode", choices=("text", "image"), default="text", help="input type of the prompts")
+    p.add_argument("--prompt_mode", choices=("text", "image"), default="text",
+                   help="input type of the prefill prompts: 'image' gives each prefill prompt one random image "
+                        "(--image_size) before its text and reports the tower and the text model apart (a model "
+                        "with a vision tower, one process)")
+    p.add_argument("--image_size", type=_image_size, default=(544, 544), metavar="WxH",
+                   help="size of each image with --prompt_mode image (default 544x544; the model's size plan "
+                        "resizes it, e.g. 544x544 -> 184 span positions on DeepSeek-V4.1)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="model dtype")
     p.add_argument("--phase", choices=PHASES, default="both",
                    help="which phases to time ('none' with --roofline: only the machine and model bounds)")
@@ -128,6 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile_dir", default="profiles", help="where PROFILE=1 writes its trace")
     ab.add_arguments(p)
     return p
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    width, sep, height = text.lower().partition("x")
+    try:
+        size = (int(width), int(height))
+    except ValueError:
+        size = None
+    if not sep or size is None or min(size) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an image size; give WIDTHxHEIGHT in pixels, e.g. 544x544")
+    return size
 
 
 def _share(text: str) -> float:
@@ -174,11 +193,36 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     return Settings(**values)
 
 
-def check_prompt_mode(mode: str) -> None:
-    if mode == "image":
-        raise ValueError("--prompt_mode image is not supported by this model: deepinfer runs DeepSeek-V4 and V4.1 "
-                         "on text only (V4 has no vision encoder; V4.1's vision tower is not run). "
-                         "Use --prompt_mode text.")
+def check_prompt_mode(args: argparse.Namespace, scale: int = 1, cp: int = 1) -> int | None:
+    """With --prompt_mode image: the span positions of one --image_size image on the model, after
+    refusing (ValueError with the fix) a model without a vision tower or a parallel layout; None for text."""
+    if args.prompt_mode != "image":
+        return None
+    from deepinfer.benchmarks.model_cost import checkpoint_config
+    from deepinfer.models.resolve import resolve_model
+
+    if scale > 1 or cp > 1:
+        raise ValueError(f"--prompt_mode image is measured in one process; this layout has {scale} ranks (cp {cp}). "
+                         f"Run it with WORLD_SIZE=1 on one device, without --cp")
+    path = resolve_model(args.model_name).path
+    config, _, model_type = checkpoint_config(path)
+    vision = getattr(config, "vision", None)
+    if vision is None:
+        raise ValueError(f"--prompt_mode image needs a model with a vision tower (a DeepSeek-V4.1 checkpoint with "
+                         f"vision_config); the model at {path} ({model_type}) has none. Use --prompt_mode text, or "
+                         f"--model_name a checkpoint with the tower (`deepinfer make-model --family v41 --vision "
+                         f"OUT` writes a random one)")
+    if args.phase == "decode":
+        raise ValueError("--prompt_mode image times the prefill phase; use --phase prefill or both")
+    from deepinfer.models.deepseek_v41.image_processing import plan_image
+
+    return plan_image(*args.image_size, vision).num_tokens
+
+
+def prefill_prompt_len(settings: Settings, span_tokens: int | None) -> int:
+    """Positions of each prefill prompt: --non_cached_tokens, or with an image its span plus at
+    least one text token."""
+    return settings.non_cached_tokens if span_tokens is None else max(settings.non_cached_tokens, span_tokens + 1)
 
 
 def engine_nextn(llm: Any) -> int:
@@ -293,7 +337,23 @@ def format_figures(record: dict[str, Any]) -> str:
     f = results.figures(record)
     cp, nextn, req = record["layout"]["cp"], record["nextn"], record["settings"]["decode_num_requests"]
     lines = []
-    if record.get("prefill"):
+    if record.get("prefill") and "span_tokens" in record["prefill"][0]:
+        p = record["prefill"][0]
+        w, h = p["image_size"]
+        lines += [
+            f"image prefill throughput (tower in line): "
+            f"{_fmt(f['prefill_tokens_per_s_per_device'], 'tokens/s/device')}   [{p['requests']} prompts x "
+            f"{p['prompt_len']} positions: one {w}x{h} image = {p['span_tokens']} span positions + "
+            f"{p['prompt_len'] - p['span_tokens']} text tokens; {record['settings']['prefill_batch_size']} tokens "
+            f"per step]",
+            f"image tower alone: {_fmt(f['image_tower_ms_per_image'], 'ms per image', 2)}, "
+            f"{_fmt(f['image_tower_tokens_per_s'], 'span tokens/s')}   "
+            f"[{len(p['tower_alone_seconds'])} images; in the engine {_fmt(f['image_tower_in_engine_ms_per_image'], 'ms per image', 2)}]",
+            f"text model prefill on image prompts (tower and admission taken out): "
+            f"{_fmt(f['image_text_model_prefill_tokens_per_s_per_device'], 'tokens/s/device')}   "
+            f"[admission incl. image preprocessing {_fmt(f['image_admission_ms_per_image'], 'ms per image', 2)}]",
+        ]
+    elif record.get("prefill"):
         p = record["prefill"][0]
         lines.append(f"prefill throughput: {_fmt(f['prefill_tokens_per_s_per_device'], 'tokens/s/device')}"
                      f"   [{p['requests']} prompts x {p['prompt_len']} tokens, "
@@ -341,10 +401,10 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
     """The whole benchmark; returns the result record (rank 0 prints it)."""
     env = dict(os.environ) if env is None else env
     settings = resolve_settings(args)
-    check_prompt_mode(args.prompt_mode)
     check_yoco_clip(args.yoco_clip)
     accelerator = _accelerator_name()
     layout: Layout = resolve_layout(args.cp, accelerator, env)
+    args._span_tokens = check_prompt_mode(args, layout.scale, layout.cp)
     say = print if layout.rank == 0 else (lambda *a, **k: None)
     for note in (_speculation_env_note(), _speculation_model_note(args.model_name)):
         if note:
@@ -382,7 +442,8 @@ def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str
         "argv": list(getattr(args, "_argv", [])),
         "settings": dict(vars(settings), preset=args.preset, cp=args.cp, yoco_clip=args.yoco_clip,
                          accept_rate=args.accept_rate,
-                         prompt_mode=args.prompt_mode, phase=args.phase, repeats=args.repeats, seed=args.seed),
+                         prompt_mode=args.prompt_mode,
+                         image_size=list(args.image_size) if args.prompt_mode == "image" else None, phase=args.phase, repeats=args.repeats, seed=args.seed),
         "layout": {"world_size": layout.world_size, "rank": layout.rank, "devices_per_node": layout.devices_per_node,
                    "scale": layout.scale, "cp": layout.cp, "dp": layout.dp, "ep": layout.ep,
                    "accelerator": accelerator},
@@ -415,6 +476,9 @@ def bench_rank(ctx: RankContext, args: argparse.Namespace, settings: Settings, p
     layout = ctx.layout
     llm = LLM(**_engine_kwargs(args, settings, layout if not layout.is_single else None,
                                settings.decode_num_requests, planned_nextn()))
+    if args.prompt_mode == "image" and llm.image_input_unsupported is not None:
+        llm.shutdown()
+        raise ValueError(f"--prompt_mode image: {llm.image_input_unsupported}")
     prefill_runs, decode_runs = _timed_phases(llm, args, settings, settings.decode_num_requests, profile, ctx.rank,
                                               say, ctx.dp_rank)
     config, dtype, model_type = _model_config(llm, args.model_name)
@@ -429,6 +493,7 @@ def bench_rank(ctx: RankContext, args: argparse.Namespace, settings: Settings, p
 
 
 WARMUP_PROMPT_TOKENS, WARMUP_OUTPUT_TOKENS = 64, 4
+IMAGES_TIMED_ALONE = 4  # --prompt_mode image: images run through the tower alone per repeat
 
 
 def _engine_kwargs(args: argparse.Namespace, settings: Settings, parallel: Any, sequences: int,
@@ -446,7 +511,8 @@ def _engine_kwargs(args: argparse.Namespace, settings: Settings, parallel: Any, 
         model=args.model_name, dtype=args.dtype,
         max_num_seqs=max(sequences if decode else 2, prefill_seqs_per_step if prefill else 2),
         max_num_batched_tokens=settings.prefill_batch_size,
-        max_model_len=max(decode_len if decode else 0, settings.non_cached_tokens + 1 if prefill else 0,
+        max_model_len=max(decode_len if decode else 0,
+                          prefill_prompt_len(settings, getattr(args, "_span_tokens", None)) + 1 if prefill else 0,
                           WARMUP_PROMPT_TOKENS + WARMUP_OUTPUT_TOKENS))
     if parallel is not None:
         kwargs.update(ep=parallel.ep, dp=parallel.dp, cp=parallel.cp)
@@ -521,6 +587,14 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
 
     vocab = llm.engine.vocab_size
     work = planned_work(settings)
+    span_tokens = getattr(args, "_span_tokens", None)
+
+    def prefill_prompts(num: int, seed: int) -> list:
+        if span_tokens is None:
+            return workloads.random_prompts(num, settings.non_cached_tokens, vocab, seed=seed)
+        images = workloads.random_images(num, *args.image_size, seed=seed)
+        return workloads.image_prompts(images, llm.engine.model.image_token_id, span_tokens,
+                                       prefill_prompt_len(settings, span_tokens), vocab, seed=seed)
     note = _stderr_note(rank == 0)
     prefill_speed = decode_step = None
     if not args.no_warmup:
@@ -535,7 +609,7 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
         if args.phase in ("both", "prefill"):
             step = -(-settings.prefill_batch_size // settings.non_cached_tokens)
             for i, seed in enumerate((10**6 + 1, 10**6 + 3)):
-                warm = workloads.random_prompts(step, settings.non_cached_tokens, vocab, seed=seed)
+                warm = prefill_prompts(step, seed)
                 _, trace = synced(_watched(f"warm-up prefill {i + 1}/2", rank, lambda bars: workloads.run_requests(
                     llm, warm, workloads.SamplingParams(max_tokens=1, **greedy), progress=bars)))
             prefill_speed = workloads.tokens_per_second(trace, step * settings.non_cached_tokens)  # the second run
@@ -562,10 +636,16 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
             seed = args.seed + 2 * (dp_rank * args.repeats + r)
             of = f" {r + 1}/{args.repeats}" if args.repeats > 1 else ""
             if args.phase in ("both", "prefill"):
-                prompts = workloads.random_prompts(prefill_requests, settings.non_cached_tokens, vocab, seed=seed)
+                prompts = prefill_prompts(prefill_requests, seed)
                 m = machine()
-                run = synced(_watched(f"prefill phase{of}", rank, lambda bars: workloads.run_prefill(
-                    llm, prompts, settings.prefill_batch_size, profiler, progress=bars)))
+                if span_tokens is None:
+                    run = synced(_watched(f"prefill phase{of}", rank, lambda bars: workloads.run_prefill(
+                        llm, prompts, settings.prefill_batch_size, profiler, progress=bars)))
+                else:  # the tower alone on other images of the size first, then the prompts through the engine
+                    alone = workloads.random_images(min(prefill_requests, IMAGES_TIMED_ALONE), *args.image_size,
+                                                    seed=10**7 + seed)
+                    run = synced(_watched(f"image prefill phase{of}", rank, lambda bars: workloads.run_image_prefill(
+                        llm, prompts, span_tokens, settings.prefill_batch_size, alone, profiler, progress=bars)))
                 prefill_runs.append(dict(run.to_json(), machine=m))
             if args.phase in ("both", "decode"):
                 prompts = workloads.random_prompts(sequences, settings.context_length, vocab, seed=seed + 1)

@@ -114,11 +114,6 @@ def test_benchmark_cli_rejects_cp_on_one_cpu(capsys, clean_env):
     assert "--cp 2 must divide the parallel scale 1" in capsys.readouterr().err
 
 
-def test_benchmark_cli_rejects_image_prompts(capsys, clean_env):
-    assert benchmark.main(["--prompt_mode", "image"]) == 2
-    assert "not supported by this model" in capsys.readouterr().err
-
-
 def test_preset_fills_only_flags_that_were_not_given():
     args = benchmark.build_parser().parse_args(["--preset", "cpu", "--context_length", "128"])
     s = benchmark.resolve_settings(args)
@@ -688,3 +683,76 @@ def test_transformers_baseline_child_reports_failures_instead_of_hanging(tmp_pat
 
     with pytest.raises(RuntimeError, match="the child process failed"):
         ChildProcessSide(TransformersSide, str(tmp_path / "no-such-checkpoint"), "float32")
+
+
+# --- --prompt_mode image ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_v41_vision(tmp_path_factory):
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    out = tmp_path_factory.mktemp("bench") / "tiny-v41-vision"
+    make_model(out, size="tiny", with_vision=True)
+    return out
+
+
+def test_image_prompts_are_refused_on_a_model_without_a_tower(tiny_model, tiny_v41, capsys, clean_env):
+    for model in (tiny_model, tiny_v41):
+        assert benchmark.main(["--model_name", str(model), *TINY_ARGS, "--prompt_mode", "image"]) == 2
+        err = capsys.readouterr().err
+        assert "--prompt_mode image needs a model with a vision tower" in err and str(model) in err, err
+        assert "Traceback" not in err
+
+
+def test_image_size_flag_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        benchmark.build_parser().parse_args(["--image_size", "544"])
+    assert "give WIDTHxHEIGHT" in capsys.readouterr().err
+    assert benchmark.build_parser().parse_args(["--image_size", "800X600"]).image_size == (800, 600)
+
+
+def test_image_prefill_reports_the_tower_and_the_text_model_apart(tiny_v41_vision, tmp_path, capsys, clean_env):
+    """A tiny tower: image prompts through the engine (spans split by 48-token chunks), the tower run
+    once per image inside the engine and alone on other images, the text model's share the rest."""
+    pytest.importorskip("PIL")
+    from deepinfer.benchmarks.model_cost import checkpoint_config
+    from deepinfer.models.deepseek_v41.image_processing import plan_image
+
+    clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    out = tmp_path / "image.jsonl"
+    argv = ["--model_name", str(tiny_v41_vision), *TINY_ARGS, "--non_cached_tokens", "80", "--prompt_mode", "image",
+            "--image_size", "40x28", "--phase", "prefill", "--dtype", "float32", "--result_jsonl", str(out)]
+    assert benchmark.main(argv) == 0
+    printed = capsys.readouterr().out
+    for label in ("image prefill throughput (tower in line):", "image tower alone:", "ms per image",
+                  "span tokens/s", "text model prefill on image prompts (tower and admission taken out):"):
+        assert label in printed, printed
+    [record] = results.read_jsonl(out)
+    assert record["settings"]["prompt_mode"] == "image" and record["settings"]["image_size"] == [40, 28]
+    assert record["decode"] == []
+    [p] = record["prefill"]
+    vision = checkpoint_config(tiny_v41_vision)[0].vision
+    span = plan_image(40, 28, vision).num_tokens
+    assert p["span_tokens"] == span and p["prompt_len"] == max(80, span + 1)
+    requests = -(-2 * 48 // 80)
+    assert p["requests"] == requests and p["tokens"] == requests * p["prompt_len"]
+    assert p["tower_runs"] == requests  # once per image, though the 48-token chunks split each span
+    assert len(p["tower_alone_seconds"]) == min(requests, benchmark.IMAGES_TIMED_ALONE)
+    assert 0 < p["tower_seconds"] < p["seconds"] and 0 < p["admission_seconds"] < p["seconds"]
+    assert p["text_model_seconds"] == pytest.approx(p["seconds"] - p["admission_seconds"] - p["tower_seconds"])
+    f = results.figures(record)
+    assert f["image_text_model_prefill_tokens_per_s_per_device"]["median"] > f["prefill_tokens_per_s_per_device"]["median"]
+    assert f["image_tower_tokens_per_s"]["median"] == pytest.approx(span / (f["image_tower_ms_per_image"]["median"] / 1000))
+
+
+def test_image_prompts_hold_one_placeholder_each():
+    pytest.importorskip("PIL")
+    from deepinfer.benchmarks import workloads
+
+    images = workloads.random_images(3, 10, 6, seed=1)
+    assert len({im.tobytes() for im in images}) == 3 and images[0].size == (10, 6)
+    prompts = workloads.image_prompts(images, 7, span_tokens=5, prompt_len=400, vocab_size=9, seed=0)
+    for p, image in zip(prompts, images):
+        ids = p["prompt_token_ids"]
+        assert ids[0] == 7 and ids.count(7) == 1 and len(ids) == 1 + 395  # random ids in [3, 9) hit 7 often
+        assert p["multi_modal_data"]["image"] is image

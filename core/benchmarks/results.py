@@ -50,6 +50,18 @@ def figures(record: dict[str, Any]) -> dict[str, dict[str, float] | None]:
             [d["speculation"]["num_drafts_accepted"] / d["speculation"]["num_drafts_verified"]
              for d in decode if d.get("speculation") and d["speculation"]["num_drafts_verified"]]),
     }
+    images = [p for p in prefill if "span_tokens" in p]  # --prompt_mode image: the tower and text model apart
+    if images:
+        out["image_tower_ms_per_image"] = _median(
+            [1000 * statistics.fmean(p["tower_alone_seconds"]) for p in images if p["tower_alone_seconds"]])
+        out["image_tower_tokens_per_s"] = _median(
+            [p["span_tokens"] / statistics.fmean(p["tower_alone_seconds"]) for p in images if p["tower_alone_seconds"]])
+        out["image_tower_in_engine_ms_per_image"] = _median(
+            [1000 * p["tower_seconds"] / p["tower_runs"] for p in images if p["tower_runs"]])
+        out["image_admission_ms_per_image"] = _median([1000 * p["admission_seconds"] / p["requests"] for p in images])
+        out["image_text_model_prefill_tokens_per_s_per_device"] = _median(
+            [accounting.prefill_throughput(p["tokens"], p["text_model_seconds"], devices) for p in images
+             if p["text_model_seconds"] > 0])
     accept = record["settings"].get("accept_rate")
     if accept is not None:  # projections from the measured step rate at an assumed acceptance
         verified = [verified_drafts_per_step(d) for d in decode]

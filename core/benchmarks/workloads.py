@@ -58,16 +58,18 @@ class StepTrace:
     advances: list[int] = field(default_factory=list)  # running total of (request, call) pairs that emitted
     all_started: list[bool] = field(default_factory=list)  # every request has its first token
     any_finished: list[bool] = field(default_factory=list)
+    admitted: float = 0.0  # perf_counter once every request was added (admission: tokenising, image preprocessing)
 
 
-def run_requests(llm: Any, prompts: list[list[int]], params: Any, profiler: Any = None,
+def run_requests(llm: Any, prompts: list[list[int] | dict[str, Any]], params: Any, profiler: Any = None,
                  stop: Callable[[StepTrace], bool] | None = None,
                  progress: Callable[[list[Any], StepTrace], None] | None = None) -> tuple[list[Any], StepTrace]:
     """Submit every prompt, step the engine until all finish (or `stop(trace)` says enough was
     measured: the rest is aborted), trace each step; `progress(requests, trace)` after each step."""
     engine = llm.engine
     trace = StepTrace(start=time.perf_counter(), start_monotonic=time.monotonic())
-    requests = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    requests = [engine.add_request(p if isinstance(p, dict) else {"prompt_token_ids": p}, params) for p in prompts]
+    trace.admitted = time.perf_counter()
     errors = [r.error for r in requests if r.is_finished and r.finish_reason == "error"]
     if errors:
         raise RuntimeError(f"the engine refused benchmark requests: {errors[0]}")
@@ -223,3 +225,94 @@ def run_decode(llm: Any, prompts: list[list[int]], decode_steps: int, prefill_ba
         accepted_tokens=trace.emitted[last] - trace.emitted[first], total_seconds=trace.ends[-1] - trace.start,
         total_steps=len(trace.ends),
         speculation=None if after is None else {k: after[k] - before[k] for k in SPEC_COUNTERS})
+
+
+# --- image prefill (--prompt_mode image) -------------------------------------------------------
+
+def random_images(num: int, width: int, height: int, seed: int = 0) -> list[Any]:
+    """`num` distinct random-noise RGB PIL images of `width` x `height` (distinct pixels: no encoder
+    or prefix cache hit between them)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)) for _ in range(num)]
+
+
+def image_prompts(images: list[Any], image_token_id: int, span_tokens: int, prompt_len: int, vocab_size: int,
+                  seed: int = 0) -> list[dict[str, Any]]:
+    """One prompt per image: its placeholder, then random text tokens so that the prompt takes
+    `prompt_len` positions once the placeholder is expanded to the image's `span_tokens` (at least
+    one text token; a random text token that is the placeholder is replaced by the id below it)."""
+    text = random_prompts(len(images), max(1, prompt_len - span_tokens), vocab_size, seed=seed)
+    return [{"prompt_token_ids": [image_token_id] + [x - 1 if x == image_token_id else x for x in t],
+             "multi_modal_data": {"image": image}} for image, t in zip(images, text)]
+
+
+@dataclass
+class ImagePrefillResult:
+    """An image prefill phase: `requests` prompts of one image each (`prompt_len` positions: a span
+    of `span_tokens` plus text), through the engine with the tower in line. Seconds: `seconds`
+    from submission to the last first token, of which `admission_seconds` adding the requests
+    (tokenising and preprocessing the images) and `tower_seconds` running the tower inside the
+    engine's steps; the rest (`text_model_seconds`) is the text model's prefill. `tower_alone_seconds`:
+    the tower run outside the engine on `tower_alone_images` other images of the same size."""
+
+    requests: int
+    prompt_len: int
+    span_tokens: int
+    image_size: tuple[int, int]
+    tokens: int
+    seconds: float
+    batches: int
+    mean_ttft_s: float
+    admission_seconds: float
+    tower_seconds: float
+    tower_runs: int
+    tower_alone_seconds: list[float]
+
+    @property
+    def text_model_seconds(self) -> float:
+        return self.seconds - self.admission_seconds - self.tower_seconds
+
+    def to_json(self) -> dict:
+        return dict(asdict(self), image_size=list(self.image_size), text_model_seconds=self.text_model_seconds)
+
+
+def time_tower_alone(model: Any, images: list[Any]) -> list[float]:
+    """Seconds of the tower (`model.images.encode`, device synchronised) per image, outside the engine."""
+    import torch
+
+    embedder = model.images
+    processed = [model.preprocess_image(image) for image in images]
+    before, embedder.tower_timings = embedder.tower_timings, []
+    try:
+        with torch.inference_mode():  # as the engine runs the model
+            for image in processed:
+                embedder.encode(image)
+        return list(embedder.tower_timings)
+    finally:
+        embedder.tower_timings = before
+
+
+def run_image_prefill(llm: Any, prompts: list[dict[str, Any]], span_tokens: int, prefill_batch_tokens: int,
+                      alone: list[Any], profiler: Any = None,
+                      progress: Callable[[list[Any], StepTrace], None] | None = None) -> ImagePrefillResult:
+    """The image prefill phase (`ImagePrefillResult`); `alone`: images timed through the tower alone first."""
+    model = llm.engine.model
+    tower_alone = time_tower_alone(model, alone)
+    embedder = model.images
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    embedder.tower_timings = []
+    try:
+        requests, trace = run_requests(llm, prompts, params, profiler, progress=progress)
+        tower = list(embedder.tower_timings)
+    finally:
+        embedder.tower_timings = None
+    seconds = trace.ends[trace.all_started.index(True)] - trace.start
+    ttft = sum(r.first_token_time - trace.start_monotonic for r in requests) / len(requests)
+    tokens = sum(len(r.prompt_token_ids) for r in requests)
+    image = prompts[0]["multi_modal_data"]["image"]
+    return ImagePrefillResult(len(prompts), len(requests[0].prompt_token_ids), span_tokens, image.size, tokens,
+                              seconds, -(-tokens // prefill_batch_tokens), ttft, trace.admitted - trace.start,
+                              sum(tower), len(tower), tower_alone)

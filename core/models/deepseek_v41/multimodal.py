@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
@@ -30,6 +31,21 @@ class ImageEmbedder:
     def __init__(self, tower: VisionTower, capacity: int = 16):
         self.tower, self.capacity = tower, capacity
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        #: when a list (benchmarks set one), each tower run is timed, the device synchronised around
+        #: it, and its seconds appended; None (the default): not timed
+        self.tower_timings: list[float] | None = None
+
+    def encode(self, image) -> torch.Tensor:
+        """`[num_tokens, hidden]`: the tower's span rows for one image, not cached (timed when
+        `tower_timings` is a list)."""
+        if self.tower_timings is None:
+            return self.tower.span_embeddings(image)
+        self.tower.accel.synchronize()
+        start = time.perf_counter()
+        rows = self.tower.span_embeddings(image)
+        self.tower.accel.synchronize()
+        self.tower_timings.append(time.perf_counter() - start)
+        return rows
 
     def span(self, image) -> torch.Tensor:
         """`[num_tokens, hidden]`: the embeddings of one image's span (cached by digest)."""
@@ -37,7 +53,7 @@ class ImageEmbedder:
         if hit is not None:
             self._cache.move_to_end(image.digest)
             return hit
-        rows = self.tower.span_embeddings(image)
+        rows = self.encode(image)
         self._cache[image.digest] = rows
         while len(self._cache) > self.capacity:
             self._cache.popitem(last=False)
