@@ -131,3 +131,210 @@ def test_too_many_images_is_a_400(served):
     messages = [{"role": "user", "content": [{"type": "text", "text": "hi"}] + [one] * (MAX_IMAGES + 1)}]
     with pytest.raises(openai.BadRequestError, match=f"at most {MAX_IMAGES} images"):
         _client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+
+
+# --- image URLs: http(s) with an allow-list, local files under a folder, limits -------------------
+
+LIMIT_BYTES, LIMIT_PIXELS = 60_000, 150 * 150
+
+
+def png_bytes(image) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def media_host(tmp_path_factory):
+    """A local http.server on 127.0.0.1 (no network): /img.png, a 404, a redirect to a host not
+    allowed, a redirect to an allowed URL, an image over the byte limit and one over the pixel limit."""
+    import http.server
+
+    from PIL import Image
+
+    pages = {"/img.png": png_bytes(picture(40, 28, seed=1)),
+             "/big.png": png_bytes(picture(160, 140, seed=5)),  # random noise: more bytes than the limit
+             "/wide.png": png_bytes(Image.new("RGB", (400, 100), (200, 10, 10)))}  # few bytes, too many pixels
+    assert len(pages["/big.png"]) > LIMIT_BYTES and len(pages["/wide.png"]) < LIMIT_BYTES
+    redirects = {"/away": "http://images.example.invalid/x.png", "/again": "/img.png"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path in redirects:
+                self.send_response(302)
+                self.send_header("Location", redirects[self.path])
+                self.end_headers()
+                return
+            data = pages.get(self.path)
+            if data is None:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "image/png")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", pages
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture(scope="module")
+def media_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("media")
+    allowed, outside = root / "allowed", root / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "img.png").write_bytes(png_bytes(picture(40, 28, seed=1)))
+    (outside / "secret.png").write_bytes(png_bytes(picture(40, 28, seed=2)))
+    (allowed / "link.png").symlink_to(outside / "secret.png")
+    return allowed, outside
+
+
+@pytest.fixture(scope="module")
+def served_media(tmp_path_factory, media_dirs):
+    """The server with image URLs on: 127.0.0.1 and localhost allowed, local files under one
+    folder, and small limits (2 images, LIMIT_BYTES, LIMIT_PIXELS)."""
+    import uvicorn
+
+    from deepinfer.entrypoints.serve import build_server
+    from deepinfer.models.deepseek_v41.make_model import make_model
+    from deepinfer.server.protocol import ServerSettings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    path = str(make_model(tmp_path_factory.mktemp("serve-media") / "tiny", "tiny", seed=4, with_vision=True,
+                          dtype="float32"))
+    settings = ServerSettings(api_key=KEY, default_thinking=False, max_pending=16,
+                              allowed_media_domains=["127.0.0.1", "LocalHost"],
+                              allowed_local_media_path=str(media_dirs[0]), max_images_per_prompt=2,
+                              max_image_bytes=LIMIT_BYTES, max_image_pixels=LIMIT_PIXELS, media_fetch_timeout_s=20)
+    app, front = build_server(settings, model=path, **ENGINE)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=30)
+    front.shutdown()
+    torch.set_num_threads(threads)
+
+
+def _ask(url: str, *image_urls: str, max_tokens: int = 4):
+    content = [{"type": "text", "text": "what is in this picture?"}]
+    content += [{"type": "image_url", "image_url": {"url": u}} for u in image_urls]
+    return _client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                                max_tokens=max_tokens, temperature=0)
+
+
+def test_allowed_http_and_local_images_answer_as_the_same_data_url(served_media, media_host, media_dirs):
+    host, pages = media_host
+    want = _ask(served_media, "data:image/png;base64," + base64.b64encode(pages["/img.png"]).decode())
+    port = host.rsplit(":", 1)[1]
+    for image_url in (host + "/img.png", f"http://localhost:{port}/img.png", host + "/again",
+                      (media_dirs[0] / "img.png").as_uri()):
+        got = _ask(served_media, image_url)
+        assert got.choices[0].message.content == want.choices[0].message.content, image_url
+        assert got.usage.prompt_tokens == want.usage.prompt_tokens > 10, image_url
+
+
+@pytest.mark.parametrize("which,words", [
+    ("http://127.0.0.2:9/img.png", "image URL host '127.0.0.2' is not in the server's allowed media domains"),
+    ("/missing.png", "failed: HTTP 404"),
+    ("/away", "redirects to 'http://images.example.invalid/x.png', which is not allowed"),
+    ("/big.png", f"more than the limit of {LIMIT_BYTES}"),
+    ("/wide.png", f"the image is 400x100 pixels, more than the limit of {LIMIT_PIXELS} pixels"),
+    ("ftp://127.0.0.1/img.png", "is not a data:, http(s) or file: URL"),
+])
+def test_image_url_refusals_are_a_400_naming_the_part(served_media, media_host, which, words):
+    host, _ = media_host
+    image_url = host + which if which.startswith("/") else which
+    with pytest.raises(openai.BadRequestError) as caught:
+        _ask(served_media, image_url)
+    message = caught.value.body["message"] if isinstance(caught.value.body, dict) else str(caught.value)
+    assert message.startswith("messages[0].content[1]: ") and words in message, message
+
+
+def test_local_files_outside_the_allowed_folder_are_refused(served_media, media_dirs):
+    allowed, outside = media_dirs
+    for path in (outside / "secret.png", allowed / "link.png", allowed / ".." / "outside" / "secret.png"):
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: .* is not under the server's "
+                                                         r"allowed local media path"):
+            _ask(served_media, "file://" + str(path))
+    with pytest.raises(openai.BadRequestError, match="is not a file"):
+        _ask(served_media, (allowed / "nothing.png").as_uri())
+
+
+def test_the_images_per_prompt_limit_is_a_flag(served_media, media_dirs):
+    uri = (media_dirs[0] / "img.png").as_uri()
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[3\]: a request may hold at most 2 images"):
+        _ask(served_media, uri, uri, uri)
+    assert _ask(served_media, uri, uri).usage.prompt_tokens > 20
+
+
+def test_url_and_local_images_are_off_by_default(served, media_host, media_dirs):
+    url, _ = served
+    host, _ = media_host
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: image URL .* is not fetched "
+                                                     r"\(fetching http\(s\) image URLs is off"):
+        _ask(url, host + "/img.png")
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[1\]: local image files .* are off"):
+        _ask(url, (media_dirs[0] / "img.png").as_uri())
+
+
+def test_media_settings_are_checked(tmp_path):
+    from deepinfer.server.protocol import ServerSettings
+
+    assert ServerSettings(allowed_media_domains=[" Images.Example.com. ", "[::1]"]).allowed_media_domains == [
+        "images.example.com", "::1"]
+    for bad in ("http://images.example.com", "example.com/path", "example.com:8080", ""):
+        with pytest.raises(ValueError, match="is not a host name"):
+            ServerSettings(allowed_media_domains=[bad])
+    with pytest.raises(ValueError, match="is not a folder"):
+        ServerSettings(allowed_local_media_path=str(tmp_path / "nope"))
+
+
+def test_serve_flags_reach_the_settings(tmp_path):
+    from deepinfer.entrypoints import serve
+    from deepinfer.server.images import MediaPolicy
+
+    args = serve.build_parser().parse_args(["--allowed-media-domains", "A.example", "127.0.0.1",
+                                            "--allowed-local-media-path", str(tmp_path), "--max-images-per-prompt", "3",
+                                            "--max-image-bytes", "1000", "--max-image-pixels", "500",
+                                            "--media-fetch-timeout", "2.5"])
+    policy = MediaPolicy.from_settings(serve.server_settings(args))
+    assert policy == MediaPolicy(allowed_domains=("a.example", "127.0.0.1"), allowed_local_path=str(tmp_path.resolve()),
+                                 max_images=3, max_image_bytes=1000, max_image_pixels=500, fetch_timeout_s=2.5)
+    default = MediaPolicy.from_settings(serve.server_settings(serve.build_parser().parse_args([])))
+    assert default == MediaPolicy() and default.allowed_domains == () and default.allowed_local_path is None
+
+
+def test_responses_input_image_by_http_url(served_media, media_host):
+    host, pages = media_host
+
+    def ask(image_url):
+        body = {"model": "tiny", "max_output_tokens": 3, "temperature": 0, "input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "describe"}, {"type": "input_image", "image_url": image_url}]}]}
+        return httpx.post(served_media + "/v1/responses", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=120)
+
+    got, want = ask(host + "/img.png"), ask("data:image/png;base64," + base64.b64encode(pages["/img.png"]).decode())
+    assert got.status_code == want.status_code == 200, got.text
+    assert got.json()["usage"] == want.json()["usage"] and got.json()["output"][-1]["content"] == \
+        want.json()["output"][-1]["content"]
+    refused = ask(host + "/missing.png")
+    assert refused.status_code == 400 and "input[0].content[1]: fetching the image URL" in refused.text, refused.text

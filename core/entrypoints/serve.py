@@ -65,6 +65,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "implies --prefix-cache)")
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="host memory for the prefix cache in MiB (default 1024; implies --prefix-cache)")
+    media = p.add_argument_group("images (docs/server.md, \"Images\")")
+    media.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                       help="fetch http(s) image URLs from these hosts only (exact names, e.g. images.example.com "
+                            "127.0.0.1); default: none, fetching image URLs is off (data: URLs always work)")
+    media.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let file: image URLs name files under DIR (symlinks resolved); default: local files off")
+    media.add_argument("--max-images-per-prompt", type=int, default=16, help="images per request (default 16)")
+    media.add_argument("--max-image-bytes", type=int, default=20 * 2**20,
+                       help="encoded bytes per image (default 20 MiB; data: URLs are also bounded by --max-body-bytes)")
+    media.add_argument("--max-image-pixels", type=int, default=40_000_000,
+                       help="pixels per image, checked from its header before decoding (default 40,000,000)")
+    media.add_argument("--media-fetch-timeout", type=float, default=10.0,
+                       help="seconds to fetch one image URL (default 10)")
     par = p.add_argument_group("data parallelism (docs/parallelism.md, docs/server.md)")
     par.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=None,
                      help="data-parallel ranks: one engine process each behind this front end (default 1)")
@@ -153,11 +166,30 @@ def build_server(settings: Any, dp: Any = None, **engine_args: Any) -> tuple[Any
     name = settings.served_model_name or Path(model_path).name
     chat = ChatFormat(model_type=model_type, tokenizer_file=tokenizer_file(tokenizer), served_model_name=name,
                       max_model_len=max_model_len, default_thinking=settings.default_thinking)
+    from deepinfer.server.images import MediaPolicy
+
+    chat.media = MediaPolicy.from_settings(settings)
     if chat.unavailable is not None:
         logger.warning("chat completions are unavailable: %s", chat.unavailable)
     app = build_app(front, chat, settings, served_model_name=name, max_model_len=max_model_len, tokenizer=tokenizer)
     app.state.llm = llm  # an LLM shuts its engine down when it is garbage-collected
     return app, front
+
+
+def server_settings(args: argparse.Namespace) -> Any:
+    """The `ServerSettings` of the command line; ValueError (pydantic's) names a bad value."""
+    from deepinfer.server.protocol import ServerSettings
+
+    return ServerSettings(host=args.host, port=args.port, api_key=api_key(args),
+                          served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+                          max_prompt_tokens=args.max_prompt_tokens, max_pending=args.max_pending,
+                          request_timeout_s=args.request_timeout, body_timeout_s=args.body_timeout,
+                          shutdown_timeout_s=args.shutdown_timeout, default_thinking=not args.no_thinking,
+                          allowed_media_domains=args.allowed_media_domains,
+                          allowed_local_media_path=args.allowed_local_media_path,
+                          max_images_per_prompt=args.max_images_per_prompt,
+                          max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                          media_fetch_timeout_s=args.media_fetch_timeout)
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -219,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.model is not None and args.model != args.model_tag:
             parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}; give one")
         args.model = args.model_tag
-    from deepinfer.server.protocol import ServerSettings
 
     try:
         level = envs.log_level("INFO")
@@ -228,11 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
-        settings = ServerSettings(host=args.host, port=args.port, api_key=api_key(args),
-                                  served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
-                                  max_prompt_tokens=args.max_prompt_tokens, max_pending=args.max_pending,
-                                  request_timeout_s=args.request_timeout, body_timeout_s=args.body_timeout,
-                                  shutdown_timeout_s=args.shutdown_timeout, default_thinking=not args.no_thinking)
+        settings = server_settings(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -169,6 +169,15 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
     async def read_body(request: Request) -> dict[str, Any]:
         return await read_json(request, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s)
 
+    async def load_images(body: Any) -> list[Any] | None:
+        """The body's images, loaded (decoded, fetched) on a worker thread so that the event loop
+        keeps serving; None when the chat format cannot serve (prepare says why) or there are none."""
+        from deepinfer.server.images import image_parts
+
+        if chat.unavailable is not None or not image_parts(body):
+            return None
+        return await asyncio.to_thread(chat.load_images, body)
+
     def check_prompt(n: int, where: str = "") -> None:
         if n > max_prompt:
             raise RequestError(400, f"{where}the prompt has {n} tokens, more than this server's limit of {max_prompt}")
@@ -370,7 +379,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
             check_model(req.model)
         if req.messages is not None:
             body = {"model": served_model_name, "messages": req.messages}
-            tokens = chat.prepare(body).prompt_token_ids
+            tokens = chat.prepare(body, await load_images(body)).prompt_token_ids
         else:
             tokens = encode_text(req.prompt, add_bos=req.add_special_tokens)
         out: dict[str, Any] = {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
@@ -450,7 +459,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = await read_body(request)
-        prepared = chat.prepare(body)
+        prepared = chat.prepare(body, await load_images(body))
         n_prompt = len(prepared.prompt_token_ids)
         check_prompt(n_prompt)
         rid = response_id("chatcmpl")
@@ -488,7 +497,7 @@ def build_app(front: FrontEnd, chat: ChatFormat, settings: ServerSettings, *, se
         """/v1/responses and /v1/messages: the recipe converts the request and writes the answer."""
         body = await read_body(request)
         check_model(body.get("model"))
-        prepared = chat.prepare_protocol(protocol, body)
+        prepared = chat.prepare_protocol(protocol, body, await load_images(body))
         check_prompt(len(prepared.prompt_token_ids))
         rid = response_id("resp" if protocol == "responses" else "msg")
         streams = await start([prepared.engine_prompt], prepared.params, rid)

@@ -106,6 +106,8 @@ class ChatFormat:
                  max_model_len: int, default_thinking: bool = True):
         self.dr = import_recipe()
         self.served_model_name = served_model_name
+        #: what image parts may load and the limits (images.MediaPolicy; the server sets it from its flags)
+        self.media = _default_media_policy()
         self.max_model_len = max_model_len
         self.unavailable: str | None = None
         if model_type not in FAMILIES:
@@ -130,11 +132,20 @@ class ChatFormat:
 
     # -- requests ---------------------------------------------------------------------------------
 
-    def prepare(self, body: dict[str, Any]) -> PreparedChat:
-        """Render, encode and map one request body; RequestError (4xx) for a bad request."""
+    def load_images(self, body: Any) -> list[Any]:
+        """The body's image parts loaded under `self.media` (images.py; a 400 naming a bad part).
+        It may fetch URLs: the server calls it off the event loop."""
+        from deepinfer.server.images import request_images
+
+        return request_images(body, self.media)
+
+    def prepare(self, body: dict[str, Any], images: list[Any] | None = None) -> PreparedChat:
+        """Render, encode and map one request body; RequestError (4xx) for a bad request.
+        `images`: the body's images loaded already (`load_images`); None: loaded here."""
         if self.unavailable is not None:
             raise RequestError(503, self.unavailable, "unavailable")
-        images = _request_images(body)
+        images = self.load_images(body) if images is None else images
+        body = _for_renderer(body)
         try:
             fields = ChatFields.model_validate(body)
         except ValidationError as e:
@@ -148,13 +159,13 @@ class ChatFormat:
         prepared.images = images
         return prepared
 
-    def prepare_protocol(self, protocol: str, body: dict[str, Any]) -> PreparedChat:
+    def prepare_protocol(self, protocol: str, body: dict[str, Any], images: list[Any] | None = None) -> PreparedChat:
         """A Responses (`protocol` "responses") or Anthropic Messages ("messages") request body,
-        converted by the recipe; RequestError (4xx) for a bad request."""
+        converted by the recipe; RequestError (4xx) for a bad request. `images` as for `prepare`."""
         if self.unavailable is not None:
             raise RequestError(503, self.unavailable, "unavailable")
-        images = _request_images(body)
-        request = getattr(self.dr, PROTOCOLS[protocol][0])(body)
+        images = self.load_images(body) if images is None else images
+        request = getattr(self.dr, PROTOCOLS[protocol][0])(_for_renderer(body))
         echo = namespace = None
         if protocol == "responses":
             try:
@@ -444,11 +455,16 @@ class EventOutput(ChatOutput):
         return json.loads(self.response.to_json())
 
 
-def _request_images(body: Any) -> list[Any]:
-    """The request's image parts decoded (images.py; a 400 naming a bad part)."""
-    from deepinfer.server.images import request_images
+def _for_renderer(body: Any) -> Any:
+    from deepinfer.server.images import for_renderer
 
-    return request_images(body)
+    return for_renderer(body)
+
+
+def _default_media_policy() -> Any:
+    from deepinfer.server.images import MediaPolicy
+
+    return MediaPolicy()
 
 
 def _top(entry: dict[int, Any], k: int) -> list[tuple[int, float]]:

@@ -43,6 +43,49 @@ class ServerSettings(BaseModel):
     shutdown_timeout_s: float = Field(5.0, ge=0)
     #: whether a chat request that does not say (`"thinking": {...}`) runs in thinking mode
     default_thinking: bool = True
+    #: hosts whose http(s) image URLs are fetched (exact names); empty: fetching image URLs is off
+    allowed_media_domains: list[str] = Field(default_factory=list)
+    #: a folder whose files `file:` image URLs may name; None: local image files are off
+    allowed_local_media_path: str | None = None
+    max_images_per_prompt: int = Field(16, ge=0)
+    max_image_bytes: int = Field(20 * 2**20, ge=1)  # encoded, per image
+    max_image_pixels: int = Field(40_000_000, ge=1)  # per image, from its header before decoding
+    media_fetch_timeout_s: float = Field(10.0, gt=0)
+
+    @field_validator("allowed_media_domains")
+    @classmethod
+    def _domains(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        out = []
+        for domain in value:
+            name = domain.strip().lower().rstrip(".")
+            if name.startswith("[") and name.endswith("]"):
+                name = name[1:-1]  # an IPv6 literal as URLs write it
+            bad = not name or any(ch in name for ch in "/@?# ")
+            if not bad and ":" in name:
+                try:
+                    ipaddress.IPv6Address(name)
+                except ValueError:
+                    bad = True
+            if bad:
+                raise ValueError(f"allowed media domain {domain!r} is not a host name; give names such as "
+                                 f"images.example.com or 127.0.0.1, without a scheme, port or path")
+            out.append(name)
+        return out
+
+    @field_validator("allowed_local_media_path")
+    @classmethod
+    def _local_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        import os
+
+        path = os.path.expanduser(value)
+        if not os.path.isdir(path):
+            raise ValueError(f"allowed local media path {value!r} is not a folder; give an existing folder whose "
+                             f"image files clients may name with file: URLs")
+        return os.path.realpath(path)
 
     @model_validator(mode="after")
     def _key_not_blank(self) -> ServerSettings:
