@@ -94,6 +94,21 @@ def test_two_nodes_print_the_single_process_samples(v4_checkpoint, v4_single_lin
     assert "node 1 of 2: node 0 prints the samples" in node1.stderr and "[rank 1]" in node1.stderr
 
 
+@pytest.fixture(scope="module")
+def v41_vision_checkpoint(tmp_path_factory) -> str:
+    from deepinfer.models.deepseek_v41.make_model import make_model
+    return str(make_model(tmp_path_factory.mktemp("par") / "v41-vision", "tiny", seed=0, with_vision=True))
+
+
+def test_dp2_with_images_prints_the_single_process_samples(v41_vision_checkpoint):
+    """DeepSeek-V4.1 with a vision tower, --dp 2 (fp32, greedy image samples): the text and image
+    samples dealt over two processes, each rank running the tower for its own images."""
+    pytest.importorskip("PIL")
+    single = sample_lines(v41_vision_checkpoint, "--ep", "1")
+    assert sum("[image " in line for line in single) == 2, single
+    assert sample_lines(v41_vision_checkpoint, "--ep", "1", "--dp", "2") == single
+
+
 # --------------------------------------------------------------- lockstep: a rank with no requests
 
 
