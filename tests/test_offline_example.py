@@ -392,3 +392,12 @@ def test_the_sample_pictures_are_the_drawing_scripts(tmp_path):
             assert a.size == b.size
             diff = ImageChops.difference(a.convert("RGB"), b.convert("RGB")).getextrema()
             assert max(hi for _, hi in diff) <= (0 if path.suffix == ".png" else 8), (path.name, diff)
+
+
+def test_image_samples_are_skipped_under_context_parallelism(example):
+    from types import SimpleNamespace
+
+    llm = SimpleNamespace(image_input_unsupported=None, image_placeholder="<｜image｜>")
+    args = example.parse_args(["--cp", "2"])
+    prompts, params, shown, note = example.image_samples(llm, args)
+    assert (prompts, params, shown) == ([], [], []) and "context parallelism (--cp) are not built yet" in note
