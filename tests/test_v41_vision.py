@@ -90,3 +90,33 @@ def test_tower_matches_nemo(tiny_vision, size):
     assert torch.allclose(span[roles == IMAGE], nemo_rows, rtol=0, atol=1e-5 * float(scale))
     for role, name in ((START, "image_start"), (NEWLINE, "image_newline"), (END, "image_end")):
         assert torch.equal(span[roles == role], delimiters[name].expand(int((roles == role).sum()), -1))
+
+
+def test_tower_attention_takes_the_fused_batched_kernel(tiny_vision, monkeypatch):
+    """The tower calls SDPA with 4-D inputs: torch's fused CPU kernel takes only those, and 3-D ones
+    fall back to a path that holds every [heads, n, n] score (10.6 GB for the release tower at a
+    1344x1344 image); the rows equal a per-head reference computed by hand."""
+    import torch.nn.functional as F
+
+    from deepinfer.models.deepseek_v41 import vision
+
+    config, tower = _tower(tiny_vision, accelerator())
+    image = preprocess_image(_image(50, 30), config.vision)
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append(q.dim())
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(vision.F, "scaled_dot_product_attention", spy)
+    states = tower.vit(image.patches, image.grid)
+    assert seen and set(seen) == {4}
+
+    def by_hand(q, k, v, *args, **kwargs):  # softmax(q k^T / sqrt(d)) v, whatever the input rank
+        weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return weights @ v
+
+    monkeypatch.setattr(vision.F, "scaled_dot_product_attention", by_hand)
+    want = tower.vit(image.patches, image.grid)
+    assert (states - want).abs().max() <= 1e-5 * want.abs().max()
