@@ -6,6 +6,7 @@ it from `Accelerator.model_ops(family)`. The two checks here are what every fami
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -23,12 +24,13 @@ def check_op_signatures(base: type, cls: type, names: tuple[str, ...]) -> None:
                             f"({', '.join(n for n, _ in want)})")
 
 
-def resolve_op_table(accelerator: object, family: str, base: type[T]) -> T:
-    """The back end's op table for `family` if it declares one (`model_ops(family)`), else `base()`."""
+def resolve_op_table(accelerator: object, family: str, base: type[T], default: Callable[[], T] | None = None) -> T:
+    """The back end's op table for `family` if it declares one (`model_ops(family)`), else `default()`
+    (None: `base()`)."""
     declare = getattr(accelerator, "model_ops", None)
     table = declare(family) if callable(declare) else None
     if table is None:
-        return base()
+        return base() if default is None else default()
     if not isinstance(table, base):
         name = getattr(accelerator, "name", type(accelerator).__name__)
         raise TypeError(f"back end {name!r} returned a {type(table).__name__} from model_ops({family!r}); it must "
