@@ -6,7 +6,6 @@ it from `Accelerator.model_ops(family)`. The two checks here are what every fami
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -24,13 +23,15 @@ def check_op_signatures(base: type, cls: type, names: tuple[str, ...]) -> None:
                             f"({', '.join(n for n, _ in want)})")
 
 
-def resolve_op_table(accelerator: object, family: str, base: type[T], default: Callable[[], T] | None = None) -> T:
-    """The back end's op table for `family` if it declares one (`model_ops(family)`), else `default()`
-    (None: `base()`)."""
+def resolve_op_table(accelerator: object, family: str, base: type[T]) -> T:
+    """The back end's op table for `family` if it declares one (`model_ops(family)`), else the defaults
+    `base(accelerator)` over its generic ops (`base()`, plain torch, for an object that has none)."""
+    from deepinfer.accelerator.interface import SmallOps
+
     declare = getattr(accelerator, "model_ops", None)
     table = declare(family) if callable(declare) else None
     if table is None:
-        return base() if default is None else default()
+        return base(accelerator) if isinstance(accelerator, SmallOps) else base()
     if not isinstance(table, base):
         name = getattr(accelerator, "name", type(accelerator).__name__)
         raise TypeError(f"back end {name!r} returned a {type(table).__name__} from model_ops({family!r}); it must "

@@ -27,7 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
-from deepinfer.accelerator.reference import TorchKernels
 from deepinfer.models.common.op_table import check_op_signatures, resolve_op_table
 from deepinfer.models.common.ragged import take_rows
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
@@ -51,11 +50,6 @@ class CandidateBlocks(NamedTuple):
 
 class DeepseekV41Ops(DeepseekV4Ops):
     """Plain-torch defaults of V4.1's model-specific ops (V4's, plus single-pass mHC)."""
-
-    def __init__(self, kernels: object | None = None):
-        """`kernels`: the back end (an `Accelerator`) whose generic kernels the composed ops call; None:
-        core's plain-torch reference kernels."""
-        self.kernels = TorchKernels() if kernels is None else kernels
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -94,7 +88,6 @@ class DeepseekV41Ops(DeepseekV4Ops):
         streams = self.hc_post(y, streams, post, comb)
         return (streams, *self.hc_mix_collapse_norm(streams, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps,
                                                     norm_weight, rms_eps))
-
 
     # ----- attention -----
     def attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
@@ -205,4 +198,4 @@ def _candidate_pool(scores: torch.Tensor, visible: torch.Tensor, pool: Candidate
 def resolve_ops(accelerator: object) -> DeepseekV41Ops:
     """The back end's V4.1 op table if it declares one (`model_ops("deepseek_v41")`), else the defaults
     over its generic kernels."""
-    return resolve_op_table(accelerator, FAMILY, DeepseekV41Ops, lambda: DeepseekV41Ops(accelerator))
+    return resolve_op_table(accelerator, FAMILY, DeepseekV41Ops)
