@@ -9,6 +9,8 @@ memory instead of tens of torch ops, for
   and, where the CPU has AMX, the linears of decode batches (tile products instead of oneDNN's calls);
 - the MoE dispatch and combine (a counting sort and a weighted row sum, ~10 torch ops each);
 - decode attention (16 heads per vector lane set, no horizontal sums);
+- DeepSeek-V4.1's own ops (`CpuDeepseekV41Ops`): its single-pass mHC sites, its MXFP4 indexer and its
+  decode attention over the FP8 / NVFP4-coded caches, decoded as they are read;
 - greedy sampling's argmax with the log-sum-exp, in one pass over the logits.
 Each method falls back to the pure-torch reference when the library is unavailable (no compiler,
 DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
@@ -36,7 +38,7 @@ import torch
 from deepinfer.accelerator.interface import MoEDispatch
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
-from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED
+from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED
 from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, CandidateBlocks, DeepseekV41Ops
 from deepinfer.program import Program
 from deepinfer_plugins.cpu import native, packed_weights
@@ -166,10 +168,11 @@ def _sum_fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class CpuDeepseekV41Ops(DeepseekV41Ops):
-    """DeepSeek-V4.1's op table on the cpu back end: its C kernels (single-pass mHC sites, ...), and in
-    batch-invariant mode the composed ops over the invariant kernels, with versions whose every reduction
-    has a fixed order (the kernels' fixed-order products, sums one add after another, transcendental
-    functions on torch's vector path only)."""
+    """DeepSeek-V4.1's op table on the cpu back end: its C kernels (the single-pass mHC sites' entries, the
+    fused attention projections without the per-head query norm, the MXFP4 indexer, the decode attention
+    over the FP8 window and NVFP4 entries), and in batch-invariant mode the composed ops over the invariant
+    kernels, with versions whose every reduction has a fixed order (the kernels' fixed-order products,
+    sums one add after another, transcendental functions on torch's vector path only)."""
 
     def __init__(self, kernels: NativeCpuKernels):
         super().__init__(kernels)
@@ -260,17 +263,6 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
         if out is not None:
             return out
         return super().index_select(q, weights, weight_scale, index_keys, rows, visible, k, candidates, pool)
-
-    def publish_entries(self, latent: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        rows: torch.Tensor, entries: torch.Tensor, index_keys: torch.Tensor) -> None:
-        k = self.kernels
-        lib = k.native_library
-        if lib is not None:  # the rotaries, then each row encoded straight into its cache row (kv_cache.c)
-            rotated, rotated_key = k.rotary(latent, cos, sin, False), k.rotary(key, cos, sin, False)
-            if (native.kv_store(lib, rotated, NVFP4_COMPRESSED, entries, rows)
-                    and native.kv_store(lib, rotated_key, MXFP4_INDEX, index_keys, rows)):
-                return
-        super().publish_entries(latent, key, cos, sin, rows, entries, index_keys)
 
     def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
                                 caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],

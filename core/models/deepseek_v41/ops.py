@@ -10,8 +10,7 @@ with the sub-layer's RMSNorm), and between two sites the first one's `hc_post` j
 
 The attention's own ops (attention.py): its input projections (`attention_projections`: V4's
 without the query heads' norm), the lightning indexer over the MXFP4 index keys with the candidate
-pool (`index_select`), a compressor's publication of its entries (`publish_entries`: NVFP4 compressed
-KV, MXFP4 index keys) and, for a step of decode tokens, the rest of the sub-layer in one op
+pool (`index_select`) and, for a step of decode tokens, the rest of the sub-layer in one op
 (`decode_attention_output`: the own keys into the FP8 window ring, sink attention over the window and
 the picked entries, the output projections). The cache formats are kv_quant.py's, bit for bit.
 
@@ -34,7 +33,7 @@ from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP
 
 FAMILY = "deepseek_v41"
 OPS = ("hc_mix", "hc_collapse", "hc_post", "compress_pool", "hc_mix_collapse_norm", "hc_post_mix_collapse_norm",
-       "attention_projections", "index_select", "publish_entries", "decode_attention_output")
+       "attention_projections", "index_select", "decode_attention_output")
 
 
 class CandidateBlocks(NamedTuple):
@@ -147,15 +146,6 @@ class DeepseekV41Ops(DeepseekV4Ops):
         if kk < k:
             picks = F.pad(picks, (0, k - kk), value=-1)
         return picks, pooled
-
-    def publish_entries(self, latent: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        rows: torch.Tensor, entries: torch.Tensor, index_keys: torch.Tensor) -> None:
-        """A compressor's new entries, in place: `entries[rows] = NVFP4(rotary(latent))` and
-        `index_keys[rows] = MXFP4(rotary(key))` (latent `[N, d]`, key `[N, di]`, cos / sin `[N, half]` at the
-        entries' positions, rows `[N]` of the block group)."""
-        k = self.kernels
-        entries[rows] = encode(k.rotary(latent, cos, sin, False), NVFP4_COMPRESSED)
-        index_keys[rows] = encode(k.rotary(key, cos, sin, False), MXFP4_INDEX)
 
     def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
                                 caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
