@@ -286,3 +286,47 @@ def test_decode_attention_output(kernels, dtype, parts, B):
         assert_close(got, want)
     else:  # bf16: the products round their inputs at other points (attention output, grouped output)
         assert (got.float() - want.float()).abs().max().item() <= 2 ** -6 * want.float().abs().max().item()
+
+
+# ----- the attention projections, and that the decode ops run in C -----
+
+@pytest.mark.parametrize("index_heads", [0, 2])
+def test_attention_projections_without_the_query_head_norm(kernels, index_heads):
+    """V4.1's projections of one bf16 token in one C call are the bits of the default's calls on the same
+    kernels (no per-head query norm: the heads only rotated)."""
+    d, rank, D = 64, 48, 96
+    x = make((1, D), torch.bfloat16)
+    fused_x = make((rank + d + 8, D), torch.bfloat16, 1) * 0.1
+    fused_qr = make((2 * d + index_heads * 32, rank), torch.bfloat16, 2) * 0.2
+    g = torch.Generator().manual_seed(3)
+    q_norm, kv_norm = torch.rand(rank, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    angles = make((1, 8), torch.float32, 3)
+    cs = (angles.cos(), angles.sin())
+    args = (x, fused_x, rank, q_norm, fused_qr, 2, kv_norm, 1e-6, *cs, index_heads,
+            *(cs if index_heads else (None, None)))
+    got = CpuDeepseekV41Ops(kernels).attention_projections(*args)
+    want = DeepseekV41Ops(kernels).attention_projections(*args)
+    assert kernels.fused_attention_projections(*args, q_head_norm=False) is not None  # the one C call ran
+    for g_, w in zip(got, want):
+        assert (g_ is None and w is None) or torch.equal(g_, w)
+    # V4's (per-head norm) differ: the switch reaches the C code
+    assert not torch.equal(kernels.fused_attention_projections(*args)[1], got[1])
+
+
+def test_decode_ops_run_in_c(kernels, monkeypatch):
+    """For decode-sized bf16 and fp32 input the cpu table never falls back to the torch defaults."""
+    def fallback(self, *args, **kwargs):
+        raise AssertionError("fell back to the torch default")
+
+    for name in ("hc_mix_collapse_norm", "hc_post_mix_collapse_norm", "index_select", "decode_attention_output"):
+        monkeypatch.setattr(DeepseekV41Ops, name, fallback)
+    ops = CpuDeepseekV41Ops(kernels)
+    for dtype in DTYPES:
+        streams, pre, site = site_case(2, 4, 64, dtype, torch.bfloat16)
+        x, pre, post, comb = ops.hc_mix_collapse_norm(streams, pre, *site)
+        ops.hc_post_mix_collapse_norm(x, streams, post, comb, pre, *site)
+        q, weights, index_keys, rows, visible, positions = index_case(2, 1, 20, dtype, False)
+        ops.index_select(q, weights, 0.0625, index_keys, rows, visible, 8, pool=CandidateBlocks(4, 2, 4, positions))
+        for parts in (1, 2):
+            q, kv, key_rows, caches, *rest = attention_case(dtype, parts)
+            ops.decode_attention_output(q, kv, key_rows, tuple(c.clone() for c in caches), *rest)
