@@ -113,8 +113,8 @@ def test_coded_attention_is_decoded_attention_portable(portable):
 
 # ----- the indexer -----
 
-def index_case(B: int, S: int, E: int, dtype: torch.dtype, ties: bool, seed: int = 0):
-    Hi, di = 4, 64
+def index_case(B: int, S: int, E: int, dtype: torch.dtype, ties: bool, seed: int = 0, Hi: int = 4):
+    di = 64
     q = make((B, S, Hi, di), dtype, seed)
     weights = make((B, S, Hi), dtype, seed + 1)
     keys = keys_with_edges(3 * max(E, 1), di, torch.float32, seed + 2)
@@ -148,6 +148,23 @@ def test_index_select(kernels, dtype, ties, B, S, E, k):
         if E:
             want, _ = DEFAULT.index_select(*args, candidates=want_pool)
             assert torch.equal(ops.index_select(*args, candidates=want_pool)[0], want)
+
+
+@pytest.mark.parametrize("Hi", [3, 17, 32, 33, 64, 100])
+def test_index_select_sums_the_heads_as_torch(kernels, Hi):
+    """The picks stay the default's where the scores' head sum rounds: torch adds the heads in an order
+    that depends on the entry's column and the entry count (indexer.c's head_sum). 20 queries of 32 heads
+    and more over 50 entries pick differently when the heads are summed in one fixed order."""
+    for dtype in DTYPES:
+        for E in (1, 6, 50):
+            g = torch.Generator().manual_seed(Hi * 7 + E)
+            q = torch.randn(2, 20, Hi, 128, generator=g).to(dtype)
+            weights = torch.randn(2, 20, Hi, generator=g).to(dtype)
+            index_keys = encode(torch.randn(200, 128, generator=g), MXFP4_INDEX)
+            rows = torch.randint(0, 200, (2, E), generator=g)
+            args = (q, weights, 0.01, index_keys, rows, torch.ones(2, 20, E, dtype=torch.bool), min(16, E))
+            assert torch.equal(native.index_select(kernels.native_library, *args, None, None)[0],
+                               DEFAULT.index_select(*args)[0]), (dtype, E)
 
 
 def test_index_select_portable(kernels, portable):
