@@ -66,14 +66,19 @@ def test_small_tensors_share_advised_arena_chunks():
 
 @linux_only
 def test_the_switch_gets_plain_memory(monkeypatch):
+    from deepinfer_plugins.cpu.accelerator import CpuAccelerator
+
     monkeypatch.setenv("DEEPINFER_CPU_HUGE_PAGES", "0")
-    assert not huge_pages.enabled()
-    small = huge_pages.empty((100, 100), torch.float32)
+    accel = CpuAccelerator()  # reads the switch once, here
+    monkeypatch.delenv("DEEPINFER_CPU_HUGE_PAGES")
+    assert not accel.use_huge_pages and CpuAccelerator().use_huge_pages
+    small = huge_pages.empty((100, 100), torch.float32, huge=accel.use_huge_pages)
     assert small.untyped_storage().nbytes() == 100 * 100 * 4
-    plain = huge_pages.empty((2048, 2048), torch.float32)  # 16 MB: malloc's, no mapping of ours
+    plain = huge_pages.empty((2048, 2048), torch.float32, huge=accel.use_huge_pages)  # 16 MB: malloc's
     # (where it lies may be advised anyway: an engine built earlier in this process advised the heap)
     assert plain.untyped_storage().nbytes() == plain.numel() * 4
-    assert huge_pages.collapse_process_memory() == 0
+    monkeypatch.setattr(huge_pages, "collapse_process_memory", lambda: pytest.fail("collapsed with the switch off"))
+    accel.prepare_memory()
 
 
 @linux_only

@@ -331,25 +331,28 @@ class NativeCpuKernels(CpuKernels):
 
     @functools.cached_property
     def packed_weights(self) -> PackedWeights | None:
-        return PackedWeights() if packed_weights.available() else None
+        return PackedWeights() if self.pack_weights and packed_weights.onednn_bf16() else None
 
     @functools.cached_property
     def tile_weights(self) -> PackedWeights | None:
         """The weights packed for the C register tiles (packed_gemm.c) of decode batches."""
         lib = self.native_library
-        if lib is None or not packed_weights.enabled():
+        if lib is None or not self.pack_weights:
             return None
-        return PackedWeights(pack=functools.partial(native.pack_bf16, lib), stacks=True)
+        return PackedWeights(pack=functools.partial(native.pack_bf16, lib, huge=self.use_huge_pages), stacks=True)
 
     @functools.cached_property
     def hc_weights(self) -> PackedWeights | None:
         """The mHC sites' fn transposed for hc_pre's 4-row tiles (native.transpose_fn): decode batches
         2.5x faster than the dot products on fn itself."""
-        if self.native_library is None or not packed_weights.enabled():
+        if self.native_library is None or not self.pack_weights:
             return None
         return PackedWeights(pack=native.transpose_fn, dtype=torch.float32)
 
-    prepared_programs: bool = True  # DEEPINFER_CPU_DECODE_BLOCKS, read once by the accelerator
+    # the switches, read once by the accelerator when it is made (nothing reads the environment in a step)
+    prepared_programs: bool = True  # DEEPINFER_CPU_DECODE_BLOCKS
+    pack_weights: bool = True  # DEEPINFER_CPU_PACKED_WEIGHTS
+    use_huge_pages: bool = True  # DEEPINFER_CPU_HUGE_PAGES
 
     def prepare_program(self, program: Program) -> PreparedProgram | None:
         """A model's step program with its C calls bound once (program.py); None (run eagerly) without the
