@@ -151,10 +151,10 @@ def test_index_select(kernels, dtype, ties, B, S, E, k):
 
 
 @pytest.mark.parametrize("Hi", [3, 17, 32, 33, 64, 100])
-def test_index_select_sums_the_heads_as_torch(kernels, Hi):
-    """The picks stay the default's where the scores' head sum rounds: torch adds the heads in an order
-    that depends on the entry's column and the entry count (indexer.c's head_sum). 20 queries of 32 heads
-    and more over 50 entries pick differently when the heads are summed in one fixed order."""
+def test_index_select_sums_the_heads_in_the_defaults_order(kernels, Hi):
+    """The picks stay the default's where the scores' head sum rounds: both add the heads pairwise in one
+    fixed order (ops.py's _pairwise_head_sum). 20 queries of 32 heads and more over 50 entries pick
+    differently when the heads are summed in another order (as torch's .sum does, by vector width)."""
     for dtype in DTYPES:
         for E in (1, 6, 50):
             g = torch.Generator().manual_seed(Hi * 7 + E)

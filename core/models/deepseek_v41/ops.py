@@ -128,7 +128,7 @@ class DeepseekV41Ops(DeepseekV4Ops):
         index_q = decode(encode(q, MXFP4_INDEX), MXFP4_INDEX, di, torch.float32)
         keys = decode(take_rows(index_keys, rows), MXFP4_INDEX, di, torch.float32)
         dots = torch.einsum("bshd,bed->bshe", index_q, keys).relu_()
-        scores = (dots * (weights.float() * weight_scale).unsqueeze(-1)).sum(dim=2)  # [B, S, E]
+        scores = _pairwise_head_sum(dots * (weights.float() * weight_scale).unsqueeze(-1))  # [B, S, E]
         scores = scores.masked_fill(~visible, float("-inf"))
         pooled = None
         if pool is not None:
@@ -168,6 +168,17 @@ class DeepseekV41Ops(DeepseekV4Ops):
         out = k.sink_attention(q.unsqueeze(1), keys, mask, sinks, scale).squeeze(1)
         o = k.rotary(out, cos, sin, True).view(B, wo_a.shape[0], -1)
         return k.linear(k.grouped_linear(o, wo_a).reshape(B, -1), wo_b)
+
+
+def _pairwise_head_sum(products: torch.Tensor) -> torch.Tensor:
+    """`products` `[B, S, H, E]` summed over the heads in a fixed order: neighbours added pairwise, an odd
+    count's last head carried to the next round. `.sum` adds in an order that depends on the CPU's vector
+    width and the entry count; this one a kernel can reproduce, so its picks are this default's exactly."""
+    while products.shape[2] > 1:
+        n = products.shape[2]
+        pairs = products[:, :, 0:n - 1:2] + products[:, :, 1:n:2]
+        products = torch.cat([pairs, products[:, :, n - 1:]], dim=2) if n % 2 else pairs
+    return products[:, :, 0]
 
 
 def _candidate_pool(scores: torch.Tensor, visible: torch.Tensor, pool: CandidateBlocks) -> torch.Tensor:

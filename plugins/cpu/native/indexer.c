@@ -18,59 +18,21 @@
 #define NO_FP_CONTRACT_BODY
 #endif
 
-/* The head sum of a score as torch's sum over the heads of `[B, S, Hi, E]` products adds it (SumKernel.cpp),
- * so that the picks are the default's bit for bit. multi_sum: one column of multi_row_sum (chunks of 16 in
- * order, each chunk's total carried into the next of 4 levels, the levels added at the end); ilp_sum:
- * row_sum (4 interleaved multi_sums, the tail into the first, then the four added); inner_sum: the
- * reduction over contiguous heads (E == 1: the entries' dimension is dropped), `lanes` interleaved
- * ilp_sums, the tail then the lanes added to 0. Which one an entry gets depends on its column: torch sums
- * E >= lanes columns 4 vectors at a time (multi_row_sum), then a vector or a column at a time (row_sum);
- * fewer columns 4 at a time, then one at a time. `lanes`: the floats of torch's vector (8, 16 on AVX-512). */
-NO_FP_CONTRACT static float multi_sum(const float *x, long n, long stride) {
-    NO_FP_CONTRACT_BODY
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    long i = 0;
-    while (i + 16 <= n) {
-        for (long j = 0; j < 16; j++, i++) acc[0] += x[i * stride];
-        for (int level = 1; level < 4; level++) {
-            acc[level] += acc[level - 1];
-            acc[level - 1] = 0.0f;
-            if (i & (15L << (4 * level))) break;
-        }
+/* The head sum of a score in ops.py's order (`_pairwise_head_sum`): neighbours added pairwise, an odd
+ * count's last head carried to the next round, until one is left. `products` is overwritten. */
+static float head_sum(float *products, long n) {
+    while (n > 1) {
+        const long half = n / 2;
+        for (long i = 0; i < half; i++) products[i] = products[2 * i] + products[2 * i + 1];
+        if (n & 1) products[half] = products[n - 1];
+        n = half + (n & 1);
     }
-    for (; i < n; i++) acc[0] += x[i * stride];
-    for (int level = 1; level < 4; level++) acc[0] += acc[level];
-    return acc[0];
+    return n ? products[0] : 0.0f;
 }
 
-NO_FP_CONTRACT static float ilp_sum(const float *x, long n, long stride) {
-    NO_FP_CONTRACT_BODY
-    const long m = n / 4;
-    float partial[4];
-    for (int k = 0; k < 4; k++) partial[k] = multi_sum(x + k * stride, m, 4 * stride);
-    for (long i = 4 * m; i < n; i++) partial[0] += x[i * stride];
-    for (int k = 1; k < 4; k++) partial[0] += partial[k];
-    return partial[0];
-}
-
-NO_FP_CONTRACT static float inner_sum(const float *x, long n, long lanes) {
-    NO_FP_CONTRACT_BODY
-    const long vectors = n / lanes;
-    float acc = 0.0f;
-    for (long i = vectors * lanes; i < n; i++) acc += x[i];
-    for (long l = 0; l < lanes; l++) acc += ilp_sum(x + l, vectors, lanes);
-    return acc;
-}
-
-static float head_sum(const float *products, long Hi, long e, long E, long lanes) {
-    if (E == 1) return Hi >= lanes ? inner_sum(products, Hi, lanes) : ilp_sum(products, Hi, 1);
-    const long multi_columns = E >= lanes ? E / (4 * lanes) * 4 * lanes : E / 4 * 4;
-    return e < multi_columns ? multi_sum(products, Hi, 1) : ilp_sum(products, Hi, 1);
-}
-
-/* score of entry e of E: sum_h w[h] * relu(q_h . key), q [Hi, di] and key [di] fp32 */
+/* an entry's score: sum_h w[h] * relu(q_h . key), q [Hi, di] and key [di] fp32 */
 NO_FP_CONTRACT static float entry_score(const float *restrict q, const float *restrict w, const float *restrict key,
-                                        long Hi, long di, long e, long E, long lanes, float *restrict products) {
+                                        long Hi, long di, float *restrict products) {
     NO_FP_CONTRACT_BODY
     for (long h = 0; h < Hi; h++) {
         const float *restrict qh = q + h * di;
@@ -78,7 +40,7 @@ NO_FP_CONTRACT static float entry_score(const float *restrict q, const float *re
         for (long i = 0; i < di; i++) dot += qh[i] * key[i]; /* exact: MXFP4 values, few bits */
         products[h] = (dot > 0.0f ? dot : 0.0f) * w[h];
     }
-    return head_sum(products, Hi, e, E, lanes);
+    return head_sum(products, Hi);
 }
 
 /* (score, index) ordered best first: the higher score, then the lower index (a stable descending sort) */
@@ -120,12 +82,12 @@ static inline long floor_div(long a, long b) { return a >= 0 ? a / b : -((-a + b
  * (q_pos[b, s] + 1) / rate - 1 th) always kept, the `top_blocks` best kept, a block kept only with a
  * finite score; visible entries of kept blocks are in the pool. picks [B, S, k] int64: the min(k, E) best
  * visible (and pooled) entries by score (ties: the lower index), sorted by index, -1 after them.
- * `lanes`: torch's vector width in floats (head_sum). Returns -1 (nothing written) at an entry row outside
+ * Returns -1 (nothing written) at an entry row outside
  * [0, n), else 0. */
 int index_select(const void *q, int q_dtype, long q_stride, const void *w, int w_dtype, long w_stride, float w_scale,
                  const uint8_t *keys, long n, const int64_t *rows, const uint8_t *visible, const uint8_t *candidates,
                  uint8_t *pool, const int64_t *q_pos, long rate, long block, long top_blocks, int64_t *picks, long B,
-                 long S, long Hi, long di, long E, long k, long lanes, int num_threads) {
+                 long S, long Hi, long di, long E, long k, int num_threads) {
     for (long i = 0; i < B * E; i++)
         if (rows[i] < 0 || rows[i] >= n) return -1;
     const long key_bytes = kv_row_bytes(KV_MXFP4, di), nb = (E + block - 1) / block, kk = k < E ? k : E;
@@ -154,7 +116,7 @@ int index_select(const void *q, int q_dtype, long q_stride, const void *w, int w
                     continue;
                 }
                 kv_decode_row(KV_MXFP4, keys + (size_t)rows[b * E + e] * key_bytes, di, kf);
-                score[e] = entry_score(qf, wf, kf, Hi, di, e, E, lanes, products);
+                score[e] = entry_score(qf, wf, kf, Hi, di, products);
             }
             if (pool != NULL) {
                 for (long j = 0; j < nb; j++) {

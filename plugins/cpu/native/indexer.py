@@ -3,7 +3,6 @@ sequence (indexer.c): scores, candidate pool and top-k picks in one call."""
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -14,15 +13,7 @@ from deepinfer_plugins.cpu.native.kv_cache import codes_fit
 _INDEX_SELECT = Kernel(
     "index_select", ctypes.c_int, q=ptr, q_dtype=int_, q_stride=long_, w=ptr, w_dtype=int_, w_stride=long_,
     w_scale=float_, keys=ptr, n=long_, rows=ptr, visible=ptr, candidates=ptr, pool=ptr, q_pos=ptr, rate=long_,
-    block=long_, top_blocks=long_, picks=ptr, B=long_, S=long_, Hi=long_, di=long_, E=long_, k=long_, lanes=long_,
-    num_threads=int_)
-
-
-@functools.cache
-def torch_lanes() -> int:
-    """The floats in one of torch's CPU vectors (Vectorized<float>: 16 on an AVX-512 build's dispatch, else
-    8), which decides the order its sum over the heads adds the products in (indexer.c's head_sum)."""
-    return 16 if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else 8
+    block=long_, top_blocks=long_, picks=ptr, B=long_, S=long_, Hi=long_, di=long_, E=long_, k=long_, num_threads=int_)
 
 
 def _item_stride(t: torch.Tensor) -> int | None:
@@ -47,8 +38,8 @@ def index_select(lib: ctypes.CDLL, q: torch.Tensor, weights: torch.Tensor, weigh
                  ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """DeepseekV41Ops.index_select (its arguments, `pool` as (block size, blocks kept, rate, query positions
     `[B, S]`)) in C: (picks `[B, S, k]`, the pool `[B, S, E]` or None), the default's bits (its scores summed
-    over the heads in torch's order); None for input the C code does not take. IndexError for an entry row
-    outside the keys."""
+    over the heads in the default's pairwise order); None for input the C code does not take. IndexError
+    for an entry row outside the keys."""
     q_dtype, w_dtype = dtype_code(q), dtype_code(weights)
     if q_dtype is None or w_dtype is None or q.dim() != 4 or weights.dim() != 3 or visible.dim() != 3:
         return None
@@ -85,7 +76,7 @@ def index_select(lib: ctypes.CDLL, q: torch.Tensor, weights: torch.Tensor, weigh
                            pool=None if out_pool is None else out_pool.data_ptr(),
                            q_pos=None if positions is None else positions.data_ptr(), rate=rate, block=block,
                            top_blocks=keep, picks=picks.data_ptr(), B=B, S=S, Hi=Hi, di=di, E=E, k=k,
-                           lanes=torch_lanes(), num_threads=threads())
+                           num_threads=threads())
     if status:
         raise IndexError(f"index_select: an entry row is outside the index keys ({index_keys.shape[0]} rows); the "
                          f"step plan's entry rows must address the bound cache")
