@@ -421,6 +421,7 @@ class AscendPlumbing(AscendAccelerator):
 '''
 
 
+@pytest.mark.slow
 def test_conformance_kit_with_the_stand_in(tmp_path, fake_distribution):
     root = fake_distribution("ascend-plumbing", "0.1",
                              {"deepinfer.accelerators": {"ascend_plumbing": "ascend_plumbing_mod:AscendPlumbing"}},

@@ -19,11 +19,9 @@ VOCAB = 512
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
+def tiny(tiny_v4) -> str:
     # window 8, CSA every 4 tokens, HCA every 16, index_topk 4: every kind of state moves within 40 tokens
-    return str(make_model(tmp_path_factory.mktemp("dspark") / "tiny", size="tiny", seed=0))
+    return str(tiny_v4)
 
 
 @pytest.fixture(autouse=True)
@@ -131,6 +129,7 @@ def test_self_drafting_accepts_every_draft_and_adds_the_bonus_token(tiny, refere
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_rollback_across_csa_and_hca_window_boundaries(tiny):
     """Prompts ending just before a CSA (4) and HCA (16) boundary: the first verification's drafts
     cross it and most are rejected, so the compressor rows, the compressed entries and the indexer
@@ -147,6 +146,7 @@ def test_rollback_across_csa_and_hca_window_boundaries(tiny):
     assert all(a is not None and a < 1.0 for a in stats.acceptance_by_position)  # rejections at every position
 
 
+@pytest.mark.slow
 def test_preemption_with_speculation_stays_lossless(tiny, reference):
     prompts, params, ref = reference
     spec = {"drafter": "self", "self_draft_error_rate": 0.3, "num_draft_tokens": 3}
@@ -279,6 +279,7 @@ def sampled_without_speculation(tiny):
 
 
 @pytest.mark.parametrize("dspark", [{}, {"drafter": "self", "num_draft_tokens": 2}])
+@pytest.mark.slow
 def test_sampled_tokens_keep_their_distribution(tiny, sampled_without_speculation, dspark):
     """Smaller end-to-end check (acceptance.py is checked on exact distributions in
     test_dspark_units.py): the first three generated tokens, sampled 300 times with and without
@@ -299,12 +300,11 @@ def test_sampled_tokens_keep_their_distribution(tiny, sampled_without_speculatio
 
 
 @pytest.fixture(scope="module")
-def tiny_real_vocab(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("dspark-so") / "tiny", "tiny", seed=1, vocab_size=129280))
+def tiny_real_vocab(tiny_v4_real_vocab) -> str:
+    return str(tiny_v4_real_vocab)
 
 
+@pytest.mark.slow
 def test_drafts_the_grammar_rejects_are_never_emitted(tiny_real_vocab):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
     import _structured_output as samples
