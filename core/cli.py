@@ -18,6 +18,7 @@ DELEGATED = {
     "serve": ("deepinfer.entrypoints.serve:main", "OpenAI-compatible HTTP server (chat, completions, metrics)"),
     "audit-determinism": ("deepinfer.entrypoints.audit_determinism:main",
                           "compare requests alone vs batched, chunked and preempted (tokens, logprobs bitwise)"),
+    "eval": ("deepinfer.entrypoints.eval:main", "benchmark evaluation (AIME, GPQA, HLE): generate, score, report"),
 }
 
 

@@ -87,9 +87,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "without a prefetch stop and a TLB miss every 4 KB; 0 allocates the copies as any tensor and "
            "advises nothing.", kind=bool),
     EnvVar("DEEPINFER_CPU_DECODE_BLOCKS",
-           "cpu back end: 1 (default) runs each DeepSeek-V4 decoder block of a decode step (up to 64 tokens, weights "
-           "bf16 or kept quantised, held whole) as its C calls checked and bound once, without the Python "
-           "between them; 0 runs every block module by module. The same bits either way.", kind=bool),
+           "cpu back end: 1 (default) runs a model's decode steps (up to 64 tokens) as their prepared programs: "
+           "the calls it has C kernels for checked and bound once, without the Python between them; 0 runs the "
+           "programs call by call. The same bits either way. Read once, when the back end is created.", kind=bool),
     EnvVar("DEEPINFER_CPU_QUANTIZED_WEIGHTS",
            "cpu back end: 1 keeps a checkpoint's FP8/FP4 linear and expert weights quantised in memory "
            "(about the checkpoint's bytes; products of up to 128 rows run on the stored codes in C, larger "

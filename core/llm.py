@@ -148,12 +148,12 @@ class LLM:
             bar = _progress(len(requests), use_tqdm)
             # progress is read from the requests themselves: an abort from another thread may finish
             # them outside any step this loop sees
-            pending = [r for r in requests if not r.is_finished]
+            pending = [r for r in requests if not r.all_finished]
             if bar is not None:
                 bar.update(len(requests) - len(pending))
             while pending:
                 engine.step()
-                left = [r for r in pending if not r.is_finished]
+                left = [r for r in pending if not r.all_finished]
                 if bar is not None and len(left) < len(pending):
                     bar.update(len(pending) - len(left))
                 pending = left

@@ -35,6 +35,24 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+def mean_logprob(output: CompletionOutput) -> float:
+    """The mean log-probability per generated token (-inf for an empty output): how best_of ranks."""
+    if not output.token_ids or output.cumulative_logprob is None:
+        return float("-inf")
+    return output.cumulative_logprob / len(output.token_ids)
+
+
+def best_samples(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The `n` samples with the highest mean log-probability per token (OpenAI's `best_of`), best
+    first, renumbered 0..n-1; every sample, in order, when n covers them all."""
+    if n >= len(outputs):
+        return outputs
+    chosen = sorted(outputs, key=mean_logprob, reverse=True)[:n]
+    for i, out in enumerate(chosen):
+        out.index = i
+    return chosen
+
+
 @dataclass
 class RequestMetrics:
     num_prompt_tokens: int = 0
@@ -66,6 +84,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None  # set when finish_reason is "error", "grammar_dead_end" or "abort"
+    #: per prompt token, its log-probability and the top alternatives (None for the first token),
+    #: when `SamplingParams.prompt_logprobs` asked for them
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def __repr__(self) -> str:
         out = self.outputs[0] if self.outputs else None

@@ -19,7 +19,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
                for mode in (False, True)}
     vocab = engines[False].engine.vocab_size
     if args.structured:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from _structured_output import SAMPLES
 
         prompts = [SAMPLES[i % len(SAMPLES)][0] for i in range(args.num_seqs)]

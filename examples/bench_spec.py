@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -187,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from _speculation import drafter_unsupported
 
     reason = drafter_unsupported(args.model_name)

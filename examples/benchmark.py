@@ -17,7 +17,7 @@ Node 0 prints three numbers (plus the true accepted-token throughput beside the 
                        the throughput (and per-user speed) if a share A of the verified drafts were
                        accepted (a random-weight drafter accepts almost nothing)
 
-Parallel layout (`examples/bench/layout.py`): scale = WORLD_SIZE x devices per node (1 on the CPU
+Parallel layout (`deepinfer.benchmarks.layout`): scale = WORLD_SIZE x devices per node (1 on the CPU
 back end), ep = scale, --cp divides it, dp = scale / cp. A scale above 1 starts this node's ranks
 through the offline example's launcher (`_launch.launch_dp`: the same layout rules and refusals,
 --threads_per_rank, devices from DEVICE_OFFSET; several nodes: RANK, MASTER_ADDR, MASTER_PORT as
@@ -32,17 +32,27 @@ throughput per device. Its record keeps every rank's raw runs under "ranks".
 While it runs (stderr, node 0): the plan before anything is built (with the flags that shrink the
 seeds' accelerator sizes on a CPU), an estimate of the whole run from a short calibration prompt,
 another of the timed phases after the warm-up, and progress bars on a terminal
-(`examples/bench/progress.py`).
+(`deepinfer.benchmarks.progress`).
 
-Method: `examples/bench/workloads.py`. Accounting: `examples/bench/accounting.py`. Roofline
-(`--roofline`): `examples/bench/roofline.py` and `model_cost.py` (per family: `cost_v4.py`,
-`cost_v41.py`). Environment: WORLD_SIZE, RANK, CUDA_VISIBLE_DEVICES (parallel scale = WORLD_SIZE x
+Method: `deepinfer.benchmarks.workloads`. Accounting: `deepinfer.benchmarks.accounting`. Roofline
+(`--roofline`): `deepinfer.benchmarks.roofline` and `model_cost` (per family: `cost_v4`,
+`cost_v41`). Environment: WORLD_SIZE, RANK, CUDA_VISIBLE_DEVICES (parallel scale = WORLD_SIZE x
 devices per node, 1 on the CPU back end);
 DEVICE_OFFSET, MASTER_ADDR, MASTER_PORT;
 DEEPINFER_USE_NEXTN_DECODE (speculative draft length nextn, default 5 when speculative decoding is
 installed; 0 disables it); PROFILE=1 writes a torch profiler trace of the timed phases and prints
 the 20 costliest operators (timings then include profiler overhead: use the trace to see which
 kernels run, not to measure speed).
+
+A/B (`--ab NAME=VALUE`, repeatable, and/or `--ab_model DIR`; `deepinfer.benchmarks.ab`): the same
+benchmark as side A (the command as given) and side B (those variables set, that checkpoint), one
+fresh process per side and round, the side that goes first alternating every round (`--ab_rounds`);
+prints each figure per side and the median (min-max) of the per-round ratios B / A, e.g.
+
+    python examples/benchmark.py --preset cpu --model_name /tmp/v4-bench --phase decode \
+        --ab DEEPINFER_CPU_HUGE_PAGES=0 --ab_rounds 4
+    python examples/benchmark.py --preset cpu --model_name /tmp/v4-bench --phase decode --context_length 128 \
+        --ab_model /tmp/v41-bench          # also compares throughput x active parameters per token
 """
 from __future__ import annotations
 
@@ -54,13 +64,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` importable
+from deepinfer.benchmarks import ab, accounting, progress, results
+from deepinfer.benchmarks.layout import Layout, resolve_layout
 
-from bench import accounting, progress, results  # noqa: E402
-from bench.layout import Layout, resolve_layout  # noqa: E402
-from _launch import (REFUSALS, RankContext, RankFailed, check_context_parallel_model, error_line,  # noqa: E402
+from _launch import (REFUSALS, RankContext, RankFailed, check_context_parallel_model, error_line,  # examples/
                      launch_dp, resolve_parallel)
-from _speculation import NEXTN_VAR, drafter_unsupported, speculation_off_note  # noqa: E402
+from _speculation import NEXTN_VAR, drafter_unsupported, speculation_off_note  # examples/
 
 # The seeds' defaults (sized for a node of SM100 GPUs) and a CPU preset of the same shape that a
 # 2-core machine finishes in about a minute on the `bench` model (`deepinfer make-model DIR --size bench`).
@@ -117,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--result_jsonl", default=None, help="append one JSON object with the raw quantities here")
     p.add_argument("--tag", default="", help="free text stored in the result record (e.g. a sweep tag)")
     p.add_argument("--profile_dir", default="profiles", help="where PROFILE=1 writes its trace")
+    ab.add_arguments(p)
     return p
 
 
@@ -320,13 +330,11 @@ def _model_config(llm: Any, model_name: str | None) -> tuple[Any, str, str]:
     if llm is not None:
         info = llm.build_info
         return llm.engine.model.config, str(info.dtype).replace("torch.", ""), info.model_type
-    from deepinfer.models.registry import checkpoint_family
+    from deepinfer.benchmarks.model_cost import checkpoint_config
     from deepinfer.models.resolve import resolve_model
 
-    path = resolve_model(model_name).path
-    family, raw = checkpoint_family(path)
-    config = family.parse_config(raw, str(path / "config.json"))
-    return config, raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", family.model_type
+    config, raw, model_type = checkpoint_config(resolve_model(model_name).path)
+    return config, raw.get("dtype") or raw.get("torch_dtype") or "bfloat16", model_type
 
 
 def run(args: argparse.Namespace, env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -428,7 +436,7 @@ def _engine_kwargs(args: argparse.Namespace, settings: Settings, parallel: Any, 
     """LLM(...) arguments sized for the phases that will run (`sequences`: this engine's decode
     batch; `parallel`: the rank's ParallelLayout, None in one process). Speculative decoding is on whenever
     it is installed, as in the seeds (DEEPINFER_USE_NEXTN_DECODE=0 turns it off)."""
-    from bench import workloads
+    from deepinfer.benchmarks import workloads
 
     prefill, decode = args.phase in ("both", "prefill"), args.phase in ("both", "decode")
     prefill_seqs_per_step = -(-settings.prefill_batch_size // settings.non_cached_tokens)
@@ -460,7 +468,7 @@ def _note_calibrated_estimate(llm: Any, args: argparse.Namespace, settings: Sett
     """Before the warm-up (whose one full prefill step alone can take minutes on a CPU): time one
     short prompt and a few decode steps, twice (the first pays first-call costs), and say how long
     the whole run will take at that speed."""
-    from bench import workloads
+    from deepinfer.benchmarks import workloads
 
     length = max(1, min(CALIBRATION_PROMPT_TOKENS, llm.config.max_model_len - CALIBRATION_OUTPUT_TOKENS - 1))
     params = workloads.SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=CALIBRATION_OUTPUT_TOKENS)
@@ -483,7 +491,7 @@ def _note_calibrated_estimate(llm: Any, args: argparse.Namespace, settings: Sett
 
 
 def _watched(label: str, rank: int, run, decode_steps: int | None = None):
-    """`run(progress)` with progress bars on node 0's first rank (on a terminal; see bench/progress.py)."""
+    """`run(progress)` with progress bars on node 0's first rank (on a terminal; see deepinfer.benchmarks.progress)."""
     bars = progress.PhaseProgress(label, decode_steps=decode_steps, enabled=None if rank == 0 else False)
     try:
         return run(bars.update)
@@ -497,7 +505,7 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
     run ends with the expert-parallel idle round (a no-op in one process): a rank that is done serves
     its peers' experts until all are, so the ranks start each phase together. Each DP rank draws
     its own prompts (`dp_rank` shifts the seeds; DP rank 0 uses today's)."""
-    from bench import workloads
+    from deepinfer.benchmarks import workloads
     from deepinfer.parallel.expert_parallel import idle_until_peers_done
 
     def synced(result):
@@ -507,7 +515,7 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
     def machine() -> dict | None:  # measured right before each timed phase (--roofline)
         if not args.roofline:
             return None
-        from bench import roofline
+        from deepinfer.benchmarks import roofline
 
         return roofline.measure_machine(trials=3).to_json()
 
@@ -582,7 +590,7 @@ def _timed_phases(llm: Any, args: argparse.Namespace, settings: Settings, sequen
 def _roofline(record: dict[str, Any], config, dtype: str, settings: Settings) -> tuple[dict, str]:
     """Cost of the workload (one engine's: decode_num_requests sequences), the machine measured
     before each phase, and the report text."""
-    from bench import model_cost, roofline
+    from deepinfer.benchmarks import model_cost, roofline
 
     float_bytes = model_cost.dtype_bytes(dtype if dtype in ("float32", "bfloat16", "float16") else "bfloat16")
     cost = roofline.workload_cost(config, prefill_len=settings.non_cached_tokens, decode_batch=settings.decode_num_requests,
@@ -604,10 +612,42 @@ def _threads() -> int:
     return torch.get_num_threads()
 
 
+def run_ab(argv: list[str], result_jsonl: str | None) -> str:
+    """A/B mode (`--ab`, `--ab_model`): this command line as side A and with side B's changes, in
+    fresh processes, alternating; returns the summary. Each run's record is appended to
+    `result_jsonl` with its side, round and changes under "ab"."""
+    options, rest = ab.split_argv(argv)
+    sides = {side.name: side for side in ab.sides_of(options)}
+    note = _stderr_note(True)
+
+    def on_record(r: int, name: str, record: dict[str, Any]) -> None:
+        f = results.figures(record)
+        shown = "; ".join(f"{label} {f[key]['median']:,.2f}" for key, label in ab.FIGURES if f[key])
+        note(f"A/B round {r + 1}/{options.ab_rounds}, side {name}: {shown or 'no figure'}")
+        if result_jsonl:
+            side = sides[name]
+            results.append_jsonl(result_jsonl, dict(record, ab={"side": name, "round": r, "env": side.env,
+                                                                "model": side.model}))
+
+    records = ab.run_sides([sys.executable, str(Path(__file__).resolve()), *rest], list(sides.values()),
+                           options.ab_rounds, on_record=on_record)
+    rows = ab.summarise(records, ab.active_params_if_models_differ(records))
+    return ab.format_summary(rows, list(sides.values()), options.ab_rounds)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args._argv = argv
+    if args.ab or args.ab_model:
+        try:
+            print(run_ab(argv, args.result_jsonl))
+        except (*REFUSALS, RuntimeError) as e:  # RuntimeError: a side's process failed (ab.RunFailed)
+            print(error_line(e), file=sys.stderr)
+            return 2
+        if args.result_jsonl:
+            print(f"every run's record appended to {args.result_jsonl}")
+        return 0
     try:
         record = run(args)
     except (*REFUSALS, RankFailed, RuntimeError) as e:  # RuntimeError: e.g. a benchmark request the engine refused

@@ -29,19 +29,18 @@ tool: nothing in deepinfer depends on it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` importable
-
-from bench import results  # noqa: E402
+from deepinfer.benchmarks import ab, results, timing
 
 HERE = Path(__file__).resolve().parent
 SUPPORTED_RATIOS = {0, 4, 128}  # what llama.cpp's converter (through transformers' config) maps to layer types
@@ -83,12 +82,25 @@ def write_hub_checkpoint(model: Path, out: Path) -> Path:
     return hub
 
 
+def load_gguf(gguf_py: Path) -> ModuleType:
+    """llama.cpp's `gguf` package from the tree's `gguf-py` folder (a benchmark-time tool, never
+    installed here), imported by path under its own name so that its submodules (`gguf.quants`)
+    import too."""
+    init = gguf_py / "gguf" / "__init__.py"
+    if not init.is_file():
+        raise CompareError(f"{init} is missing: --llama-cpp must be a llama.cpp source tree (with gguf-py/)")
+    spec = importlib.util.spec_from_file_location("gguf", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gguf"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def experts_to_bf16(src: Path, dst: Path, gguf_py: Path) -> int:
     """Copy the GGUF `src` to `dst` with every MXFP4 tensor (the routed experts) stored as BF16;
     metadata and all other tensors byte for byte. Returns the number of tensors rewritten."""
-    sys.path.insert(0, str(gguf_py))
-    import gguf  # noqa: PLC0415  (from the llama.cpp tree: a benchmark-time tool)
-    from gguf import quants  # noqa: PLC0415
+    gguf = load_gguf(gguf_py)
+    from gguf import quants  # noqa: PLC0415  (the tree's package, loaded above)
 
     reader = gguf.GGUFReader(src)
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()
@@ -160,19 +172,15 @@ def _run_json(cmd: list[str], env: dict[str, str] | None = None) -> str:
 
 def deepinfer_rate(fig: Figure, args: argparse.Namespace) -> float:
     """tokens/s of `fig` measured by examples/benchmark.py in a fresh process (the median of its repeats)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.jsonl"
-        cmd = [sys.executable, str(HERE / "benchmark.py"), "--preset", "cpu", "--model_name", args.model,
-               "--result_jsonl", str(out), "--seed", "0", "--repeats", str(args.repeats)]
-        if fig.kind == "prefill":
-            cmd += ["--phase", "prefill", "--non_cached_tokens", str(args.prompt_tokens), "--prefill_batch_size",
-                    str(args.prompt_tokens), "--prefill_batches", "1", "--decode_num_requests", "1"]
-        else:
-            cmd += ["--phase", "decode", "--decode_num_requests", str(fig.batch), "--context_length",
-                    str(args.context), "--decode_tokens", str(args.decode_tokens)]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), DEEPINFER_USE_NEXTN_DECODE="0")
-        _run_json(cmd, env)
-        record = json.loads(out.read_text().splitlines()[-1])
+    cmd = [sys.executable, str(HERE / "benchmark.py"), "--preset", "cpu", "--model_name", args.model,
+           "--seed", "0", "--repeats", str(args.repeats)]
+    if fig.kind == "prefill":
+        cmd += ["--phase", "prefill", "--non_cached_tokens", str(args.prompt_tokens), "--prefill_batch_size",
+                str(args.prompt_tokens), "--prefill_batches", "1", "--decode_num_requests", "1"]
+    else:
+        cmd += ["--phase", "decode", "--decode_num_requests", str(fig.batch), "--context_length",
+                str(args.context), "--decode_tokens", str(args.decode_tokens)]
+    record = ab.run_recorded(cmd, dict(os.environ, OMP_NUM_THREADS=str(args.threads), DEEPINFER_USE_NEXTN_DECODE="0"))
     f = results.figures(record)
     key = "prefill_tokens_per_s_per_device" if fig.kind == "prefill" else "decode_accepted_tokens_per_s_per_device"
     return f[key]["median"]
@@ -207,28 +215,24 @@ Rates = dict[str, dict[str, list[float]]]
 
 def race_rounds(figs: list[Figure], rounds: int, sides: dict[str, Callable[[Figure], float]],
                 progress: Callable[[str], None] = print) -> Rates:
-    """Per figure and side, one rate per round; the side measured first alternates every round so
-    that a machine warming up or throttling does not favour one engine."""
-    names = list(sides)
-    rates: Rates = {f.name: {n: [] for n in names} for f in figs}
-    for r in range(rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for fig in figs:
-            for side in order:
-                rate = sides[side](fig)
-                rates[fig.name][side].append(rate)
-                progress(f"round {r + 1}/{rounds}  {fig.name:<36} {side:<10} {rate:10.1f} tok/s")
-    return rates
+    """Per figure and side, one rate per round (`timing.alternating_rounds`: each round measures
+    every figure, the side measured first alternating every round, so that a machine warming up or
+    throttling does not favour one engine)."""
+    samples = timing.alternating_rounds(
+        sides, rounds, cases=figs,
+        on_sample=lambda r, fig, side, rate: progress(f"round {r + 1}/{rounds}  {fig.name:<36} {side:<10} "
+                                                      f"{rate:10.1f} tok/s"))
+    return {fig.name: by_side for fig, by_side in samples.items()}
 
 
 def summarise(rates: Rates, a: str = "deepinfer", b: str = "llama.cpp") -> list[dict[str, float | str]]:
-    """Median rate of each side and the median of the per-round ratios a / b."""
+    """Median rate of each side and the median (min-max) of the per-round ratios a / b."""
     rows = []
     for name, by_side in rates.items():
-        ratios = [x / y for x, y in zip(by_side[a], by_side[b]) if y > 0]
+        ratios = timing.ratios(by_side[a], by_side[b])
+        spread = timing.Spread.of(ratios) if ratios else timing.Spread(float("nan"), float("nan"), float("nan"), 0)
         rows.append({"figure": name, a: statistics.median(by_side[a]), b: statistics.median(by_side[b]),
-                     "ratio": statistics.median(ratios) if ratios else float("nan"),
-                     "ratio_min": min(ratios, default=float("nan")), "ratio_max": max(ratios, default=float("nan"))})
+                     "ratio": spread.median, "ratio_min": spread.low, "ratio_max": spread.high})
     return rows
 
 
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except CompareError as e:
+    except (CompareError, ab.RunFailed) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -3,8 +3,9 @@
     python examples/compare_transformers.py --model_name /tmp/v4-bench            # 32 x 256 in, 128 out
     python examples/compare_transformers.py --model_name /tmp/v4-bench --quick    # 4 x 64 in, 32 out
 
-Both run alternately (deepinfer, transformers, deepinfer, transformers, ...), never at the same
-time, after one untimed warm-up each, so that drift and throttling hit both sides alike.
+Both run in turn, never at the same time, after one untimed warm-up each, the side that goes first
+alternating every pair (deepinfer, transformers; transformers, deepinfer; ...:
+`deepinfer.benchmarks.timing`), so that drift and throttling hit both sides alike.
 transformers runs in a child process: deepinfer's cpu back end changes process-wide settings (glibc
 malloc keeps freed memory, see plugins/cpu/host_memory.py) that a user running transformers on its
 own would not have. Each side runs
@@ -22,15 +23,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # makes `bench` importable
+import torch
 
-import torch  # noqa: E402
-
-from bench.transformers_baseline import ChildProcessSide, TransformersSide  # noqa: E402
-from bench.workloads import random_prompts  # noqa: E402
+from deepinfer.benchmarks.timing import Spread, alternating_rounds, ratios, timed
+from deepinfer.benchmarks.transformers_baseline import ChildProcessSide, TransformersSide
+from deepinfer.benchmarks.workloads import random_prompts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,11 +72,9 @@ class DeepinferSide:
         return [o.outputs[0].token_ids for o in outs]
 
 
-def timed(side, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
+def tokens_per_second(side, prompts: list[list[int]], output_len: int) -> tuple[float, list[list[int]]]:
     """Output tokens/s of one whole-batch call, and its tokens."""
-    t = time.perf_counter()
-    tokens = side.generate(prompts, output_len)
-    seconds = time.perf_counter() - t
+    tokens, seconds = timed(lambda: side.generate(prompts, output_len))
     produced = sum(len(x) for x in tokens)
     if produced != len(prompts) * output_len:
         raise RuntimeError(f"{side.name} generated {produced} tokens, expected {len(prompts) * output_len}")
@@ -126,17 +122,27 @@ def main(argv: list[str] | None = None) -> int:
     for side in (ours, theirs):  # untimed
         side.generate(warm, 2)
 
-    ratios = []
-    last = {}
-    for i in range(args.pairs):
-        speed = {}
-        for side in (ours, theirs):
-            speed[side.name], last[side.name] = timed(side, prompts, output_len)
-        ratios.append(speed["deepinfer"] / speed["transformers"])
-        print(f"pair {i + 1}: deepinfer {speed['deepinfer']:,.1f} tok/s, transformers "
-              f"{speed['transformers']:,.1f} tok/s, ratio {ratios[-1]:.2f}x", flush=True)
-    print(f"output tokens/s ratio deepinfer / transformers over {len(ratios)} pairs: "
-          f"median {statistics.median(ratios):.2f}x (min {min(ratios):.2f}x, max {max(ratios):.2f}x)")
+    last: dict[str, list[list[int]]] = {}  # each side's tokens of its latest run
+    pair: dict[str, float] = {}
+
+    def run(side):
+        def measure(_case) -> float:
+            speed, last[side.name] = tokens_per_second(side, prompts, output_len)
+            return speed
+        return measure
+
+    def report(r: int, _case, name: str, speed: float) -> None:
+        pair[name] = speed
+        if len(pair) == 2:
+            print(f"pair {r + 1}: deepinfer {pair['deepinfer']:,.1f} tok/s, transformers "
+                  f"{pair['transformers']:,.1f} tok/s, ratio {pair['deepinfer'] / pair['transformers']:.2f}x",
+                  flush=True)
+            pair.clear()
+
+    speeds = alternating_rounds({side.name: run(side) for side in (ours, theirs)}, args.pairs, on_sample=report)[None]
+    spread = Spread.of(ratios(speeds["deepinfer"], speeds["transformers"]))
+    print(f"output tokens/s ratio deepinfer / transformers over {spread.n} pairs: "
+          f"median {spread.median:.2f}x (min {spread.low:.2f}x, max {spread.high:.2f}x)")
     same, prefix = agreement(last["deepinfer"], last["transformers"])
     print(f"greedy agreement (last pair): {same}/{num} outputs identical, mean common prefix "
           f"{prefix:.1f} of {output_len} tokens ({args.dtype}: rounding can flip near-ties)")

@@ -5,6 +5,7 @@
     python examples/offline_inference.py --check_structured_output
     python examples/offline_inference.py --long_context        # 16,389 input + 4,096 output tokens each
                                                                # (refused up front on a shorter model)
+    python examples/offline_inference.py --greedy --dtype float32   # what tests/models' PPL baselines record
 
 For each sample it prints one line:
 
@@ -35,15 +36,12 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _launch import (REFUSALS, ParallelConfigError, ParallelSizes, RankContext, RankFailed,  # noqa: E402
+from _launch import (REFUSALS, ParallelConfigError, ParallelSizes, RankContext, RankFailed,  # examples/
                      check_context_parallel_model, error_line, launch_dp, resolve_parallel)
-from _prompts import LONG_CONTEXT_INPUT_TOKENS, LONG_CONTEXT_OUTPUT_TOKENS, prepare_offline_prompts  # noqa: E402
-from _speculation import drafter_unsupported, speculation_off_note  # noqa: E402
+from _prompts import LONG_CONTEXT_INPUT_TOKENS, LONG_CONTEXT_OUTPUT_TOKENS, prepare_offline_prompts  # examples/
+from _speculation import drafter_unsupported, speculation_off_note  # examples/
 
 # Engine settings baked into the example (as in the seeds). max_model_len is left to the engine's
 # default, min(the model's limit, 32768): 32768 for DeepSeek-V4 checkpoints, less for tiny test models.
@@ -70,6 +68,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="compute dtype (default: the checkpoint's); float32 to compare layouts exactly")
     parser.add_argument("--long_context", action="store_true",
                         help="16,389 input tokens and 4,096 output tokens per sample")
+    parser.add_argument("--long_context_input_tokens", type=int, default=LONG_CONTEXT_INPUT_TOKENS,
+                        help=f"input tokens per sample with --long_context (default {LONG_CONTEXT_INPUT_TOKENS:,})")
+    parser.add_argument("--long_context_output_tokens", type=int, default=LONG_CONTEXT_OUTPUT_TOKENS,
+                        help=f"output tokens per sample with --long_context (default {LONG_CONTEXT_OUTPUT_TOKENS:,})")
+    parser.add_argument("--greedy", action="store_true",
+                        help="decode every sample greedily (temperature 0), as the perplexity baselines in "
+                             "tests/models/offline_decode_ppl.json do")
     parser.add_argument("--check_structured_output", action="store_true",
                         help="also run regex / JSON-schema / EBNF samples and fail if an output violates its "
                              "constraint or does not end on EOS")
@@ -82,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.sampler_force_topk < 1:
         parser.error(f"--sampler_force_topk {args.sampler_force_topk} must be >= 1")
+    for flag in ("long_context_input_tokens", "long_context_output_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} {getattr(args, flag)} must be >= 1")
     return args
 
 
@@ -108,7 +116,8 @@ def format_result(rank: int, prompt_text: str | None, output) -> str:
             f"output_tokens={len(completion.token_ids)}; accept_rate={accept}; decode_ppl={ppl}")
 
 
-def check_long_context(model_name: str | None) -> None:
+def check_long_context(model_name: str | None, input_tokens: int = LONG_CONTEXT_INPUT_TOKENS,
+                       output_tokens: int = LONG_CONTEXT_OUTPUT_TOKENS) -> None:
     """Refuse --long_context before any process starts when the model cannot hold one sample's
     prompt and output (the engine would fail every sample alone); ValueError with the fix. A model
     that cannot be resolved here is left to the engine, which reports that in its own words."""
@@ -123,11 +132,12 @@ def check_long_context(model_name: str | None) -> None:
     except (OSError, ValueError, RuntimeError):
         return
     usable = MAX_MODEL_LEN or min(limit, DEFAULT_MAX_MODEL_LEN)
-    needed = LONG_CONTEXT_INPUT_TOKENS + LONG_CONTEXT_OUTPUT_TOKENS
+    needed = input_tokens + output_tokens
     if needed > usable:
-        raise ValueError(f"--long_context needs {needed:,} tokens per sample ({LONG_CONTEXT_INPUT_TOKENS:,} prompt + "
-                         f"{LONG_CONTEXT_OUTPUT_TOKENS:,} output), but the model at {path} holds {usable:,} "
-                         f"(max_position_embeddings {limit:,}); use a checkpoint with a longer context (--model_name) "
+        raise ValueError(f"--long_context needs {needed:,} tokens per sample ({input_tokens:,} prompt + "
+                         f"{output_tokens:,} output), but the model at {path} holds {usable:,} "
+                         f"(max_position_embeddings {limit:,}); use a checkpoint with a longer context (--model_name), "
+                         f"fewer tokens (--long_context_input_tokens / --long_context_output_tokens) "
                          f"or run without --long_context")
 
 
@@ -253,7 +263,8 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
                                 f"at {info.model_path}. Pass --model_name to use a real checkpoint.")
     else:
         result["header"].append(f"Model: {info.model_path}")
-    prompts, params = prepare_offline_prompts(llm.tokenizer, args.long_context)
+    prompts, params = prepare_offline_prompts(llm.tokenizer, args.long_context, args.greedy,
+                                              args.long_context_input_tokens, args.long_context_output_tokens)
     outputs = generate_share(llm, ctx, prompts, params, use_tqdm=ctx.is_first)
     for i, out in outputs.items():
         prompt = prompts[i]
@@ -313,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = resolve_parallel(args.ep, args.dp, args.cp, accelerator)
         check_context_parallel_model(args.model_name, sizes.cp)
         if args.long_context:
-            check_long_context(args.model_name)
+            check_long_context(args.model_name, args.long_context_input_tokens, args.long_context_output_tokens)
     except REFUSALS as e:
         print(error_line(e), file=sys.stderr)
         return 2

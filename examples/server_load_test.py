@@ -18,7 +18,8 @@ every turn re-sends the whole conversation with the previous answer and a new qu
 clients do; the prefix-cache counters and routing counts it caused are read from /metrics.
 Latency is request start to the last chunk, time to first token start to the first chunk with a
 choice. The server runs in its own process, so the client's event loop does not share its GIL; one
-warm-up request is not counted.
+warm-up request is not counted. The server's own time-to-first-token and inter-token latency histograms
+(/metrics) give `server_ttft_*` and `server_itl_*` (mean, and p50 / p99 interpolated in their buckets).
 """
 from __future__ import annotations
 
@@ -113,6 +114,23 @@ def scrape(url: str, api_key: str | None) -> dict[str, float]:
     return out
 
 
+def histogram_quantile(before: dict[str, float], after: dict[str, float], name: str, q: float) -> float:
+    """The q-quantile of a /metrics histogram's observations between two scrapes, interpolated
+    linearly inside its bucket (Prometheus' histogram_quantile)."""
+    prefix = f'{name}_bucket{{le="'
+    bounds = sorted((float(k[len(prefix):-2]), after[k] - before.get(k, 0)) for k in after if k.startswith(prefix))
+    total = bounds[-1][1]
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, cumulative in bounds:
+        if cumulative >= rank:
+            if upper == float("inf"):
+                return lower
+            inside = cumulative - below
+            return lower + (upper - lower) * ((rank - below) / inside if inside else 0.0)
+        lower, below = upper, cumulative
+    return lower
+
+
 async def run_load(url: str, args: argparse.Namespace) -> dict:
     import openai
 
@@ -166,6 +184,15 @@ async def run_load(url: str, args: argparse.Namespace) -> dict:
            "latency_p50_s": round(pct(latencies, 50), 3), "latency_p99_s": round(pct(latencies, 99), 3),
            "ttft_p50_s": round(pct(ttfts, 50), 3), "ttft_p99_s": round(pct(ttfts, 99), 3),
            "output_tokens": sum(tokens), "output_tokens_per_s": round(sum(tokens) / wall, 1)}
+    # the server's own latency histograms (what a vLLM dashboard reads): means and Prometheus-style
+    # quantiles over this run's observations
+    for short, name in (("server_ttft", "deepinfer_time_to_first_token_seconds"),
+                        ("server_itl", "deepinfer_inter_token_latency_seconds")):
+        count = delta(f"{name}_count")
+        if count:
+            out[f"{short}_mean_s"] = round(delta(f"{name}_sum") / count, 4)
+            out[f"{short}_p50_s"] = round(histogram_quantile(before, after, name, 0.5), 4)
+            out[f"{short}_p99_s"] = round(histogram_quantile(before, after, name, 0.99), 4)
     if "deepinfer_prefix_cache_hits" in after:
         hits, misses = delta("deepinfer_prefix_cache_hits"), delta("deepinfer_prefix_cache_misses")
         out["prefix_cache_hit_rate"] = round(hits / max(hits + misses, 1), 3)

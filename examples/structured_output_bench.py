@@ -22,13 +22,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _structured_output as samples  # noqa: E402
+import _structured_output as samples  # examples/
 
 FREE_STRING_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "body": {"type": "string"}},
                       "required": ["title", "body"]}

@@ -8,11 +8,14 @@ Builds a random DeepSeek-V4 checkpoint (the `default` preset: hidden 256, 6 laye
 HCA - window 32, c4 and c32 compression, indexer top-16; no MTP; with `--family v41` the random
 DeepSeek-V4.1 `default` preset: hidden 64, 12 layers - sliding, ratio-2 and ratio-1 KV sources with
 their Reuse and Reindex layers, Engram - window 32, index top-16; no DSpark), then per round runs the same
-measurement once with one rank and once with a CP group of two (alternating, one thread per rank):
+measurement once with one rank and once with a CP group of two (one thread per rank; the side that
+goes first alternates every round, `deepinfer.benchmarks.timing`):
 each run builds the engine, warms up on a short prompt, then times `--repeats` prefills of
 `--tokens` new tokens each (a different prompt each time, so no prefix is reused; one output token).
 Printed per run: prefill tokens/s (the median repeat) and, at cp 2, the seconds this rank spent in
-the CP all-gathers and the bytes they moved. Greedy first tokens of cp 1 and cp 2 must agree.
+the CP all-gathers and the bytes they moved; then the median (min-max) of the per-round ratios of
+the cp 2 time to the cp 1 time. Greedy first tokens of cp 1 and cp 2 must agree (exit status 1
+otherwise).
 
 On a 2-core host both CP ranks share the cores with everything else: this shows that CP runs and
 what its exchange costs, not a speed-up.
@@ -24,8 +27,9 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from deepinfer.benchmarks.timing import Spread, alternating_rounds, ratios, timed
 
 
 def run_rank(ctx, checkpoint: str, tokens: int, repeats: int) -> dict:
@@ -47,9 +51,8 @@ def run_rank(ctx, checkpoint: str, tokens: int, repeats: int) -> dict:
         prompt = [(r * 7919 + 31 * i) % 100000 + 2 for i in range(tokens)]
         if cp is not None:
             cp.timing.reset()
-        start = time.perf_counter()
-        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-        seconds.append(time.perf_counter() - start)
+        out, elapsed = timed(lambda: llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False))
+        seconds.append(elapsed)
         first.append(out[0].outputs[0].token_ids[0])
         if cp is not None:
             gather_s.append(cp.timing.seconds)
@@ -82,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     args = parser.parse_args(argv)
 
-    same = True
     with tempfile.TemporaryDirectory() as tmp:
         if args.family == "v41":
             from deepinfer.models.deepseek_v41.make_model import make_model as make_v41
@@ -90,21 +92,25 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from deepinfer.models.deepseek_v4.make_model import make_model
             checkpoint = str(make_model(Path(tmp) / "v4", "default", seed=0, with_mtp=False, dtype="float32"))
-        for round_ in range(args.rounds):
-            pair = [measure(checkpoint, cp, args.tokens, args.repeats) for cp in (1, 2)]
-            same &= pair[0]["first"] == pair[1]["first"]
-            for row in pair:
-                if args.json:
-                    print(json.dumps({"round": round_, **row}), flush=True)
-                    continue
-                extra = ""
-                if row["cp"] > 1:
-                    share = max(row["gather_seconds"]) / row["seconds"]
-                    extra = (f"  all-gathers {', '.join(f'{s:.3f}' for s in row['gather_seconds'])} s per rank "
-                             f"({share:.0%} of the prefill), {row['gather_mib']:.1f} MiB gathered")
-                print(f"round {round_} cp {row['cp']}: {args.tokens} tokens in {row['seconds']:.2f} s = "
-                      f"{row['tokens_per_s']:.0f} tokens/s{extra}", flush=True)
-            print(f"round {round_} cp2/cp1 time ratio {pair[1]['seconds'] / pair[0]['seconds']:.2f}", flush=True)
+
+        def report(round_: int, _case, _side: str, row: dict) -> None:
+            if args.json:
+                print(json.dumps({"round": round_, **row}), flush=True)
+                return
+            extra = ""
+            if row["cp"] > 1:
+                share = max(row["gather_seconds"]) / row["seconds"]
+                extra = (f"  all-gathers {', '.join(f'{s:.3f}' for s in row['gather_seconds'])} s per rank "
+                         f"({share:.0%} of the prefill), {row['gather_mib']:.1f} MiB gathered")
+            print(f"round {round_} cp {row['cp']}: {args.tokens} tokens in {row['seconds']:.2f} s = "
+                  f"{row['tokens_per_s']:.0f} tokens/s{extra}", flush=True)
+
+        runs = alternating_rounds({f"cp {cp}": (lambda _case, cp=cp: measure(checkpoint, cp, args.tokens, args.repeats))
+                                   for cp in (1, 2)}, args.rounds, on_sample=report)[None]
+    one, two = runs["cp 1"], runs["cp 2"]
+    ratio = Spread.of(ratios([r["seconds"] for r in two], [r["seconds"] for r in one]))
+    same = all(a["first"] == b["first"] for a, b in zip(one, two))
+    print(f"cp2/cp1 time ratio {ratio.text()} (median of {ratio.n} rounds; min-max)")
     print(f"greedy first tokens identical: {same}")
     return 0 if same else 1
 

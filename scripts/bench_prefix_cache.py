@@ -11,7 +11,8 @@ engine only reuses what the round itself left: the system prompt across conversa
 conversation's previous turns.
 
 CPU timings drift (throttling, other processes), so the modes alternate round by round (the order
-swaps every round) and the report is the ratio of medians. It prints the cache's hit rate, the
+swaps every round, `deepinfer.benchmarks.timing`) and the report is the median (min-max) of the
+per-round speed-ups off / on. It prints the cache's hit rate, the
 share of prompt tokens it saved, and how many answers both modes agree on. A hit is exact, but a
 prefill that starts at a cached block is a different chunk, and with the default kernels a chunk's
 numbers move in the last bits with its length and batch; with a random-weight model near-ties
@@ -22,10 +23,12 @@ agree (the exit status is 1 otherwise).
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
-import time
+
+from deepinfer.benchmarks.timing import Spread, alternating_rounds, ratios, timed
 
 
 def conversations(seed: int, args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[list[int]]]]:
@@ -43,15 +46,18 @@ def run_round(llm, seed: int, args: argparse.Namespace) -> tuple[float, list[lis
     system, users = conversations(seed, args, llm.engine.vocab_size)
     history = [list(system) for _ in users]
     answers = []
-    start = time.perf_counter()
-    for turn in range(args.turns):
-        prompts = [h + u[turn] for h, u in zip(history, users)]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        for i, o in enumerate(outs):
-            answer = o.outputs[0].token_ids
-            answers.append(answer)
-            history[i] = prompts[i] + answer
-    return time.perf_counter() - start, answers
+
+    def conversation() -> None:
+        for turn in range(args.turns):
+            prompts = [h + u[turn] for h, u in zip(history, users)]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            for i, o in enumerate(outs):
+                answer = o.outputs[0].token_ids
+                answers.append(answer)
+                history[i] = prompts[i] + answer
+
+    _, seconds = timed(conversation)
+    return seconds, answers
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,20 +87,23 @@ def main(argv: list[str] | None = None) -> int:
     table = {} if args.block_tokens is None else {"block_tokens": args.block_tokens}
     extra = {"batch_invariant": {}} if args.batch_invariant else {}
     engines = {"off": LLM(**common, features=extra), "on": LLM(**common, features={"prefix_cache": table, **extra})}
-    times: dict[str, list[float]] = {"off": [], "on": []}
-    mismatches = 0
-    for r in range(args.rounds):
-        order = ("off", "on") if r % 2 == 0 else ("on", "off")
-        answers = {}
-        for mode in order:
-            seconds, answers[mode] = run_round(engines[mode], seed=1000 + r, args=args)
-            times[mode].append(seconds)
-        mismatches += sum(a != b for a, b in zip(answers["off"], answers["on"]))
-        print(f"round {r}: off {times['off'][-1]:.2f} s, on {times['on'][-1]:.2f} s", flush=True)
+    # each mode's k-th run draws round k's conversations (seed 1000 + k), so both modes run the same ones
+    seeds = {mode: itertools.count(1000) for mode in engines}
+
+    def run_mode(mode: str):
+        return lambda _case: run_round(engines[mode], seed=next(seeds[mode]), args=args)
+
+    def report(r: int, _case, mode: str, result: tuple[float, list[list[int]]]) -> None:
+        print(f"round {r}: {mode} {result[0]:.2f} s", flush=True)
+
+    runs = alternating_rounds({mode: run_mode(mode) for mode in engines}, args.rounds, on_sample=report)[None]
+    times = {mode: [seconds for seconds, _ in results] for mode, results in runs.items()}
+    mismatches = sum(a != b for (_, off), (_, on) in zip(runs["off"], runs["on"]) for a, b in zip(off, on))
     stats = engines["on"].stats()["prefix_cache"]
     for llm in engines.values():
         llm.shutdown()
     off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    speedup = Spread.of(ratios(times["off"], times["on"]))
     lookups = stats["hits"] + stats["misses"]
     print(f"model {engines['on'].build_info.model_path} ({engines['on'].build_info.dtype}"
           f"{', batch-invariant kernels' if args.batch_invariant else ''}), "
@@ -104,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{stats['prefill_tokens_saved']}/{stats['prefill_tokens_total']} = "
           f"{stats['prefill_tokens_saved'] / max(stats['prefill_tokens_total'], 1):.1%}; "
           f"{stats['blocks']} blocks, {stats['bytes_used'] / 2**20:.1f} MiB, {stats['evictions']} evictions")
-    print(f"median time per round: off {off:.2f} s, on {on:.2f} s, speed-up {off / on:.2f}x")
+    print(f"median time per round: off {off:.2f} s, on {on:.2f} s, speed-up {speedup.text()} (per round; min-max)")
     total = args.rounds * args.conversations * args.turns
     print(f"answers identical in both modes: {total - mismatches}/{total}"
           + ("" if args.batch_invariant else " (default kernels: near-ties may flip; see --batch_invariant)"))

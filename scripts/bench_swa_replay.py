@@ -12,8 +12,9 @@ random weights), per prompt length, one model and one cache slot:
   prompt's last row;
 - prefill FLOPs from the config (linear layers + attention, per token and layer) in both modes,
   and the decoder share saved;
-- measured prefill time of the whole prompt in one chunk, alternating exact/bounded `--repeats`
-  times in the same process (the median of each).
+- measured prefill time of the whole prompt in one chunk, exact and bounded in turn `--repeats`
+  times in the same process, the mode that goes first alternating (`deepinfer.benchmarks.timing`;
+  the median of each, and their speed-up).
 Random weights make the agreement figures indicative only: a trained model's decoder states are
 smoother than a random one's. Prints a markdown table.
 """
@@ -23,11 +24,11 @@ import argparse
 import random
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from deepinfer.benchmarks.timing import alternating_rounds, timed
 from deepinfer.models.deepseek_v41.checkpoint import load_checkpoint
 from deepinfer.models.deepseek_v41.config import FULL, REINDEX, DeepseekV41Config
 from deepinfer.models.deepseek_v41.make_model import make_model
@@ -123,16 +124,17 @@ def measure(model: DeepseekV41ForCausalLM, prompt: list[int], keep: int, new_tok
         free.append(int(logits.argmax()))
         logits = slot.step(free[-1:])
     agree = next((i for i, (a, b) in enumerate(zip(cont, free)) if a != b), new_tokens)
-    times = {None: [], keep: []}
-    for _ in range(repeats):  # alternate the modes in one process
-        for mode in (None, keep):
+
+    def prefill_seconds(mode: int | None):
+        def run(_case) -> float:
             model.set_bounded_replay(mode)
-            t0 = time.perf_counter()
-            slot.prefill(prompt)
-            times[mode].append(time.perf_counter() - t0)
+            return timed(lambda: slot.prefill(prompt))[1]
+        return run
+
+    times = alternating_rounds({"exact": prefill_seconds(None), "bounded": prefill_seconds(keep)}, repeats)[None]
     model.set_bounded_replay(None)
-    return {"greedy_agree": agree, "tf_agree": tf_agree, "delta": delta, "t_exact": statistics.median(times[None]),
-            "t_bounded": statistics.median(times[keep])}
+    return {"greedy_agree": agree, "tf_agree": tf_agree, "delta": delta, "t_exact": statistics.median(times["exact"]),
+            "t_bounded": statistics.median(times["bounded"])}
 
 
 def main(argv: list[str] | None = None) -> int:

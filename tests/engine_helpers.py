@@ -137,8 +137,9 @@ def toy_engine(*, num_slots: int = 4, num_blocks: int = 64, block_size: int = 4,
 
     model = model or ToyModel()
     layout = model.cache_layout(0)
-    model.bind_cache(allocate_cache_tensors(layout, num_slots, {"c4": num_blocks}, block_size, "cpu"))
-    cache = CacheManager(layout, num_slots, {"c4": num_blocks}, block_size)
+    tensors = allocate_cache_tensors(layout, num_slots, {"c4": num_blocks}, block_size, "cpu")
+    model.bind_cache(tensors)
+    cache = CacheManager(layout, num_slots, {"c4": num_blocks}, block_size, tensors=tensors)
     return EngineCore(model=model, accelerator=CpuAccelerator(), tokenizer=ToyTokenizer(model.vocab_size),
                       cache=cache, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, vocab_size=model.vocab_size,

@@ -1,36 +1,22 @@
-"""The benchmark tools (examples/benchmark.py, examples/bench/, examples/sweep/): formulas, argument
+"""The benchmark tools (examples/benchmark.py, deepinfer.benchmarks, examples/sweep/): formulas, argument
 checks, cost counting, plotting, and one tiny end-to-end run. Nothing here asserts a timing."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO / "examples"
-sys.path.insert(0, str(EXAMPLES))
+from deepinfer.benchmarks import accounting, cost_v41, model_cost, progress, results, roofline
+from deepinfer.benchmarks.layout import devices_per_node, resolve_layout, validate_cp
+from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.deepseek_v41.config import DeepseekV41Config
+from example_modules import EXAMPLES, load_example
 
-from bench import accounting, cost_v41, model_cost, progress, results, roofline  # noqa: E402
-from bench.layout import devices_per_node, resolve_layout, validate_cp  # noqa: E402
-from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config  # noqa: E402
-from deepinfer.models.deepseek_v41.config import DeepseekV41Config  # noqa: E402
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
-
-benchmark = _load(EXAMPLES / "benchmark.py", "benchmark_script")
-plot_pareto = _load(EXAMPLES / "sweep" / "plot_pareto.py", "plot_pareto_script")
+benchmark = load_example("benchmark.py")
+plot_pareto = load_example("sweep/plot_pareto.py")
 
 
 # --- accounting ----------------------------------------------------------------------------------
@@ -675,7 +661,7 @@ def test_yoco_clip_without_the_feature_is_a_clear_error(capsys, clean_env):
 
 @pytest.mark.slow
 def test_compare_transformers_runs_alternately_on_the_tiny_model(tiny_model, capsys, clean_env):
-    compare = _load(EXAMPLES / "compare_transformers.py", "compare_transformers_script")
+    compare = load_example("compare_transformers.py")
     argv = ["--model_name", str(tiny_model), "--dtype", "float32", "--pairs", "2", "--num_prompts", "2",
             "--input_len", "8", "--output_len", "4"]
     assert compare.main(argv) == 0
@@ -685,14 +671,14 @@ def test_compare_transformers_runs_alternately_on_the_tiny_model(tiny_model, cap
 
 
 def test_compare_transformers_rejects_empty_sizes(capsys):
-    compare = _load(EXAMPLES / "compare_transformers.py", "compare_transformers_script")
+    compare = load_example("compare_transformers.py")
     assert compare.main(["--output_len", "0"]) == 2
     assert "--output_len 0 must be >= 1" in capsys.readouterr().err
 
 
 @pytest.mark.slow
 def test_transformers_baseline_child_reports_failures_instead_of_hanging(tmp_path):
-    from bench.transformers_baseline import ChildProcessSide, TransformersSide
+    from deepinfer.benchmarks.transformers_baseline import ChildProcessSide, TransformersSide
 
     with pytest.raises(RuntimeError, match="the child process failed"):
         ChildProcessSide(TransformersSide, str(tmp_path / "no-such-checkpoint"), "float32")

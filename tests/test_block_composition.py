@@ -79,9 +79,8 @@ def test_build_with_pre_modules_and_bad_names(model):
         DecoderBlock([Recorder("a", []), Recorder("a", [])], {})
 
 
-def _unfused(blocks, streams, step, ops=None):
-    """Every module's own forward: hc_pre_norm and hc_post around each sub-layer, no op between two (nor a
-    back end's whole-block path, `ops.decode_block`)."""
+def _unfused(blocks, streams, step):
+    """Every module's own forward: hc_pre_norm and hc_post around each sub-layer, no op between two."""
     for blk in blocks:
         for m in blk.modules:
             streams = m.forward(streams, step)
@@ -91,7 +90,8 @@ def _unfused(blocks, streams, step, ops=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_op_between_sub_layers_keeps_the_bits(dtype, monkeypatch):
     """The model loop's hc_post_pre_norm between two mHC sites (within a block and across blocks) gives
-    the bits of the two ops, at prefill, at decode and at a decode batch of 4."""
+    the bits of the two ops, at prefill, at decode and at a decode batch of 4 (decode steps: their program,
+    which the cpu back end prepares, against every module's own forward)."""
     config, _ = model_config("tiny", num_hidden_layers=3)
     m = DeepseekV4ForCausalLM(config, accelerator(), dtype, "cpu")
     m.load_weights(random_weights(config, seed=3, with_mtp=False))
@@ -107,5 +107,6 @@ def test_one_op_between_sub_layers_keeps_the_bits(dtype, monkeypatch):
     run()  # the back end's weight copies made at a weight's second use (e.g. mHC's transposed fn) exist from now
     fused = run()
     monkeypatch.setattr(model_module, "run_blocks", _unfused)
+    monkeypatch.setattr(model_module, "DECODE_PROGRAM_MAX_TOKENS", 0)  # every step through run_blocks
     for got, want in zip(fused, run()):
         assert all(torch.equal(got[k], want[k]) for k in want)

@@ -15,11 +15,9 @@ import torch
 from deepinfer.models.deepseek_v4.checkpoint import load_checkpoint
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.make_model import make_model, model_config
+from example_modules import load_example
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-sys.path.insert(0, str(EXAMPLES))
-
-import compare_llamacpp as cmp  # noqa: E402
+cmp = load_example("compare_llamacpp.py")
 
 
 @pytest.mark.parametrize("size", ["tiny", "default"])
@@ -140,6 +138,27 @@ def test_race_names_what_is_missing(tmp_path, capsys):
         cmp.main(["race", "--model", "m", "--gguf", "g", "--llama-bin", "b", "--batches", "0"])
 
 
+def test_the_trees_gguf_package_loads_by_path_with_its_submodules(tmp_path, monkeypatch):
+    """llama.cpp's gguf-py is imported from the tree by its path (nothing is added to sys.path), and
+    its own imports of its submodules work."""
+    package = tmp_path / "gguf-py" / "gguf"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from .constants import MAGIC\n")
+    (package / "constants.py").write_text("MAGIC = 'GGUF'\n")
+    (package / "quants.py").write_text("def dequantize(data, kind):\n    return ('dequantized', data)\n")
+    monkeypatch.delitem(sys.modules, "gguf", raising=False)
+    path = list(sys.path)
+    gguf = cmp.load_gguf(tmp_path / "gguf-py")
+    from gguf import quants
+
+    assert gguf.MAGIC == "GGUF" and quants.dequantize(1, 2) == ("dequantized", 1)
+    assert quants.__file__ == str(package / "quants.py") and sys.path == path
+    for name in [n for n in sys.modules if n == "gguf" or n.startswith("gguf.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(cmp.CompareError, match="nowhere/gguf/__init__.py is missing: --llama-cpp must be a llama.cpp source tree"):
+        cmp.load_gguf(tmp_path / "nowhere")
+
+
 @pytest.mark.skipif(not os.environ.get("LLAMA_CPP_DIR"),
                     reason="set LLAMA_CPP_DIR to a llama.cpp source tree to test the conversion (not part of CI)")
 def test_prepare_writes_a_gguf_whose_experts_equal_deepinfers(tmp_path):
@@ -147,8 +166,7 @@ def test_prepare_writes_a_gguf_whose_experts_equal_deepinfers(tmp_path):
     model = make_model(tmp_path / "m", "tiny", seed=3, quantize="fp4-experts", hca_compress_rate=128,
                        vocab_size=129280)
     assert cmp.main(["prepare", "--model", str(model), "--llama-cpp", str(tree), "--out", str(tmp_path / "w")]) == 0
-    sys.path.insert(0, str(tree / "gguf-py"))
-    import gguf
+    gguf = cmp.load_gguf(tree / "gguf-py")
     from gguf import quants
 
     tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "w" / "model-bf16.gguf").tensors}

@@ -2,8 +2,6 @@
 and every cache tensor), and the offline example end to end (CPU, 2 gloo processes, fp32)."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -12,10 +10,8 @@ import torch
 from deepinfer.parallel.context_parallel import RowSplit, zigzag_bounds, zigzag_owner
 from deepinfer.parallel.launch import launch
 from deepinfer.parallel.layout import ParallelLayout
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model_harness import Runner, max_rel_diff  # noqa: E402
-from test_parallel import _cpu, sample_lines  # noqa: E402
+from model_harness import Runner, max_rel_diff
+from test_parallel import _cpu, sample_lines
 
 # a prompt longer than the tiny model's window (8) over many c4 and c8 blocks, in two chunks
 PROMPT = [(7 * i + 3) % 500 + 2 for i in range(90)]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer_plugins.cpu import native
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
@@ -24,8 +24,13 @@ def fresh() -> NativeCpuKernels:
 
 
 def composed(kernels: NativeCpuKernels, *args):
-    """The interface's default: the calls the fused op replaces, on these kernels."""
-    return Accelerator.decode_attention_output(kernels, *args)
+    """V4's op table default: the calls the fused op replaces, on these kernels."""
+    return DeepseekV4Ops(kernels).decode_attention_output(*args)
+
+
+def fused(kernels: NativeCpuKernels, *args):
+    """The cpu back end's V4 op (the fused call where it runs so)."""
+    return kernels.model_ops("deepseek_v4").decode_attention_output(*args)
 
 
 def count_calls(monkeypatch, name: str) -> list[int]:
@@ -104,7 +109,7 @@ def test_fused_matches_the_composed_kernels(B, entries, dtype, fused_calls):
     inputs = case(B, entries, dtype, seed=B + entries)
     fused_side, composed_side = fresh(), fresh()  # each its own packed copies, made at the same uses
     for _ in range(3):  # the tiles' copies are made at a weight's second use
-        got, got_caches = run(fused_side, NativeCpuKernels.decode_attention_output, inputs)
+        got, got_caches = run(fused_side, fused, inputs)
         want, want_caches = run(composed_side, composed, inputs)
         assert torch.equal(got, want)
         assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
@@ -131,8 +136,8 @@ def test_fused_projections_match_the_composed_kernels(T, index_heads, dtype, pro
             *((index_angles.cos(), index_angles.sin()) if index_heads else (None, None)))
     fused_side, composed_side = fresh(), fresh()
     for _ in range(3):
-        got = fused_side.attention_projections(*args)
-        want = Accelerator.attention_projections(composed_side, *args)
+        got = fused_side.model_ops("deepseek_v4").attention_projections(*args)
+        want = DeepseekV4Ops(composed_side).attention_projections(*args)
         for a, b in zip(got, want):
             assert (a is None and b is None) or torch.equal(a, b)
     assert got[1].shape == (T, H, d) and got[2].shape == (T, d) and got[0].shape == (T, rank + d + 40)
@@ -163,14 +168,14 @@ def test_bad_key_rows_are_refused():
 def test_the_model_decodes_the_same_bits(fused_calls, projection_calls, monkeypatch):
     """The tiny model (sliding, CSA and HCA layers) in bf16: ragged prefill, then decode steps of one
     and of 16 sequences, with the fused op and with the composed default; the mixed steps and the
-    batches it does not take run the composed path on both. (Blocks module by module: a one-token step's
-    whole block, `decode_block`, makes these calls itself: tests/test_cpu_decode_block.py.)"""
+    batches it does not take run the composed path on both. (Decode programs call by call: prepared, they
+    bind these calls themselves: tests/test_cpu_prepared_program.py.)"""
     monkeypatch.setenv("DEEPINFER_CPU_DECODE_BLOCKS", "0")
     hf = build_hf_model()
     models = [build_our_model(hf, dtype=torch.bfloat16) for _ in range(2)]
-    accel = models[1].blocks[0].attn.accel
-    accel.decode_attention_output = lambda *args: composed(accel, *args)
-    accel.attention_projections = lambda *args: Accelerator.attention_projections(accel, *args)
+    ops = models[1].ops  # the composed defaults on the second model
+    ops.decode_attention_output = lambda *a, **kw: DeepseekV4Ops.decode_attention_output(ops, *a, **kw)
+    ops.attention_projections = lambda *a, **kw: DeepseekV4Ops.attention_projections(ops, *a, **kw)
     runners = [Runner(m, num_slots=16) for m in models]
     lengths = [3 + 5 * i for i in range(16)]  # ragged contexts across the compression boundaries
     for r in runners:
@@ -244,8 +249,8 @@ def test_quantised_projections_match_the_composed_kernels(lib, T, index_heads, k
             *((index_angles.cos(), index_angles.sin()) if index_heads else (None, None)))
     fused_side, composed_side = _quant_kernels(lib), _quant_kernels(lib)
     for _ in range(3):
-        got = fused_side.attention_projections(*args)
-        want = Accelerator.attention_projections(composed_side, *args)
+        got = fused_side.model_ops("deepseek_v4").attention_projections(*args)
+        want = DeepseekV4Ops(composed_side).attention_projections(*args)
         for a, b in zip(got, want):
             assert (a is None and b is None) or torch.equal(a, b)
     quantised = all(isinstance(w, QuantizedWeight) for w in (fused_x, fused_qr))
@@ -265,7 +270,7 @@ def test_quantised_output_matches_the_composed_kernels(lib, B, entries, kinds, m
     inputs = (*inputs, wo_a, wo_b)
     fused_side, composed_side = _quant_kernels(lib), _quant_kernels(lib)
     for _ in range(3):
-        got, got_caches = run(fused_side, NativeCpuKernels.decode_attention_output, inputs)
+        got, got_caches = run(fused_side, fused, inputs)
         want, want_caches = run(composed_side, composed, inputs)
         assert torch.equal(got, want)
         assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))

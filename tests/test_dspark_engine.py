@@ -6,14 +6,13 @@ reported statistics."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.models.interface import ForwardBatch, allocate_cache_tensors
 from deepinfer.sampling_params import SamplingParams
+from example_modules import load_example
 
 VOCAB = 512
 
@@ -306,8 +305,7 @@ def tiny_real_vocab(tiny_v4_real_vocab) -> str:
 
 @pytest.mark.slow
 def test_drafts_the_grammar_rejects_are_never_emitted(tiny_real_vocab):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import _structured_output as samples
+    samples = load_example("_structured_output.py")
 
     prompts, greedy = samples.sample_requests(max_tokens=32)
     sampled = [p.clone(temperature=1.0, seq_seed=i) for i, p in enumerate(greedy)]
@@ -338,8 +336,7 @@ def test_drafts_the_grammar_rejects_are_never_emitted(tiny_real_vocab):
 
 
 def test_accept_rate_reaches_the_request_output_and_the_example_line(tiny):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import offline_inference
+    offline_inference = load_example("offline_inference.py")
 
     outs, stats = _generate(tiny, [[5, 6, 7, 8]], [SamplingParams(temperature=0, max_tokens=12)],
                             {"drafter": "self", "self_draft_error_rate": 0.4})

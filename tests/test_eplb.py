@@ -5,11 +5,9 @@
 groups each group balances its own load."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import logging
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,17 +20,11 @@ from deepinfer.parallel.launch import launch
 from deepinfer.parallel.layout import ParallelLayout
 from deepinfer_plugins.features.eplb import EplbConfig, greedy_placement, physical_slots
 from deepinfer_plugins.features.eplb.policy import replica_counts
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from example_modules import load_example
 
 
 def _example():
-    sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location("example_offline_inference_eplb", EXAMPLES / "offline_inference.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_example("offline_inference.py")
 
 
 # ------------------------------------------------------------------------------ rounding rule

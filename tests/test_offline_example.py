@@ -1,36 +1,26 @@
 """examples/offline_inference.py (the seeds' user surface) and `deepinfer generate`."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+from example_modules import EXAMPLES, load_example
+
 LINE = re.compile(r"^DP 0; INPUT: (.*); OUTPUT: (.*); output_tokens=(\d+); accept_rate=(n/a|\d+\.\d+); "
                   r"decode_ppl=(n/a|\d+\.\d{3})$")
 
 
-def _load(name: str):
-    sys.path.insert(0, str(EXAMPLES))
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def example():
-    return _load("offline_inference")
+    return load_example("offline_inference.py")
 
 
 @pytest.fixture(scope="module")
 def launch():
-    return _load("_launch")
+    return load_example("_launch.py")
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +117,7 @@ def test_output_line_format(example, tiny_model, capsys):
     out = captured.out.splitlines()
     samples = [m for m in map(LINE.match, out) if m]
     assert len(samples) == 4, out
-    prompts = [s[0] for s in _load("_prompts").SAMPLES]
+    prompts = [s[0] for s in load_example("_prompts.py").SAMPLES]
     for match, prompt in zip(samples, prompts):
         assert match.group(1) == prompt
         assert 1 <= int(match.group(3)) <= 32
@@ -153,7 +143,7 @@ def test_long_context_on_a_short_model_is_one_error_before_anything_runs(example
 def test_a_failed_sample_makes_the_exit_status_non_zero(example, tiny_model, monkeypatch, capsys):
     """Should a sample still fail in the engine (here: the check above skipped), its line says why and
     the example exits 1 with one summary line, instead of 0."""
-    monkeypatch.setattr(example, "check_long_context", lambda model_name: None)
+    monkeypatch.setattr(example, "check_long_context", lambda *args: None)
     assert example.main(["--model_name", tiny_model, "--long_context"]) == 1
     captured = capsys.readouterr()
     assert len([line for line in captured.out.splitlines() if line.startswith("DP 0;")]) == 4

@@ -118,3 +118,13 @@ def test_wheel_metadata_says_beta(fresh_venv):
     out = sh(fresh_venv / "bin" / "python", "-c", code, env=venv_env(), cwd=fresh_venv).stdout.splitlines()
     assert out[0] == "0.1.0"
     assert [c for c in out[1:] if c.startswith("Development Status")] == ["Development Status :: 4 - Beta"]
+
+
+def test_the_benchmark_library_ships_in_the_wheel(fresh_venv, tmp_path):
+    """deepinfer.benchmarks (what examples/benchmark.py and the races import) comes with the wheel, and
+    its record tools work there."""
+    code = ("import deepinfer.benchmarks as b; from deepinfer.benchmarks import ab, results, timing, workloads; "
+            "print(b.__file__); s = timing.Spread.of(timing.ratios([3.0, 4.0], [2.0, 2.0])); print(s.text())")
+    out = sh(fresh_venv / "bin" / "python", "-c", code, env=venv_env(), cwd=tmp_path).stdout.splitlines()
+    assert str(fresh_venv) in out[0] and str(REPO / "core") not in out[0]
+    assert out[1] == "1.75x (1.50-2.00)"

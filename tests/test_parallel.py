@@ -14,6 +14,7 @@ import pytest
 
 from deepinfer.parallel.launch import RankFailed, check_devices, launch, rank_environment
 from deepinfer.parallel.layout import ParallelConfigError, ParallelLayout, check_runnable, resolve_layout
+from example_modules import load_example
 from node_helpers import run_nodes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,8 +184,7 @@ def where_am_i(ctx, tag: str) -> tuple[int, int, int, str]:
 def test_launch_dp_with_the_number_of_data_parallel_ranks(monkeypatch):
     """The seeds' entry point `launch_dp(main, dp_size)`: one process per data-parallel rank on the
     back end DEEPINFER_ACCELERATOR selects."""
-    monkeypatch.syspath_prepend(str(REPO / "examples"))
-    from _launch import launch_dp
+    launch_dp = load_example("_launch.py").launch_dp
 
     for name, value in _env().items():
         monkeypatch.setenv(name, value)

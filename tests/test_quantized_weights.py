@@ -9,9 +9,6 @@ declare.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,9 +19,7 @@ from deepinfer.accelerator.quantized_weight import (
 from deepinfer.accelerator.reference import TorchKernels, quantized_linear
 from deepinfer.models.common import quant
 from deepinfer.models.common.weights import concat_rows, fuse_experts, fuse_rows, group_rows
-
-sys.path.insert(0, str(Path(__file__).parent))
-from model_harness import Runner, max_rel_diff  # noqa: E402
+from model_harness import Runner, max_rel_diff
 
 REF = TorchKernels()
 V4_FORMATS = (FP8_BLOCK128, FP4_E2M1)
@@ -403,15 +398,15 @@ def test_the_fused_quantised_attention_decodes_the_composed_bits(v4_path, clean_
     """bf16 decode with the FP8 attention weights kept quantised: the cpu back end's two attention calls
     (attention_layer.c on the codes) give the same tokens and log-probabilities as the composed kernels."""
     from deepinfer import LLM
-    from deepinfer.accelerator.interface import Accelerator
+    from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
     from deepinfer.sampling_params import SamplingParams
     from deepinfer_plugins.cpu import native
-    from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
+    from deepinfer_plugins.cpu.kernels import CpuDeepseekV4Ops
 
     if native.library() is None:
         pytest.skip("the cpu back end's C kernels are not available here")
     clean_env.setenv("DEEPINFER_CPU_QUANTIZED_WEIGHTS", "1")
-    clean_env.setenv("DEEPINFER_CPU_DECODE_BLOCKS", "0")  # one-token steps through these ops too (not whole blocks)
+    clean_env.setenv("DEEPINFER_CPU_DECODE_BLOCKS", "0")  # decode programs call by call: through these ops
     calls = []
     for name in ("attention_projections_quant", "attention_output_quant"):
         def counted(*args, _fn=getattr(native, name), _name=name, **kw):
@@ -433,6 +428,6 @@ def test_the_fused_quantised_attention_decodes_the_composed_bits(v4_path, clean_
 
     fused = generate()
     assert {"attention_projections_quant", "attention_output_quant"} <= set(calls)
-    monkeypatch.setattr(NativeCpuKernels, "attention_projections", Accelerator.attention_projections)
-    monkeypatch.setattr(NativeCpuKernels, "decode_attention_output", Accelerator.decode_attention_output)
+    monkeypatch.setattr(CpuDeepseekV4Ops, "attention_projections", DeepseekV4Ops.attention_projections)
+    monkeypatch.setattr(CpuDeepseekV4Ops, "decode_attention_output", DeepseekV4Ops.decode_attention_output)
     assert generate() == fused

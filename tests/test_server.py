@@ -450,7 +450,8 @@ def test_50_concurrent_clients_match_the_offline_engine(server):
             chunks = [c async for c in await client.completions.create(
                 model=server.model, prompt=p, max_tokens=5, temperature=0, stream=True,
                 stream_options={"include_usage": True})]
-            return "".join(c.choices[0].text for c in chunks), chunks[-1].usage.completion_tokens
+            assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])  # OpenAI's usage chunk
+            return "".join(c.choices[0].text for c in chunks[:-1]), chunks[-1].usage.completion_tokens
         out = await client.completions.create(model=server.model, prompt=p, max_tokens=5, temperature=0)
         return out.choices[0].text, out.usage.completion_tokens
 
@@ -540,7 +541,7 @@ def test_v41_chat_renders_constrains_and_parses_a_tool_call(v41_with_system_toke
     out = chat.output(prepared, "chatcmpl-v41", llm.tokenizer)
     out.push(result.outputs[0].token_ids)
     out.finish(result.outputs[0].finish_reason)
-    message = json.loads(out.response_json())["choices"][0]
+    message = out.response_dict()["choices"][0]
     assert message["finish_reason"] == "tool_calls", message
     (call,) = message["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather"
@@ -577,6 +578,19 @@ def test_an_empty_api_key_is_refused_at_start_up(flag, env, clean_env, capsys, t
     assert main([*flag, "--model", str(tmp_path / "no-such-model")]) == 2
     err = capsys.readouterr().err
     assert "is empty" in err and ("--api-key" if flag else "DEEPINFER_API_KEY") in err
+
+
+def test_the_model_may_be_given_positionally_as_vllm_takes_it(tmp_path, capsys, clean_env):
+    from deepinfer.entrypoints.serve import build_parser, main
+
+    args = build_parser().parse_args([str(tmp_path / "m"), "--data-parallel-size", "2", "--max-model-len", "64"])
+    assert (args.model_tag, args.dp, args.max_model_len) == (str(tmp_path / "m"), 2, 64)
+    with pytest.raises(SystemExit):
+        main(["a", "--model", "b"])
+    assert "the model is given twice" in capsys.readouterr().err
+    # the positional model is the one loaded: a missing one is the start-up error, naming it
+    assert main([str(tmp_path / "no-such-model"), "--accelerator", "cpu"]) == 1
+    assert "no-such-model" in capsys.readouterr().err
 
 
 def _free_port() -> int:

@@ -17,9 +17,9 @@ from deepinfer_plugins.features.structured_output import StructuredOutputConfig,
 from deepinfer_plugins.features.structured_output.grammar import fix_bounded_json_strings
 from deepinfer_plugins.features.structured_output.processor import DEAD_END, StructuredOutputProcessor
 from deepinfer_plugins.features.structured_output.vocabulary import Vocabulary, vocabulary_from_tokenizer
+from example_modules import load_example
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import _structured_output as samples  # noqa: E402
+samples = load_example("_structured_output.py")
 
 REGEX = r"[A-Z]{2}-[0-9]{3}"
 EBNF = 'root ::= "answer=" ("yes" | "no") ";level=" [1-3]'
@@ -408,7 +408,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 @pytest.mark.slow
 def test_offline_inference_check_passes(tiny_checkpoint, capsys):
-    import offline_inference
+    offline_inference = load_example("offline_inference.py")
 
     assert offline_inference.main(["--model_name", str(tiny_checkpoint), "--check_structured_output"]) == 0
     captured = capsys.readouterr()
@@ -423,15 +423,15 @@ def test_offline_inference_check_exits_non_zero_on_a_violation(tiny_checkpoint):
     import textwrap
 
     # The injected violation: the regex validator expects lower-case letters the constraint forbids.
+    # `python -c` runs with the current folder first on sys.path: examples/, where the helper is.
     code = textwrap.dedent(f"""
         import runpy, sys
-        sys.path.insert(0, {str(EXAMPLES)!r})
         import _structured_output as S
         S.VALIDATORS["regex"] = lambda schema, text: S.validate_regex("[a-z]{{2}}-[0-9]{{3}}", text)
         sys.argv = ["offline_inference.py", "--model_name", {str(tiny_checkpoint)!r}, "--check_structured_output"]
         runpy.run_path({str(EXAMPLES / "offline_inference.py")!r}, run_name="__main__")
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=EXAMPLES)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "structured output check FAILED" in result.stderr
     assert "(regex): " in result.stderr and "does not fully match the regex '[a-z]{2}-[0-9]{3}'" in result.stderr
@@ -440,7 +440,7 @@ def test_offline_inference_check_exits_non_zero_on_a_violation(tiny_checkpoint):
 
 def test_end_to_end_bench_prints_one_row_per_constraint_and_batch(tiny_checkpoint, capsys):
     """examples/structured_output_bench.py --end_to_end: output format only (no timing checked)."""
-    import structured_output_bench
+    structured_output_bench = load_example("structured_output_bench.py")
 
     assert structured_output_bench.main(["--end_to_end", str(tiny_checkpoint), "--pairs", "1", "--batches", "2",
                                          "--prompt_tokens", "4", "--max_tokens", "3"]) == 0
@@ -449,3 +449,42 @@ def test_end_to_end_bench_prints_one_row_per_constraint_and_batch(tiny_checkpoin
     assert [row.split(" | ")[:2] for row in rows[1:]] == [["| json free strings", "2"], ["| regex (seed)", "2"]]
     for row in rows[1:]:
         assert len(row.strip("|").split(" | ")) == 9
+
+
+def test_schema_keywords_the_grammar_cannot_enforce_are_found_where_they_are():
+    from deepinfer.json_schema_support import unsupported_keyword
+
+    ok = {"type": "object", "properties": {"not": {"type": "string", "maxLength": 3},  # a property named "not"
+                                           "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2}},
+          "$defs": {"x": {"allOf": [{"type": "integer"}]}}}
+    assert unsupported_keyword(ok) is None
+    nested = {"type": "object", "properties": {"tags": {"type": "array", "items": {"anyOf": [
+        {"type": "string"}, {"type": "array", "uniqueItems": True}]}}}}
+    problem = unsupported_keyword(nested, "response_format.json_schema.schema")
+    assert problem.startswith("response_format.json_schema.schema.properties.tags.items.anyOf.1: the JSON schema "
+                              "keyword 'uniqueItems'")
+    assert "'allOf' with 2 schemas" in unsupported_keyword({"allOf": [{"type": "integer"}, {"minimum": 3}]})
+
+
+def test_an_offline_json_constraint_with_an_unenforceable_keyword_fails_alone(tiny_llm_for_schema):
+    from deepinfer import SamplingParams
+
+    bad = {"schema_type": "json", "schema": {"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}}}
+    out_bad, out_ok = tiny_llm_for_schema.generate(
+        [[5, 6], [5, 6]], [SamplingParams(so_args=bad, max_tokens=4),
+                           SamplingParams(so_args={"schema_type": "json", "schema": {"type": "integer"}},
+                                          max_tokens=4)],
+        use_tqdm=False)
+    assert out_bad.outputs[0].finish_reason == "error" and "'if'" in out_bad.error
+    assert out_ok.outputs[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_for_schema(tmp_path_factory):
+    from deepinfer import LLM
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    path = make_model(tmp_path_factory.mktemp("schema") / "m", "tiny", seed=0, with_mtp=False)
+    llm = LLM(model=str(path), accelerator="cpu", dtype="float32", max_model_len=256)
+    yield llm
+    llm.shutdown()

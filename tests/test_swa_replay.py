@@ -270,16 +270,9 @@ def test_deepseek_v4_is_refused(tiny_v4, monkeypatch):
 
 
 def test_benchmark_yoco_clip_turns_the_feature_on_and_refuses_mode_off(monkeypatch):
-    import importlib.util
-    import sys
-    from pathlib import Path
+    from example_modules import load_example
 
-    examples = Path(__file__).resolve().parents[1] / "examples"
-    monkeypatch.syspath_prepend(str(examples))
-    spec = importlib.util.spec_from_file_location("benchmark_for_swa", examples / "benchmark.py")
-    benchmark = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "benchmark_for_swa", benchmark)
-    spec.loader.exec_module(benchmark)
+    benchmark = load_example("benchmark.py")
     benchmark.check_yoco_clip(True)  # the feature is installed in-tree
     args = benchmark.build_parser().parse_args(["--yoco_clip"])
     assert args.yoco_clip

@@ -197,3 +197,39 @@ def test_config_problems_are_listed_like_v4s(tmp_path):
         TOY_FAMILY.parse_config(bad, "toy/config.json")
     assert "toy/config.json has 2 invalid settings" in str(e.value)
     assert "hidden_size = 0 is out of range" in str(e.value) and "kv_source[1] = 0" in str(e.value)
+
+
+def test_the_cpu_back_end_prepares_the_toy_decode_step(checkpoint, clean_env, monkeypatch, one_thread):
+    """The toy family describes its decode step (one `_layers`, run eagerly or into a program) and nothing
+    else: in bf16 the cpu back end binds the program's linears and norms to its C calls (the family has no
+    cpu-plugin code), with the tokens and log-probabilities of the same program run call by call."""
+    from deepinfer import SamplingParams
+    from deepinfer_plugins.cpu import program
+
+    runs = []
+    run = program.PreparedProgram.run
+    monkeypatch.setattr(program.PreparedProgram, "run", lambda self, *a, **kw: runs.append(self) or run(self, *a, **kw))
+    prompts = [{"prompt_token_ids": p} for p in _prompts(3, seed=4)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+    def generate(prepared: str):
+        clean_env.setenv("DEEPINFER_CPU_DECODE_BLOCKS", prepared)
+        llm = _llm(checkpoint, dtype="bfloat16", async_pipeline=False)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs])
+                for o in outs]
+
+    assert generate("1") == generate("0")
+    assert runs, "no prepared program ran"
+    bound = {}
+    for s in runs[-1].steps:
+        if s.binding is not None:
+            bound[s.call.op] = bound.get(s.call.op, 0) + 1
+    layers = len(CONFIG.layer_types)
+    assert bound.get("kernels.rms_norm") == 2 * layers
+    # one decode token a step at the end: its products are the C GEMV or the packed tiles, all bound
+    linears = sum(1 for s in runs[-1].steps if s.call.op == "kernels.linear")
+    assert runs[-1].program.key == ("decode", 1) and bound.get("kernels.linear") == linears

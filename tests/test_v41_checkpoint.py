@@ -24,10 +24,8 @@ from deepinfer.entrypoints.make_model import main
 from deepinfer.models.deepseek_v41.make_model import SIZES, count_parameters, make_model, model_config
 from deepinfer.models.deepseek_v41.weights import canonicalize, expected_weight_shapes, weight_kind
 from deepinfer.tokenizer import default_tokenizer_path, load_tokenizer
-
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import TINY_SEED  # noqa: E402
-from v41_oracle import build_nemo_model, fast_tokenizer, read_release_tensors  # noqa: E402
+from conftest import TINY_SEED
+from v41_oracle import build_nemo_model, fast_tokenizer, read_release_tensors
 
 NEMO_REASON = "nemo-automodel (the independent DeepSeek-V4.1 oracle) is not installed; see scripts/setup_env.sh"
 

@@ -4,13 +4,12 @@ refused with a reason; the conformance kit runs on a V4.1 checkpoint."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.sampling_params import SamplingParams
+from example_modules import load_example
 
 
 @pytest.fixture
@@ -61,8 +60,7 @@ def test_speculative_decoding_is_refused_with_the_reason(tiny_v41, monkeypatch):
 @pytest.mark.slow
 def test_structured_outputs_on_v41(tmp_path_factory, one_thread):
     """The real 129,280-token tokenizer (the `default` size): constrained and free requests mixed."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import _structured_output as samples
+    samples = load_example("_structured_output.py")
     from deepinfer.models.deepseek_v41.make_model import make_model
 
     path = make_model(tmp_path_factory.mktemp("v41so") / "default", "default", seed=1, dtype="float32")

@@ -3,8 +3,10 @@
 An accelerator is one class made of small sub-interfaces (device and memory, small ops, attention,
 MoE, sampling kernels, collectives) plus a frozen `Capabilities` model and an import-light `probe()`.
 These are the generic ops every model family uses. A family's own fused ops (DeepSeek-V4's mHC,
-compressor pooling and indexer) are not part of this contract: they live in the family's op table,
-which has plain-torch defaults and which a back end may override through `Accelerator.model_ops`.
+compressor pooling, indexer and attention halves) are not part of this contract: they live in the
+family's op table, which has plain-torch defaults and which a back end may override through
+`Accelerator.model_ops`. A back end may also prepare a model's step program once and replay it
+(`Accelerator.prepare_program`): the seam for fast paths every family gets by describing its step.
 `deepinfer.accelerator.reference` has a plain-torch implementation of every generic op and
 collectives over torch.distributed, for back ends to build on.
 The core resolves the kernels it needs once at start-up into plain attributes; nothing on the hot
@@ -30,6 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeight, is_weight_format
+from deepinfer.program import Program, Runnable
 
 #: Version of this contract. A plugin built against another *major* version is refused at
 #: selection with both versions in the message; a newer minor on the core side is accepted.
@@ -52,7 +55,14 @@ from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS, QuantizedWeig
 #: output projection), each with a default composed of the kernels it fuses.
 #: 2.7 added the optional `Accelerator.prepare_memory` (called once the weights are loaded and the cache
 #: is bound; default does nothing).
-INTERFACE_VERSION = "2.7"
+#: 3.0 the interface holds generic ops only: `attention_projections` and `decode_attention_output` (V4's
+#: attention shapes) moved into DeepSeek-V4's op table, which a back end overrides through `model_ops`
+#: (its defaults compose the generic ops). Added the optional `Accelerator.prepare_program` (a model's
+#: step program prepared once and replayed: `deepinfer.program`; default None, run eagerly).
+#: Migrating a 2.x plugin: move overrides of those two methods onto your subclass of
+#: `DeepseekV4Ops` (same signatures), build that table with your accelerator as its `kernels`, and
+#: set `interface_version = "3.0"`.
+INTERFACE_VERSION = "3.0"
 
 
 class ProbeResult(BaseModel):
@@ -235,45 +245,6 @@ class AttentionOps(_Interface):
         mask = masks[0] if len(masks) == 1 else torch.cat(masks, dim=2)
         return self.sink_attention(q, kv, mask, sinks, scale)
 
-    def attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
-                              q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
-                              kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                              index_heads: int = 0, index_cos: torch.Tensor | None = None,
-                              index_sin: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The attention's queries and key from its input x `[T, D]`: `px = linear(x, fused_x)`, whose
-        first `rank` columns are the query's low-rank part and the next d its key (d = kv_norm's size,
-        the head size); `pqr = linear(rms_norm(px[:, :rank], q_norm), fused_qr)`, whose first `heads * d`
-        columns are the query heads and the rest (with `index_heads`) the indexer's query heads. Returns
-        (px, q = rms_norm_rotary of the heads `[T, heads, d]` (no weight), kv = rms_norm_rotary of the key
-        `[T, d]` (kv_norm), the indexer query heads rotated by (index_cos, index_sin) `[T, index_heads, .]`
-        or None); cos/sin `[T, r/2]`. Optional: this default makes those calls; a back end fuses them."""
-        T, d = x.shape[0], kv_norm.shape[0]
-        px = self.linear(x, fused_x)
-        pqr = self.linear(self.rms_norm(px[:, :rank], q_norm, eps), fused_qr)
-        q = self.rms_norm_rotary(pqr[:, :heads * d].reshape(T, heads, d), None, eps, cos, sin)
-        kv = self.rms_norm_rotary(px[:, rank:rank + d], kv_norm, eps, cos, sin)
-        index_q = None
-        if index_heads:
-            index_q = self.rotary(pqr[:, heads * d:].reshape(T, index_heads, -1), index_cos, index_sin, False)
-        return px, q, kv, index_q
-
-    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
-                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
-                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
-                                sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
-                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
-        """A decode step's attention from its keys to its output, one query per sequence: each query's
-        own key `kv` `[B, d]` written into `caches[0]` at rows `key_rows` `[B]` (the window ring), then
-        `sink_attention_rows` of q `[B, H, d]` over the parts (`caches`, `rows`, `masks` as there, S = 1),
-        the inverse `rotary` (cos/sin `[B, r/2]`), the grouped output projection `wo_a` `[G, R, H*d/G]`
-        and `linear` by `wo_b` `[D, G*R]` -> `[B, D]` in q's dtype. Optional: this default makes those
-        calls; a back end fuses them (one call per layer instead of five and their glue)."""
-        caches[0].index_copy_(0, key_rows, kv)
-        o = self.sink_attention_rows(q.unsqueeze(1), caches, rows, masks, sinks, scale).squeeze(1)
-        o = self.rotary(o, cos, sin, True).view(q.shape[0], wo_a.shape[0], -1)
-        return self.linear(self.grouped_linear(o, wo_a).reshape(q.shape[0], -1), wo_b)
-
 
 def routing_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     """The router's affinity scores from its fp32 logits: "sqrtsoftplus", "sigmoid" or softmax."""
@@ -451,6 +422,15 @@ class Accelerator(DeviceMemory, SmallOps, AttentionOps, MoEOps, SamplingOps, Col
         with faster versions of a family's own ops returns an instance of a subclass of that table
         (for DeepSeek-V4, `deepinfer.models.deepseek_v4.ops.DeepseekV4Ops`). The model asks once,
         at construction."""
+        return None
+
+    def prepare_program(self, program: Program) -> Runnable | None:
+        """A model's step program (`deepinfer.program`) prepared to run again and again: each
+        call this back end has a fast version of bound once (its outputs in buffers it owns, the
+        program's constants at fixed addresses), replayed on every step, with the same values as
+        `program.run` (the same bits for the calls it binds as their op-table methods give). The
+        model asks once per program (per step size, per binding of its weights and cache) and runs
+        what it gets every step. Optional: None (this default) runs the program eagerly."""
         return None
 
     def prepare_memory(self) -> None:

@@ -39,8 +39,40 @@ class Admission:
         if problem is None:
             processors, problem = self._attach_processors(request_id, params)
         req = Request(request_id=request_id, prompt=text, prompt_token_ids=token_ids or [], params=params,
-                      arrival_index=arrival_index, processors=processors)
+                      arrival_index=arrival_index, processors=processors,
+                      prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         return req, problem
+
+    def admit_samples(self, prompt: Any, params: SamplingParams, request_id: str, arrival_index: int
+                      ) -> tuple[Request, str | None]:
+        """`admit` for a request of several samples (`params.num_samples` > 1): the first member
+        (returned) and the others in its `group`, each with the params of one sample (n=1, seed
+        seq_seed + i), its own logits-processor state, and the others waiting to be forked from it."""
+        members: list[Request] = []
+        problem = None
+        for i in range(params.num_samples):
+            sample = params.clone(n=1, best_of=None, seq_seed=None if params.seq_seed is None else params.seq_seed + i,
+                                  prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            first = members[0] if members else None
+            source = prompt if first is None else {"prompt": first.prompt, "prompt_token_ids": first.prompt_token_ids}
+            req, problem = self.admit(source, sample, request_id if i == 0 else f"{request_id}#{i}", arrival_index)
+            req.sample_index = i
+            members.append(req)
+            if problem is not None:
+                break
+        if problem is not None:
+            for m in members[:-1]:  # the ones processors took already forget it
+                for index in m.processors:
+                    self.processors[index].remove_request(m.request_id)
+            members[0].params = params
+            return members[0], problem
+        for m in members:
+            m.group = members
+        members[0].num_returned = params.n
+        members[0].fork_pending = members[1:]
+        for m in members[1:]:
+            m.fork_source = members[0]
+        return members[0], None
 
     def _tokenize(self, prompt: Any) -> tuple[str | None, list[int] | None, str | None]:
         if isinstance(prompt, dict):
@@ -91,9 +123,15 @@ class Admission:
         if bad:
             return (f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size}); "
                     f"give ids of this model's tokens")
-        if p.logprobs is not None and p.logprobs > self.vocab_size:
-            return (f"SamplingParams.logprobs={p.logprobs} asks for more tokens than the vocabulary has "
-                    f"({self.vocab_size}); give at most {self.vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and k > self.vocab_size:
+                return (f"SamplingParams.{name}={k} asks for more tokens than the vocabulary has "
+                        f"({self.vocab_size}); give at most {self.vocab_size}")
+        bad = [t for t in p.logit_bias or () if t >= self.vocab_size]
+        if bad:
+            return (f"SamplingParams.logit_bias names token ids {sorted(bad)[:5]} outside the vocabulary "
+                    f"[0, {self.vocab_size}); give ids of this model's tokens")
         return None
 
     def _attach_processors(self, request_id: str, params: SamplingParams) -> tuple[tuple[int, ...], str | None]:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from pydantic import BaseModel
 
 from deepinfer.engine.request import Request
@@ -140,6 +141,27 @@ class PrefixCache(Protocol):
         """Count an admission of `num_tokens` tokens of which `hit_tokens` came from the cache."""
 
     def stats(self) -> PrefixCacheStats: ...
+
+
+def copy_sequence_state(tensors: CacheTensors, src_slot: int, src_blocks: dict[str, list[int]], dst_slot: int,
+                        dst_blocks: dict[str, list[int]]) -> None:
+    """Make sequence `dst` hold `src`'s state: its slot, and its blocks' entries in `dst`'s blocks
+    (as many blocks as both hold). A fork of a prompt's samples (scheduler) runs it on the executor,
+    after the step that wrote `src`."""
+    for t in tensors.slot.values():
+        t[:, dst_slot].copy_(t[:, src_slot])
+    size = tensors.block_size
+    for group, by_name in tensors.blocks.items():
+        src, dst = src_blocks.get(group, []), dst_blocks.get(group, [])
+        k = min(len(src), len(dst))
+        if not k:
+            continue
+        offsets = torch.arange(size)
+        device = next(iter(by_name.values())).device
+        src_rows = (torch.tensor(src[:k]).unsqueeze(1) * size + offsets).view(-1).to(device)
+        dst_rows = (torch.tensor(dst[:k]).unsqueeze(1) * size + offsets).view(-1).to(device)
+        for t in by_name.values():
+            t.index_copy_(1, dst_rows, t.index_select(1, src_rows))
 
 
 @dataclass

@@ -134,17 +134,29 @@ class EngineCore:
     def add_request(self, prompt: Any, params: SamplingParams, request_id: str | None = None) -> Request:
         """Admit one request. Problems with this request alone (empty or too long prompt, token ids
         outside the vocabulary, invalid sampling values, a rejected constraint) return it already
-        finished with finish_reason "error" and a message; the engine carries on."""
+        finished with finish_reason "error" and a message; the engine carries on. A request of
+        several samples (`n`, `best_of`) returns its first member; the others are in its `group`
+        (`all_finished`, `to_output` cover them all)."""
         request_id = str(next(self._ids)) if request_id is None else request_id
         with self._state_lock:
             if request_id in self.scheduler.requests:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            req, problem = self.admission.admit(prompt, params, request_id, self._num_arrivals)
+            samples = params.num_samples if isinstance(params, SamplingParams) else 1
+            if samples > 1 and self.speculator is None:
+                req, problem = self.admission.admit_samples(prompt, params, request_id, self._num_arrivals)
+            else:
+                req, problem = self.admission.admit(prompt, params, request_id, self._num_arrivals)
+                if problem is None and samples > 1:
+                    self.masks.remove(req)
+                    problem = (f"SamplingParams n={params.n} / best_of={params.best_of} needs the samples' prompt "
+                               f"state forked, which speculative decoding cannot do (the drafter's per-request "
+                               f"context is not in the cache); send one request per sample")
             self._num_arrivals += 1
             if problem is not None:
                 self.scheduler.reject(req, problem)
                 return req
-            self.scheduler.add_request(req)
+            for member in req.members:
+                self.scheduler.add_request(member)
             return req
 
     def has_unfinished(self) -> bool:
@@ -233,7 +245,8 @@ class EngineCore:
         requests = self.scheduler.requests
         targets: dict[str, tuple[str, str]] = {}
         for arrivals, ids in posted:
-            candidates = requests.values() if ids is None else (requests[i] for i in ids if i in requests)
+            candidates = requests.values() if ids is None else (m for i in ids if i in requests
+                                                                for m in requests[i].members)
             targets.update({r.request_id: ("abort", "aborted") for r in candidates if r.arrival_index < arrivals})
         done = self.scheduler.apply_failures(targets)
         if not self.scheduler.has_unfinished():

@@ -6,6 +6,12 @@ block ids, sampling parameters, drafts) and writes no request. `prepare` runs on
 in flight is a placeholder row, filled in `execute` from that step's sampled tokens (which exist by
 then, since steps execute in order).
 
+Logits rows: one per sampled request (plus one per draft), a forked sample sharing its source's
+last row, then the rows of positions whose prompt log-probabilities are asked for; the sampler
+sees only the first kind. Penalties and logit bias count the tokens before each row's position;
+an input the step in flight samples is known only in `execute`, so their token lists are completed
+there (`_AdjustmentSource`).
+
 Speculative decoding (`speculator`, a core `SpeculativeDecoder`): a decode carries its drafts as
 extra input rows and gets a logits row per input row; `execute` verifies the drafts instead of
 plain sampling, then lets the drafter propose the next ones from the target's final residual
@@ -20,8 +26,10 @@ import torch
 
 from deepinfer.engine.cache_manager import CacheManager
 from deepinfer.engine.request import Request
-from deepinfer.engine.sampler import Sampler, SamplerOutput, SamplingMetadata, nonfinite_problem, position_seed
-from deepinfer.engine.scheduler import ModelRunnerOutput, SampledTokens, ScheduledRequest, SchedulerOutput
+from deepinfer.engine.sampler import (LogitAdjustment, Sampler, SamplerOutput, SamplingMetadata, nonfinite_problem,
+                                      position_seed)
+from deepinfer.engine.scheduler import (ModelRunnerOutput, PromptScores, SampledTokens, ScheduledRequest,
+                                        SchedulerOutput)
 from deepinfer.engine.speculative import DraftRows, SpeculativeDecoder
 from deepinfer.models.batch import long_tensor
 from deepinfer.models.interface import ForwardBatch
@@ -32,6 +40,38 @@ from deepinfer.sampling_params import SamplingParams
 #: costs a lock and a condition variable)
 _NO_BITMASK: Future = Future()
 _NO_BITMASK.set_result(None)
+
+
+@dataclass
+class _AdjustmentSource:
+    """Where one logits row's penalty history comes from: the request's known tokens from position
+    `first` up to its chunk, then the chunk's input rows `chunk` of the batch (filled in execute)."""
+
+    adjustment: LogitAdjustment
+    known: list[int]
+    first: int  # position of known[0]
+    num_prompt_tokens: int
+    chunk: slice
+
+    def resolve(self, input_ids: torch.Tensor) -> LogitAdjustment:
+        history = torch.cat([torch.tensor(self.known, dtype=torch.int64), input_ids[self.chunk].cpu()])
+        split = max(self.num_prompt_tokens - self.first, 0)
+        self.adjustment.output_ids = history[split:]
+        if self.adjustment.repetition != 1.0:
+            self.adjustment.prompt_ids = history[:split]
+        return self.adjustment
+
+
+@dataclass
+class _PromptRows:
+    """Logits rows that score prompt tokens: `count` rows from `first_row`, scoring `token_ids`
+    (the prompt tokens at positions `first_position`, ...)."""
+
+    request_id: str
+    first_row: int
+    first_position: int
+    token_ids: list[int]
+    top: int  # alternatives asked for
 
 
 @dataclass(eq=False)
@@ -48,6 +88,12 @@ class PreparedStep:
     needs_bitmask: bool = False
     bitmask: Future = field(default_factory=Future)  # resolved by the engine thread (or None)
     sampled: SamplerOutput | None = None  # set by execute
+    adjustment_sources: list[_AdjustmentSource] = field(default_factory=list)
+    prompt_rows: list[_PromptRows] = field(default_factory=list)
+
+    @property
+    def num_sample_rows(self) -> int:
+        return self.sampling.num_rows
 
 
 class ModelRunner:
@@ -76,6 +122,8 @@ class ModelRunner:
         window = spec.stream_window if spec is not None else 0
         stream_indices: list[int] = []
         draft_rows: list[DraftRows] = []
+        last_rows: dict[str, int] = {}  # request id -> its last known input row (forks sample from it)
+        chunk_starts: dict[str, int] = {}  # request id -> its first input row
         for s in sched.scheduled:
             start = len(input_ids)
             input_ids += s.token_ids
@@ -88,6 +136,8 @@ class ModelRunner:
             input_ids += s.draft_token_ids
             positions += range(s.context_len, s.context_len + s.query_len)
             m = len(s.draft_token_ids)
+            chunk_starts[s.request_id] = start
+            last_rows[s.request_id] = start + s.query_len - 1 - m
             if s.sample:
                 logits_starts.append(len(logits_indices))
                 logits_indices += range(start + s.query_len - 1 - m, start + s.query_len)
@@ -104,6 +154,20 @@ class ModelRunner:
                         following_ids=input_ids[rows.start + 1:known_last + 1] if rows else [],
                         next_known=None if s.sample else s.tokens(end, end + 1)[0]))
                     stream_indices += rows
+
+        for f in sched.forked:  # a fork samples from its source's last row: no input rows of its own
+            logits_starts.append(len(logits_indices))
+            logits_indices.append(last_rows[f.fork_of])
+            sample_rows.append(f)
+        prompt_rows = []
+        for s in sched.scheduled:
+            if s.prompt_positions:
+                first = s.prompt_positions.start
+                rows = [chunk_starts[s.request_id] + p - s.context_len for p in s.prompt_positions]
+                prompt_rows.append(_PromptRows(s.request_id, len(logits_indices), first + 1,
+                                               s.tokens(first + 1, s.prompt_positions.stop + 1),
+                                               s.params.prompt_logprobs))
+                logits_indices += rows
 
         block_tables = {}
         for name in self.group_names:
@@ -126,13 +190,30 @@ class ModelRunner:
             prompt_lens=[s.request.num_prompt_tokens for s in sched.scheduled],
         )
         needs_bitmask = any(s.constrained for s in sample_rows)
-        return PreparedStep(sched=sched, batch=batch,
-                            sampling=self._sampling_metadata([(s, i) for s in sample_rows
-                                                              for i in range(1 + len(s.draft_token_ids))]),
+        rows = [(s, i) for s in sample_rows for i in range(1 + len(s.draft_token_ids))]
+        sources = [self._adjustment_source(row, s, offset, chunk_starts.get(s.fork_of or s.request_id, 0))
+                   for row, (s, offset) in enumerate(rows) if s.params.adjusts_logits]
+        return PreparedStep(sched=sched, batch=batch, sampling=self._sampling_metadata(rows),
                             sample_rows=sample_rows, logits_starts=logits_starts, draft_rows=draft_rows,
                             prev=prev if placeholder_rows else None,
                             placeholder_rows=placeholder_rows, placeholder_src=placeholder_src,
-                            needs_bitmask=needs_bitmask, bitmask=Future() if needs_bitmask else _NO_BITMASK)
+                            needs_bitmask=needs_bitmask, bitmask=Future() if needs_bitmask else _NO_BITMASK,
+                            adjustment_sources=sources, prompt_rows=prompt_rows)
+
+    @staticmethod
+    def _adjustment_source(row: int, s: ScheduledRequest, offset: int, chunk_start: int) -> _AdjustmentSource:
+        """The tokens before logits row `row` (request `s`, draft offset `offset`): the known ones
+        before the chunk, then the chunk's inputs up to the row (a fork: none, its source's prompt
+        is all known)."""
+        p = s.params
+        first = 0 if p.repetition_penalty != 1.0 else min(s.request.num_prompt_tokens, s.context_len)
+        inputs = 0 if s.fork_of else s.query_len - len(s.draft_token_ids) + offset
+        adjustment = LogitAdjustment(row=row, output_ids=torch.zeros(0, dtype=torch.int64),
+                                     presence=float(p.presence_penalty), frequency=float(p.frequency_penalty),
+                                     repetition=float(p.repetition_penalty), bias=p.logit_bias or None)
+        known = s.request.tokens(first, s.context_len) if s.context_len > first else []
+        return _AdjustmentSource(adjustment, known, first, s.request.num_prompt_tokens,
+                                 slice(chunk_start, chunk_start + inputs))
 
     def _sampling_metadata(self, rows: list[tuple[ScheduledRequest, int]]) -> SamplingMetadata:
         """One entry per logits row: (request, offset of the row among its 1 + drafts rows)."""
@@ -188,7 +269,9 @@ class ModelRunner:
             step.prev = None  # do not keep a chain of finished steps alive
         step.sched.restore_prefixes()  # prefix-cache hits: their cached state, before the forward
         forward = self.model.forward(batch)
-        logits = forward.logits
+        logits = forward.logits[:step.num_sample_rows]
+        prompt_scores = self._score_prompts(step, forward.logits)
+        step.sampling.adjustments = [a.resolve(batch.input_ids) for a in step.adjustment_sources]
         bitmask = step.bitmask.result()  # the engine thread fills it while the forward runs
         if bitmask is not None:
             bitmask = bitmask.to(logits.device)
@@ -199,8 +282,29 @@ class ModelRunner:
             out = self.speculator.verify(logits, step, bitmask)
             drafts = self.speculator.propose(step, forward.streams, out)
         step.sched.capture_prefixes()  # snapshots at block boundaries, after every model call of the step
+        step.sched.copy_forks()
         step.sampled = out
-        return ModelRunnerOutput(sampled=self._per_request(step, out, logits), drafts=drafts)
+        return ModelRunnerOutput(sampled=self._per_request(step, out, logits), drafts=drafts,
+                                 prompt_scores=prompt_scores)
+
+    def _score_prompts(self, step: PreparedStep, logits: torch.Tensor) -> dict[str, PromptScores]:
+        """The prompt log-probabilities of the step's prompt rows (raw distribution), by request."""
+        scores = {}
+        for pr in step.prompt_rows:
+            rows = logits[pr.first_row:pr.first_row + len(pr.token_ids)].float()
+            tokens = torch.tensor(pr.token_ids, dtype=torch.int64, device=rows.device)
+            logprobs, ranks, top_ids, top_logprobs, log_norm = self.sampler.score_tokens(rows, tokens, pr.top)
+            broken = (~torch.isfinite(log_norm)).nonzero()
+            if broken.numel():
+                i = int(broken[0])
+                scores[pr.request_id] = PromptScores(pr.first_position, [], [], error=nonfinite_problem(
+                    rows[i], 0, at=f"prompt position {pr.first_position + i - 1}"))
+                continue
+            top = None
+            if top_ids is not None:
+                top = [list(zip(ids, lps)) for ids, lps in zip(top_ids.tolist(), top_logprobs.tolist())]
+            scores[pr.request_id] = PromptScores(pr.first_position, logprobs.tolist(), ranks.tolist(), top)
+        return scores
 
     @staticmethod
     def _per_request(step: PreparedStep, out: SamplerOutput, logits: torch.Tensor) -> dict[str, SampledTokens]:

@@ -1,4 +1,5 @@
-"""Logits -> tokens: masks, greedy / temperature / top-k / top-p / min-p, per-request seeds, logprobs.
+"""Logits -> tokens: masks, penalties and logit bias, greedy / temperature / top-k / top-p / min-p,
+per-request seeds, logprobs.
 
 Policy lives here; the two device operations (applying a token bitmask, drawing from a
 distribution) are the accelerator's `apply_token_bitmask` and `sample` kernels.
@@ -10,6 +11,14 @@ finite, which flags the row at no extra pass over the logits: the row gets token
 are -inf for some tokens only (a model that bans tokens itself) are valid; the -inf that masks
 write are applied after this check, to a copy.
 
+Penalties and logit bias (`LogitAdjustment`, vLLM's definitions, in vLLM's order): the bias is
+added, then the repetition penalty divides the positive logits (multiplies the negative ones) of
+every token of the prompt or the output so far, then the frequency penalty is subtracted once per
+occurrence of a token in the output and the presence penalty once per token that occurs. They
+change what is sampled, not the log-probabilities reported, which stay those of the raw
+distribution (as with temperature and masks). Rows without them keep the unchanged logits (and the
+all-greedy fast path when no row has any).
+
 Batch invariance: every decision is made per row from that row's own parameters, so a row is
 processed the same way whatever else is in the batch; with a per-request `seq_seed` the draw uses
 a generator seeded from (seq_seed, output position), so a request samples the same tokens alone
@@ -18,7 +27,7 @@ logits: the batch_invariant feature makes those the same bits (docs/batch_invari
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -36,6 +45,38 @@ def position_seed(seq_seed: int, output_index: int) -> int:
 
 
 @dataclass
+class LogitAdjustment:
+    """One row's penalties and logit bias, and the tokens they count: `output_ids` the generated
+    tokens before the row's position, `prompt_ids` the prompt's (read by the repetition penalty
+    only; None when it is off)."""
+
+    row: int
+    output_ids: torch.Tensor  # [n] int64
+    prompt_ids: torch.Tensor | None = None
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    bias: dict[int, float] | None = None
+
+    def apply(self, row: torch.Tensor) -> None:
+        """Adjust one row of fp32 logits `[V]` in place."""
+        vocab = row.shape[0]
+        if self.bias:
+            ids = torch.tensor(list(self.bias), dtype=torch.int64, device=row.device)
+            row.index_add_(0, ids, torch.tensor(list(self.bias.values()), dtype=row.dtype, device=row.device))
+        if self.repetition != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+            seen[self.output_ids.to(row.device)] = True
+            if self.prompt_ids is not None:
+                seen[self.prompt_ids.to(row.device)] = True
+            penalised = torch.where(row > 0, row / self.repetition, row * self.repetition)
+            row.copy_(torch.where(seen, penalised, row))
+        if (self.frequency or self.presence) and self.output_ids.numel():
+            counts = torch.bincount(self.output_ids.to(row.device), minlength=vocab).to(row.dtype)
+            row.sub_(counts * self.frequency + (counts > 0).to(row.dtype) * self.presence)
+
+
+@dataclass
 class SamplingMetadata:
     """Per sampled row (in the order of the batch's logits rows)."""
 
@@ -46,6 +87,7 @@ class SamplingMetadata:
     seeds: list[int | None]  # per-position seed, or None for the engine's shared generator
     num_logprobs: list[int | None]
     banned: list[tuple[int, list[int]]] = field(default_factory=list)  # (row, token ids) masked (min_tokens)
+    adjustments: list[LogitAdjustment] = field(default_factory=list)  # rows with penalties or a logit bias
 
     @property
     def num_rows(self) -> int:
@@ -68,7 +110,8 @@ class SamplingMetadata:
             temperature=[self.temperature[r] for r in rows], top_k=[self.top_k[r] for r in rows],
             top_p=[self.top_p[r] for r in rows], min_p=[self.min_p[r] for r in rows],
             seeds=[self.seeds[r] for r in rows], num_logprobs=[self.num_logprobs[r] for r in rows],
-            banned=[(index[r], ids) for r, ids in self.banned if r in index])
+            banned=[(index[r], ids) for r, ids in self.banned if r in index],
+            adjustments=[replace(a, row=index[a.row]) for a in self.adjustments if a.row in index])
 
 
 @dataclass
@@ -93,7 +136,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None = None) -> SamplerOutput:
         logits = logits.float()
-        if bitmask is None and not meta.banned and meta.all_greedy:
+        if bitmask is None and not meta.banned and not meta.adjustments and meta.all_greedy:
             return self._greedy(logits, meta)
         num_rows, vocab = logits.shape
         log_norm = torch.logsumexp(logits, dim=-1)  # the logprobs' normaliser; not finite for a broken row
@@ -169,25 +212,41 @@ class Sampler:
         # Passes over [L, V] are what this costs at large batches (the vocabulary is 129k): the
         # chosen token's log-probability needs only the log-normaliser; ranks and top-k are
         # computed when some row asks for logprobs.
+        k = max((n for n in meta.num_logprobs if n), default=0) if meta.wants_logprobs else None
+        logprobs, ranks, top_ids, top_logprobs, _ = self._score(logits, tokens, k, log_norm)
+        return logprobs, ranks, top_ids, top_logprobs
+
+    def score_tokens(self, logits: torch.Tensor, tokens: torch.Tensor, k: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """Raw-distribution log-probability and rank of given `tokens` `[L]` (prompt tokens), the
+        top `k` ids and log-probabilities (None when k is 0), and the rows' log-normalisers (not
+        finite for a row whose logits are not)."""
+        return self._score(logits, tokens, k, None)
+
+    @staticmethod
+    def _score(logits: torch.Tensor, tokens: torch.Tensor, k: int | None, log_norm: torch.Tensor | None):
+        """(logprobs, ranks or None when k is None, top ids, top logprobs (None unless k), log_norm)."""
         logits = logits.float()
         token_logits = logits.gather(1, tokens.clamp(min=0).unsqueeze(1)).squeeze(1)
         if log_norm is None:
             log_norm = torch.logsumexp(logits, dim=-1)
         token_logprobs = token_logits - log_norm
-        if not meta.wants_logprobs:
-            return token_logprobs, None, None, None
+        if k is None:
+            return token_logprobs, None, None, None, log_norm
         ranks = (logits > token_logits.unsqueeze(1)).sum(dim=1) + 1
-        k = max((n for n in meta.num_logprobs if n), default=0)
         if not k:
-            return token_logprobs, ranks, None, None
+            return token_logprobs, ranks, None, None, log_norm
         top_logits, top_ids = logits.topk(min(k, logits.shape[1]), dim=-1)
-        return token_logprobs, ranks, top_ids, top_logits - log_norm.unsqueeze(1)
+        return token_logprobs, ranks, top_ids, top_logits - log_norm.unsqueeze(1), log_norm
 
     def _prepare(self, logits: torch.Tensor, meta: SamplingMetadata, bitmask: torch.Tensor | None):
         """Masked logits, dead rows, the alive rows, and those split by how they are drawn."""
         num_rows = logits.shape[0]
         constrained = bitmask is not None or bool(meta.banned)
-        masked = logits.clone() if constrained else logits  # unconstrained rows are never all -inf
+        # unconstrained rows are never all -inf; the raw logits stay untouched for the logprobs
+        masked = logits.clone() if constrained or meta.adjustments else logits
+        for adjustment in meta.adjustments:
+            adjustment.apply(masked[adjustment.row])
         for row, ids in meta.banned:
             masked[row, ids] = float("-inf")
         if bitmask is not None:
@@ -250,12 +309,14 @@ class Sampler:
         return probs, indices
 
 
-def nonfinite_problem(row: torch.Tensor, output_index: int) -> str:
-    """Why one row of raw logits (flagged `nonfinite`) could not be sampled: the request's error."""
+def nonfinite_problem(row: torch.Tensor, output_index: int, at: str | None = None) -> str:
+    """Why one row of raw logits (flagged `nonfinite`) could not be sampled (or scored: `at` names
+    the position, e.g. "prompt position 3"): the request's error."""
     row = row.float()
     nan, pos_inf = int(row.isnan().sum()), int(row.isposinf().sum())
     found = [f"{n} NaN" for n in (nan,) if n] + [f"{n} +inf" for n in (pos_inf,) if n]
     what = ", ".join(found) + f" among {row.numel()} logits" if found else f"all {row.numel()} logits are -inf"
-    return (f"the model's logits for output token {output_index} are not finite ({what}), so no token could be "
+    at = at or f"output token {output_index}"
+    return (f"the model's logits for {at} are not finite ({what}), so no token could be "
             f"sampled; the tokens before it are kept. This is a numerical fault in the model or the back end "
             f"(e.g. corrupt weights, or an overflow in half precision), not a problem of this request")

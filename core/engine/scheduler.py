@@ -27,6 +27,18 @@ their chunks), the first chunk ends there instead. Every chunk or decode that en
 multiple snapshots the state after its forward (`ScheduledRequest.prefix_capture`), committed
 under the request's tokens when the step is applied.
 
+Prompt log-probabilities (`SamplingParams.prompt_logprobs`): each prompt chunk of such a request
+also asks for the logits of its positions (`ScheduledRequest.prompt_positions`), each scoring the
+next prompt token; it never starts after a cached prefix (those positions would have no logits),
+and a request recomputed after a preemption scores only the positions it had not scored.
+
+Several samples of one prompt (`n`, `best_of`; the request's `group`): only the first member is
+queued. In the step that samples its first token (its prompt is then in the model state) the
+others are forked from it (`SchedulerOutput.forked`): each takes a slot and blocks, samples its own
+first token from the first member's last logits row, and gets a copy of the first member's state
+after the step's forward (`SchedulerOutput.copy_forks`), so the prompt is prefilled once. A member
+that does not fit then (slots, blocks, max_num_seqs) is queued to prefill on its own.
+
 Speculative decoding (`speculator`): a decode carries its drafts (at most what the budget,
 max_tokens and max_model_len leave room for) and is scheduled as 1 + m query tokens; the drafts'
 positions count as computed until the update rolls back the rejected ones. A request whose step
@@ -43,7 +55,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.cache_manager import CacheManager, PrefixCapture, PrefixHit
+from deepinfer.engine.cache_manager import CacheManager, PrefixCapture, PrefixHit, copy_sequence_state
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.speculative import Drafts, SpeculativeDecoder
@@ -77,6 +89,11 @@ class ScheduledRequest:
     #: the snapshot to take after it (this chunk ends on a block boundary)
     prefix_hit: PrefixHit | None = None
     prefix_capture: PrefixCapture | None = None
+    #: positions of this chunk whose logits score the next prompt token (prompt_logprobs)
+    prompt_positions: range = range(0)
+    #: a forked sample: the request id of the member whose last logits row it samples from and
+    #: whose state it copies (it has no input rows of its own)
+    fork_of: str | None = None
     slot: int | None = field(init=False)
     block_ids: dict[str, list[int]] = field(init=False)
     num_known_tokens: int = field(init=False)  # prompt + generated tokens known when scheduled
@@ -121,7 +138,9 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     num_waiting: int = 0
     num_running: int = 0
-    cache_tensors: CacheTensors | None = None  # what prefix_hit / prefix_capture copy from and to
+    cache_tensors: CacheTensors | None = None  # what prefix_hit / prefix_capture / forks copy from and to
+    #: samples forked from a member of their group scheduled in this step (sampled after the others)
+    forked: list[ScheduledRequest] = field(default_factory=list)
 
     def restore_prefixes(self) -> None:
         """Write the cached prefixes of this step's prefix hits into their cache (before the forward;
@@ -129,6 +148,16 @@ class SchedulerOutput:
         for s in self.scheduled:
             if s.prefix_hit is not None:
                 s.prefix_hit.restore(self.cache_tensors, s.slot, s.block_ids)
+
+    def copy_forks(self) -> None:
+        """Copy each forked sample's source state into its own slot and blocks (after the step's
+        model calls, which wrote the source's whole prompt)."""
+        if not self.forked:
+            return
+        sources = {s.request_id: s for s in self.scheduled}
+        for f in self.forked:
+            src = sources[f.fork_of]
+            copy_sequence_state(self.cache_tensors, src.slot, src.block_ids, f.slot, f.block_ids)
 
     def capture_prefixes(self) -> None:
         """Copy the state of the chunks that end on a block boundary (after the step's model calls)."""
@@ -146,7 +175,8 @@ class SchedulerOutput:
 
     @property
     def sampled(self) -> list[ScheduledRequest]:
-        return [s for s in self.scheduled if s.sample]
+        """The requests that sample a token, in the order of the step's logits rows."""
+        return [s for s in self.scheduled if s.sample] + self.forked
 
 
 @dataclass
@@ -166,11 +196,25 @@ class SampledTokens:
 
 
 @dataclass
+class PromptScores:
+    """Prompt log-probabilities a step computed for one request: the tokens at positions
+    `first`, `first` + 1, ... after the ones before them (raw distribution)."""
+
+    first: int
+    logprobs: list[float]
+    ranks: list[int]
+    top: list[list[tuple[int, float]]] | None = None
+    error: str | None = None  # a position's logits were not finite: the request fails with this
+
+
+@dataclass
 class ModelRunnerOutput:
-    """What a step computed, by request id: what each sampled request emits, and the next drafts."""
+    """What a step computed, by request id: what each sampled request emits, the next drafts, and
+    prompt log-probabilities."""
 
     sampled: dict[str, SampledTokens]
     drafts: dict[str, Drafts] = field(default_factory=dict)
+    prompt_scores: dict[str, PromptScores] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -194,11 +238,13 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a request (a sample waiting to be forked is only registered: its source queues)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._enqueue(request)
+        if request.fork_source is None:
+            self._enqueue(request)
 
     def reject(self, request: Request, problem: str) -> None:
         """Finish a request that admission refused (it was never queued)."""
@@ -235,8 +281,21 @@ class Scheduler:
         self.cache.free(req)
         self.masks.remove(req)
         self.requests.pop(req.request_id, None)
+        if req.fork_source is not None:  # finished while waiting to be forked
+            req.fork_source.fork_pending.remove(req)
+            req.fork_source = None
+        self._release_forks(req)
         req.text = self.outputs.final_text(req)
         self.outputs.release(req.request_id)
+
+    def _release_forks(self, req: Request) -> None:
+        """Members still waiting to be forked from `req` (which ends without its first token) are
+        queued to prefill on their own."""
+        pending, req.fork_pending = req.fork_pending, []
+        for f in pending:
+            f.fork_source = None
+            if not f.is_finished:
+                self._enqueue(f)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -250,7 +309,8 @@ class Scheduler:
 
     def _done_generating(self, r: Request) -> bool:
         """Its in-flight token already completes it (async): nothing more to schedule."""
-        return (r.num_outputs_with_pending >= r.params.max_tokens
+        # max_tokens 0 (score the prompt only) still computes the prompt: its sampled token is dropped
+        return (r.num_outputs_with_pending >= max(r.params.max_tokens, 1)
                 or r.num_tokens_with_pending >= self.max_model_len)
 
     # -- one step: what to run --------------------------------------------------------------------
@@ -313,22 +373,48 @@ class Scheduler:
                 req.num_computed_tokens = start
                 hits[req] = hit
             self.waiting.popleft()
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             plan[req] = n
             budget -= n
 
         scheduled = [self._commit(req, n, drafts.get(req, 0), hits.get(req)) for req, n in plan.items()]
+        forked = [f for s in scheduled if s.sample and s.request.fork_pending for f in self._fork(s)]
         self._step += 1
+        copies = self.cache.prefix_cache is not None or bool(forked)
         return SchedulerOutput(step_id=self._step, scheduled=scheduled, preempted=preempted,
                                num_waiting=len(self.waiting), num_running=len(self.running),
-                               cache_tensors=self.cache.tensors if self.cache.prefix_cache is not None else None)
+                               cache_tensors=self.cache.tensors if copies else None, forked=forked)
+
+    def _fork(self, source: ScheduledRequest) -> list[ScheduledRequest]:
+        """Fork the members waiting on `source`'s request, which samples its first token in this
+        step; the ones that do not fit are queued to prefill on their own."""
+        leader = source.request
+        forked = []
+        for f in list(leader.fork_pending):
+            fits = self.cache.tensors is not None and len(self.running) < self.max_num_seqs
+            if not fits or not self.cache.allocate(f, leader.num_tokens):
+                continue
+            leader.fork_pending.remove(f)
+            f.fork_source = None
+            f.status = RequestStatus.RUNNING
+            f.scheduled_time = time.monotonic()
+            f.num_computed_tokens = leader.num_tokens
+            f.num_pending_tokens += 1
+            self.running.append(f)
+            forked.append(ScheduledRequest(request=f, context_len=leader.num_tokens, token_ids=[],
+                                           num_placeholders=0, sample=True, output_index=0,
+                                           fork_of=leader.request_id))
+        self._release_forks(leader)
+        return forked
 
     def _lookup_prefix(self, req: Request) -> PrefixHit | None:
         """The longest cached prefix a request starting from scratch can reuse (None: none, or off)."""
         prefix = self.cache.prefix_cache
-        if prefix is None or req.num_computed_tokens:
-            return None
+        if prefix is None or req.num_computed_tokens or not req.prompt_scored:
+            return None  # (positions restored from the cache would have no logits to score)
         # at most all but the last token: the step must still compute the logits it samples from
         return prefix.lookup(req.tokens(0, req.num_tokens), req.num_tokens - 1)
 
@@ -369,6 +455,9 @@ class Scheduler:
             request=req, context_len=start, token_ids=req.tokens(start, known_end),
             num_placeholders=end - known_end, sample=sample, output_index=req.num_outputs_with_pending,
             prefix_hit=hit)
+        if req.prompt_logprobs is not None:  # positions p < prompt - 1 not scored yet score token p + 1
+            out.prompt_positions = range(max(start, len(req.prompt_logprobs) - 1),
+                                         max(min(end, req.num_prompt_tokens - 1), start))
         prefix = self.cache.prefix_cache
         if prefix is not None and not num_drafts and end % prefix.block_tokens == 0:
             out.prefix_capture = prefix.capture(req.tokens(0, known_end), end)
@@ -390,6 +479,10 @@ class Scheduler:
         """Apply a finished step's results; returns the requests that finished."""
         finished: list[Request] = []
         outcomes: list[tuple[int, int]] = []  # (drafts verified, drafts accepted) per verification
+        for rid, scores in output.prompt_scores.items():  # before the tokens: a finish keeps them
+            req = self.requests.get(rid)
+            if req is not None:
+                self._apply_prompt_scores(req, scores, finished)
         for s in scheduler_output.scheduled:
             capture = s.prefix_capture
             # a request finished before this step was applied may have had its last token discarded
@@ -411,7 +504,24 @@ class Scheduler:
             self.speculator.stats.record_step(outcomes)
         return finished
 
+    def _apply_prompt_scores(self, req: Request, scores: PromptScores, finished: list[Request]) -> None:
+        if scores.error is not None:
+            logger.warning("request %s failed: %s", req.request_id, scores.error)
+            self._finish(req, "error", error=scores.error)
+            finished.append(req)
+            return
+        entries = req.prompt_logprobs
+        for i, (logprob, rank) in enumerate(zip(scores.logprobs, scores.ranks)):
+            position = scores.first + i
+            if position == len(entries):  # a recompute after a preemption may score one again
+                top = scores.top[i] if scores.top is not None else ()
+                entries.append(self.outputs.logprob_entry(req.token_at(position), logprob, rank, top))
+
     def _apply_tokens(self, req: Request, result: SampledTokens, finished: list[Request]) -> None:
+        if req.params.max_tokens == 0:  # the prompt is scored; the token sampled after it is dropped
+            self._finish(req, "length")
+            finished.append(req)
+            return
         for i, token in enumerate(result.token_ids):
             stop_by_processor = self.masks.accept(req, token)
             if req.processors:

@@ -1,6 +1,6 @@
 """`deepinfer serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the async engine.
 
-    deepinfer serve --model /ckpt                       # http://127.0.0.1:8000/v1
+    deepinfer serve /ckpt                               # http://127.0.0.1:8000/v1 (or --model /ckpt)
     deepinfer serve --model /ckpt --api-key "$KEY"      # or DEEPINFER_API_KEY=...
     deepinfer serve --model /ckpt --host 0.0.0.0 --port 9000 --max-pending 64
     deepinfer serve --model /ckpt --prefix-cache --prefix-cache-dir ~/.cache/deepinfer/prefix
@@ -30,6 +30,8 @@ logger = logging.getLogger("deepinfer")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deepinfer serve", description="OpenAI-compatible HTTP server.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="checkpoint directory or Hugging Face id in the local cache (vLLM's form; or --model)")
     p.add_argument("--model", default=None, help="checkpoint directory or Hugging Face id in the local cache")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -64,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="host memory for the prefix cache in MiB (default 1024; implies --prefix-cache)")
     par = p.add_argument_group("data parallelism (docs/parallelism.md, docs/server.md)")
-    par.add_argument("--dp", type=int, default=None,
+    par.add_argument("--dp", "--data-parallel-size", dest="dp", type=int, default=None,
                      help="data-parallel ranks: one engine process each behind this front end (default 1)")
     par.add_argument("--ep", type=int, default=1, help="expert parallelism; deepinfer serve runs --ep 1 only")
     par.add_argument("--threads-per-rank", "--threads_per_rank", dest="threads_per_rank", type=int, default=None,
@@ -128,7 +130,7 @@ def build_server(settings: Any, dp: Any = None, **engine_args: Any) -> tuple[Any
     calls `front.shutdown()` afterwards."""
     _import_web()
     from deepinfer.server.app import build_app
-    from deepinfer.server.chat_format import ChatFormat, import_recipe
+    from deepinfer.server.chat_format import ChatFormat, import_recipe, tokenizer_file
 
     import_recipe()  # before the model loads: a missing package is a start-up error
     llm = None
@@ -149,8 +151,7 @@ def build_server(settings: Any, dp: Any = None, **engine_args: Any) -> tuple[Any
         model_path, model_type, max_model_len, tokenizer = (info.model_path, info.model_type, info.max_model_len,
                                                             info.tokenizer)
     name = settings.served_model_name or Path(model_path).name
-    chat = ChatFormat(model_type=model_type, tokenizer_file=getattr(tokenizer, "source", None)
-                      if getattr(tokenizer, "has_text", False) else None, served_model_name=name,
+    chat = ChatFormat(model_type=model_type, tokenizer_file=tokenizer_file(tokenizer), served_model_name=name,
                       max_model_len=max_model_len, default_thinking=settings.default_thinking)
     if chat.unavailable is not None:
         logger.warning("chat completions are unavailable: %s", chat.unavailable)
@@ -212,7 +213,12 @@ def _is_loopback(host: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}; give one")
+        args.model = args.model_tag
     from deepinfer.server.protocol import ServerSettings
 
     try:

@@ -18,12 +18,14 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.server.engine_loop import Delta, EngineLoop, EngineSnapshot
+from deepinfer.server.metrics import LatencyObserver
 
 __all__ = ["AsyncEngine", "Delta", "EngineDead", "EngineSnapshot", "FrontEnd", "QueueFull", "RequestStream",
            "SHUT_DOWN"]
@@ -58,10 +60,12 @@ class RequestStream:
         self.request_id = request_id
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.finished = False
+        self.submitted = time.monotonic()
+        self.last_token: dict[int, float] = {}  # sample index -> when its last tokens arrived
 
     async def next(self, timeout: float | None = None) -> Delta:
         delta = await asyncio.wait_for(self.queue.get(), timeout)
-        if delta.finished:
+        if delta.done:
             self.finished = True
         return delta
 
@@ -90,6 +94,9 @@ class FrontEnd:
     def __init__(self, max_pending: int):
         self.max_pending = max_pending
         self.snapshot = EngineSnapshot()
+        #: per-request latencies (time to first token, between tokens, end to end, in the queue),
+        #: observed as deltas reach their streams (the app points it at /metrics' histograms)
+        self.latency: LatencyObserver = LatencyObserver()
         self.dead: str | None = None  # why no request can be served any more
         self._streams: dict[str, tuple[RequestStream, asyncio.AbstractEventLoop]] = {}  # loop side
         self._ids = itertools.count()
@@ -103,13 +110,16 @@ class FrontEnd:
         mean = self.snapshot.step_seconds.mean or 0.1
         return max(1, round(mean * 16))
 
-    async def submit(self, prompt: Any, params: SamplingParams, prefix: str = "req") -> RequestStream:
+    async def submit(self, prompt: Any, params: SamplingParams, prefix: str = "req",
+                     request_id: str | None = None) -> RequestStream:
+        """Queue a request (its engine id `request_id`, else `prefix` and a number) and open its stream."""
         if self.dead is not None:
             raise EngineDead(self.dead)
         if len(self._streams) >= self.max_pending:
             raise QueueFull(self.max_pending, self.retry_after())
-        rid = f"{prefix}-{next(self._ids)}"
+        rid = request_id or f"{prefix}-{next(self._ids)}"
         stream = RequestStream(self, rid)
+        stream.submitted = time.monotonic()
         self._streams[rid] = (stream, asyncio.get_running_loop())
         try:
             self._send_add(rid, prompt, params)
@@ -163,7 +173,8 @@ class FrontEnd:
         entry = self._streams.get(rid)
         if entry is None:
             return  # aborted meanwhile
-        if delta.finished:
+        self.latency.observe(entry[0], delta)
+        if delta.done:
             del self._streams[rid]
             self._finished(rid, delta)
         entry[0].queue.put_nowait(delta)

@@ -194,7 +194,7 @@ class DPEngine(FrontEnd):
                 return
             with self._lock:
                 for rid, delta in deltas:
-                    if delta.token_ids and rid in rank.outputs:
+                    if delta.token_ids and delta.index == 0 and rid in rank.outputs:
                         rank.outputs[rid].extend(delta.token_ids)
                 rank.status = status
                 self._refresh_snapshot()

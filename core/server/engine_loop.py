@@ -16,6 +16,7 @@ from typing import Any
 from deepinfer.engine.cache_manager import PrefixCacheStats
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.request import Request
+from deepinfer.outputs import Logprob
 from deepinfer.server.metrics import Histogram
 
 logger = logging.getLogger("deepinfer")
@@ -26,7 +27,10 @@ UNAVAILABLE = "unavailable"
 
 @dataclass
 class Delta:
-    """What one engine step produced for one request."""
+    """What one engine step produced for one sample (`index`) of a request. A request of several
+    samples (`n`, `best_of`) gets one final delta per sample; the stream ends with the final delta
+    after which no sample is left (`samples_left` 0, `done`). The first delta (no tokens) says the
+    request was admitted, or is already the final one, with the admission error."""
 
     token_ids: list[int]
     finished: bool = False
@@ -34,6 +38,18 @@ class Delta:
     error: str | None = None
     text: str = ""  # the final text (stop strings cut), when finished
     num_prompt_tokens: int = 0
+    index: int = 0  # the sample
+    samples_left: int = 0  # samples of the request still running after this delta
+    logprobs: list[dict[int, Logprob]] | None = None  # per new token, when the request asks for logprobs
+    cumulative_logprob: float = 0.0  # of the sample's tokens so far (raw distribution)
+    #: the prompt's log-probabilities (`prompt_logprobs`), once, with the first delta after they are known
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    queue_s: float | None = None  # with the first tokens: seconds the request waited for a slot
+
+    @property
+    def done(self) -> bool:
+        """The request's last delta."""
+        return self.finished and self.samples_left == 0
 
 
 @dataclass
@@ -50,6 +66,17 @@ class EngineSnapshot:
     step_seconds: Histogram = field(default_factory=Histogram)
 
 
+@dataclass
+class _Tracked:
+    """A request being served: tokens handed out per sample, the samples reported finished."""
+
+    request: Request
+    sent: list[int]
+    reported: set[int] = field(default_factory=set)
+    prompt_sent: bool = False
+    queue_sent: bool = False
+
+
 #: a command for the loop: ("add", (request_id, prompt, SamplingParams)) or ("abort", request_id)
 Command = tuple[str, Any]
 
@@ -59,7 +86,7 @@ class EngineLoop:
         self.engine = engine
         self.post = post
         self.snapshot = snapshot
-        self._tracked: dict[str, tuple[Request, int]] = {}  # request, tokens handed out
+        self._tracked: dict[str, _Tracked] = {}
 
     @property
     def busy(self) -> bool:
@@ -101,23 +128,38 @@ class EngineLoop:
             if req.is_finished:  # refused at admission: the reason is the request's error
                 self.post(rid, Delta([], True, req.finish_reason, req.error, req.text, req.num_prompt_tokens))
                 continue
-            self._tracked[rid] = (req, 0)
-            self.post(rid, Delta([], num_prompt_tokens=req.num_prompt_tokens))
+            self._tracked[rid] = _Tracked(req, [0] * len(req.members))
+            self.post(rid, Delta([], num_prompt_tokens=req.num_prompt_tokens, samples_left=len(req.members)))
         if aborts:
             self.engine.abort(aborts)
             for rid in aborts:
                 self._tracked.pop(rid, None)
 
     def _hand_out(self, finished: list[Request]) -> None:
-        done = {r.request_id for r in finished}
-        for rid, (req, sent) in list(self._tracked.items()):
-            new = req.output_token_ids[sent:]
-            if req.is_finished or rid in done:
-                self.post(rid, Delta(list(new), True, req.finish_reason, req.error, req.text, req.num_prompt_tokens))
+        for rid, t in list(self._tracked.items()):
+            members = t.request.members
+            for i, m in enumerate(members):
+                if i in t.reported:
+                    continue
+                new = m.output_token_ids[t.sent[i]:]
+                if not new and not m.is_finished:
+                    continue
+                delta = Delta(list(new), num_prompt_tokens=m.num_prompt_tokens, index=i,
+                              logprobs=m.logprobs[t.sent[i]:] if m.logprobs is not None else None,
+                              cumulative_logprob=m.sum_logprob)
+                t.sent[i] += len(new)
+                if m.is_finished:
+                    t.reported.add(i)
+                    delta.finished, delta.finish_reason = True, m.finish_reason
+                    delta.error, delta.text = m.error, m.text
+                delta.samples_left = len(members) - len(t.reported)
+                if not t.prompt_sent and t.request.prompt_logprobs is not None and t.request.prompt_scored:
+                    delta.prompt_logprobs, t.prompt_sent = t.request.prompt_logprobs, True
+                if not t.queue_sent and m.scheduled_time is not None and (new or m.is_finished):
+                    delta.queue_s, t.queue_sent = m.scheduled_time - m.arrival_time, True
+                self.post(rid, delta)
+            if len(t.reported) == len(members):
                 del self._tracked[rid]
-            elif new:
-                self.post(rid, Delta(list(new), num_prompt_tokens=req.num_prompt_tokens))
-                self._tracked[rid] = (req, sent + len(new))
 
     def _refresh_snapshot(self) -> None:
         s, engine = self.snapshot, self.engine

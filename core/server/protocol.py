@@ -1,11 +1,14 @@
 """Pydantic models of what crosses the server's boundary: its settings, the `/v1/completions`
-request and response, the Chat Completions fields the server reads itself, and the OpenAI-style
-error body.
+request and response, the Chat Completions fields, the tokenizer routes, and the OpenAI-style error
+body.
 
 Request models are strict: a JSON value of the wrong type is refused, never converted (`true` is
-not the token id 1, `"yes"` is not `stream: true`). Chat Completions requests are otherwise not
-modelled here: deepseek-recipe parses and validates them (`chat_format.py`), so the accepted fields
-are exactly the ones it renders into the prompt.
+not the token id 1, `"yes"` is not `stream: true`), and so is a field the server does not know
+(`extra="forbid"`): every field is honoured or refused with a 400 naming it. The sampling fields
+both routes take (OpenAI's and vLLM's: penalties, `logit_bias`, `top_k`, `min_p`, `min_tokens`,
+`ignore_eos`, `stop_token_ids`, `n`, `seed`) are `SamplingFields`. A Chat Completions body is
+checked against `ChatFields` (every accepted field listed), then deepseek-recipe validates and
+renders the conversation (`chat_format.py`).
 """
 from __future__ import annotations
 
@@ -78,45 +81,176 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
-    """`POST /v1/completions`: a raw prompt (text, tokenised with BOS, or token ids), no chat format."""
+#: the most samples (`n`, `best_of`) and alternatives per position (`logprobs`) a request may ask for
+MAX_SAMPLES = 64
+MAX_LOGPROBS = 20
+
+
+class SamplingFields(BaseModel):
+    """The sampling fields both generation routes take (OpenAI's, and vLLM's extensions), with
+    OpenAI's and vLLM's ranges; `sampling_kwargs` maps them onto `SamplingParams`."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str
-    prompt: str | list[int]
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0, le=2)
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = 1
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_SAMPLES)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (as JSON keys are: a string) -> [-100, 100]
+    # vLLM's extensions
+    repetition_penalty: float = Field(1.0, gt=0, le=2)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (non-negative integers as strings); got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values must be in [-100, 100]; got {value:g} for token {key}")
+        return bias
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _non_negative(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(t < 0 for t in ids):
+            raise ValueError("token ids are non-negative integers")
+        return ids
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The SamplingParams keywords of these fields (temperature, top_p, stop and n are the
+        route's: chat resolves them with the recipe)."""
+        return dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, top_k=self.top_k, min_p=self.min_p,
+                    min_tokens=self.min_tokens, ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                    logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                    seq_seed=self.seed)
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`: raw prompts (text, tokenised with BOS, or token ids; one or a batch),
+    no chat format."""
+
+    model: str
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int = Field(16, ge=0)
+    best_of: int | None = Field(None, ge=1, le=MAX_SAMPLES)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     structured_outputs: StructuredOutputs | None = None
     user: str | None = None
 
-    @field_validator("n")
+    @field_validator("prompt")
     @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported; send one request per choice")
-        return n
+    def _not_empty(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("give a prompt: a string, a list of token ids, or a non-empty batch of either")
+        return prompt
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("a suffix (fill in the middle) is not supported by this model's completions; "
+                             "leave it unset")
+        return suffix
+
+    @model_validator(mode="after")
+    def _consistent(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of ({self.best_of}) must be >= n ({self.n})")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of > n cannot be streamed (the best samples are known only at the end); "
+                             "set stream to false")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing; set echo (with logprobs, to score the prompt) or "
+                             "max_tokens >= 1")
+        if self.max_tokens == 0 and (self.n > 1 or (self.best_of or 1) > 1):
+            raise ValueError("max_tokens 0 (score the prompt) takes one sample; leave n and best_of at 1")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The batch: one prompt, or each of the list."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
-class ChatFields(BaseModel):
-    """The fields of a Chat Completions body that the server reads itself, checked strictly before
-    the whole body goes to deepseek-recipe (which validates the rest, and renders the prompt)."""
+class ChatTemplateKwargs(BaseModel):
+    """vLLM's `chat_template_kwargs`: DeepSeek's template reads `thinking` only."""
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
+    thinking: bool | None = None
+
+
+class ChatFields(SamplingFields):
+    """Every field a Chat Completions body may hold. The server reads the sampling fields, `n`,
+    `max_completion_tokens`, `chat_template_kwargs`, `logprobs` and `structured_outputs` itself;
+    deepseek-recipe validates the rest (`Any` here) and renders the conversation."""
+
+    model: Any = None
+    messages: Any = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = Field(None, ge=0, lt=SEED_LIMIT)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: Any = None
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    response_format: Any = None
+    thinking: Any = None  # DeepSeek's {"type": "enabled" | "disabled"}
+    reasoning_effort: Any = None
+    chat_template_kwargs: ChatTemplateKwargs | None = None
     structured_outputs: StructuredOutputs | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatFields:
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ValueError(f"max_tokens ({self.max_tokens}) and max_completion_tokens "
+                             f"({self.max_completion_tokens}) differ; send one of them")
+        return self
+
+
+class TokenizeRequest(BaseModel):
+    """`POST /tokenize` (vLLM's): a text prompt, or chat messages rendered as chat completions would."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class Usage(BaseModel):
@@ -125,14 +259,26 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy Completions `logprobs` object: per token its text, log-probability (None for the
+    first prompt token) and top alternatives, and where its text starts."""
+
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(BaseModel):
+    """A response, or one streamed chunk (a final usage chunk has no choices)."""
+
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))

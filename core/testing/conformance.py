@@ -26,11 +26,10 @@ the reason, when the family under test is another one.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import json
 import os
 import sys
-import tempfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -270,24 +269,46 @@ class ReferenceAccelerator(Accelerator):
         raise NotImplementedError("the conformance reference has no collectives")
 
 
+class _ReferenceDistribution(metadata.Distribution):
+    """The metadata pip would leave for a distribution whose entry point registers
+    `ReferenceAccelerator` as REFERENCE_NAME, held in memory."""
+
+    NAME = "deepinfer-conformance-reference"
+    FILES = {"METADATA": f"Metadata-Version: 2.1\nName: {NAME}\nVersion: 0\n",
+             "entry_points.txt": f"[deepinfer.accelerators]\n{REFERENCE_NAME} = {__name__}:ReferenceAccelerator\n"}
+
+    def read_text(self, filename: str) -> str | None:
+        return self.FILES.get(filename)
+
+    def locate_file(self, path: str | os.PathLike) -> Path:
+        return Path(path)  # no files: everything is in the metadata above
+
+
+class _ReferenceFinder(metadata.DistributionFinder):
+    """Finds `_ReferenceDistribution` for `importlib.metadata` (so its entry point is discovered like
+    an installed plugin's) and no module."""
+
+    def find_spec(self, fullname: str, path: object = None, target: object = None) -> None:
+        return None
+
+    def find_distributions(self, context: metadata.DistributionFinder.Context = metadata.DistributionFinder.Context()):
+        name = context.name
+        if name is None or name.replace("_", "-").lower() == _ReferenceDistribution.NAME:
+            yield _ReferenceDistribution()
+
+
 @contextlib.contextmanager
 def reference_registered():
     """Make `ReferenceAccelerator` an installed accelerator plugin named REFERENCE_NAME for the
-    duration (an entry point in a temporary dist-info on sys.path, exactly what pip would leave), so
-    that the engine can be built on it by name."""
-    with tempfile.TemporaryDirectory(prefix="deepinfer-conformance-") as root:
-        info = Path(root) / "deepinfer_conformance_reference-0.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: deepinfer-conformance-reference\nVersion: 0\n")
-        (info / "entry_points.txt").write_text(f"[deepinfer.accelerators]\n{REFERENCE_NAME} = "
-                                               f"{__name__}:ReferenceAccelerator\n")
-        sys.path.insert(0, root)
-        importlib.invalidate_caches()
-        try:
-            yield REFERENCE_NAME
-        finally:
-            sys.path.remove(root)
-            importlib.invalidate_caches()
+    duration (its distribution's metadata found by a finder on `sys.meta_path`, where
+    `importlib.metadata` looks for installed distributions), so that the engine can be built on it
+    by name."""
+    finder = _ReferenceFinder()
+    sys.meta_path.append(finder)
+    try:
+        yield REFERENCE_NAME
+    finally:
+        sys.meta_path.remove(finder)
 
 
 # ------------------------------------------------------------------------ the pytest plugin

@@ -252,9 +252,11 @@ def test_sink_attention_rows(acc, ref):
 
 
 @pytest.mark.level(1)
+@pytest.mark.family(DEEPSEEK_V4)
 def test_attention_projections(acc, ref):
-    """The attention's input projections, norms and rotaries (with and without the indexer's query),
+    """V4's attention input projections, norms and rotaries (with and without the indexer's query),
     three times on the same weights (a back end may switch kernels once it has seen them)."""
+    acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
     g = _gen(17)
     D, rank, H, d, Hi, di, half, T = 48, 24, 2, 32, 2, 16, 4, 2
     for dtype in _dtypes(acc):
@@ -268,10 +270,10 @@ def test_attention_projections(acc, ref):
                 x = torch.randn(tokens, D, generator=g).to(dtype)
                 cs = (angles[:tokens].cos(), angles[:tokens].sin())
                 index = cs if index_heads else (None, None)
-                want = ref.attention_projections(x, fused_x, rank, q_norm, qr, H, kv_norm, 1e-6, *cs, index_heads,
+                want = ref_ops.attention_projections(x, fused_x, rank, q_norm, qr, H, kv_norm, 1e-6, *cs, index_heads,
                                                  *index)
                 for _ in range(3):
-                    got = acc.attention_projections(*_on(acc, x, fused_x), rank, *_on(acc, q_norm, qr), H,
+                    got = acc_ops.attention_projections(*_on(acc, x, fused_x), rank, *_on(acc, q_norm, qr), H,
                                                     *_on(acc, kv_norm), 1e-6, *_on(acc, *cs), index_heads,
                                                     *(_on(acc, *index) if index_heads else index))
                     for name, a, b in zip(("px", "q", "kv", "index_q"), got, want):
@@ -281,9 +283,11 @@ def test_attention_projections(acc, ref):
 
 
 @pytest.mark.level(1)
+@pytest.mark.family(DEEPSEEK_V4)
 def test_decode_attention_output(acc, ref):
-    """A decode step's attention from the own keys' write to the output projection, one and two key
-    parts, three times on the same weights."""
+    """V4's decode attention from the own keys' write to the output projection, one and two key parts,
+    three times on the same weights."""
+    acc_ops, ref_ops = resolve_ops(acc), resolve_ops(ref)
     g = _gen(18)
     B, H, d, G, R, D, half = 3, 4, 32, 2, 16, 24, 4
     for dtype in _dtypes(acc):
@@ -302,11 +306,11 @@ def test_decode_attention_output(acc, ref):
             cs = (angles[:tokens].cos(), angles[:tokens].sin())
             for parts in (1, 2):
                 ref_caches = (window.clone(), entries)[:parts]
-                want = ref.decode_attention_output(q, kv, key_rows, ref_caches, rows[:parts], masks[:parts], sinks,
+                want = ref_ops.decode_attention_output(q, kv, key_rows, ref_caches, rows[:parts], masks[:parts], sinks,
                                                    d ** -0.5, *cs, wo_a, wo_b)
                 for _ in range(3):
                     caches = tuple(_on(acc, window.clone(), entries))[:parts]
-                    got = acc.decode_attention_output(*_on(acc, q, kv, key_rows), caches,
+                    got = acc_ops.decode_attention_output(*_on(acc, q, kv, key_rows), caches,
                                                       tuple(_on(acc, *rows[:parts])), tuple(_on(acc, *masks[:parts])),
                                                       *_on(acc, sinks), d ** -0.5, *_on(acc, *cs, wo_a, wo_b))
                     _close(got, want, dtype, f"decode_attention_output ({tokens} tokens, {parts} parts)")

@@ -9,7 +9,7 @@ decode:  throughput (accepted tokens/s/device) against per-user speed (tokens/s 
 prefill: throughput (tokens/s/device) against the time of one prefill step of
          --prefill_batch_size tokens; throughput is better higher, latency lower.
 The Pareto front (points no other point beats on both axes) is drawn as a line.
-Figures are recomputed from the raw quantities of each record (`bench.results.figures`).
+Figures are recomputed from the raw quantities of each record (`deepinfer.benchmarks.results.figures`).
 """
 from __future__ import annotations
 
@@ -18,9 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, for `bench`
-
-from bench import results  # noqa: E402
+from deepinfer.benchmarks import results
 
 MODES = ("decode", "prefill")
 

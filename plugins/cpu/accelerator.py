@@ -56,6 +56,8 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
         # FP8/FP4 weights kept quantised (memory) or dequantised at load (speed, the default): the
         # kernels compute on quantised weights tile by tile through the reference path
         self.weight_formats = WEIGHT_FORMATS if envs.get_bool("DEEPINFER_CPU_QUANTIZED_WEIGHTS", False) else ()
+        # decode steps as their prepared programs (program.py) or call by call
+        self.prepared_programs = envs.get_bool("DEEPINFER_CPU_DECODE_BLOCKS", True)
 
     @classmethod
     def probe(cls) -> ProbeResult:

@@ -78,7 +78,7 @@ class CpuDeepseekV4Ops(DeepseekV4Ops):
     name (so the C kernels of the native subclass are used where it has them)."""
 
     def __init__(self, kernels: "CpuKernels"):
-        self.kernels = kernels
+        super().__init__(kernels)
 
     def hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -115,9 +115,30 @@ class CpuDeepseekV4Ops(DeepseekV4Ops):
                      mask: torch.Tensor, k: int) -> torch.Tensor:
         return self.kernels.indexer_topk(q, weights, keys, mask, k)
 
-    def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
-                     ) -> tuple[torch.Tensor, tuple] | None:
-        return self.kernels.decode_block(block, streams, waiting, step)
+    def attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
+                              q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
+                              kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                              index_heads: int = 0, index_cos: torch.Tensor | None = None,
+                              index_sin: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        out = self.kernels.fused_attention_projections(x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos,
+                                                       sin, index_heads, index_cos, index_sin)
+        if out is None:
+            return super().attention_projections(x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin,
+                                                 index_heads, index_cos, index_sin)
+        return out
+
+    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
+                                sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        out = self.kernels.fused_decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin,
+                                                         wo_a, wo_b)
+        if out is None:
+            return super().decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
+                                                   wo_b)
+        return out
 
 
 class CpuKernels(TorchKernels):
@@ -125,9 +146,12 @@ class CpuKernels(TorchKernels):
         """The V4 op table over this object's methods; None (the defaults) for other families."""
         return CpuDeepseekV4Ops(self) if family == DEEPSEEK_V4 else None
 
-    def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
-                     ) -> tuple[torch.Tensor, tuple] | None:
-        """V4's `decode_block`: none without the C kernels (module by module)."""
+    def fused_attention_projections(self, *args) -> None:
+        """V4's fused attention projections: none without the C kernels (the composed calls)."""
+        return None
+
+    def fused_decode_attention_output(self, *args) -> None:
+        """V4's fused decode attention output: none without the C kernels (the composed calls)."""
         return None
 
     # ----- small ops -----

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-import weakref
 
 import torch
 
@@ -38,7 +37,9 @@ from deepinfer.accelerator.interface import MoEDispatch
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, DeepseekV41Ops
-from deepinfer_plugins.cpu import decode_block as decode_blocks, native, packed_weights
+from deepinfer.program import Program
+from deepinfer_plugins.cpu import native, packed_weights
+from deepinfer_plugins.cpu.program import PreparedProgram
 from deepinfer_plugins.cpu.kernels import _SKINNY_ROWS, CpuKernels, _pad_rows
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
@@ -246,50 +247,14 @@ class NativeCpuKernels(CpuKernels):
             return None
         return PackedWeights(pack=native.transpose_fn, dtype=torch.float32)
 
-    _decode_plan: object = None  # the step plan decode_block last looked at, and whether its steps qualify
-    _decode_plan_eligible = False
+    prepared_programs: bool = True  # DEEPINFER_CPU_DECODE_BLOCKS, read once by the accelerator
 
-    @functools.cached_property
-    def _decode_runners(self) -> weakref.WeakKeyDictionary:
-        """decode_block.DecodeBlockRunner per V4 decoder block and token count (False: not that way), with
-        the cache binding they address."""
-        return weakref.WeakKeyDictionary()
-
-    def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
-                     ) -> tuple[torch.Tensor, tuple] | None:
-        """A decode step's block as its prepared C calls (decode_block.py), where it can run so."""
-        if self.native_library is None or self.invariant or not decode_blocks.enabled():
+    def prepare_program(self, program: Program) -> PreparedProgram | None:
+        """A model's step program with its C calls bound once (program.py); None (run eagerly) without the
+        library, in batch-invariant mode (its kernels are the composed ops'), or when switched off."""
+        if self.native_library is None or self.invariant or not self.prepared_programs:
             return None
-        # per block: False, or (its attention, the cache binding its calls address, token count -> runner or False)
-        entry = self._decode_runners.get(block)
-        if entry is False:
-            return None
-        if entry is None:
-            if not decode_blocks.block_eligible(block):
-                self._decode_runners[block] = False
-                return None
-            attn = block.modules[0].layer
-            entry = self._decode_runners[block] = (attn, attn.state, {})
-        if entry[1] is not entry[0].state:  # the cache bound again: every size's calls address the old one
-            entry = self._decode_runners[block] = (entry[0], entry[0].state, {})
-        runners = entry[2]
-        if self._decode_plan is not step.plan:  # asked once per step (every block shares the plan)
-            self._decode_plan, self._decode_plan_eligible = step.plan, decode_blocks.plan_eligible(step.plan)
-        tokens = step.plan.T
-        if not self._decode_plan_eligible or not decode_blocks.inputs_eligible(streams, waiting, tokens):
-            return None
-        runner = runners.get(tokens)
-        if runner is False:
-            return None
-        if runner is None:
-            runner = runners[tokens] = decode_blocks.DecodeBlockRunner(self, block, tokens)
-        choices = runner.kernel_choices(streams)
-        if choices is None:  # a packed copy the composed ops would read is not made yet, or not these calls
-            return None
-        if not runner.ready(choices, waiting is None) and not runner.build(streams, waiting, step, choices):
-            runners[tokens] = False  # a check that fails for every step of this size
-            return None
-        return runner.run(streams, waiting, step)
+        return PreparedProgram(self, program)
 
     def _hc_fn_t(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor | None:
         """fn's transposed copy for bf16 calls with a 4-row tile (None below 4 rows: one row reads fn itself).
@@ -314,6 +279,16 @@ class NativeCpuKernels(CpuKernels):
         avx2 = lib is not None and native.gemv_tier(lib) == "avx2-fma"
         return _AVX2_ONE_ROW_TILES_MIN_ELEMENTS if avx2 else 1 << 62
 
+    def linear_tiles(self, rows: int, dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy `linear` multiplies `rows` rows by on the C register tiles, or None (another
+        path; at a weight's first use in the tiles' row range: the lookup counts it, the copy is made at
+        the second)."""
+        low, high = self._packed_gemm_rows
+        if rows == 1 and weight.numel() >= self._one_row_tiles_min_elements:
+            low = 1  # the AVX2 tier's LM head
+        tiles = self.tile_weights if low <= rows <= high and dtype == torch.bfloat16 else None
+        return None if tiles is None else tiles.lookup(weight)
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             y = self._quant_linear(x, weight)  # decode sizes: straight from the stored bytes
@@ -321,11 +296,7 @@ class NativeCpuKernels(CpuKernels):
         if self.invariant:
             return _row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
-        low, high = self._packed_gemm_rows
-        if rows == 1 and weight.numel() >= self._one_row_tiles_min_elements:
-            low = 1  # the AVX2 tier's LM head
-        tiles = self.tile_weights if low <= rows <= high and x.dtype == torch.bfloat16 else None
-        packed = None if tiles is None else tiles.lookup(weight)  # None at a weight's first use
+        packed = self.linear_tiles(rows, x.dtype, weight)
         if packed is not None:
             flat = x.dim() == 2  # already [rows, K] and the product [rows, N]: no reshape, no view (2 ops a call)
             y = native.packed_linear_bf16(lib, x if flat else x.reshape(rows, x.shape[-1]), packed, weight.shape)
@@ -477,11 +448,13 @@ class NativeCpuKernels(CpuKernels):
             out = native.sink_attention_rows(lib, q, caches, rows, masks, sinks, scale)
         return super().sink_attention_rows(q, caches, rows, masks, sinks, scale) if out is None else out
 
-    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
-                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
-                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
-                                sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
-                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+    def fused_decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                      caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                      masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float,
+                                      cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                      wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor | None:
+        """V4's `decode_attention_output` in one C call where it runs so, else None (the composed calls).
+        """
         # bf16 decode steps in one C call (attention_layer.c) where every stage is a C kernel the composed
         # path would pick: one token (grouped GEMV, then the tiles if wo_b has its packed copy, else the
         # GEMV), or _SKINNY_ROWS and more on the tiles. It runs only once the packed copies the composed
@@ -500,17 +473,15 @@ class NativeCpuKernels(CpuKernels):
             if products is not None:
                 out = native.attention_output_bf16(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin,
                                                    wo_a, wo_b, *products)
-        if out is not None:
-            return out
-        return super().decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
-                                               wo_b)
+        return out
 
-    def attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
-                              q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
-                              kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                              index_heads: int = 0, index_cos: torch.Tensor | None = None,
-                              index_sin: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def fused_attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
+                                    q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
+                                    kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                                    index_heads: int = 0, index_cos: torch.Tensor | None = None,
+                                    index_sin: torch.Tensor | None = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """V4's `attention_projections` in one C call where it runs so, else None (the composed calls)."""
         # bf16 decode steps in one C call (attention_layer.c) where both products run on the kernels `linear`
         # would pick (the tiles once the copies exist, or the GEMV for one token), see decode_attention_output
         lib, out = self.native_library, None
@@ -526,10 +497,7 @@ class NativeCpuKernels(CpuKernels):
             if copies is not None:
                 out = native.attention_projections_bf16(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps,
                                                         cos, sin, index_heads, index_cos, index_sin, *copies)
-        if out is not None:
-            return out
-        return super().attention_projections(x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin,
-                                             index_heads, index_cos, index_sin)
+        return out
 
     def _linear_copies(self, tokens: int, *weights: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
         """The packed copies (or None: the plain weight, one token's GEMV) that `linear` reads for `tokens`

@@ -8,6 +8,11 @@ n = RMSNorm. State (`cache_layout`):
   indexed by absolute position mod ring size (so a rollback of <= max_rollback tokens is exact).
 The addressing comes from the shared `RaggedPlan`; the kernels used from the accelerator are the
 ones `family.py` declares (linear, rms_norm, swiglu); attention itself is plain torch.
+
+A layer is written once, as calls through a `call(op, **args)` function (`_layer`): run eagerly it is
+the forward; given a program builder's `call` it describes a decode step (`decode_program`), which the
+model runs for steps of decode tokens, so a back end may prepare it (the cpu back end binds the
+linears and norms to its C calls) without any code of its own for this family.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from deepinfer.models.batch import ForwardBatch, ForwardOutput
 from deepinfer.models.cache_layout import BlockGroup, CacheLayout, CacheTensors, StateTensor
 from deepinfer.models.common.checkpoint import compare_shapes
 from deepinfer.models.common.ragged import RaggedPlan, take_rows
+from deepinfer.program import Builder, Program, Programs
 from toy_family.config import FULL, SLIDING, ToyConfig
 from toy_family.weights import expected_shapes, target_dtype
 
@@ -33,6 +39,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+class ToyStep:
+    """What a step's layers read: the plan and the RoPE tables at its positions."""
+
+    def __init__(self, plan: RaggedPlan, inv_freq: torch.Tensor):
+        freqs = plan.positions.float().unsqueeze(-1) * inv_freq
+        self.plan, self.cos, self.sin = plan, freqs.cos(), freqs.sin()
+
+
 class ToyDenseForCausalLM:
     def __init__(self, config: ToyConfig, accelerator, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", attention_dtype: torch.dtype = torch.float32):
@@ -46,6 +60,7 @@ class ToyDenseForCausalLM:
         self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._window: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._ring = 0
+        self.programs = Programs(accelerator)  # decode steps by token count
 
     # ----- Model protocol -----
     def drafter_heads(self) -> None:
@@ -58,6 +73,7 @@ class ToyDenseForCausalLM:
             raise ValueError(f"toy weights do not fit the config: missing {missing}, unexpected {unexpected}, "
                              f"wrong shape {wrong}")
         self.w = {k: v.to(self.device, target_dtype(k, self.dtype)).contiguous() for k, v in weights.items()}
+        self.programs.clear()
 
     def cache_layout(self, max_rollback: int) -> CacheLayout:
         c = self.config
@@ -85,36 +101,65 @@ class ToyDenseForCausalLM:
                     for i in range(c.num_layers) if c.layer_types[i] == FULL}
         self._window = {i: (cache.slot_view(WINDOW_K, i), cache.slot_view(WINDOW_V, i))
                         for i in range(c.num_layers) if c.layer_types[i] == SLIDING}
+        self.programs.clear()
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         if self.cache is None or not self.w:
             raise RuntimeError("load_weights() and bind_cache() first")
         c, a, w = self.config, self.accel, self.w
-        plan = RaggedPlan(batch, self.cache.num_slots, self.cache.block_size)
-        T, H, d, eps = plan.T, c.num_heads, c.head_dim, c.rms_norm_eps
-        freqs = plan.positions.float().unsqueeze(-1) * self.inv_freq
-        cos, sin = freqs.cos(), freqs.sin()
+        step = ToyStep(RaggedPlan(batch, self.cache.num_slots, self.cache.block_size), self.inv_freq)
         x = w["embed.weight"][batch.input_ids.to(self.device)]
+        if step.plan.decode_only and step.plan.T <= 64:  # a program a back end may prepare
+            x, = self.programs.get(("decode", step.plan.T), lambda: self.decode_program(step.plan.T)).run(step, x=x)
+        else:
+            x = self._layers(self._eager, x, step.plan, step.cos, step.sin)
+        picked = x[batch.logits_indices.to(self.device)]
+        logits = a.linear(a.rms_norm(picked, w["norm.weight"], c.rms_norm_eps), w["head.weight"]).float()
+        return ForwardOutput(logits=logits)
+
+    def decode_program(self, tokens: int) -> Program:
+        """The layers of a step of `tokens` decode tokens as a program: the calls `_layers` makes."""
+        b = Builder({"kernels": self.accel})
+        plan, cos, sin = (b.input(n, lambda s, n=n: getattr(s, n)) for n in ("plan", "cos", "sin"))
+        return b.build((self._layers(b.call, b.input("x"), plan, cos, sin),), key=("decode", tokens))
+
+    def _eager(self, op, outs=1, view=False, **args):
+        """`call` that runs at once (the forward): "kernels.<op>" on the accelerator, else the callable."""
+        fn = getattr(self.accel, op.partition(".")[2]) if isinstance(op, str) else op
+        return fn(**args)
+
+    def _layers(self, call, x, plan, cos, sin):
+        """Every layer through `call`: eagerly (`_eager`) or into a program (`Builder.call`)."""
+        c, w, eps = self.config, self.w, self.config.rms_norm_eps
         for i in range(c.num_layers):
             p = f"layers.{i}."
-            h = a.rms_norm(x, w[p + "attn_norm.weight"], eps)
-            q = rope(a.linear(h, w[p + "attn.wq.weight"]).view(T, H, d), cos, sin)
+            h = call("kernels.rms_norm", x=x, weight=w[p + "attn_norm.weight"], eps=eps)
+            q = call(self._heads, y=call("kernels.linear", x=h, weight=w[p + "attn.wq.weight"]), cos=cos, sin=sin)
             k = v = None
             if c.owns_kv(i):
-                k = rope(a.linear(h, w[p + "attn.wk.weight"]).view(T, H, d), cos, sin)
-                v = a.linear(h, w[p + "attn.wv.weight"]).view(T, H, d)
-            if c.layer_types[i] == FULL:
-                o = self._full(i, plan, q, k, v)
-            else:
-                o = self._sliding(i, plan, q, k, v)
-            x = x + a.linear(o.reshape(T, H * d), w[p + "attn.wo.weight"])
-            h = a.rms_norm(x, w[p + "mlp_norm.weight"], eps)
-            gated = a.swiglu(a.linear(h, w[p + "mlp.w_gate.weight"]), a.linear(h, w[p + "mlp.w_up.weight"]), 0.0)
-            x = x + a.linear(gated, w[p + "mlp.w_down.weight"])
-        picked = x[batch.logits_indices.to(self.device)]
-        logits = a.linear(a.rms_norm(picked, w["norm.weight"], eps), w["head.weight"]).float()
-        return ForwardOutput(logits=logits)
+                k = call(self._heads, y=call("kernels.linear", x=h, weight=w[p + "attn.wk.weight"]), cos=cos, sin=sin)
+                v = call(self._heads, y=call("kernels.linear", x=h, weight=w[p + "attn.wv.weight"]))
+            attend = self._full if c.layer_types[i] == FULL else self._sliding
+            o = call(self._rows, t=call(attend, layer=i, plan=plan, q=q, k=k, v=v))
+            x = call(torch.add, input=x, other=call("kernels.linear", x=o, weight=w[p + "attn.wo.weight"]))
+            h = call("kernels.rms_norm", x=x, weight=w[p + "mlp_norm.weight"], eps=eps)
+            gate = call("kernels.linear", x=h, weight=w[p + "mlp.w_gate.weight"])
+            up = call("kernels.linear", x=h, weight=w[p + "mlp.w_up.weight"])
+            down = call("kernels.linear", x=call("kernels.swiglu", gate=gate, up=up, limit=0.0),
+                        weight=w[p + "mlp.w_down.weight"])
+            x = call(torch.add, input=x, other=down)
+        return x
+
+    def _heads(self, y: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+               ) -> torch.Tensor:
+        """A projection `[T, H*d]` as heads `[T, H, d]`, rotated when cos/sin are given."""
+        heads = y.view(y.shape[0], self.config.num_heads, self.config.head_dim)
+        return heads if cos is None else rope(heads, cos, sin)
+
+    @staticmethod
+    def _rows(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(t.shape[0], -1)
 
     # ----- attention -----
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

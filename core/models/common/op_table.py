@@ -24,11 +24,14 @@ def check_op_signatures(base: type, cls: type, names: tuple[str, ...]) -> None:
 
 
 def resolve_op_table(accelerator: object, family: str, base: type[T]) -> T:
-    """The back end's op table for `family` if it declares one (`model_ops(family)`), else `base()`."""
+    """The back end's op table for `family` if it declares one (`model_ops(family)`), else the defaults
+    `base(accelerator)` over its generic ops (`base()`, plain torch, for an object that has none)."""
+    from deepinfer.accelerator.interface import SmallOps
+
     declare = getattr(accelerator, "model_ops", None)
     table = declare(family) if callable(declare) else None
     if table is None:
-        return base()
+        return base(accelerator) if isinstance(accelerator, SmallOps) else base()
     if not isinstance(table, base):
         name = getattr(accelerator, "name", type(accelerator).__name__)
         raise TypeError(f"back end {name!r} returned a {type(table).__name__} from model_ops({family!r}); it must "

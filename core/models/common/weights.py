@@ -163,6 +163,14 @@ def fused_parts(w: dict[str, torch.Tensor], names: tuple[str, ...], prefix: str)
     return present, [w[n].shape[0] for n in present]
 
 
+def fused_part(out: torch.Tensor, parts: tuple[list[str], list[int]], name: str) -> torch.Tensor:
+    """One part of a fused projection's output, by name: a view of its columns (see `fused_parts`)."""
+    names, widths = parts
+    i = names.index(name)
+    start = sum(widths[:i])
+    return out.narrow(-1, start, widths[i])
+
+
 def split_fused(out: torch.Tensor, parts: tuple[list[str], list[int]]) -> dict[str, torch.Tensor]:
     """Split the output of a fused projection back into its parts, by name (see `fused_parts`)."""
     names, widths = parts

@@ -15,14 +15,15 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
-from deepinfer.models.common.weights import fused_parts, group_rows, split_fused, strip_prefix
+from deepinfer.models.common.weights import fused_part, fused_parts, group_rows, split_fused, strip_prefix
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
-from deepinfer.parallel.context_parallel import RowSplit
 from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS
+from deepinfer.program import Builder, Ref
+from deepinfer.parallel.context_parallel import RowSplit
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Attention:
         # one product over the fused projections of x (weights.FUSED_PROJECTIONS), then of qr (wq_b and
         # the indexer's wq_b), with the query's and key's norms and rotaries
         Hi = c.index_n_heads if self.indexer_compressor is not None else 0
-        px, q, kv, index_q = a.attention_projections(
+        px, q, kv, index_q = self.ops.attention_projections(
             x, w["fused_x.weight"], self.q_rank, w["q_norm.weight"], w["fused_qr.weight"], H,
             w["kv_norm.weight"], eps, cos, sin, Hi, *(cos_sin["compress"] if Hi else (None, None)))
         # the parts other than wq_a and wkv (already consumed by the C call): none in a sliding layer
@@ -129,7 +130,7 @@ class Attention:
         if decode_only and plan.split is None:  # the rest of the sub-layer in one (fusable) call
             g = plan.groups[0]
             caches, rows, masks = self._decode_keys(g, 0, plan, window_flat, index_q, index_w)
-            return a.decode_attention_output(q, kv, g.new_key_ring_row, caches, rows, masks, w["attn_sink"],
+            return self.ops.decode_attention_output(q, kv, g.new_key_ring_row, caches, rows, masks, w["attn_sink"],
                                              d ** -0.5, cos, sin, self.wo_a, w["wo_b.weight"])
         out = None if decode_only else torch.empty_like(q)  # every query row belongs to one group
         for gi, g in enumerate(plan.groups):
@@ -158,6 +159,57 @@ class Attention:
         o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
         grouped = a.grouped_linear(o, self.wo_a)
         return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
+
+    def lower_decode(self, b: Builder, x: Ref, step: Ref) -> Ref:
+        """`forward` on a step of decode tokens only (one per sequence, in row order, not split) as program
+        calls: the projections, each compressor's ring write and pooling, a CSA layer's indexer
+        selection, the attention output; the same ops, in the same order, on the same values. The
+        step's addressing (the plan's rows and masks, the RoPE tables) comes in as program inputs."""
+        if self.state is None:
+            raise RuntimeError("no cache bound: call bind_cache() before building a decode program")
+        c, w, st = self.c, self.w, self.state
+        Hi = c.index_n_heads if self.indexer_compressor is not None else 0
+        cos, sin = rope_inputs(b, self.rope_kind)
+        icos, isin = rope_inputs(b, "compress") if Hi else (None, None)
+        px, q, kv, index_q = b.call(
+            "ops.attention_projections", 4, x=x, fused_x=w["fused_x.weight"], rank=self.q_rank,
+            q_norm=w["q_norm.weight"], fused_qr=w["fused_qr.weight"], heads=c.num_attention_heads,
+            kv_norm=w["kv_norm.weight"], eps=c.rms_norm_eps, cos=cos, sin=sin, index_heads=Hi, index_cos=icos,
+            index_sin=isin)
+
+        def part(name: str) -> Ref:
+            return b.call(fused_part, view=True, out=px, parts=self.x_parts, name=name)
+
+        plan, rope = b.input("plan", lambda s: s.plan), b.input("rope", lambda s: s.rope)
+        for prefix, comp, rows, entries in (("", self.compressor, st.rows, st.entries),
+                                            ("indexer.", self.indexer_compressor, st.indexer_rows, st.indexer_keys)):
+            if comp is not None:
+                comp.lower_decode(b, part(f"{prefix}compressor.wkv.weight"), part(f"{prefix}compressor.wgate.weight"),
+                                  rows, entries, plan, rope)
+        window_flat = self._window_flat(st.window)
+        caches = (window_flat,)
+        rows = (b.input("key_ring_row_all", lambda s: s.plan.groups[0].key_ring_row_all),)
+        masks = (b.input("window_mask", lambda s: s.plan.groups[0].window_mask),)
+        if self.rate:
+            if self.type == CSA:
+                index_w = b.call(self.index_weights, weights_proj=part("indexer.weights_proj.weight"))
+                picked = b.call(self.decode_selection, 2, plan=plan, index_q=index_q, index_w=index_w)
+            else:
+                rate = self.rate
+                picked = (b.input(f"entry_rows.{rate}", lambda s: s.plan.entry_view(0, rate).flat),
+                          b.input(f"entry_visible.{rate}", lambda s: s.plan.entry_view(0, rate).visible))
+            caches, rows, masks = (window_flat, st.entries), (*rows, picked[0]), (*masks, picked[1])
+        key_rows = b.input("new_key_ring_row", lambda s: s.plan.groups[0].new_key_ring_row)
+        return b.call("ops.decode_attention_output", q=q, kv=kv, key_rows=key_rows, caches=caches, rows=rows,
+                      masks=masks, sinks=w["attn_sink"], scale=c.head_dim ** -0.5, cos=cos, sin=sin, wo_a=self.wo_a,
+                      wo_b=w["wo_b.weight"])
+
+    def decode_selection(self, plan: StepPlan, index_q: torch.Tensor, index_w: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A CSA layer's picked entries for a step of decode tokens only: (entry rows `[B, k']`, their mask
+        `[B, 1, k']`), the rows and mask its attention reads after the window's."""
+        g = plan.groups[0]
+        return self._selected_entries(g, plan.entry_view(0, self.rate), index_q, index_w, lambda r: r)
 
     def index_weights(self, weights_proj: torch.Tensor) -> torch.Tensor:
         """The indexer's per-head weights `[T, Hi]` fp32 from their projection (its part of the fused one)."""
@@ -199,6 +251,11 @@ class Attention:
         sel = self.ops.indexer_topk(g.gather(index_q), g.gather(index_w),
                                       take_rows(st.indexer_keys, ev.flat), ev.visible, self.c.index_topk)
         return selected_entry_keys(read, g, ev, sel)
+
+
+def rope_inputs(b: Builder, kind: str) -> tuple[Ref, Ref]:
+    """The step's RoPE tables of one frequency set (`StepInputs.cos_sin[kind]`) as program inputs."""
+    return (b.input(f"cos.{kind}", lambda s: s.cos_sin[kind][0]), b.input(f"sin.{kind}", lambda s: s.cos_sin[kind][1]))
 
 
 def selected_entry_keys(read: Callable[[torch.Tensor], torch.Tensor], g, ev, sel: torch.Tensor

@@ -13,9 +13,9 @@ V4.1's Engram memory, which precedes attention in two layers) is inserted with
 
 Blocks run through `run_modules`: between two mHC sites in a row (the attention and MoE of a block,
 the MoE of one block and the attention of the next) it makes one op call, the first site's `hc_post`
-with the second's `hc_pre_norm` (`hc_post_pre_norm`), instead of the two. `run_blocks` with the model's
-op table first offers each block to `ops.decode_block` (a back end's whole-block path for the steps it
-takes, e.g. the cpu back end's decode steps); a block it declines runs module by module.
+with the second's `hc_pre_norm` (`hc_post_pre_norm`), instead of the two. `lower_blocks` describes the
+same chain of calls as a step program (`deepinfer.program`), for the steps whose sub-layers can lower
+themselves (decode steps): the model runs that program, which a back end may prepare once and replay.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.program import Builder, Ref
 from deepinfer.parallel.context_parallel import RowSplit
 
 ATTN, FFN = "attn", "ffn"
@@ -96,6 +97,23 @@ class HyperConnected:
         return self.ops.hc_post_pre_norm(y, streams, post, comb, self.fn, self.base, self.scale, c.hc_sinkhorn_iters,
                                          c.hc_eps, c.rms_norm_eps, self.norm, c.rms_norm_eps)
 
+    def lower(self, b: Builder, streams: Ref, waiting: tuple | None, step: Ref) -> tuple[Ref, tuple]:
+        """This site as program calls (`_run_waiting`'s for it): `pre` or, with a site still `waiting`,
+        `post_pre`, then the sub-layer (`lower_decode` when it has one, else its `run` as one call);
+        returns the streams and this site, waiting."""
+        c = self.c
+        site = dict(fn=self.fn, base=self.base, scale=self.scale, sinkhorn_iters=c.hc_sinkhorn_iters, eps=c.hc_eps,
+                    norm_eps=c.rms_norm_eps, norm_weight=self.norm, rms_eps=c.rms_norm_eps)
+        if waiting is None:
+            x, post, comb = b.call("ops.hc_pre_norm", 3, streams=streams, **site)
+        else:
+            _, y, post_in, comb_in = waiting
+            streams, x, post, comb = b.call("ops.hc_post_pre_norm", 4, y=y, streams=streams, post=post_in,
+                                            comb=comb_in, **site)
+        lower = getattr(self.layer, "lower_decode", None)
+        y = lower(b, x, step) if lower is not None else b.call(self.layer.run, x=x, step=step)
+        return streams, (self, y, post, comb)
+
 
 def run_modules(modules: Iterable[BlockModule], streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
     """streams `[T, n, D]` -> `[T, n, D]`: every module in order, as `m.forward` one after another would,
@@ -130,15 +148,34 @@ def _finish(streams: torch.Tensor, waiting: tuple | None) -> torch.Tensor:
     return streams
 
 
-def run_blocks(blocks: Iterable[DecoderBlock], streams: torch.Tensor, step: StepInputs,
-               ops: DeepseekV4Ops | None = None) -> torch.Tensor:
-    """Every block in order (`run_modules` over all their modules: one op between two blocks too); with the
-    model's `ops`, each block as `ops.decode_block` where it takes that step, else module by module."""
+def run_blocks(blocks: Iterable[DecoderBlock], streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    """Every block in order (`run_modules` over all their modules: one op between two blocks too)."""
     waiting = None
     for blk in blocks:
-        fused = None if ops is None else ops.decode_block(blk, streams, waiting, step)
-        streams, waiting = fused if fused is not None else _run_waiting(blk.modules, streams, waiting, step)
+        streams, waiting = _run_waiting(blk.modules, streams, waiting, step)
     return _finish(streams, waiting)
+
+
+def lower_blocks(blocks: Iterable[DecoderBlock], b: Builder, streams: Ref, step: Ref) -> Ref:
+    """`run_blocks` as program calls: the same ops on the same values in the same order (mHC sites by
+    `HyperConnected.lower`, any other module's `forward` as one call). `step` is the step's
+    `StepInputs`, for the calls that read it whole."""
+    waiting = None
+    for blk in blocks:
+        for m in blk.modules:
+            if isinstance(m, HyperConnected):
+                streams, waiting = m.lower(b, streams, waiting, step)
+                continue
+            if waiting is not None:
+                streams, waiting = lower_post(b, waiting, streams), None
+            streams = b.call(m.forward, streams=streams, step=step)
+    return streams if waiting is None else lower_post(b, waiting, streams)
+
+
+def lower_post(b: Builder, waiting: tuple, streams: Ref) -> Ref:
+    """The waiting site's `hc_post` as a program call."""
+    _, y, post, comb = waiting
+    return b.call("ops.hc_post", y=y, streams=streams, post=post, comb=comb)
 
 
 class DecoderBlock:

@@ -16,6 +16,7 @@ from deepinfer.models.common.ragged import take_rows
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import CompressPlan, StepPlan
+from deepinfer.program import Builder, Ref
 
 
 class Compressor:
@@ -26,7 +27,7 @@ class Compressor:
         self.ape, self.norm = weights["ape"], weights["norm.weight"]
         self._flat: tuple[torch.Tensor, ...] = ()  # (rows_kv, rows_score, their flat views) of the bound rows
 
-    def _flat_rows(self, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def flat_rows(self, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The raw-row rings `[num_slots, Rc, w]` as `[num_slots * Rc, w]` (the views made once per binding)."""
         if not self._flat or self._flat[0] is not rows_kv or self._flat[1] is not rows_score:
             self._flat = (rows_kv, rows_score, rows_kv.view(-1, rows_kv.shape[-1]),
@@ -39,7 +40,7 @@ class Compressor:
         caller in one fused projection); rows_* `[num_slots, Rc, coff*d_c]` fp32 (this layer);
         entries `[num_entries, d_c]` (this layer's block-group tensor)."""
         ring = rows_kv.shape[1]
-        flat_kv, flat_score = self._flat_rows(rows_kv, rows_score)
+        flat_kv, flat_score = self.flat_rows(rows_kv, rows_score)
         write = plan.ring_write(ring)
         completed = plan.windows_completed(self.rate)
         if plan.decode_only or (write.all_rows and not completed):
@@ -60,13 +61,25 @@ class Compressor:
         write.store(flat_kv, kv)
         write.store(flat_score, score)
 
+    def lower_decode(self, b: Builder, kv: Ref, score: Ref, rows: tuple[torch.Tensor, torch.Tensor],
+                     entries: torch.Tensor, plan: Ref, rope: Ref) -> None:
+        """`update` on a step of decode tokens as program calls: the ring write (`compress_store`, its
+        position bias and ring rows as program inputs), then `pool_stored`."""
+        rate, ring = self.rate, rows[0].shape[1]
+        flat_kv, flat_score = self.flat_rows(*rows)
+        b.call("ops.compress_store", 0, kv=kv, score=score, ape=self.ape,
+               position_mod=b.input(f"position_mod.{rate}", lambda s: s.plan.position_mod(rate)),
+               ring_row=b.input(f"ring_row.{ring}", lambda s: s.plan.ring_write(ring).ring_row),
+               rows_kv=flat_kv, rows_score=flat_score)
+        b.call(self.pool_stored, 0, plan=plan, rope=rope, rows_kv=rows[0], rows_score=rows[1], entries=entries)
+
     def pool_stored(self, plan: StepPlan, rope: RotaryTables, rows_kv: torch.Tensor, rows_score: torch.Tensor,
                     entries: torch.Tensor) -> None:
         """The entries of the windows this step completes, from their raw rows once all are in the ring (the
         step's rows stored first: at decode a window's rows are then all there, the new row replacing
         position ctx - Rc, older than the window's first)."""
         if plan.windows_completed(self.rate):
-            flat_kv, flat_score = self._flat_rows(rows_kv, rows_score)
+            flat_kv, flat_score = self.flat_rows(rows_kv, rows_score)
             cp = plan.compress_plan(self.rate, rows_kv.shape[1], self.overlap)
             self._pool(take_rows(flat_kv, cp.ring_row_all), take_rows(flat_score, cp.ring_row_all), cp, rope, entries)
 

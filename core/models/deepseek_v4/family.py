@@ -19,7 +19,7 @@ REQUIRED_OPS = (
     "linear", "grouped_linear", "rms_norm", "rotary", "swiglu", "sink_attention",
     "sink_attention_rows", "moe_route", "moe_dispatch", "moe_experts", "moe_combine", "moe_sublayer",
     "hc_pre", "hc_pre_norm", "hc_post", "hc_post_pre_norm", "hc_head", "compress_store", "compress_pool",
-    "indexer_topk", "decode_block",
+    "indexer_topk", "attention_projections", "decode_attention_output",
 )
 # prefill runs in query blocks of this many tokens (bounded key ranges per block, see docs/model.md)
 QUERY_BLOCK = 256

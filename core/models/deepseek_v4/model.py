@@ -18,7 +18,8 @@ from deepinfer.accelerator.interface import Accelerator
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.attention import AttentionState
 from deepinfer.models.common.weights import ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
-from deepinfer.models.deepseek_v4.block import DecoderBlock, StepInputs, build_decoder_block, run_blocks
+from deepinfer.models.deepseek_v4.block import (DecoderBlock, StepInputs, build_decoder_block, lower_blocks,
+                                                 run_blocks)
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.ops import resolve_ops
 from deepinfer.models.deepseek_v4.rope import RotaryTables
@@ -28,7 +29,12 @@ from deepinfer.models.deepseek_v4.state import (
 )
 from deepinfer.models.deepseek_v4.weights import FUSED_PROJECTIONS, check_weights, weight_kind
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
+from deepinfer.program import Builder, Program, Programs
 from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
+
+
+#: steps of up to this many decode tokens run as their program (one per token count)
+DECODE_PROGRAM_MAX_TOKENS = 64
 
 
 class DeepseekV4ForCausalLM:
@@ -55,6 +61,7 @@ class DeepseekV4ForCausalLM:
         self._cache: CacheTensors | None = None
         self._rings: RingSizes | None = None
         self._num_slots = 0
+        self.programs = Programs(accelerator)  # decode-step programs by token count (`decode_program`)
 
     def drafter_heads(self) -> tuple[DecoderBlock, ...] | None:
         """The MTP block (`mtp.0`, run by `mtp_forward`) when its weights are loaded, else None."""
@@ -86,6 +93,7 @@ class DeepseekV4ForCausalLM:
                                            ops=self.ops)
                        for i in range(c.num_hidden_layers)]
         self.mtp_block, self.mtp_top = None, {}
+        self.programs.clear()
         if with_mtp:
             mtp = strip_prefix(state, "mtp.0.")
             self.mtp_top = {k: mtp.pop(k) for k in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight",
@@ -143,6 +151,7 @@ class DeepseekV4ForCausalLM:
         layout = self.cache_layout(max_rollback)
         layout.check(cache, f"model.cache_layout({max_rollback})")
         self._cache = cache
+        self.programs.clear()
         self._num_slots = window.shape[1]
         self._rings = ring_sizes(c, max_rollback)
 
@@ -199,13 +208,27 @@ class DeepseekV4ForCausalLM:
         x = self.top["embed.weight"].index_select(0, ids)
         streams = x.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
         step = StepInputs(ids, plan, self.rope, cos_sin)
-        streams = run_blocks(self.blocks, streams, step, self.ops)  # one mHC op between two sub-layers
+        if plan.decode_step and plan.T <= DECODE_PROGRAM_MAX_TOKENS:  # the same calls, prepared by the back end
+            streams, = self.programs.get(("decode", plan.T), lambda: self.decode_program(plan.T)).run(step,
+                                                                                                    streams=streams)
+        else:
+            streams = run_blocks(self.blocks, streams, step)  # one mHC op between two sub-layers
         if split is not None:  # every rank samples (and drafts) from the whole step's final streams
             streams = split.gather(streams)
         picked = streams.index_select(0, batch.logits_indices.to(self.device))
         logits = self._logits(picked, self.top["hc_head_fn"], self.top["hc_head_base"], self.top["hc_head_scale"],
                               self.top["norm.weight"])
         return ForwardOutput(logits=logits, streams=self._streams_out(batch, streams, picked))
+
+    def decode_program(self, tokens: int) -> Program:
+        """The layers of a step of `tokens` decode tokens (one per sequence, in row order, not split) as a
+        program (`deepinfer.program`): input the embedded streams and the step's `StepInputs`, output
+        the final streams; the calls `run_blocks` makes on such a step."""
+        if self._cache is None:
+            raise RuntimeError("no cache bound: call bind_cache() before building a decode program")
+        b = Builder({"ops": self.ops, "kernels": self.accel})
+        streams = lower_blocks(self.blocks, b, b.input("streams"), b.input("step", lambda s: s))
+        return b.build((streams,), key=("decode", tokens))
 
     @torch.no_grad()
     def mtp_forward(self, streams: torch.Tensor, next_token_ids: torch.Tensor, batch: ForwardBatch) -> ForwardOutput:

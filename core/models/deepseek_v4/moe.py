@@ -21,6 +21,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator, MoEDispatch, routing_scores, shared_expert
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
+from deepinfer.program import Builder, Ref
 from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
 from deepinfer.parallel.expert_parallel import current_expert_parallel
 
@@ -67,13 +68,27 @@ class MoE:
             return self._exchange(x, input_ids)
         a, c = self.accel, self.c
         shared_w13, shared_w2 = (None, None) if self.shared is None else self.shared
-        return a.moe_sublayer(x, self.gate, self.bias, self._hash_ids(input_ids), self.w13, self.w2, shared_w13,
+        return a.moe_sublayer(x, self.gate, self.bias, self.hash_ids(input_ids), self.w13, self.w2, shared_w13,
                               shared_w2, c.num_experts_per_tok, c.routed_scaling_factor, c.scoring_func,
                               c.swiglu_limit)
 
-    def _hash_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+    def hash_ids(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """A hash layer's experts of each row (rows of `tid2eid`: cheaper than indexing), else None."""
         return self.tid2eid.index_select(0, input_ids) if self.is_hash else None
+
+    def lower_decode(self, b: Builder, x: Ref, step: Ref) -> Ref:
+        """`run` on a step not split over a context-parallel group, as program calls: the whole layer in one
+        `moe_sublayer` call when every expert is local, else `forward` (the expert-parallel exchange) as one."""
+        input_ids = b.input("input_ids", lambda s: s.input_ids)
+        if self.ep is not None:
+            return b.call(self.forward, x=x, input_ids=input_ids)
+        c = self.c
+        shared_w13, shared_w2 = (None, None) if self.shared is None else self.shared
+        hash_ids = b.call(self.hash_ids, input_ids=input_ids) if self.is_hash else None
+        return b.call("kernels.moe_sublayer", x=x, gate=self.gate, gate_bias=self.bias, hash_ids=hash_ids, w13=self.w13,
+                      w2=self.w2, shared_w13=shared_w13, shared_w2=shared_w2, top_k=c.num_experts_per_tok,
+                      routed_scaling_factor=c.routed_scaling_factor, scoring_func=c.scoring_func,
+                      swiglu_limit=c.swiglu_limit)
 
     def _shared_over_cp(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Rows every rank of the CP group holds: each rank runs its zig-zag share of them through the
@@ -87,7 +102,7 @@ class MoE:
         a, c = self.accel, self.c
         scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
         weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor,
-                                   self._hash_ids(input_ids))
+                                   self.hash_ids(input_ids))
         # logical experts -> physical slots (replicas under load balancing)
         rows, dispatch = a.moe_dispatch(x, self.ep.route(self.ep_key, ids), self.ep.num_slots(self.ep_key))
         y = a.moe_combine(self.ep.experts(self.ep_key, rows, dispatch), dispatch, weights)

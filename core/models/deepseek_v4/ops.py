@@ -4,18 +4,23 @@ The generic ops (linear, norms, rope, attention, MoE, sampling) come from the ac
 interface. The ops below exist only because of V4's architecture — manifold-constrained
 hyper-connections (mHC: `hc_pre`, `hc_pre_norm`, `hc_post`, `hc_post_pre_norm`, `hc_head`), the
 compressor's ring writes and gated pooling (`compress_store`, `compress_pool`), the lightning
-indexer's selection (`indexer_topk`) and a whole decoder block in a few calls (`decode_block`) — so
-they are not part of the accelerator contract.
-`DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32 reductions). A back end with
+indexer's selection (`indexer_topk`), and the attention sub-layer's two halves in one call each
+(`attention_projections`, `decode_attention_output`) — so they are not part of the accelerator
+contract. `DeepseekV4Ops` implements them in plain torch (device-agnostic, fp32 reductions), or as
+compositions of the accelerator's generic ops it is built with (`kernels`). A back end with
 faster versions subclasses it, overrides what it has, and returns an instance from
 `Accelerator.model_ops("deepseek_v4")`; the model resolves its table once, at construction
-(`resolve_ops`).
+(`resolve_ops`). The model's decode steps name these ops in their programs (`core/program.py`),
+which is where a back end binds its fused versions once instead of per call.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.common.op_table import check_op_signatures, resolve_op_table
 
 #: the family name a back end's `model_ops(family)` is asked with
@@ -27,12 +32,19 @@ _MAX_SCORE_ELEMENTS = 1 << 26
 
 #: the ops of the table (what a back end may override)
 OPS = ("hc_pre", "hc_pre_norm", "hc_post", "hc_post_pre_norm", "hc_head", "compress_store", "compress_pool",
-       "indexer_topk", "decode_block")
+       "indexer_topk", "attention_projections", "decode_attention_output")
 
 
 class DeepseekV4Ops:
-    """Plain-torch defaults of V4's model-specific ops. A subclass that overrides one with other
-    parameter names or kinds fails when it is defined (as accelerator kernels do)."""
+    """Plain-torch defaults of V4's model-specific ops, over the accelerator's generic ops `kernels`
+    (linear, norms, rotary, attention) where an op composes them. A subclass that overrides one with
+    other parameter names or kinds fails when it is defined (as accelerator kernels do)."""
+
+    def __init__(self, kernels: Any = None):
+        if kernels is None:  # plain torch, on whatever device the tensors are
+            from deepinfer.accelerator.reference import TorchKernels
+            kernels = TorchKernels()
+        self.kernels = kernels
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -153,15 +165,46 @@ class DeepseekV4Ops:
             picks = F.pad(picks, (0, k - kk), value=-1)
         return picks
 
-    def decode_block(self, block: object, streams: torch.Tensor, waiting: tuple | None, step: object
-                     ) -> tuple[torch.Tensor, tuple] | None:
-        """Optional: a whole decoder block (`block.DecoderBlock`) of a step in a few calls, where a back end
-        has them for that step (a one-token decode step, say); None runs its modules one by one (this
-        default). It takes and returns what `block.run_blocks` carries between blocks: the streams and
-        `waiting` = (mHC site, y, post, comb), the last site's output whose `hc_post` is still to come
-        (None before the first block), and computes exactly what the modules would, cache writes included.
-        The tensors it returns may be buffers it reuses: valid until its next call for the same block."""
-        return None
+    def attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
+                              q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
+                              kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                              index_heads: int = 0, index_cos: torch.Tensor | None = None,
+                              index_sin: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The attention's queries and key from its input x `[T, D]`: `px = linear(x, fused_x)`, whose
+        first `rank` columns are the query's low-rank part and the next d its key (d = kv_norm's size,
+        the head size); `pqr = linear(rms_norm(px[:, :rank], q_norm), fused_qr)`, whose first `heads * d`
+        columns are the query heads and the rest (with `index_heads`) the indexer's query heads. Returns
+        (px, q = rms_norm_rotary of the heads `[T, heads, d]` (no weight), kv = rms_norm_rotary of the key
+        `[T, d]` (kv_norm), the indexer query heads rotated by (index_cos, index_sin) `[T, index_heads, .]`
+        or None); cos/sin `[T, r/2]`. This default makes those generic calls; a back end fuses them."""
+        k = self.kernels
+        T, d = x.shape[0], kv_norm.shape[0]
+        px = k.linear(x, fused_x)
+        pqr = k.linear(k.rms_norm(px[:, :rank], q_norm, eps), fused_qr)
+        q = k.rms_norm_rotary(pqr[:, :heads * d].reshape(T, heads, d), None, eps, cos, sin)
+        kv = k.rms_norm_rotary(px[:, rank:rank + d], kv_norm, eps, cos, sin)
+        index_q = None
+        if index_heads:
+            index_q = k.rotary(pqr[:, heads * d:].reshape(T, index_heads, -1), index_cos, index_sin, False)
+        return px, q, kv, index_q
+
+    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
+                                sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        """A decode step's attention from its keys to its output, one query per sequence: each query's
+        own key `kv` `[B, d]` written into `caches[0]` at rows `key_rows` `[B]` (the window ring), then
+        `sink_attention_rows` of q `[B, H, d]` over the parts (`caches`, `rows`, `masks` as there, S = 1),
+        the inverse `rotary` (cos/sin `[B, r/2]`), the grouped output projection `wo_a` `[G, R, H*d/G]`
+        and `linear` by `wo_b` `[D, G*R]` -> `[B, D]` in q's dtype. This default makes those generic
+        calls; a back end fuses them (one call per layer instead of five and their glue)."""
+        k = self.kernels
+        caches[0].index_copy_(0, key_rows, kv)
+        o = k.sink_attention_rows(q.unsqueeze(1), caches, rows, masks, sinks, scale).squeeze(1)
+        o = k.rotary(o, cos, sin, True).view(q.shape[0], wo_a.shape[0], -1)
+        return k.linear(k.grouped_linear(o, wo_a).reshape(q.shape[0], -1), wo_b)
 
 
 def resolve_ops(accelerator: object) -> DeepseekV4Ops:

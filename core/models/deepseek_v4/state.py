@@ -263,6 +263,12 @@ class StepPlan(RaggedPlan):
         group.in_row_order = len(items) == self.T  # every token of the step is one of its queries
         return group
 
+    @cached_property
+    def decode_step(self) -> bool:
+        """Every token is a sequence's only new token, in row order, and the step is not split over a
+        context-parallel group: what a decode program runs (the model's `decode_program`)."""
+        return (self.decode_only and self.split is None and len(self.groups) == 1 and self.groups[0].in_row_order)
+
     def entry_view(self, group_index: int, rate: int) -> EntryView:
         key = (group_index, rate)
         if key not in self._entry_views:

@@ -48,8 +48,9 @@ from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, HEADERS, 
                                                 planned_target)
 from deepinfer_plugins.cpu.native.compressor import compress_store, compress_store_arguments
 from deepinfer_plugins.cpu.native.experts import experts_bf16
-from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_tier, gemv_tier_for, gemv_tokens_bf16,
-                                               grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16, linear_rows)
+from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_bf16_arguments, gemv_tier, gemv_tier_for,
+                                               gemv_tokens_bf16, grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16,
+                                               linear_rows)
 from deepinfer_plugins.cpu.native.mhc import (
     TRANSPOSED_MIXES, HcOutputs, hc_head, hc_outputs, hc_post, hc_post_pre_norm, hc_post_pre_norm_arguments, hc_pre,
     hc_pre_arguments, transpose_fn,
@@ -57,8 +58,9 @@ from deepinfer_plugins.cpu.native.mhc import (
 from deepinfer_plugins.cpu.native.moe_layer import (moe_layer_arguments, moe_layer_bf16, moe_layer_quant,
                                                     moe_layer_quant_arguments)
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
-from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rms_norm_rotary, rotary
-from deepinfer_plugins.cpu.native.packed_gemm import pack_bf16, packed_cols, packed_linear_bf16, packed_shape
+from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rms_norm_arguments, rms_norm_rotary, rotary
+from deepinfer_plugins.cpu.native.packed_gemm import (pack_bf16, packed_cols, packed_linear_arguments,
+                                                      packed_linear_bf16, packed_shape)
 from deepinfer_plugins.cpu.native.quant_experts import quant_experts
 from deepinfer_plugins.cpu.native.quant_gemv import quant_grouped_linear, quant_linear, quant_simd
 from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
@@ -71,14 +73,14 @@ __all__ = [
     "attention_projections_bf16", "attention_projections_quant", "attention_projections_quant_arguments",
     "build_flags", "build_isa", "build_variant", "cache_dir", "compress_store",
     "compress_store_arguments", "cache_root", "enabled",
-    "experts_bf16", "gemv_bf16", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16",
+    "experts_bf16", "gemv_bf16", "gemv_bf16_arguments", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16",
     "grouped_gemv_bf16", "hc_head", "hc_outputs", "hc_post", "hc_post_pre_norm", "hc_post_pre_norm_arguments",
     "hc_pre", "hc_pre_arguments", "HcOutputs",
     "indexer_scores", "library", "linear_amx_bf16",
     "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_arguments", "moe_layer_bf16", "moe_layer_quant",
     "moe_layer_quant_arguments", "moe_route_rows",
-    "pack_bf16", "packed_cols", "packed_linear_bf16", "packed_shape", "planned_isa", "planned_target", "quant_experts",
-    "quant_grouped_linear", "quant_linear", "quant_simd", "rms_norm", "rms_norm_rotary", "rotary",
+    "pack_bf16", "packed_cols", "packed_linear_arguments", "packed_linear_bf16", "packed_shape", "planned_isa", "planned_target", "quant_experts",
+    "quant_grouped_linear", "quant_linear", "quant_simd", "rms_norm", "rms_norm_arguments", "rms_norm_rotary", "rotary",
     "TRANSPOSED_MIXES", "transpose_fn", "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows",
     "swiglu",
 ]

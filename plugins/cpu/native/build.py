@@ -96,6 +96,9 @@ SWITCHED_OFF: dict[str, frozenset[str]] = {
     "no-avx2": frozenset({"avx2", "fma", "avx512f", "avx512bf16", "amx"})}
 _CPU_FLAGS = {"avx2": ("avx2",), "fma": ("fma",), "avx512f": ("avx512f",), "avx512bf16": ("avx512_bf16",),
               "amx": ("amx_tile", "amx_bf16", "avx512_bf16")}
+# A whole build takes ~30-60 s on two idle cores; a loaded machine (a parallel test run) has taken over
+# 120 s, so the limit only catches a compiler that hangs.
+COMPILE_TIMEOUT_S = 900
 # A recorded digest is one line of 64 hex digits; anything longer is not ours.
 _DIGEST_FILE_MAX = 256
 
@@ -167,7 +170,7 @@ def _compile(target: Path, compiler: list[str], flags: tuple[str, ...] = FLAGS) 
         nonlocal digest
         try:
             out = subprocess.run([*compiler, *flags, "-o", tmp, *map(str, SOURCES)], capture_output=True,
-                                 text=True, timeout=120)
+                                 text=True, timeout=COMPILE_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as exc:
             raise CompilerError(f"running `{' '.join(compiler)}` failed: {exc}") from exc
         if out.returncode != 0:

@@ -8,7 +8,7 @@ import functools
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Kernel, dtype_code, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Bound, Kernel, dtype_code, int_, long_, ptr, threads
 
 _AMX_USABLE = Kernel("amx_usable", restype=ctypes.c_int)
 _GEMV_TIER = Kernel("gemv_tier", restype=ctypes.c_char_p)
@@ -38,7 +38,16 @@ def gemv_tier_for(isa: frozenset[str]) -> str:
 
 
 def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-    """`weight @ x` for one bf16 token (x `[K]` or `[1, K]`), or None for anything else."""
+    """`weight @ x` for one bf16 token (x `[K]` or `[1, K]`) -> `[N]`, or None for anything else."""
+    bound = gemv_bf16_arguments(lib, weight, x)
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs
+
+
+def gemv_bf16_arguments(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> Bound | None:
+    """`gemv_bf16`'s checked call (outputs: the `[N]` result), not made; None: not handled."""
     if (weight.dtype is not torch.bfloat16 or x.dtype is not torch.bfloat16 or weight.dim() != 2
             or x.numel() != weight.shape[1] or not (weight.is_cpu and x.is_cpu) or not weight.is_contiguous()
             or weight.requires_grad or x.requires_grad):
@@ -47,9 +56,9 @@ def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.
     if xc.stride(0) != 1:
         xc = xc.contiguous()
     out = torch.empty(weight.shape[0], dtype=torch.bfloat16)
-    _GEMV_BF16(lib, W=weight.data_ptr(), x=xc.data_ptr(), y=out.data_ptr(), N=weight.shape[0], K=weight.shape[1],
-               num_threads=threads())
-    return out
+    values = dict(W=weight.data_ptr(), x=xc.data_ptr(), y=out.data_ptr(), N=weight.shape[0], K=weight.shape[1],
+                  num_threads=threads())
+    return Bound(_GEMV_BF16, values, out, (xc,))
 
 
 _GEMV_TOKENS_BF16 = Kernel("gemv_tokens_bf16", W=ptr, X=ptr, Y=ptr, m=long_, N=long_, K=long_, num_threads=int_)

@@ -5,7 +5,8 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr, threads
+from deepinfer_plugins.cpu.native.binding import (Bound, Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr,
+                                                   threads)
 
 _RMS_NORM = Kernel("rms_norm", x=ptr, x_row_stride=long_, w=ptr, w_dtype=int_, out=ptr, rows=long_, D=long_,
                    eps=float_, dtype=int_, num_threads=int_)
@@ -30,6 +31,15 @@ def _norm_rows(x: torch.Tensor, weight: torch.Tensor | None, D: int
 
 
 def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    bound = rms_norm_arguments(lib, x, weight, eps)
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs
+
+
+def rms_norm_arguments(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> Bound | None:
+    """`rms_norm`'s checked call (outputs: the normalised rows, x's shape), not made; None: not handled."""
     dtype = dtype_code(x)
     if dtype is None or x.dim() == 0 or x.numel() == 0:
         return None
@@ -39,10 +49,10 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps
         return None
     flat, w, w_dtype = rows
     out = new_like(x)
-    _RMS_NORM(lib, x=flat.data_ptr(), x_row_stride=flat.stride(0), w=None if w is None else w.data_ptr(),
-              w_dtype=w_dtype, out=out.data_ptr(), rows=flat.shape[0], D=D, eps=eps, dtype=dtype,
-              num_threads=threads())
-    return out
+    values = dict(x=flat.data_ptr(), x_row_stride=flat.stride(0), w=None if w is None else w.data_ptr(),
+                  w_dtype=w_dtype, out=out.data_ptr(), rows=flat.shape[0], D=D, eps=eps, dtype=dtype,
+                  num_threads=threads())
+    return Bound(_RMS_NORM, values, out, (flat, w))
 
 
 def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

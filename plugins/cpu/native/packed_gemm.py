@@ -9,7 +9,7 @@ import functools
 import torch
 
 from deepinfer_plugins.cpu import huge_pages
-from deepinfer_plugins.cpu.native.binding import Kernel, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, int_, long_, ptr, threads
 
 _PACKED_COLS = Kernel("packed_cols", restype=ctypes.c_long)
 _PACK_BF16 = Kernel("pack_bf16", W=ptr, P=ptr, N=long_, K=long_, num_threads=int_)
@@ -47,13 +47,23 @@ def packed_linear_bf16(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, 
                        ) -> torch.Tensor | None:
     """`x [M, K] @ W^T` -> `[M, N]` bf16 with `packed` = pack_bf16(W) and `weight_shape` = W's (N, K) (the
     packing pads K to even, so it does not tell K itself); None unless x is a 2-D bf16 CPU tensor of that K."""
+    bound = packed_linear_arguments(lib, x, packed, weight_shape)
+    if bound is None:
+        return None
+    if x.shape[0]:
+        bound.call(lib)
+    return bound.outputs
+
+
+def packed_linear_arguments(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, weight_shape: tuple[int, int]
+                            ) -> Bound | None:
+    """`packed_linear_bf16`'s checked call (outputs: the `[M, N]` result), not made; None: not handled."""
     N, K = weight_shape
     if (x.dtype is not torch.bfloat16 or x.dim() != 2 or not x.is_cpu or x.requires_grad or x.shape[1] != K
             or packed.shape != packed_shape(lib, N, K)):
         return None
     xc = x.contiguous()
     out = torch.empty((x.shape[0], N), dtype=torch.bfloat16)
-    if x.shape[0]:
-        _PACKED_GEMM_BF16(lib, P=packed.data_ptr(), X=xc.data_ptr(), Y=out.data_ptr(), M=x.shape[0], N=N,
-                          K=x.shape[1], num_threads=threads())
-    return out
+    values = dict(P=packed.data_ptr(), X=xc.data_ptr(), Y=out.data_ptr(), M=x.shape[0], N=N, K=x.shape[1],
+                  num_threads=threads())
+    return Bound(_PACKED_GEMM_BF16, values, out, (xc, packed))

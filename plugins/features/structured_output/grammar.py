@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.json_schema_support import unsupported_keyword
 from deepinfer.logits_processor import RequestRejected
 
 from .config import StructuredOutputConfig
@@ -121,11 +122,16 @@ class GrammarCompiler:
                 return xgr.Grammar.from_regex(constraint.schema)
             if constraint.schema_type == "ebnf":
                 return xgr.Grammar.from_ebnf(constraint.schema)
+            problem = unsupported_keyword(json.loads(constraint.schema))
+            if problem is not None:
+                raise RequestRejected(f"invalid json constraint in so_args: {problem}")
             options: dict[str, Any] = dict(any_whitespace=self.config.any_whitespace,
                                            strict_mode=self.config.strict_json)
             if self.config.any_whitespace and self.config.max_whitespace is not None:
                 options["max_whitespace_cnt"] = self.config.max_whitespace
             grammar = xgr.Grammar.from_json_schema(constraint.schema, **options)
+        except RequestRejected:
+            raise
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
             raise RequestRejected(f"invalid {constraint.schema_type} constraint in so_args: {xgrammar_message(e)}"
                                   ) from None

@@ -16,7 +16,7 @@ from deepinfer.accelerator.reference import TorchCollectives, TorchKernels
 class AcmeAccelerator(TorchCollectives, TorchKernels, Accelerator):
     name = "acme"
     package = "deepinfer-acme"
-    interface_version = "2.0"
+    interface_version = "3.0"
 
     @classmethod
     def probe(cls) -> ProbeResult:

@@ -1,0 +1,1 @@
+"""Perplexity baselines of the embedded models (ppl_baseline.py)."""
