@@ -1,16 +1,18 @@
 """Tests never write into the source tree. `SourceTreeGuard`, an audit hook (sys.addaudithook) that
 conftest.py installs for the session, refuses with PermissionError every change this process tries
-to make under the project's folders (opening a file for writing, creating, renaming, removing,
-chmod...), and records it, so that the test that tried fails even where the code under test
-swallows the error. Bytecode caches (`__pycache__`) are allowed. Child processes are not watched.
+to make in the checkout (opening a file for writing, creating, renaming, removing, chmod...), and
+records it, so that the test that tried fails even where the code under test swallows the error.
+Bytecode caches (`__pycache__`), the virtual environment, pytest's own cache and git's folder are
+not watched, nor is a path the run was explicitly asked to write (`allow`, e.g. a baseline file a
+command-line option names). Child processes are not watched.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-#: the project's folders (its top level holds only packaging files, .pytest_cache and .venv)
-SOURCE_FOLDERS = ("core", "plugins", "tests", "examples", "scripts", "docs", ".ci")
+#: top-level entries of the checkout that are not source: the environment and the tools' own state
+UNWATCHED = (".venv", ".pytest_cache", ".git")
 
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
@@ -24,8 +26,24 @@ _CHANGES: dict[str, tuple[tuple[int, int | None], ...]] = {
 
 class SourceTreeGuard:
     def __init__(self, repo: Path) -> None:
-        self.roots = tuple(str(repo / folder) + os.sep for folder in SOURCE_FOLDERS)
+        self.repo = str(repo) + os.sep
+        self.unwatched = tuple(self.repo + name for name in UNWATCHED)
+        self.allowed: set[str] = set()
         self.attempts: list[str] = []
+
+    def watches(self, path: str | os.PathLike) -> bool:
+        """Whether a write to `path` (absolute, or relative to the working directory) is refused."""
+        full = os.path.abspath(os.fsdecode(path))
+        if not full.startswith(self.repo) or "__pycache__" in full.split(os.sep):
+            return False
+        if any(full == path or full.startswith(path + ".") for path in self.allowed):
+            return False
+        return not any(full == root or full.startswith(root + os.sep) for root in self.unwatched)
+
+    def allow(self, path: str | os.PathLike) -> None:
+        """Let the session write `path`, a file a command-line option asked the run to write, and the
+        files named after it (`path.lock`, `path.tmp`: what a careful writer keeps beside it)."""
+        self.allowed.add(os.path.abspath(os.fsdecode(path)))
 
     def __call__(self, event: str, args: tuple) -> None:
         if event == "open":
@@ -37,6 +55,8 @@ class SourceTreeGuard:
             paths = tuple((args[i], args[fd] if fd is not None and fd < len(args) else None)
                           for i, fd in paths if i < len(args))
         for path, dir_fd in paths:
+            if event == "os.mkdir" and isinstance(path, (str, bytes, os.PathLike)) and os.path.isdir(path):
+                continue  # an existing folder (mkdir(exist_ok=True)): nothing changes
             self._check(path, dir_fd)
 
     def _check(self, path, dir_fd) -> None:
@@ -45,7 +65,7 @@ class SourceTreeGuard:
         name = os.fsdecode(path)
         if not os.path.isabs(name) and dir_fd not in (None, -1):  # relative to a directory descriptor
             return
-        full = os.path.abspath(name)
-        if full.startswith(self.roots) and "__pycache__" not in full.split(os.sep):
+        if self.watches(name):
+            full = os.path.abspath(name)
             self.attempts.append(full)
             raise PermissionError(f"tests must not write into the source tree: {full}; write into tmp_path")

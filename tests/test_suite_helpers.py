@@ -50,22 +50,33 @@ def test_a_write_into_the_source_tree_is_refused_and_recorded(write, tmp_path):
         del SOURCE_TREE_GUARD.attempts[before:]  # this test tried on purpose
 
 
-def test_reads_bytecode_caches_and_other_folders_are_allowed(tmp_path):
+def test_what_the_guard_lets_through_and_what_it_refuses(tmp_path):
     guard = SourceTreeGuard(tmp_path)
     write = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     guard("open", (str(tmp_path / "core" / "engine.py"), "r", os.O_RDONLY))
     guard("open", (str(tmp_path / "core" / "__pycache__" / "engine.cpython-311.pyc"), "wb", write))
     guard("os.mkdir", (str(tmp_path / "plugins" / "__pycache__"), 0o777, -1))
-    guard("open", (str(tmp_path / ".pytest_cache" / "v" / "lastfailed"), "w", write))  # the top level is not watched
+    guard("open", (str(tmp_path / ".pytest_cache" / "v" / "lastfailed"), "w", write))  # pytest's own state
+    guard("open", (str(tmp_path / ".venv" / "lib" / "x.pth"), "w", write))  # the environment
+    guard("open", (str(tmp_path.parent / "elsewhere.py"), "w", write))  # outside the checkout
     guard("open", (3, "w", write))  # a descriptor opened earlier
     guard("os.rename", ("x.tmp", "core.py", 5, 5))  # relative to directory descriptors
+    guard.allow(tmp_path / "tests" / "baseline.json")  # what a command-line option asked the run to write
+    guard("open", (str(tmp_path / "tests" / "baseline.json"), "w", write))
+    guard("open", (str(tmp_path / "tests" / "baseline.json.lock"), "w", write))  # and the files named after it
+    (tmp_path / "core").mkdir()
+    guard("os.mkdir", (str(tmp_path / "core"), 0o777, -1))  # an existing folder: mkdir(exist_ok=True) changes nothing
     assert guard.attempts == []
     for event, args in [("open", (str(tmp_path / "docs" / "new.md"), "w", write)),
-                        ("os.rename", (str(tmp_path / "x"), str(tmp_path / "examples" / "x.py"), -1, -1)),
-                        ("os.remove", (str(tmp_path / "tests" / "test_x.py"), -1))]:
+                        ("os.rename", (str(tmp_path.parent / "x"), str(tmp_path / "examples" / "x.py"), -1, -1)),
+                        ("os.remove", (str(tmp_path / "tests" / "test_x.py"), -1)),
+                        ("open", (str(tmp_path / "README.md"), "a", os.O_WRONLY | os.O_APPEND)),  # a top-level file
+                        ("os.mkdir", (str(tmp_path / ".venv-not"), 0o777, -1)),  # a new top-level folder
+                        ("open", (str(tmp_path / "tests" / "baseline.jsonl"), "w", write))]:  # not the allowed one
         with pytest.raises(PermissionError):
             guard(event, args)
-    assert [Path(p).parent.name for p in guard.attempts] == ["docs", "examples", "tests"]
+    assert [Path(p).name for p in guard.attempts] == ["new.md", "x.py", "test_x.py", "README.md", ".venv-not",
+                                                     "baseline.jsonl"]
 
 
 # ----------------------------------------------------------------------------- shared checkpoints
