@@ -9,6 +9,8 @@ declare.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
