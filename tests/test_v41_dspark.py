@@ -143,7 +143,7 @@ def test_draft_block_matches_nemo(loaded, nemo):
         assert not torch.allclose(conf["normed"], conf["residual"])  # the two readings do differ
 
 
-def test_loader_and_make_model_carry_the_drafter(checkpoint, loaded, tmp_path):
+def test_loader_and_make_model_carry_the_drafter(checkpoint, loaded, tiny_v41, tmp_path):
     config, weights = loaded
     assert config.num_nextn_predict_layers == 3 and len(config.compress_ratios) == config.num_hidden_layers + 3
     assert weights["mtp.2.confidence_head.proj.weight"].dtype == torch.float32
@@ -152,8 +152,7 @@ def test_loader_and_make_model_carry_the_drafter(checkpoint, loaded, tmp_path):
     model.load_weights(weights)
     assert model.drafter_heads() == (model.dspark,) and model.drafter_unsupported is None
     # without the drafter: refused with the class's reason
-    plain = make_model(tmp_path / "plain", "tiny", seed=3)
-    model.load_weights(load_checkpoint(plain, torch.float32)[1])
+    model.load_weights(load_checkpoint(tiny_v41, torch.float32)[1])
     assert model.dspark is None and "DSpark draft head" in model.drafter_unsupported
     with pytest.raises(ValueError, match="dspark_target_layer_ids = \\[9\\] must be strictly increasing"):
         make_model(tmp_path / "bad", "tiny", with_dspark=True, dspark_target_layer_ids=(9,))
