@@ -38,6 +38,7 @@ def test_prefix_cache_bench_reuses_prefixes_and_agrees_under_batch_invariant_ker
     assert "speed-up " in out and "(per round; min-max)" in out
 
 
+@pytest.mark.slow  # the fast lane runs the prefix-cache script
 def test_swa_replay_bench_prints_one_row_per_prompt_length(capsys):
     script = load_script("bench_swa_replay")
     assert script.main(["--size", "tiny", "--lengths", "48", "80", "--keep", "16", "--new-tokens", "3",
