@@ -93,14 +93,13 @@ def test_collapse_advises_resident_anonymous_memory_and_keeps_its_values():
     assert torch.equal(t, before)
 
 
-def test_the_engine_builder_prepares_the_memory_once(tmp_path, monkeypatch):
+def test_the_engine_builder_prepares_the_memory_once(tiny_v4, monkeypatch):
     from deepinfer import LLM, SamplingParams
-    from deepinfer.models.deepseek_v4.make_model import make_model
     from deepinfer_plugins.cpu.accelerator import CpuAccelerator
 
     calls = []
     monkeypatch.setattr(CpuAccelerator, "prepare_memory", lambda self: calls.append(self))
-    llm = LLM(model=str(make_model(tmp_path / "ckpt", size="tiny", seed=0)), accelerator="cpu", dtype="float32",
+    llm = LLM(model=str(tiny_v4), accelerator="cpu", dtype="float32",
               max_model_len=32, max_num_seqs=1, async_pipeline=False)
     assert len(calls) == 1 and calls[0] is llm.engine.accelerator
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
