@@ -1,4 +1,7 @@
-"""Shared fixtures. Tests never touch the network; tiny checkpoints are built in tmp folders."""
+"""Shared fixtures. Tests never touch the network; tiny checkpoints are built in tmp folders.
+
+`tiny_v4` and `tiny_v41` are the one tiny checkpoint of each model family, built once per session:
+a module that needs other sizes or options builds its own variant (e.g. `with_dspark=True`)."""
 from __future__ import annotations
 
 import importlib
@@ -8,7 +11,60 @@ from pathlib import Path
 
 import pytest
 
+from source_tree_guard import SourceTreeGuard
+
 REPO = Path(__file__).resolve().parents[1]
+
+#: refuses and records every write into the source tree (tests/source_tree_guard.py); audit hooks
+#: cannot be removed, so it watches the whole process from here on
+SOURCE_TREE_GUARD = SourceTreeGuard(REPO)
+sys.addaudithook(SOURCE_TREE_GUARD)
+
+#: The seed of the shared tiny checkpoints (tests that regenerate their tensors use it too).
+TINY_SEED = 0
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(f.relative_to(folder)): (f.stat().st_size, f.stat().st_mtime_ns)
+            for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def _shared_checkpoint(tmp_path_factory, name: str, make_model, **options):
+    """Build a checkpoint once for the session; at the end, fail if any test changed it (a test
+    that edits a checkpoint works on a copy: shutil.copytree)."""
+    path = make_model(tmp_path_factory.mktemp(name) / "tiny", "tiny", seed=TINY_SEED, **options)
+    before = _snapshot(path)
+    yield path
+    assert _snapshot(path) == before, (f"a test changed the shared {name} checkpoint {path}: "
+                                       "copy it (shutil.copytree) before editing it")
+
+
+@pytest.fixture(scope="session")
+def tiny_v4(tmp_path_factory) -> Path:
+    """The tiny random-weight DeepSeek-V4 checkpoint (transformers format, fp32, MTP block, seed
+    TINY_SEED), shared by the whole session: read it, never write into it."""
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    yield from _shared_checkpoint(tmp_path_factory, "tiny_v4", make_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_v4_real_vocab(tmp_path_factory) -> Path:
+    """`tiny_v4` with the real tokenizer's whole 129,280-token vocabulary and a 32k context, for tests
+    whose grammars or prompts use tokens beyond the tiny vocabulary (structured outputs)."""
+    from deepinfer.models.deepseek_v4.make_model import make_model
+
+    yield from _shared_checkpoint(tmp_path_factory, "tiny_v4_real_vocab", make_model, vocab_size=129280,
+                                  max_position_embeddings=32768)
+
+
+@pytest.fixture(scope="session")
+def tiny_v41(tmp_path_factory) -> Path:
+    """The tiny random-weight DeepSeek-V4.1 checkpoint (release format, no DSpark head, seed
+    TINY_SEED), shared by the whole session: read it, never write into it."""
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    yield from _shared_checkpoint(tmp_path_factory, "tiny_v41", make_model)
 
 
 @pytest.fixture
@@ -38,6 +94,16 @@ def fake_distribution(tmp_path, monkeypatch):
     yield make
     for mod in created:
         sys.modules.pop(mod, None)
+
+
+@pytest.fixture(autouse=True)
+def _no_writes_into_the_source_tree():
+    """A test (or fixture) that tried to write into the source tree fails, even where the code under
+    test swallowed the PermissionError."""
+    before = len(SOURCE_TREE_GUARD.attempts)
+    yield
+    tried = SOURCE_TREE_GUARD.attempts[before:]
+    assert not tried, f"tried to write into the source tree (refused): {tried}; write into tmp_path instead"
 
 
 @pytest.fixture
@@ -95,3 +161,24 @@ def no_hang():
     yield
     signal.alarm(0)
     signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(scope="session")
+def once_compiler(tmp_path_factory) -> list[str]:
+    """A C compiler command that compiles each distinct build of the cpu kernels once per session
+    (tests/compile_once.py), for tests that build them into temporary folders: the suite's compiler
+    ($CC, else cc) underneath."""
+    import os
+
+    memo = tmp_path_factory.mktemp("compile_once")
+    return [sys.executable, str(Path(__file__).with_name("compile_once.py")), str(memo),
+            os.environ.get("CC") or "cc"]
+
+
+@pytest.fixture
+def compile_once(once_compiler, monkeypatch) -> list[str]:
+    """$CC is `once_compiler` for this test (the cpu back end's build reads $CC)."""
+    import shlex
+
+    monkeypatch.setenv("CC", shlex.join(once_compiler))
+    return once_compiler

@@ -109,7 +109,8 @@ class Runner:
         self.model = model
         self.layout = model.cache_layout(max_rollback)
         groups = {g.name: num_blocks for g in self.layout.block_groups}
-        model.bind_cache(allocate_cache_tensors(self.layout, num_slots, groups, block_size, "cpu"))
+        self.cache = allocate_cache_tensors(self.layout, num_slots, groups, block_size, "cpu")  # what the model writes
+        model.bind_cache(self.cache)
         self.block_size = block_size
         rng = random.Random(seed)
         self.free_blocks = {}

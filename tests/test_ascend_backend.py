@@ -158,6 +158,7 @@ print(json.dumps({"torch_npu_imported": "torch_npu" in sys.modules, "env_changed
 """
 
 
+@pytest.mark.slow  # a fresh interpreter that imports torch
 def test_import_and_probe_never_import_torch_npu():
     env = dict(os.environ, PYTHONPATH=str(FAKE_DIR))  # even when a torch_npu is importable
     out = subprocess.run([sys.executable, "-c", IMPORT_AND_PROBE], capture_output=True, text=True, timeout=120, env=env)
@@ -421,6 +422,7 @@ class AscendPlumbing(AscendAccelerator):
 '''
 
 
+@pytest.mark.slow
 def test_conformance_kit_with_the_stand_in(tmp_path, fake_distribution):
     root = fake_distribution("ascend-plumbing", "0.1",
                              {"deepinfer.accelerators": {"ascend_plumbing": "ascend_plumbing_mod:AscendPlumbing"}},

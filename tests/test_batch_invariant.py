@@ -16,20 +16,6 @@ from deepinfer.sampling_params import SamplingParams
 VOCAB = 512  # the tiny checkpoints' vocabulary: logprobs=VOCAB returns each position's whole log-softmax
 
 
-@pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("bi") / "v4", "tiny", seed=0))
-
-
-@pytest.fixture(scope="module")
-def tiny_v41(tmp_path_factory):
-    from deepinfer.models.deepseek_v41.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("bi") / "v41", "tiny", seed=0))
-
-
 PROMPTS = [[random.Random(i).randrange(3, VOCAB) for _ in range(3 + 5 * i)] for i in range(12)]
 
 
@@ -72,6 +58,7 @@ def _batched(path, params, invariant=True, **kw):
 
 @pytest.mark.parametrize("family", ["v4", "v41"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.slow
 def test_alone_equals_batched_bitwise(family, temperature, tiny_v4, tiny_v41, one_thread):
     path = tiny_v4 if family == "v4" else tiny_v41
     params = _params(temperature)
@@ -85,6 +72,7 @@ def test_alone_equals_batched_bitwise(family, temperature, tiny_v4, tiny_v41, on
 
 # This checkpoint's weights make request 5 meet an exact indexer-score tie (measured); with topk
 # the pick depended on the padded entry count, i.e. on the batch. _select sorts stably instead.
+@pytest.mark.slow
 def test_v41_sampling_meets_an_indexer_tie(tmp_path, one_thread):
     from deepinfer.models.deepseek_v41.make_model import make_model
 
@@ -93,6 +81,7 @@ def test_v41_sampling_meets_an_indexer_tie(tmp_path, one_thread):
     assert _batched(path, params)[0] == _alone(path, params)
 
 
+@pytest.mark.slow
 def test_preemption_and_chunk_sizes_keep_the_tokens(tiny_v4, one_thread):
     """Recompute after preemption and any prefill chunk size (the engine's own chunking: every
     boundary, down to one token per step) give the same bits."""
@@ -205,14 +194,14 @@ def test_mhc_of_wide_streams_is_row_count_invariant(lib, one_thread):
         assert all(torch.equal(a[i:i + 1], b) for a, b in zip(full, one)), f"row {i}"
 
 
-def test_portable_build(tmp_path):
+@pytest.mark.slow
+def test_portable_build(tmp_path, once_compiler):
     """The no-avx512 build (AVX2/FMA or older) of the same kernels keeps the guarantees."""
     from deepinfer_plugins.cpu import native
 
     try:
-        compiler = native._compiler()
         path = tmp_path / "kernels-no-avx512.so"
-        native._compile(path, compiler, native.build_flags("no-avx512"))
+        native._compile(path, once_compiler, native.build_flags("no-avx512"))
     except native.CompilerError as exc:
         pytest.skip(f"no C compiler: {exc}")
     portable = native._load(path)
@@ -246,6 +235,7 @@ def test_default_accelerator_method_refuses():
 
 
 @pytest.mark.parametrize("family, varlen, temperature", [("v4", "1", 0.0), ("v41", "1", 0.0), ("v4", "0", 0.8)])
+@pytest.mark.slow
 def test_speculative_decoding_keeps_the_guarantee(family, varlen, temperature, tiny_v4, tmp_path, clean_env,
                                                   one_thread):
     """The seeds' NVIDIA default with DSpark, DEEPINFER_BATCH_INVARIANT=1 with DEEPINFER_ENABLE_MTP_VARLEN=1,
@@ -303,10 +293,11 @@ def test_env_var_enables_the_feature(tiny_v4, monkeypatch):
 
 # ----- deepinfer audit-determinism -----
 
+@pytest.mark.slow
 def test_audit_finds_no_difference_with_the_feature_and_some_without(tiny_v4, one_thread):
     from deepinfer.entrypoints.audit_determinism import AuditSettings, audit
 
-    common = dict(model=tiny_v4, accelerator="cpu", max_tokens=5, batch_sizes=(12,), logprobs=VOCAB)
+    common = dict(model=str(tiny_v4), accelerator="cpu", max_tokens=5, batch_sizes=(12,), logprobs=VOCAB)
     on = audit(AuditSettings(**common, batch_invariant="on"))
     assert on.compared == 36 and on.differing == 0  # batch 12, reversed, preemption
     assert on.runs[-1].name == "preemption" and on.runs[-1].preemptions > 0
@@ -318,7 +309,7 @@ def test_audit_finds_no_difference_with_the_feature_and_some_without(tiny_v4, on
 def test_audit_command(tiny_v4, one_thread, capsys):
     from deepinfer.cli import main
 
-    rc = main(["audit-determinism", "--model", tiny_v4, "--accelerator", "cpu", "--requests", "4",
+    rc = main(["audit-determinism", "--model", str(tiny_v4), "--accelerator", "cpu", "--requests", "4",
                "--max-tokens", "3", "--batch-sizes", "2", "--no-preemption", "--batch-invariant", "on"])
     out = capsys.readouterr().out
     assert rc == 0 and "total: 8 comparisons, 0 differ" in out

@@ -181,14 +181,12 @@ def test_run_recorded_returns_the_record_its_process_appended_or_names_the_failu
 # --- examples/benchmark.py --ab, end to end on tiny checkpoints ---------------------------------------
 
 
-def test_benchmark_ab_runs_both_sides_and_records_them(tmp_path, capsys, clean_env):
+@pytest.mark.slow  # two benchmark processes
+def test_benchmark_ab_runs_both_sides_and_records_them(tiny_v4, tiny_v41, tmp_path, capsys, clean_env):
     """Side A: tiny V4 with the seeds' speculation default; side B: tiny V4.1 with
     DEEPINFER_USE_NEXTN_DECODE=0 (what the records say each process ran, not how fast)."""
-    from deepinfer.models.deepseek_v4.make_model import make_model as make_v4
-    from deepinfer.models.deepseek_v41.make_model import make_model as make_v41
-
     benchmark = load_example("benchmark.py")
-    v4, v41 = make_v4(tmp_path / "v4", size="tiny"), make_v41(tmp_path / "v41", size="tiny")
+    v4, v41 = tiny_v4, tiny_v41
     clean_env.setenv("DEEPINFER_ACCELERATOR", "cpu")
     clean_env.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "ab.jsonl"

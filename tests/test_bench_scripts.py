@@ -22,10 +22,8 @@ def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
                           text=True, env=env, timeout=timeout)
 
 
-def test_prefix_cache_bench_reuses_prefixes_and_agrees_under_batch_invariant_kernels(tmp_path, capsys, clean_env):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    model = make_model(tmp_path / "tiny", size="tiny", seed=0)
+def test_prefix_cache_bench_reuses_prefixes_and_agrees_under_batch_invariant_kernels(tiny_v4, capsys, clean_env):
+    model = tiny_v4
     script = load_script("bench_prefix_cache")
     argv = ["--model", str(model), "--dtype", "float32", "--conversations", "2", "--turns", "2", "--system_tokens",
             "48", "--user_tokens", "8", "--answer_tokens", "2", "--rounds", "2", "--block_tokens", "16",
@@ -40,6 +38,7 @@ def test_prefix_cache_bench_reuses_prefixes_and_agrees_under_batch_invariant_ker
     assert "speed-up " in out and "(per round; min-max)" in out
 
 
+@pytest.mark.slow  # the fast lane runs the prefix-cache script
 def test_swa_replay_bench_prints_one_row_per_prompt_length(capsys):
     script = load_script("bench_swa_replay")
     assert script.main(["--size", "tiny", "--lengths", "48", "80", "--keep", "16", "--new-tokens", "3",

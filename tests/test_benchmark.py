@@ -438,27 +438,15 @@ def test_run_sweep_checks_its_arguments():
 # --- end to end on the tiny model ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    out = tmp_path_factory.mktemp("bench") / "tiny"
-    make_model(out, size="tiny")
-    return out
-
-
-@pytest.fixture(scope="module")
-def tiny_v41(tmp_path_factory):
-    from deepinfer.models.deepseek_v41.make_model import make_model
-
-    out = tmp_path_factory.mktemp("bench") / "tiny-v41"
-    make_model(out, size="tiny")
-    return out
+def tiny_model(tiny_v4):
+    return tiny_v4
 
 
 TINY_ARGS = ["--decode_num_requests", "3", "--context_length", "20", "--non_cached_tokens", "24",
              "--prefill_batch_size", "48", "--decode_tokens", "5", "--prefill_batches", "2"]
 
 
+@pytest.mark.slow
 def test_the_seeds_decode_sweep_with_draft_length_and_acceptance(tiny_model, tmp_path):
     """`run_sweep.sh decode TAG CONTEXT 3 0.75` (the seeds' command, at tiny sizes): every run drafts 3
     tokens (DEEPINFER_USE_NEXTN_DECODE=3) and the chart is the throughput at 0.75 of the verified
@@ -517,12 +505,14 @@ def test_benchmark_end_to_end_writes_a_valid_record(tiny_model, tmp_path, capsys
     json.dumps(record)  # plain JSON all the way down
 
 
+@pytest.mark.slow
 def test_roofline_without_the_engine_on_a_v4_checkpoint(tiny_model, capsys, clean_env):
     argv = ["--model_name", str(tiny_model), *TINY_ARGS, "--phase", "none", "--roofline"]
     assert benchmark.main(argv) == 0
     assert "roofline (one device, deepseek_v4;" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_roofline_without_the_engine_on_a_v41_checkpoint(tiny_v41, tmp_path, capsys, clean_env):
     from deepinfer.models.deepseek_v41.checkpoint import parse_config
     from deepinfer.models.deepseek_v41.state import build_cache_layout, context_bytes_per_token
@@ -544,6 +534,7 @@ def test_roofline_without_the_engine_on_a_v41_checkpoint(tiny_v41, tmp_path, cap
     assert cost["cache_bytes_per_context_token"] == context_bytes_per_token(build_cache_layout(config, 0))
 
 
+@pytest.mark.slow
 def test_benchmark_on_two_nodes_runs_its_layout(tiny_model, tmp_path):
     """WORLD_SIZE=2 on the CPU back end (two node processes on this host, gloo): scale 2, ep 2, dp 2;
     each node runs one rank, node 0 prints and records the figures of both DP ranks combined."""
@@ -591,6 +582,7 @@ def test_combining_runs_of_data_parallel_ranks():
         results.combine_runs([a, dict(b, prompt_len=8)])
 
 
+@pytest.mark.slow
 def test_benchmark_roofline_on_a_timed_v41_run(tiny_v41, tmp_path, capsys, clean_env):
     clean_env.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
     out = tmp_path / "v41.jsonl"
@@ -662,6 +654,7 @@ def test_yoco_clip_without_the_feature_is_a_clear_error(capsys, clean_env):
     assert "--yoco_clip needs SWA bounded replay" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_compare_transformers_runs_alternately_on_the_tiny_model(tiny_model, capsys, clean_env):
     compare = load_example("compare_transformers.py")
     argv = ["--model_name", str(tiny_model), "--dtype", "float32", "--pairs", "2", "--num_prompts", "2",
@@ -678,6 +671,7 @@ def test_compare_transformers_rejects_empty_sizes(capsys):
     assert "--output_len 0 must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_transformers_baseline_child_reports_failures_instead_of_hanging(tmp_path):
     from deepinfer.benchmarks.transformers_baseline import ChildProcessSide, TransformersSide
 

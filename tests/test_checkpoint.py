@@ -16,17 +16,14 @@ from deepinfer.models.deepseek_v4.make_model import make_model, model_config, ra
 from deepinfer.models.deepseek_v4.weights import to_hf_names
 from deepinfer.models.resolve import resolve_model
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=3)
+from conftest import TINY_SEED
 
 
 @pytest.fixture(scope="module")
 def reference():
     """The tiny model's tensors as generated (official names, fp32)."""
     config, _ = model_config("tiny")
-    return random_weights(config, seed=3, with_mtp=True, dtype=torch.float32)
+    return random_weights(config, seed=TINY_SEED, with_mtp=True, dtype=torch.float32)
 
 
 def _write(path: Path, tensors: dict, config: dict) -> Path:
@@ -48,23 +45,23 @@ def _assert_same(a: dict, b: dict) -> None:
 
 # --- naming forms --------------------------------------------------------------------------------
 
-def test_hf_names_load_to_the_generated_tensors(tiny, reference):
-    config, tensors = load_checkpoint(tiny, torch.float32)
+def test_hf_names_load_to_the_generated_tensors(tiny_v4, reference):
+    config, tensors = load_checkpoint(tiny_v4, torch.float32)
     assert config.num_nextn_predict_layers == 1 and any(k.startswith("mtp.0.") for k in tensors)
     _assert_same(tensors, {k: v.long() if k.endswith("tid2eid") else v for k, v in reference.items()})
 
 
-def test_official_hf_and_hybrid_names_give_identical_tensors(tiny, reference, tmp_path):
+def test_official_hf_and_hybrid_names_give_identical_tensors(tiny_v4, reference, tmp_path):
     from transformers import DeepseekV4ForCausalLM
 
-    _, from_hf = load_checkpoint(tiny, torch.float32)
+    _, from_hf = load_checkpoint(tiny_v4, torch.float32)
     official = _write(tmp_path / "official", {k: v.to(torch.int32) if k.endswith("tid2eid") else v
-                                              for k, v in reference.items()}, _config_dict(tiny))
+                                              for k, v in reference.items()}, _config_dict(tiny_v4))
     _, from_official = load_checkpoint(official, torch.float32)
     _assert_same(from_official, from_hf)
 
     # transformers' save_pretrained writes the hybrid naming (and drops mtp.*)
-    model = DeepseekV4ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    model = DeepseekV4ForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32)
     model.save_pretrained(tmp_path / "hybrid")
     saved = set(load_file(str(next((tmp_path / "hybrid").glob("*.safetensors")))))
     assert "model.layers.0.attn.wq_a.weight" in saved  # really the hybrid form
@@ -86,27 +83,27 @@ def _our_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     return runner.step({"seq": tokens})["seq"]
 
 
-def test_naming_forms_give_identical_logits_that_match_transformers(tiny, reference, tmp_path):
+def test_naming_forms_give_identical_logits_that_match_transformers(tiny_v4, reference, tmp_path):
     from model_harness import hf_logits, max_rel_diff
     from transformers import DeepseekV4ForCausalLM
 
-    hf_model = DeepseekV4ForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    hf_model = DeepseekV4ForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32).eval()
     hf_model.save_pretrained(tmp_path / "hybrid")
-    official = _write(tmp_path / "official", reference, _config_dict(tiny))
+    official = _write(tmp_path / "official", reference, _config_dict(tiny_v4))
     tokens = [0, 5, 9, 17, 33, 65, 129, 257, 300, 12, 7, 3, 99, 100, 101, 102, 103, 104, 7, 8]  # past index_topk*4
-    from_hf = _our_logits(tiny, tokens)
+    from_hf = _our_logits(tiny_v4, tokens)
     assert torch.equal(_our_logits(official, tokens), from_hf)
     assert torch.equal(_our_logits(tmp_path / "hybrid", tokens), from_hf)
     assert max_rel_diff(from_hf, hf_logits(hf_model, tokens)) < 1e-5
 
 
-def test_load_dtypes(tiny):
-    _, tensors = load_checkpoint(tiny, "bfloat16")
+def test_load_dtypes(tiny_v4):
+    _, tensors = load_checkpoint(tiny_v4, "bfloat16")
     assert tensors["embed.weight"].dtype == torch.bfloat16
     assert tensors["layers.0.attn.attn_sink"].dtype == torch.float32  # kept in fp32
     assert tensors["layers.0.hc_attn_fn"].dtype == torch.float32
     assert tensors["layers.0.ffn.gate.tid2eid"].dtype == torch.int64
-    assert load_checkpoint(tiny, "auto")[1]["embed.weight"].dtype == torch.float32  # tiny is stored in fp32
+    assert load_checkpoint(tiny_v4, "auto")[1]["embed.weight"].dtype == torch.float32  # tiny is stored in fp32
 
 
 # --- quantised checkpoints -------------------------------------------------------------------------
@@ -200,12 +197,12 @@ def test_fp4_experts_are_never_read_as_fp8(tmp_path):
 
 # --- shards ------------------------------------------------------------------------------------------
 
-def test_sharded_checkpoint(tiny, tmp_path):
-    sharded = make_model(tmp_path / "sharded", "tiny", seed=3, max_shard_bytes=300_000)
+def test_sharded_checkpoint(tiny_v4, tmp_path):
+    sharded = make_model(tmp_path / "sharded", "tiny", seed=TINY_SEED, max_shard_bytes=300_000)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3 and not (sharded / "model.safetensors").exists()
-    _assert_same(load_checkpoint(sharded, torch.float32)[1], load_checkpoint(tiny, torch.float32)[1])
+    _assert_same(load_checkpoint(sharded, torch.float32)[1], load_checkpoint(tiny_v4, torch.float32)[1])
     (sharded / shards[1]).unlink()
     with pytest.raises(FileNotFoundError, match=shards[1]):
         load_checkpoint(sharded)
@@ -218,21 +215,21 @@ def test_missing_config_json(tmp_path):
         load_checkpoint(tmp_path)
 
 
-def test_unsupported_model_type(tiny, tmp_path):
+def test_unsupported_model_type(tiny_v4, tmp_path):
     bad = tmp_path / "llama"
-    shutil.copytree(tiny, bad)
-    (bad / "config.json").write_text(json.dumps({**_config_dict(tiny), "model_type": "llama"}))
+    shutil.copytree(tiny_v4, bad)
+    (bad / "config.json").write_text(json.dumps({**_config_dict(tiny_v4), "model_type": "llama"}))
     with pytest.raises(ValueError, match=r"model_type 'llama' is not supported; supported model types: deepseek_v4"):
         load_checkpoint(bad)
 
 
-def test_missing_unexpected_and_misshaped_tensors_in_one_error(reference, tiny, tmp_path):
+def test_missing_unexpected_and_misshaped_tensors_in_one_error(reference, tiny_v4, tmp_path):
     tensors = dict(reference)
     del tensors["layers.2.attn.wq_a.weight"]
     del tensors["mtp.0.e_proj.weight"]
     tensors["layers.9.extra.weight"] = torch.zeros(2)
     tensors["layers.0.attn.wkv.weight"] = torch.zeros(5, 5)
-    _write(tmp_path / "bad", tensors, _config_dict(tiny))
+    _write(tmp_path / "bad", tensors, _config_dict(tiny_v4))
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(tmp_path / "bad")
     message = str(e.value)
@@ -242,24 +239,24 @@ def test_missing_unexpected_and_misshaped_tensors_in_one_error(reference, tiny, 
     assert "layers.0.attn.wkv.weight: checkpoint (5, 5), config expects (32, 64)" in message
 
 
-def test_too_large_for_ram(tiny, monkeypatch):
+def test_too_large_for_ram(tiny_v4, monkeypatch):
     from deepinfer.models.common import checkpoint as common_checkpoint
 
     # the memory check is the family-independent loader's (V4's checkpoint module re-exports it)
     assert ckpt.available_memory_bytes is common_checkpoint.available_memory_bytes
     monkeypatch.setattr(common_checkpoint, "available_memory_bytes", lambda: 100_000)
     with pytest.raises(CheckpointTooLargeError, match=r"needs about 2.\d MiB of RAM once loaded as float32 .* but only 0.1 MiB is available"):
-        load_checkpoint(tiny, torch.float32)
+        load_checkpoint(tiny_v4, torch.float32)
 
 
 # --- model resolution --------------------------------------------------------------------------------
 
-def test_hf_id_resolves_from_local_cache_only(tiny, tmp_path, monkeypatch):
+def test_hf_id_resolves_from_local_cache_only(tiny_v4, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(FileNotFoundError, match=r"not in the local Hugging Face cache.*huggingface-cli download org/tiny"):
         resolve_model("org/tiny")
     repo = tmp_path / "hub" / "models--org--tiny"
-    shutil.copytree(tiny, repo / "snapshots" / "abc123")
+    shutil.copytree(tiny_v4, repo / "snapshots" / "abc123")
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text("abc123")
     resolved = resolve_model("org/tiny")
@@ -267,19 +264,19 @@ def test_hf_id_resolves_from_local_cache_only(tiny, tmp_path, monkeypatch):
     assert not resolved.is_default
 
 
-def test_local_directory_and_missing_config(tiny, tmp_path):
-    assert resolve_model(str(tiny)).path == tiny.resolve()
+def test_local_directory_and_missing_config(tiny_v4, tmp_path):
+    assert resolve_model(str(tiny_v4)).path == tiny_v4.resolve()
     with pytest.raises(FileNotFoundError, match=r"^HF checkpoint requires config.json"):
         resolve_model(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="neither an existing directory nor a Hugging Face id"):
         resolve_model(str(tmp_path / "nope" / "deeper" / "x"))
 
 
-def test_hf_model_dir_replaces_only_the_default(tiny, tmp_path, monkeypatch):
+def test_hf_model_dir_replaces_only_the_default(tiny_v4, tmp_path, monkeypatch):
     other = make_model(tmp_path / "other", "tiny", seed=5, num_hidden_layers=2)
-    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tiny))
+    monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tiny_v4))
     resolved = resolve_model(None)
-    assert resolved.path == tiny.resolve() and resolved.source == "env" and not resolved.is_default
+    assert resolved.path == tiny_v4.resolve() and resolved.source == "env" and not resolved.is_default
     assert resolve_model(str(other)).path == other.resolve()  # an explicit model always wins
     monkeypatch.setenv("DEEPINFER_HF_MODEL_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="HF checkpoint requires config.json"):

@@ -20,18 +20,13 @@ from deepinfer.models.deepseek_v4.make_model import SIZES, make_model, model_con
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("valid") / "tiny", "tiny", seed=3)
-
-
-@pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
     return make_model(tmp_path_factory.mktemp("valid") / "sharded", "tiny", seed=3, max_shard_bytes=300_000)
 
 
 @pytest.fixture(scope="module")
-def tiny_config(tiny) -> dict:
-    return json.loads((tiny / "config.json").read_text())
+def tiny_config(tiny_v4) -> dict:
+    return json.loads((tiny_v4 / "config.json").read_text())
 
 
 def _config_only(path: Path, config) -> Path:
@@ -317,10 +312,10 @@ CORRUPTIONS = {
 
 
 @pytest.mark.parametrize("case", sorted(CORRUPTIONS))
-def test_corrupt_safetensors_files_are_named(tiny, tmp_path, case):
+def test_corrupt_safetensors_files_are_named(tiny_v4, tmp_path, case):
     mutate, pattern = CORRUPTIONS[case]
     bad = tmp_path / "bad"
-    shutil.copytree(tiny, bad)
+    shutil.copytree(tiny_v4, bad)
     file = bad / "model.safetensors"
     file.write_bytes(mutate(file.read_bytes()))
     with pytest.raises(CheckpointError, match=pattern) as e:
@@ -328,12 +323,12 @@ def test_corrupt_safetensors_files_are_named(tiny, tmp_path, case):
     assert str(file) in str(e.value) and "truncated or corrupt" in str(e.value)
 
 
-def test_an_intact_copy_loads(tiny, tmp_path):
+def test_an_intact_copy_loads(tiny_v4, tmp_path):
     good = tmp_path / "good"
-    shutil.copytree(tiny, good)
+    shutil.copytree(tiny_v4, good)
     file = good / "model.safetensors"
     file.write_bytes(_edit_header(lambda h, names, n: None)(file.read_bytes()))  # re-packed header, same data
-    assert set(load_checkpoint(good, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
+    assert set(load_checkpoint(good, torch.float32)[1]) == set(load_checkpoint(tiny_v4, torch.float32)[1])
 
 
 # --- non-finite values ---------------------------------------------------------------------------------
@@ -367,8 +362,8 @@ def fp8_tiny(tmp_path_factory) -> Path:
     ("model.layers.2.mlp.gate.e_score_correction_bias", (2,), -INF),
     ("model.layers.1.attn_hc.scale", (1,), NAN),  # an mHC parameter
 ], ids=["final-norm", "kv-norm", "embedding-row", "router-bias", "mhc-scale"])
-def test_non_finite_weights_are_refused_at_load(tiny, tmp_path, name, index, value):
-    bad = _poisoned_copy(tiny, tmp_path / "bad", _set(name, index, value))
+def test_non_finite_weights_are_refused_at_load(tiny_v4, tmp_path, name, index, value):
+    bad = _poisoned_copy(tiny_v4, tmp_path / "bad", _set(name, index, value))
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(bad, torch.float32)
     message = str(e.value)
@@ -387,10 +382,10 @@ def test_a_nan_fp8_scale_is_refused_at_load(fp8_tiny, tmp_path):
             load_checkpoint(bad, torch.float32, weight_formats=kept)
 
 
-def test_llm_refuses_nan_weights_instead_of_emitting_token_0_forever(tiny, tmp_path):
+def test_llm_refuses_nan_weights_instead_of_emitting_token_0_forever(tiny_v4, tmp_path):
     from deepinfer import LLM
 
-    bad = _poisoned_copy(tiny, tmp_path / "bad", lambda t: t["model.norm.weight"].fill_(NAN))
+    bad = _poisoned_copy(tiny_v4, tmp_path / "bad", lambda t: t["model.norm.weight"].fill_(NAN))
     with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight .* non-finite"):
         LLM(model=str(bad), accelerator="cpu", dtype="float32", max_model_len=64, max_num_seqs=2)
 
@@ -478,9 +473,9 @@ def test_hugging_face_cache_blob_symlinks_are_allowed(sharded, tmp_path):
     assert set(load_checkpoint(snapshot, torch.float32)[1]) == set(load_checkpoint(sharded, torch.float32)[1])
 
 
-def test_single_file_symlink_out_of_the_folder_is_refused_like_an_index_entry(tiny, tmp_path):
+def test_single_file_symlink_out_of_the_folder_is_refused_like_an_index_entry(tiny_v4, tmp_path):
     bad = tmp_path / "ckpt"
-    shutil.copytree(tiny, bad)
+    shutil.copytree(tiny_v4, bad)
     (bad / "model.safetensors").rename(tmp_path / "elsewhere.safetensors")
     (bad / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
     pattern = (rf"the checkpoint file {re.escape(str(bad / 'model.safetensors'))} is a symlink to "
@@ -488,21 +483,21 @@ def test_single_file_symlink_out_of_the_folder_is_refused_like_an_index_entry(ti
     with pytest.raises(CheckpointError, match=pattern):
         load_checkpoint(bad)
     inside = tmp_path / "inside"  # a link to a file inside the folder is fine
-    shutil.copytree(tiny, inside)
+    shutil.copytree(tiny_v4, inside)
     (inside / "model.safetensors").rename(inside / "weights.bin")
     (inside / "model.safetensors").symlink_to("weights.bin")
-    assert set(load_checkpoint(inside, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
+    assert set(load_checkpoint(inside, torch.float32)[1]) == set(load_checkpoint(tiny_v4, torch.float32)[1])
 
 
-def test_hugging_face_cache_single_file_blob_is_allowed(tiny, tmp_path):
+def test_hugging_face_cache_single_file_blob_is_allowed(tiny_v4, tmp_path):
     repo = tmp_path / "models--org--tiny"
     snapshot, blobs = repo / "snapshots" / "abc123", repo / "blobs"
     snapshot.mkdir(parents=True)
     blobs.mkdir()
-    for i, f in enumerate(sorted(p for p in tiny.iterdir() if p.is_file())):
+    for i, f in enumerate(sorted(p for p in tiny_v4.iterdir() if p.is_file())):
         shutil.copy(f, blobs / f"blob{i}")
         (snapshot / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
-    assert set(load_checkpoint(snapshot, torch.float32)[1]) == set(load_checkpoint(tiny, torch.float32)[1])
+    assert set(load_checkpoint(snapshot, torch.float32)[1]) == set(load_checkpoint(tiny_v4, torch.float32)[1])
 
 
 def _replace_with(path: Path, kind: str) -> str:
@@ -525,11 +520,11 @@ def _replace_with(path: Path, kind: str) -> str:
 
 @pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "dangling"])
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json", "shard"])
-def test_special_files_are_named_not_reported_missing(tiny, sharded, tmp_path, name, kind):
+def test_special_files_are_named_not_reported_missing(tiny_v4, sharded, tmp_path, name, kind):
     from deepinfer import LLM
 
     bad = tmp_path / "ckpt"
-    shutil.copytree(sharded if name in ("model.safetensors.index.json", "shard") else tiny, bad)
+    shutil.copytree(sharded if name in ("model.safetensors.index.json", "shard") else tiny_v4, bad)
     target = bad / (sorted(p.name for p in bad.glob("model-*.safetensors"))[0] if name == "shard" else name)
     words = _replace_with(target, kind)
     for load in (lambda: load_checkpoint(bad), lambda: LLM(model=str(bad), accelerator="cpu")):

@@ -21,6 +21,7 @@ def test_version():
     assert out.returncode == 0 and out.stdout.startswith("deepinfer ")
 
 
+@pytest.mark.slow
 def test_plugins_json_lists_distribution_and_version():
     out = run("plugins", "--json")
     assert out.returncode == 0, out.stderr
@@ -39,6 +40,7 @@ def test_doctor_cpu_usable_others_with_reasons():
     assert "selected: cpu" in out.stdout
 
 
+@pytest.mark.slow
 def test_doctor_shows_the_layout_a_command_would_use():
     out = run("doctor", "--ep", "4", env={"DEEPINFER_ACCELERATOR": "cpu", "WORLD_SIZE": "2", "RANK": "1"})
     assert out.returncode == 0, out.stderr
@@ -54,6 +56,7 @@ def test_doctor_shows_the_layout_a_command_would_use():
     assert out.returncode == 1 and "a CP group would straddle two EP groups" in out.stderr
 
 
+@pytest.mark.slow
 def test_doctor_shows_each_ranks_ep_and_cp_group():
     out = run("doctor", "--ep", "2", "--dp", "4", env={"DEEPINFER_ACCELERATOR": "cpu"})
     assert out.returncode == 0, out.stderr
@@ -70,6 +73,7 @@ def test_doctor_shows_each_ranks_ep_and_cp_group():
     assert "expert-parallel groups: [0..1], [2..3]\ncontext-parallel groups: [0..3]" in out.stdout
 
 
+@pytest.mark.slow
 def test_doctor_ascend_fails_with_reason_and_fix():
     out = run("doctor", env={"DEEPINFER_ACCELERATOR": "ascend"})
     assert out.returncode != 0
@@ -77,12 +81,14 @@ def test_doctor_ascend_fails_with_reason_and_fix():
 
 
 @pytest.mark.parametrize("name", ["tpu9000"])
+@pytest.mark.slow
 def test_doctor_unknown_lists_installed(name):
     out = run("doctor", env={"DEEPINFER_ACCELERATOR": name})
     assert out.returncode != 0
     assert f"'{name}' is not installed" in out.stderr and "cpu" in out.stderr
 
 
+@pytest.mark.slow
 def test_make_model_help_shows_the_families_flags_and_unknown_family_lists_choices(tmp_path):
     out = run("make-model", "--help")
     assert out.returncode == 0 and "--family" in out.stdout and "--no-mtp" in out.stdout  # default: v4's flags
@@ -91,6 +97,7 @@ def test_make_model_help_shows_the_families_flags_and_unknown_family_lists_choic
     assert "unknown model family 'nope'" in out.stderr and "deepseek_v4 (alias v4)" in out.stderr
 
 
+@pytest.mark.slow
 def test_plugins_lists_model_family_entry_points(fake_distribution):
     root = fake_distribution("acme-models", "1.0", {"deepinfer.model_families": {"acme_lm": "acme_lm_mod"}},
                              {"acme_lm_mod": "raise ImportError('listing must not import me')\n"})

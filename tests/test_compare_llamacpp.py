@@ -41,8 +41,8 @@ def test_hub_config_refuses_a_schedule_it_cannot_express():
         shuffled.to_hub_dict()
 
 
-def test_prepare_refuses_a_checkpoint_the_converter_cannot_read(tmp_path, capsys):
-    plain = make_model(tmp_path / "plain", "tiny", seed=0)
+def test_prepare_refuses_a_checkpoint_the_converter_cannot_read(tiny_v4, tmp_path, capsys):
+    plain = tiny_v4
     tree = tmp_path / "llama.cpp"
     tree.mkdir()
     (tree / "convert_hf_to_gguf.py").write_text("raise SystemExit('must not run')\n")
@@ -105,8 +105,9 @@ print(json.dumps({{"pp": 16, "tg": 4, "pl": pl, "speed_tg": 12.5 * pl * (1, 4, 2
 """
 
 
-def test_a_whole_race_against_stand_in_binaries(tmp_path, clean_env):
-    model = make_model(tmp_path / "m", "tiny", seed=0)
+@pytest.mark.slow
+def test_a_whole_race_against_stand_in_binaries(tiny_v4, tmp_path, clean_env):
+    model = tiny_v4
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("llama-bench", FAKE_BENCH), ("llama-batched-bench", FAKE_BATCHED)):

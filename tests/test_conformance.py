@@ -26,6 +26,7 @@ def run_kit(name: str, report, extra_path: str | None = None, *args: str) -> sub
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_cpu_passes_every_level(tmp_path):
     out = run_kit("cpu", tmp_path / "cpu.json")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
@@ -47,6 +48,7 @@ class WrongNorm(CpuAccelerator):
 '''
 
 
+@pytest.mark.slow
 def test_kit_fails_a_numerically_wrong_back_end(tmp_path, fake_distribution):
     root = fake_distribution("wrong-norm", "0.1", {"deepinfer.accelerators": {"wrongnorm": "wrong_norm_mod:WrongNorm"}},
                              {"wrong_norm_mod": BROKEN})
@@ -74,6 +76,7 @@ class SelfBroken(CpuAccelerator):
 '''
 
 
+@pytest.mark.slow
 def test_kit_checks_the_cpu_back_end_against_an_independent_reference(tmp_path, fake_distribution):
     root = fake_distribution("self-broken", "0.1",
                              {"deepinfer.accelerators": {"selfbroken": "self_broken_mod:SelfBroken"}},
@@ -138,6 +141,7 @@ class TorchReference(TorchCollectives, TorchKernels, Accelerator):
 '''
 
 
+@pytest.mark.slow
 def test_kit_passes_the_core_reference_kernels(tmp_path, fake_distribution):
     root = fake_distribution("torch-ref", "0.1",
                              {"deepinfer.accelerators": {"torchref": "torch_ref_mod:TorchReference"}},
@@ -166,6 +170,7 @@ def toy_checkpoint(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_kit_passes_the_cpu_back_end_on_a_toy_family_checkpoint(tmp_path, toy_checkpoint):
     out = run_kit("cpu", tmp_path / "toy.json", str(TESTS), f"--checkpoint={toy_checkpoint}", TOY_FAMILY_MODULE,
                   *NO_COLLECTIVES)
@@ -192,6 +197,7 @@ class WrongSwiglu(CpuAccelerator):
 '''
 
 
+@pytest.mark.slow
 def test_kit_fails_a_broken_kernel_on_the_toy_family_end_to_end(tmp_path, toy_checkpoint, fake_distribution):
     root = fake_distribution("wrong-swiglu", "0.1",
                              {"deepinfer.accelerators": {"wrongswiglu": "wrong_swiglu_mod:WrongSwiglu"}},
@@ -205,6 +211,7 @@ def test_kit_fails_a_broken_kernel_on_the_toy_family_end_to_end(tmp_path, toy_ch
     assert report["tests"]["test_rms_norm"]["outcome"] == "passed"
 
 
+@pytest.mark.slow
 def test_kit_names_an_unknown_family_and_a_broken_family_module(tmp_path, toy_checkpoint):
     out = run_kit("cpu", tmp_path / "a.json", str(TESTS), f"--checkpoint={toy_checkpoint}")
     assert out.returncode != 0

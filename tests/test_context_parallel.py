@@ -80,7 +80,7 @@ def prefill_and_decode(ctx, checkpoint: str, chunks: list[int]) -> dict:
     model.load_weights(loaded.weights)
     runner = Runner(model)
     tokens, logits = runner.generate("p", PROMPT, DECODE_STEPS, chunk_sizes=chunks)
-    cache = model._cache
+    cache = runner.cache
     state = {f"slot.{k}": v.clone() for k, v in cache.slot.items()}
     state.update({f"{g}.{k}": v.clone() for g, group in cache.blocks.items() for k, v in group.items()})
     cp = current_context_parallel()
@@ -96,6 +96,7 @@ def single(cp_checkpoint) -> dict:
     ParallelLayout(dp=1, cp=2),
     ParallelLayout(ep=2, dp=2, cp=2),  # two CP groups, each also an EP group: every group its own sub-group
 ], ids=["cp2", "ep2-cp2-dp2"])
+@pytest.mark.slow
 def test_cp_prefill_matches_a_single_rank_prefill(cp_checkpoint, single, layout):
     ranks = launch(prefill_and_decode, (cp_checkpoint, CHUNKS), layout, _cpu(), threads_per_rank=1)
     layers = 6
@@ -112,6 +113,7 @@ def test_cp_prefill_matches_a_single_rank_prefill(cp_checkpoint, single, layout)
             assert torch.allclose(r["state"][name], tensor, atol=1e-5, rtol=1e-5), name
 
 
+@pytest.mark.slow
 def test_cp_with_expert_parallelism_matches_a_single_rank_prefill(cp_checkpoint, single):
     """--ep 2 --cp 2: the CP ranks' MoE layers exchange their own rows' experts."""
     ranks = launch(prefill_and_decode, (cp_checkpoint, [90]), ParallelLayout(ep=2, dp=1, cp=2), _cpu(),
@@ -139,6 +141,7 @@ def v41_single(v41_checkpoint) -> dict:
     return launch(prefill_and_decode, (v41_checkpoint, CHUNKS), ParallelLayout(), _cpu())[0]
 
 
+@pytest.mark.slow
 def test_v41_cp_prefill_matches_a_single_rank_prefill(v41_checkpoint, v41_single):
     """90 tokens (45 c2 and 90 c1 entries, window 8, Engram n-grams across the chunk boundary) in two
     split chunks: the logits, tokens and every cache tensor (window rings, compressor rows,
@@ -175,12 +178,13 @@ def replay_prefill(ctx, checkpoint: str, keep: int, chunks: list[int]) -> dict:
 
     runner.model.forward = counted
     logits = runner.run(PROMPT, chunks)
-    cache = runner.model._cache
+    cache = runner.cache
     state = {f"slot.{k}": v.clone() for k, v in cache.slot.items()}
     state.update({f"{g}.{k}": v.clone() for g, group in cache.blocks.items() for k, v in group.items()})
     return {"logits": logits, "state": state, "gathers": gathers}
 
 
+@pytest.mark.slow
 def test_v41_bounded_replay_splits_the_encoder_and_the_kept_rows(v41_checkpoint):
     """SWA bounded replay keeping 40 of 90 rows (floor 50; decoder = layers 4-7), chunks 30 + 60:
     the first chunk has no kept row (4 encoder layers, the prepass and the step's rows gathered:
@@ -243,13 +247,14 @@ def unsplit_steps(ctx, checkpoint: str, sensitive: bool) -> dict:
         logits.append(torch.cat(list(out.values())))
         last = {key: int(v[0].argmax()) for key, v in out.items()}
     logits.append(runner.step({0: [last[0]]})[0])
-    cache = model._cache
+    cache = runner.cache
     state = {f"slot.{k}": v.clone() for k, v in cache.slot.items()}
     state.update({f"{g}.{k}": v.clone() for g, group in cache.blocks.items() for k, v in group.items()})
     return {"logits": logits, "state": state}
 
 
 @pytest.mark.parametrize("sensitive", [False, True], ids=["cpu-kernels", "position-sensitive-experts"])
+@pytest.mark.slow
 def test_ranks_hold_the_same_bits_after_steps_not_split_under_expert_parallelism(v41_checkpoint, sensitive):
     """--ep 2 --cp 2: a step the CP group does not split holds the same rows on both ranks. Each
     rank used to send its copy of every row to the experts, where the two copies were computed in
@@ -291,6 +296,7 @@ def cp_single_lines(cp_checkpoint) -> list[str]:
     return sample_lines(cp_checkpoint, "--cp", "1")
 
 
+@pytest.mark.slow
 def test_cp2_prints_the_single_process_samples(cp_checkpoint, cp_single_lines):
     """Greedy and seeded samples, prompts of 13-26 tokens (window 8, c4 and c8 blocks), MTP
     speculation on: prefill split over 2 ranks, decode in lockstep on both."""
@@ -304,10 +310,12 @@ def test_cp2_prints_the_single_process_samples(cp_checkpoint, cp_single_lines):
     # the seeds' --ep 2 --cp 8 on 4 processes: EP groups [0, 1] and [2, 3] inside one CP group
     ("--ep", "2", "--cp", "4"),
 ], ids=["ep4-cp2-dp2", "ep2-cp4"])
+@pytest.mark.slow
 def test_several_groups_print_the_single_process_samples(cp_checkpoint, cp_single_lines, flags):
     assert sample_lines(cp_checkpoint, *flags) == cp_single_lines
 
 
+@pytest.mark.slow
 def test_v41_cp2_and_ep2_cp2_print_the_single_process_samples(v41_checkpoint):
     """DeepSeek-V4.1 with DSpark drafting on (the seeds' default; the checkpoint has the drafter):
     the 4 prompts (14-27 tokens: over window 8, several c2 and c1 entries, Engram n-grams) are
@@ -320,4 +328,17 @@ def test_v41_cp2_and_ep2_cp2_print_the_single_process_samples(v41_checkpoint):
     replay = {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "20"}
     replayed = sample_lines(v41_checkpoint, "--cp", "1", env=replay)
     assert replayed != single  # bounded replay is on
-    assert sample_lines(v41_checkpoint, "--ep", "2", "--cp", "2", env=replay) == replayed
+    # --ep 2 also deals the prompts to 2 attention (DP) ranks: each decodes beside other sequences than in
+    # the single process, which moves the last bits of the fp32 logits (outside batch-invariant mode), so
+    # the decode perplexity is compared to 1e-4; the text and the acceptance exactly
+    split_lines = sample_lines(v41_checkpoint, "--ep", "2", "--cp", "2", env=replay)
+    assert [_without_ppl(line) for line in split_lines] == [_without_ppl(line) for line in replayed]
+    assert [_ppl(line) for line in split_lines] == pytest.approx([_ppl(line) for line in replayed], rel=1e-4)
+
+
+def _without_ppl(line: str) -> str:
+    return line.rsplit("; decode_ppl=", 1)[0]
+
+
+def _ppl(line: str) -> float:
+    return float(line.rsplit("; decode_ppl=", 1)[1])

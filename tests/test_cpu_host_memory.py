@@ -4,6 +4,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a fresh interpreter that imports torch
+
 SNIPPET = r"""
 import ctypes, sys, torch
 class MallInfo2(ctypes.Structure):

@@ -66,14 +66,19 @@ def test_small_tensors_share_advised_arena_chunks():
 
 @linux_only
 def test_the_switch_gets_plain_memory(monkeypatch):
+    from deepinfer_plugins.cpu.accelerator import CpuAccelerator
+
     monkeypatch.setenv("DEEPINFER_CPU_HUGE_PAGES", "0")
-    assert not huge_pages.enabled()
-    small = huge_pages.empty((100, 100), torch.float32)
+    accel = CpuAccelerator()  # reads the switch once, here
+    monkeypatch.delenv("DEEPINFER_CPU_HUGE_PAGES")
+    assert not accel.use_huge_pages and CpuAccelerator().use_huge_pages
+    small = huge_pages.empty((100, 100), torch.float32, huge=accel.use_huge_pages)
     assert small.untyped_storage().nbytes() == 100 * 100 * 4
-    plain = huge_pages.empty((2048, 2048), torch.float32)  # 16 MB: malloc's, no mapping of ours
+    plain = huge_pages.empty((2048, 2048), torch.float32, huge=accel.use_huge_pages)  # 16 MB: malloc's
     # (where it lies may be advised anyway: an engine built earlier in this process advised the heap)
     assert plain.untyped_storage().nbytes() == plain.numel() * 4
-    assert huge_pages.collapse_process_memory() == 0
+    monkeypatch.setattr(huge_pages, "collapse_process_memory", lambda: pytest.fail("collapsed with the switch off"))
+    accel.prepare_memory()
 
 
 @linux_only
@@ -88,14 +93,13 @@ def test_collapse_advises_resident_anonymous_memory_and_keeps_its_values():
     assert torch.equal(t, before)
 
 
-def test_the_engine_builder_prepares_the_memory_once(tmp_path, monkeypatch):
+def test_the_engine_builder_prepares_the_memory_once(tiny_v4, monkeypatch):
     from deepinfer import LLM, SamplingParams
-    from deepinfer.models.deepseek_v4.make_model import make_model
     from deepinfer_plugins.cpu.accelerator import CpuAccelerator
 
     calls = []
     monkeypatch.setattr(CpuAccelerator, "prepare_memory", lambda self: calls.append(self))
-    llm = LLM(model=str(make_model(tmp_path / "ckpt", size="tiny", seed=0)), accelerator="cpu", dtype="float32",
+    llm = LLM(model=str(tiny_v4), accelerator="cpu", dtype="float32",
               max_model_len=32, max_num_seqs=1, async_pipeline=False)
     assert len(calls) == 1 and calls[0] is llm.engine.accelerator
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),

@@ -362,7 +362,8 @@ def test_broken_compiler_warns_and_falls_back(monkeypatch, tmp_path, caplog):
         native.library.cache_clear()  # later users rebuild (or find) the real library
 
 
-def test_cache_key_follows_the_cpu(monkeypatch, tmp_path):
+@pytest.mark.slow
+def test_cache_key_follows_the_cpu(monkeypatch, tmp_path, compile_once):
     # the library is built for this CPU (-march=native): another CPU's features name another file
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     here = native._build()
@@ -871,10 +872,9 @@ def test_moe_layer_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
     calls = []
     monkeypatch.setattr(native, "moe_layer_bf16", lambda *a, **kw: calls.append(kw) or None)
     many = make((nat._gemv_tokens_max_rows + 1, 64), torch.bfloat16)
-    with monkeypatch.context() as off:
-        off.setenv("DEEPINFER_CPU_PACKED_WEIGHTS", "0")
-        plain = NativeCpuKernels()
-        assert plain.moe_sublayer(many, gate, bias, None, w13, w2, sw13, sw2, *args).shape == many.shape
+    plain = NativeCpuKernels()
+    plain.pack_weights = False  # as the accelerator sets it under DEEPINFER_CPU_PACKED_WEIGHTS=0
+    assert plain.moe_sublayer(many, gate, bias, None, w13, w2, sw13, sw2, *args).shape == many.shape
     assert not calls
     one_each = moe_case(_MOE_FUSED_MAX_TOKENS + 1, 64, 16, 1, 32, 32, False)
     for _ in range(2):
@@ -1113,7 +1113,8 @@ def test_the_emulated_tier_compiles_exactly_the_level(variant, level):
     assert predefined_macros(native.build_flags(variant)) == predefined_macros(native.FLAGS + (f"-march={level}",))
 
 
-def test_switch_is_part_of_the_cache_key(monkeypatch, tmp_path):
+@pytest.mark.slow
+def test_switch_is_part_of_the_cache_key(monkeypatch, tmp_path, compile_once):
     # DEEPINFER_CPU_NATIVE_ISA reaches the compiler: each switch builds (and finds) its own library
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("DEEPINFER_CPU_NATIVE_ISA", "native")
@@ -1150,18 +1151,19 @@ def test_tier_is_compiled_where_the_cpu_has_it(nat, tier):
 
 
 @pytest.fixture(scope="module")
-def switch_builds(tmp_path_factory):
-    """Each build switch compiled once (into a private temporary folder) and loaded."""
+def switch_builds(tmp_path_factory, once_compiler):
+    """Each build switch compiled (into a private temporary folder) and loaded."""
     folder = tmp_path_factory.mktemp("switches")
     libs = {}
     for variant in native.BUILD_VARIANTS:
         path = folder / f"kernels-{variant}.so"
-        native._compile(path, native._compiler(), native.build_flags(variant))
+        native._compile(path, once_compiler, native.build_flags(variant))
         libs[variant] = native._load(path)
     return libs
 
 
 @pytest.mark.parametrize("variant", ["no-amx", "no-avx512bf16", "no-avx512", "no-avx2"])
+@pytest.mark.slow
 def test_switch_build(switch_builds, variant):
     # what the switch removes is gone (also where the CPU never had it), what the CPU has below it
     # stays, and every kernel of that build agrees with the references

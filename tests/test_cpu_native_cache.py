@@ -21,9 +21,10 @@ REF = CpuKernels()
 
 
 @pytest.fixture(autouse=True)
-def fresh_library():
+def fresh_library(compile_once):
     """library() is cached per process: each test builds or refuses its own, later users rebuild
-    (or find) the real one."""
+    (or find) the real one. Each test compiles into a new cache; compile_once compiles only the
+    first of the identical builds."""
     native.library.cache_clear()
     yield
     native.library.cache_clear()
@@ -64,6 +65,7 @@ def sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_new_directory_is_private_and_libraries_carry_their_hash(cache):
     lib = native.library()
     assert lib is not None
@@ -76,6 +78,7 @@ def test_new_directory_is_private_and_libraries_carry_their_hash(cache):
     assert not list(directory.glob("*.tmp"))  # written under temporary names, then renamed
 
 
+@pytest.mark.slow
 def test_umask_does_not_widen_the_new_directory(cache):
     old = os.umask(0o002)  # a user-private-group umask: mkdir alone would give 0775
     try:
@@ -115,6 +118,7 @@ def test_symlinked_directory_is_refused(cache, caplog, tmp_path):
     assert_refused(caplog, cache / "cpu_native", "symbolic link")
 
 
+@pytest.mark.slow
 def test_root_writable_by_everyone_is_refused_unless_sticky(cache, caplog):
     # whoever can rename entries of DEEPINFER_CACHE_DIR could swap the library directory
     cache.mkdir()
@@ -159,6 +163,7 @@ def has_marker(lib) -> bool:
 
 
 @pytest.mark.parametrize("record", ["missing", "stale", "garbage"])
+@pytest.mark.slow
 def test_planted_library_is_rebuilt_not_loaded(cache, tmp_path, caplog, record):
     target = native._build()  # the name this configuration uses (built once, legitimately)
     digest_file = target.with_name(target.name + ".sha256")
@@ -177,6 +182,7 @@ def test_planted_library_is_rebuilt_not_loaded(cache, tmp_path, caplog, record):
         assert any("does not match its recorded sha256" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.slow
 def test_planted_library_with_its_own_record_in_a_foreign_directory_is_not_loaded(cache, tmp_path, caplog):
     # a matching record is only worth something in a directory nobody else can write: a library and
     # hash dropped into someone else's directory are never loaded
@@ -189,6 +195,7 @@ def test_planted_library_with_its_own_record_in_a_foreign_directory_is_not_loade
     assert target.read_bytes() == planted.read_bytes()  # left alone, and not loaded
 
 
+@pytest.mark.slow
 def test_file_that_is_not_a_library_is_rebuilt(cache):
     target = native._build()
     target.write_bytes(b"\x7fELF but not really")
@@ -196,6 +203,7 @@ def test_file_that_is_not_a_library_is_rebuilt(cache):
     assert target.with_name(target.name + ".sha256").read_text().strip() == sha256(target)
 
 
+@pytest.mark.slow
 def test_symlink_planted_under_the_library_name_is_not_followed(cache, tmp_path):
     target = native._build()
     planted = planted_library(tmp_path)
@@ -207,6 +215,7 @@ def test_symlink_planted_under_the_library_name_is_not_followed(cache, tmp_path)
     assert not target.is_symlink()
 
 
+@pytest.mark.slow
 def test_load_refuses_a_library_that_does_not_match_its_record(tmp_path):
     # _load checks the very descriptor it loads: whatever _build saw, a mismatch is never loaded
     path = tmp_path / "kernels-x.so"

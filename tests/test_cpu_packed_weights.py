@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer_plugins.cpu import packed_weights
+from deepinfer_plugins.cpu.accelerator import CpuAccelerator
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
@@ -82,9 +83,11 @@ def test_one_row_and_fp32_use_the_plain_weights():
 
 
 def test_environment_switch(monkeypatch):
+    """The accelerator reads the switch when it is made; its kernels then keep no packed copies."""
     monkeypatch.setenv("DEEPINFER_CPU_PACKED_WEIGHTS", "0")
-    kernels, w, x = NativeCpuKernels(), bf16(64, 32), bf16(4, 32)
-    assert kernels.packed_weights is None and kernels.tile_weights is None
+    kernels, w, x = CpuAccelerator(), bf16(64, 32), bf16(4, 32)
+    assert kernels.packed_weights is None and kernels.tile_weights is None and kernels.hc_weights is None
+    assert NativeCpuKernels().packed_weights is not None  # the switch is the accelerator's, not a step's read
     assert torch.equal(kernels.linear(x, w), kernels.linear(x, w))
     monkeypatch.setenv("DEEPINFER_CPU_PACKED_WEIGHTS", "sometimes")
     with pytest.raises(ValueError, match="DEEPINFER_CPU_PACKED_WEIGHTS"):

@@ -24,8 +24,10 @@ LIMIT = 10.0
 _SWITCH_REMOVES = {"no-avx512": "avx512f", "no-avx2": "avx2"}
 
 
-@pytest.fixture(scope="module", params=["native", "no-avx512", "no-avx2"])
-def lib(request, tmp_path_factory):
+# the switch builds compile a library of their own: slow
+@pytest.fixture(scope="module", params=["native", pytest.param("no-avx512", marks=pytest.mark.slow),
+                                        pytest.param("no-avx2", marks=pytest.mark.slow)])
+def lib(request, tmp_path_factory, once_compiler):
     library = native.library()
     if library is None:
         pytest.skip("the cpu back end's C kernels are not available here (no C compiler, or DEEPINFER_CPU_NATIVE=0)")
@@ -35,7 +37,7 @@ def lib(request, tmp_path_factory):
         pytest.skip(f"the library is already built without {_SWITCH_REMOVES[request.param]} (this CPU or "
                     f"DEEPINFER_CPU_NATIVE_ISA): the 'native' case runs that tier")
     path = tmp_path_factory.mktemp(request.param) / "kernels.so"
-    native._compile(path, native._compiler(), native.build_flags(request.param))
+    native._compile(path, once_compiler, native.build_flags(request.param))
     return native._load(path)
 
 

@@ -18,11 +18,9 @@ VOCAB = 512
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
+def tiny(tiny_v4) -> str:
     # window 8, CSA every 4 tokens, HCA every 16, index_topk 4: every kind of state moves within 40 tokens
-    return str(make_model(tmp_path_factory.mktemp("dspark") / "tiny", size="tiny", seed=0))
+    return str(tiny_v4)
 
 
 @pytest.fixture(autouse=True)
@@ -90,7 +88,7 @@ def _same_as_reference(outs, ref):
 
 @pytest.mark.parametrize("dspark, async_pipeline", [
     ({}, False),  # the checkpoint's MTP block drafts (random weights: almost nothing is accepted)
-    ({"variable_length": True}, True),
+    pytest.param({"variable_length": True}, True, marks=pytest.mark.slow),  # the last case drafts variable lengths too
     ({"drafter": "self", "self_draft_error_rate": 0.35}, True),  # partial acceptance at every position
     ({"drafter": "self", "num_draft_tokens": 3, "variable_length": True}, False),
 ])
@@ -130,6 +128,7 @@ def test_self_drafting_accepts_every_draft_and_adds_the_bonus_token(tiny, refere
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_rollback_across_csa_and_hca_window_boundaries(tiny):
     """Prompts ending just before a CSA (4) and HCA (16) boundary: the first verification's drafts
     cross it and most are rejected, so the compressor rows, the compressed entries and the indexer
@@ -146,6 +145,7 @@ def test_rollback_across_csa_and_hca_window_boundaries(tiny):
     assert all(a is not None and a < 1.0 for a in stats.acceptance_by_position)  # rejections at every position
 
 
+@pytest.mark.slow
 def test_preemption_with_speculation_stays_lossless(tiny, reference):
     prompts, params, ref = reference
     spec = {"drafter": "self", "self_draft_error_rate": 0.3, "num_draft_tokens": 3}
@@ -278,6 +278,7 @@ def sampled_without_speculation(tiny):
 
 
 @pytest.mark.parametrize("dspark", [{}, {"drafter": "self", "num_draft_tokens": 2}])
+@pytest.mark.slow
 def test_sampled_tokens_keep_their_distribution(tiny, sampled_without_speculation, dspark):
     """Smaller end-to-end check (acceptance.py is checked on exact distributions in
     test_dspark_units.py): the first three generated tokens, sampled 300 times with and without
@@ -298,12 +299,11 @@ def test_sampled_tokens_keep_their_distribution(tiny, sampled_without_speculatio
 
 
 @pytest.fixture(scope="module")
-def tiny_real_vocab(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("dspark-so") / "tiny", "tiny", seed=1, vocab_size=129280))
+def tiny_real_vocab(tiny_v4_real_vocab) -> str:
+    return str(tiny_v4_real_vocab)
 
 
+@pytest.mark.slow
 def test_drafts_the_grammar_rejects_are_never_emitted(tiny_real_vocab):
     samples = load_example("_structured_output.py")
 

@@ -58,6 +58,7 @@ def _run_trials(p: torch.Tensor, q: torch.Tensor | None, trials: int, seed: int,
 
 
 @pytest.mark.parametrize("greedy_drafts", [False, True])
+@pytest.mark.slow
 def test_rejection_sampling_preserves_the_target_distribution(greedy_drafts):
     vocab, m, trials = 6, 3, 12000
     p = _rows(1, m + 1, vocab, zero=[5])  # token 5 is masked by the target

@@ -285,9 +285,16 @@ def test_processor_failures_and_rejections_fail_only_that_request():
     assert outs[2].outputs[0].finish_reason == "length"
 
 
+def _started_worker(before: set[threading.Thread]) -> threading.Thread:
+    """The one step-worker thread started since `before` was taken."""
+    [thread] = [t for t in threading.enumerate() if t not in before and t.name == "deepinfer-step-worker"]
+    return thread
+
+
 def test_async_worker_is_a_daemon_and_shutdown_joins_it():
+    before = set(threading.enumerate())
     e = toy_engine(async_pipeline=True)
-    thread = e.worker._thread
+    thread = _started_worker(before)
     assert thread.daemon and thread.is_alive()
     run_all(e, _prompts(3), [GREEDY] * 3)
     e.shutdown()
@@ -297,7 +304,9 @@ def test_async_worker_is_a_daemon_and_shutdown_joins_it():
 
 def test_an_error_in_the_forward_reaches_the_caller_and_shutdown_still_joins():
     model = ToyModel()
+    before = set(threading.enumerate())
     e = toy_engine(async_pipeline=True, model=model)
+    thread = _started_worker(before)
     original = model.forward
 
     def broken(batch):
@@ -312,8 +321,7 @@ def test_an_error_in_the_forward_reaches_the_caller_and_shutdown_still_joins():
             e.step()
     e.abort_all()
     e.shutdown()
-    assert not e.worker._thread.is_alive()
-    assert not [t for t in threading.enumerate() if t.name == "deepinfer-step-worker" and t is e.worker._thread]
+    assert not thread.is_alive() and thread not in threading.enumerate()
 
 
 @pytest.mark.parametrize("async_pipeline", [False, True])
@@ -379,13 +387,6 @@ def test_dummy_run_forwards_a_synthetic_verify_batch_and_gives_the_cache_back():
 # ------------------------------------------------------------------ tiny DeepSeek-V4 checkpoint
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("tiny") / "ckpt", size="tiny", seed=0))
-
-
 def _llm(path, **kw):
     from deepinfer import LLM
 
@@ -395,17 +396,18 @@ def _llm(path, **kw):
     return LLM(**base)
 
 
-def test_tiny_batch_of_32_with_preemption_equals_each_batch_of_one(tiny_model, one_thread):
+@pytest.mark.slow
+def test_tiny_batch_of_32_with_preemption_equals_each_batch_of_one(tiny_v4, one_thread):
     prompts = _prompts(32, seed=1, vocab=512, max_len=24)
     params = [SamplingParams(temperature=0, max_tokens=4 + i % 5, ignore_eos=True) for i in range(32)]
-    single = _llm(tiny_model, max_num_seqs=1, max_num_batched_tokens=64, async_pipeline=False)
+    single = _llm(tiny_v4, max_num_seqs=1, max_num_batched_tokens=64, async_pipeline=False)
     reference = [single.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     single.shutdown()
     # a pool of about 2.5 full-length requests for 4 running sequences: preemption is forced
-    probe = _llm(tiny_model, async_pipeline=False)
+    probe = _llm(tiny_v4, async_pipeline=False)
     per_request = probe.build_info.pool.bytes_per_max_request
     probe.shutdown()
-    llm = _llm(tiny_model, max_num_batched_tokens=13, cache_memory_gb=2.5 * per_request / 2**30,
+    llm = _llm(tiny_v4, max_num_batched_tokens=13, cache_memory_gb=2.5 * per_request / 2**30,
                async_pipeline=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -415,24 +417,24 @@ def test_tiny_batch_of_32_with_preemption_equals_each_batch_of_one(tiny_model, o
     llm.shutdown()
 
 
-def test_async_pipeline_auto_follows_the_back_end(tiny_model, one_thread):
+def test_async_pipeline_auto_follows_the_back_end(tiny_v4, one_thread):
     # auto (None) resolves from Capabilities.host_overlap: the cpu back end shares its cores with
     # the host thread, so it runs synchronously unless asked; an explicit value always wins
-    auto = _llm(tiny_model)
+    auto = _llm(tiny_v4)
     assert auto.config.async_pipeline is False and auto.engine.worker is None
     auto.shutdown()
-    forced = _llm(tiny_model, async_pipeline=True)
+    forced = _llm(tiny_v4, async_pipeline=True)
     assert forced.config.async_pipeline is True and forced.engine.worker is not None
     forced.shutdown()
 
 
-def test_tiny_async_on_off_identical_and_seq_seed_batch_invariant(tiny_model, one_thread):
+def test_tiny_async_on_off_identical_and_seq_seed_batch_invariant(tiny_v4, one_thread):
     prompts = ["The quick brown fox", [7, 8, 9], "jumps over", [100] * 20, "lazy dog"]
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, seq_seed=11 + i, ignore_eos=True)
               for i in range(len(prompts))]
     runs = {}
     for mode in (True, False):
-        llm = _llm(tiny_model, async_pipeline=mode, max_num_batched_tokens=16)
+        llm = _llm(tiny_v4, async_pipeline=mode, max_num_batched_tokens=16)
         runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if mode:
             alone = llm.generate(prompts[1], params[1], use_tqdm=False)[0].outputs[0].token_ids
@@ -442,13 +444,15 @@ def test_tiny_async_on_off_identical_and_seq_seed_batch_invariant(tiny_model, on
     assert alone == runs[True][1] and other != alone
 
 
-def test_tiny_cache_budget_too_small_is_a_startup_error(tiny_model):
+def test_tiny_cache_budget_too_small_is_a_startup_error(tiny_v4):
     with pytest.raises(ValueError, match=r"too small: one request of max_model_len=64 tokens needs .* cache_memory_gb"):
-        _llm(tiny_model, cache_memory_gb=1e-6)
+        _llm(tiny_v4, cache_memory_gb=1e-6)
 
 
-def test_interrupted_generate_aborts_and_the_engine_stays_usable(tiny_model, one_thread):
-    llm = _llm(tiny_model, async_pipeline=True)
+def test_interrupted_generate_aborts_and_the_engine_stays_usable(tiny_v4, one_thread):
+    before = set(threading.enumerate())
+    llm = _llm(tiny_v4, async_pipeline=True)
+    thread = _started_worker(before)
     expected = llm.generate(["abc", "def"], GREEDY, use_tqdm=False)
     engine = llm.engine
     real_step, calls = engine.step, []
@@ -465,20 +469,19 @@ def test_interrupted_generate_aborts_and_the_engine_stays_usable(tiny_model, one
     assert engine.stats().slots_used == 0 and not engine.has_unfinished()
     again = llm.generate(["abc", "def"], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in expected]
-    thread = engine.worker._thread
     llm.shutdown()
     assert not thread.is_alive()
 
 
-def test_llm_arguments_config_file_and_stats(tiny_model, tmp_path, one_thread):
+def test_llm_arguments_config_file_and_stats(tiny_v4, tmp_path, one_thread):
     from deepinfer import LLM
     from deepinfer.config import EngineConfig
 
     with pytest.raises(TypeError, match="unknown arguments \\['max_seqs'\\]; valid engine settings: .*max_num_seqs"):
-        LLM(model=tiny_model, max_seqs=3)
+        LLM(model=tiny_v4, max_seqs=3)
     toml = tmp_path / "engine.toml"
     toml.write_text("max_num_seqs = 3\nasync_pipeline = false\nmax_model_len = 48\n")
-    llm = LLM(model=tiny_model, config=str(toml), max_model_len=40)  # the argument wins over the file
+    llm = LLM(model=tiny_v4, config=str(toml), max_model_len=40)  # the argument wins over the file
     assert (llm.config.max_num_seqs, llm.config.async_pipeline, llm.engine.max_model_len) == (3, False, 40)
     assert llm.engine.worker is None
     llm.generate(["hi"], GREEDY, use_tqdm=False)
@@ -486,6 +489,6 @@ def test_llm_arguments_config_file_and_stats(tiny_model, tmp_path, one_thread):
     assert stats["slots_total"] == 3 and stats["slots_used"] == 0 and stats["num_steps"] > 0
     assert 0 < stats["peak_cache_usage"] <= 1
     llm.shutdown()
-    llm = LLM(config=EngineConfig(model=tiny_model, max_num_seqs=2, max_model_len=32), seed=5)
+    llm = LLM(config=EngineConfig(model=str(tiny_v4), max_num_seqs=2, max_model_len=32), seed=5)
     assert llm.config.seed == 5 and llm.stats()["slots_total"] == 2
     llm.shutdown()

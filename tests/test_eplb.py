@@ -240,9 +240,8 @@ def test_a_third_party_feature_can_replace_the_placement_policy(fake_distributio
 
 
 @pytest.fixture(scope="module")
-def v4_checkpoint(tmp_path_factory) -> str:
-    from deepinfer.models.deepseek_v4.make_model import make_model
-    return str(make_model(tmp_path_factory.mktemp("eplb") / "v4", "tiny", seed=0))
+def v4_checkpoint(tiny_v4) -> str:
+    return str(tiny_v4)
 
 
 PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8", "a b a b a b", "Once upon a time"]
@@ -283,6 +282,7 @@ def _tokens(results: list[dict], what: str = "tokens") -> dict[int, list]:
     return {i: t for r in results for i, t in r[what].items()}
 
 
+@pytest.mark.slow
 def test_eplb_on_off_and_rebalanced_give_the_single_process_tokens(v4_checkpoint, clean_env):
     example = _example()
     disabled = example.feature_tables(example.parse_args(["--disable_eplb"]))
@@ -304,6 +304,7 @@ def test_eplb_on_off_and_rebalanced_give_the_single_process_tokens(v4_checkpoint
     assert any(slots != on[0]["slots"][0] for slots in on[0]["slots"][1:])  # placed from each layer's own load
 
 
+@pytest.mark.slow
 def test_each_ep_group_balances_its_own_load(v4_checkpoint, clean_env):
     """--ep 2 --dp 4: EP groups [0, 1] and [2, 3] count the rows of their own exchanges and place
     their experts from them (re-placed every pass); tokens as on one process."""
@@ -317,16 +318,16 @@ def test_each_ep_group_balances_its_own_load(v4_checkpoint, clean_env):
     assert on[0]["slots"] != on[2]["slots"]  # ... and placed its experts from that
 
 
-def test_eplb_rebalanced_gives_the_single_process_tokens_v41(tmp_path, clean_env):
-    from deepinfer.models.deepseek_v41.make_model import make_model
-
-    checkpoint = str(make_model(tmp_path / "v41", "tiny", seed=0))
+@pytest.mark.slow
+def test_eplb_rebalanced_gives_the_single_process_tokens_v41(tiny_v41, clean_env):
+    checkpoint = str(tiny_v41)
     single = _run(checkpoint, ParallelLayout(), None)
     on = _run(checkpoint, ParallelLayout(ep=2, dp=2), {"eplb": {"num_extra_experts": 3, "rebalance_interval": 1}})
     assert _tokens(on) == _tokens(single) and on[0]["rebalances"] > 1
     assert len(on[0]["slots"][0]) == 12  # 8 experts + 3, rounded up to a multiple of 2
 
 
+@pytest.mark.slow
 def test_under_batch_invariant_kernels_eplb_gives_the_same_logprob_bits(v4_checkpoint, clean_env):
     """Where an expert's output does not depend on how many rows it gets, replicas change nothing at all."""
     invariant = {"batch_invariant": {}}

@@ -174,6 +174,7 @@ def test_thinking_rows_keep_the_reasoning_apart(server, tmp_path):
     assert row.done and row.reasoning and row.completion_tokens == 24 and row.finish_reason == "length"
 
 
+@pytest.mark.slow  # 400 tokens per judged row
 def test_the_judge_answers_in_its_schema_through_our_server(server):
     from deepinfer.eval.judge import Judge
     from deepinfer.eval.scoring import judge_row

@@ -18,19 +18,12 @@ from engine_helpers import TOY_VOCAB, run_all, toy_engine
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("tiny") / "ckpt", size="tiny", seed=0))
-
-
-@pytest.fixture(scope="module")
-def llm(tiny_model):
+def llm(tiny_v4):
     from deepinfer import LLM
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # two busy threads on two cores only slow these tests down
-    engine = LLM(model=tiny_model, accelerator="cpu", dtype="float32", max_model_len=64, max_num_seqs=4,
+    engine = LLM(model=tiny_v4, accelerator="cpu", dtype="float32", max_model_len=64, max_num_seqs=4,
                  max_num_batched_tokens=32, async_pipeline=False)
     yield engine
     engine.shutdown()
@@ -244,11 +237,11 @@ def test_out_of_range_engine_settings_are_config_errors(settings, expected, clea
     assert expected in str(err.value)
 
 
-def test_a_cache_larger_than_the_machine_is_a_startup_error(tiny_model, clean_env):
+def test_a_cache_larger_than_the_machine_is_a_startup_error(tiny_v4, clean_env):
     from deepinfer import LLM
 
     with pytest.raises(ValueError, match=r"cache_memory_gb=1000000.0 is more than this machine can hold"):
-        LLM(model=tiny_model, accelerator="cpu", cache_memory_gb=1e6)
+        LLM(model=tiny_v4, accelerator="cpu", cache_memory_gb=1e6)
 
 
 def test_a_misspelt_variable_is_warned_about_with_the_close_match(clean_env, caplog):
@@ -266,13 +259,13 @@ def test_a_misspelt_variable_is_warned_about_with_the_close_match(clean_env, cap
     assert "no effect" in messages[1]
 
 
-def test_building_an_engine_warns_about_unknown_variables(tiny_model, clean_env, caplog):
+def test_building_an_engine_warns_about_unknown_variables(tiny_v4, clean_env, caplog):
     from deepinfer import LLM, envs
 
     clean_env.setenv("DEEPINFER_CPU_NATVE", "0")
     clean_env.setattr(envs, "_warned", set())
     with caplog.at_level(logging.WARNING, logger="deepinfer"):
-        LLM(model=tiny_model, accelerator="cpu", dtype="float32", max_model_len=32, max_num_seqs=1).shutdown()
+        LLM(model=tiny_v4, accelerator="cpu", dtype="float32", max_model_len=32, max_num_seqs=1).shutdown()
     assert any("did you mean DEEPINFER_CPU_NATIVE?" in r.getMessage() for r in caplog.records)
 
 

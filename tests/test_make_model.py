@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,19 +12,16 @@ from deepinfer.entrypoints.make_model import main
 from deepinfer.models.deepseek_v4.make_model import SIZES, count_parameters, make_model, model_config
 from deepinfer.models.deepseek_v4.weights import to_hf_names
 
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("make") / "tiny", "tiny", seed=7)
+from conftest import TINY_SEED
 
 
-def test_transformers_loads_it_with_no_missing_keys_and_our_tensors(tiny):
+def test_transformers_loads_it_with_no_missing_keys_and_our_tensors(tiny_v4):
     from transformers import DeepseekV4ForCausalLM
 
-    model, info = DeepseekV4ForCausalLM.from_pretrained(tiny, dtype=torch.float32, output_loading_info=True)
+    model, info = DeepseekV4ForCausalLM.from_pretrained(tiny_v4, dtype=torch.float32, output_loading_info=True)
     assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
     assert info["mismatched_keys"] == set() and not info["error_msgs"]
-    _, ours = load_checkpoint(tiny, torch.float32)
+    _, ours = load_checkpoint(tiny_v4, torch.float32)
     hf_state = model.state_dict()
     ours_hf = {k: v for k, v in to_hf_names(ours).items() if not k.startswith("mtp.")}
     assert set(ours_hf) == set(hf_state)
@@ -35,21 +31,21 @@ def test_transformers_loads_it_with_no_missing_keys_and_our_tensors(tiny):
     assert torch.isfinite(logits).all() and logits.std() > 0.1  # random weights give non-trivial logits
 
 
-def test_files_config_and_mtp(tiny):
-    raw = load_file(str(tiny / "model.safetensors"))
+def test_files_config_and_mtp(tiny_v4):
+    raw = load_file(str(tiny_v4 / "model.safetensors"))
     assert "mtp.0.e_proj.weight" in raw and "mtp.0.ffn.experts.0.w1.weight" in raw
     assert "model.layers.1.mlp.experts.gate_up_proj" in raw  # transformers' fused layout
-    config = json.loads((tiny / "config.json").read_text())
+    config = json.loads((tiny_v4 / "config.json").read_text())
     assert config["model_type"] == "deepseek_v4" and config["num_nextn_predict_layers"] == 1
     assert config["layer_types"] == ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
                                      "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
-    marker = json.loads((tiny / "deepinfer_make_model.json").read_text())
-    assert marker["size"] == "tiny" and marker["seed"] == 7 and marker["tokenizer"]
-    assert (tiny / "tokenizer.json").is_file()  # cut down to the 512-token vocabulary
+    marker = json.loads((tiny_v4 / "deepinfer_make_model.json").read_text())
+    assert marker["size"] == "tiny" and marker["seed"] == TINY_SEED and marker["tokenizer"]
+    assert (tiny_v4 / "tokenizer.json").is_file()  # cut down to the 512-token vocabulary
 
 
-def test_parameters_that_default_init_zeroes_are_random(tiny):
-    _, w = load_checkpoint(tiny, torch.float32)
+def test_parameters_that_default_init_zeroes_are_random(tiny_v4):
+    _, w = load_checkpoint(tiny_v4, torch.float32)
     for name in ["layers.0.attn.attn_sink", "layers.1.attn.compressor.ape", "layers.1.attn.indexer.compressor.ape",
                  "layers.0.hc_attn_base", "layers.3.ffn.gate.bias", "hc_head_base", "mtp.0.hc_head_base"]:
         assert w[name].abs().min() > 0 and w[name].std() > 0.01, name
@@ -62,11 +58,11 @@ def test_parameters_that_default_init_zeroes_are_random(tiny):
     assert len(set(map(tuple, tid2eid.tolist()))) > 20
 
 
-def test_seeded_and_mtp_independent(tiny, tmp_path):
-    _, a = load_checkpoint(tiny, torch.float32)
-    _, same = load_checkpoint(make_model(tmp_path / "same", "tiny", seed=7), torch.float32)
-    config, no_mtp = load_checkpoint(make_model(tmp_path / "nomtp", "tiny", seed=7, with_mtp=False), torch.float32)
-    _, other = load_checkpoint(make_model(tmp_path / "other", "tiny", seed=8), torch.float32)
+def test_seeded_and_mtp_independent(tiny_v4, tmp_path):
+    _, a = load_checkpoint(tiny_v4, torch.float32)
+    _, same = load_checkpoint(make_model(tmp_path / "same", "tiny", seed=TINY_SEED), torch.float32)
+    config, no_mtp = load_checkpoint(make_model(tmp_path / "nomtp", "tiny", seed=TINY_SEED, with_mtp=False), torch.float32)
+    _, other = load_checkpoint(make_model(tmp_path / "other", "tiny", seed=TINY_SEED + 1), torch.float32)
     assert all(torch.equal(a[k], same[k]) for k in a)
     assert config.num_nextn_predict_layers == 0 and not any(k.startswith("mtp.") for k in no_mtp)
     assert all(torch.equal(a[k], no_mtp[k]) for k in no_mtp)  # the trunk does not depend on with_mtp

@@ -286,12 +286,11 @@ def test_option_ranges_must_describe_declared_options():
         family.model_options({"block": 65})
 
 
-def test_engine_config_overrides_the_familys_model_options(tmp_path):
+def test_engine_config_overrides_the_familys_model_options(tiny_v4, tmp_path):
     from deepinfer import LLM
     from deepinfer.config import load_config
-    from deepinfer.models.deepseek_v4.make_model import make_model
 
-    path = make_model(tmp_path / "tiny", "tiny", seed=0, tokenizer=False)
+    path = tiny_v4
     llm = LLM(model=str(path), accelerator="cpu", max_model_len=64, max_num_seqs=2, model_options={"query_block": 8})
     try:
         assert llm.engine.model.query_block == 8 and llm.config.model_options == {"query_block": 8}

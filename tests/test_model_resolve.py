@@ -17,13 +17,6 @@ from deepinfer.models.resolve import DEFAULT_HF_MODEL_ID, resolve_model
 REPO_DIR = "models--deepseek-ai--DeepSeek-V4.1-Flash-1017"
 
 
-@pytest.fixture(scope="module")
-def v41_tiny(tmp_path_factory) -> Path:
-    from deepinfer.models.deepseek_v41.make_model import make_model
-
-    return make_model(tmp_path_factory.mktemp("v41") / "tiny", "tiny", seed=0)
-
-
 @pytest.fixture
 def hub(tmp_path, clean_env):
     """An empty local Hugging Face cache (the real one is never looked at)."""
@@ -48,23 +41,23 @@ def test_the_default_id_is_the_seeds():
     assert DEFAULT_HF_MODEL_ID == "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 
 
-def test_no_model_uses_the_default_id_when_the_cache_holds_it(v41_tiny, hub, tmp_path, clean_env):
+def test_no_model_uses_the_default_id_when_the_cache_holds_it(tiny_v41, hub, tmp_path, clean_env):
     clean_env.setattr(resolve, "ensure_default_model", lambda: pytest.fail("the embedded default was built"))
-    snapshot = _cache(hub, v41_tiny)
+    snapshot = _cache(hub, tiny_v41)
     resolved = resolve_model(None)
     assert (resolved.path, resolved.source, resolved.name) == (snapshot, "hf-cache", DEFAULT_HF_MODEL_ID)
     assert not resolved.is_default
     assert resolve_model(DEFAULT_HF_MODEL_ID).path == snapshot  # named explicitly: the same snapshot
     # DEEPINFER_HF_MODEL_DIR replaces the default, the cached one included; an explicit model beats both
     other = tmp_path / "other"
-    shutil.copytree(v41_tiny, other)
+    shutil.copytree(tiny_v41, other)
     clean_env.setenv("DEEPINFER_HF_MODEL_DIR", str(other))
     assert (resolve_model(None).path, resolve_model(None).source) == (other.resolve(), "env")
-    assert resolve_model(str(v41_tiny)).path == v41_tiny.resolve()
+    assert resolve_model(str(tiny_v41)).path == tiny_v41.resolve()
 
 
-def test_a_cache_without_refs_uses_its_snapshot(v41_tiny, hub):
-    snapshot = _cache(hub, v41_tiny, revision="fedcba9", ref=False)
+def test_a_cache_without_refs_uses_its_snapshot(tiny_v41, hub):
+    snapshot = _cache(hub, tiny_v41, revision="fedcba9", ref=False)
     assert resolve_model(None).path == snapshot
 
 
@@ -92,6 +85,7 @@ def test_the_default_id_not_in_the_cache_says_how_to_get_it(hub):
     assert "huggingface-cli download org/other" in str(err.value) and "DEEPINFER_HF_MODEL_DIR" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_default_model_is_a_v41_created_once(hub, tmp_path, clean_env):
     from deepinfer.models.deepseek_v41.make_model import MARKER_FILE
     from deepinfer.models.registry import load_model_checkpoint

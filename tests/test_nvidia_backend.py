@@ -134,6 +134,7 @@ print(json.dumps({"cuda_initialized": torch.cuda.is_initialized(), "usable": res
 """
 
 
+@pytest.mark.slow
 def test_import_and_probe_never_initialise_cuda():
     out = subprocess.run([sys.executable, "-c", IMPORT_AND_PROBE], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

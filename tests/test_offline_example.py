@@ -43,19 +43,15 @@ def isolated():
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    """A tiny DeepSeek-V4 (it has an MTP block, so the seeds' speculative decoding runs on it)."""
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("tiny") / "ckpt", size="tiny", seed=0))
+def tiny_model(tiny_v4) -> str:
+    """The tiny DeepSeek-V4 (it has an MTP block, so the seeds' speculative decoding runs on it)."""
+    return str(tiny_v4)
 
 
 @pytest.fixture(scope="module")
-def v41_model(tmp_path_factory):
-    """A tiny DeepSeek-V4.1 (its DSpark head is not supported: no speculative decoding)."""
-    from deepinfer.models.deepseek_v41.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("v41") / "ckpt", size="tiny", seed=0))
+def v41_model(tiny_v41) -> str:
+    """The tiny DeepSeek-V4.1 (its DSpark head is not supported: no speculative decoding)."""
+    return str(tiny_v41)
 
 
 @pytest.fixture
@@ -165,6 +161,7 @@ def _run_example(script: str, *args: str, **env: str):
 @pytest.mark.parametrize("script", ["offline_inference.py", "benchmark.py"])
 @pytest.mark.parametrize("accelerator, reason", [("nvidia", "is not a CUDA build"),
                                                  ("ascend", "torch_npu is not installed")])
+@pytest.mark.slow
 def test_an_unusable_back_end_is_one_error_line(script, accelerator, reason, tiny_model):
     """The seeds' DEEPINFER_ACCELERATOR=nvidia|ascend on a machine without that hardware (here: a CPU
     build of torch, no torch_npu): one `error:` line with the reason and the fix, no traceback."""
@@ -176,6 +173,7 @@ def test_an_unusable_back_end_is_one_error_line(script, accelerator, reason, tin
     assert "DEEPINFER_ACCELERATOR=<name>" in line
 
 
+@pytest.mark.slow
 def test_a_refusal_in_every_rank_is_one_error_not_a_traceback(tiny_model):
     """Two ranks (one process each) whose engines refuse to start (the batch_invariant feature on a
     back end without the capability): the launch ends with the engine's message, not a rank's traceback."""
@@ -279,6 +277,7 @@ def test_one_line_escapes_newlines(example):
     assert example.one_line("x" * 10, limit=4) == "xxxx...[6 more chars]"
 
 
+@pytest.mark.slow
 def test_default_model_is_used_and_announced(example, tmp_path, monkeypatch, empty_hub, capsys):
     """The embedded default (a random DeepSeek-V4.1 with its DSpark drafter) end to end, speculating
     as the seeds' default says."""
@@ -292,6 +291,7 @@ def test_default_model_is_used_and_announced(example, tmp_path, monkeypatch, emp
     assert "speculative decoding is off" not in captured.err
 
 
+@pytest.mark.slow
 def test_the_seeds_default_id_is_used_from_the_local_cache(example, v41_model, tmp_path, monkeypatch, capsys):
     import shutil
 

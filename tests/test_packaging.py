@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -23,13 +24,25 @@ def sh(*cmd, env=None, check=True, cwd=None) -> subprocess.CompletedProcess:
     return out
 
 
+def source_copy(project: Path, dest: Path) -> Path:
+    """A copy of `project` to build from: pip builds in the folder it is given, and setuptools leaves
+    build/ and *.egg-info there (never in the source tree)."""
+    shutil.copytree(project, dest, ignore=shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__",
+                                                                 "tests"))
+    return dest
+
+
 @pytest.fixture(scope="module")
 def fresh_venv(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("wheel")
     dist = tmp / "dist"
-    for project in (REPO, REPO / "tests" / "plugins" / "acme"):
-        sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, project,
+    projects = (REPO, REPO / "tests" / "plugins" / "acme")
+    before = {project: sorted(project.iterdir()) for project in projects}
+    for project in projects:
+        source = source_copy(project, tmp / "src" / project.name)
+        sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", dist, source,
            cwd=tmp)
+    assert {project: sorted(project.iterdir()) for project in projects} == before  # nothing left in the source tree
     wheels = sorted(dist.glob("*.whl"))
     assert {w.name.split("-")[0] for w in wheels} == {"deepinfer", "deepinfer_acme"}
     venv = tmp / "venv"

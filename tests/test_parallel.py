@@ -22,15 +22,13 @@ EXAMPLE = REPO / "examples" / "offline_inference.py"
 
 
 @pytest.fixture(scope="module")
-def v4_checkpoint(tmp_path_factory) -> str:
-    from deepinfer.models.deepseek_v4.make_model import make_model
-    return str(make_model(tmp_path_factory.mktemp("par") / "v4", "tiny", seed=0))
+def v4_checkpoint(tiny_v4) -> str:
+    return str(tiny_v4)
 
 
 @pytest.fixture(scope="module")
-def v41_checkpoint(tmp_path_factory) -> str:
-    from deepinfer.models.deepseek_v41.make_model import make_model
-    return str(make_model(tmp_path_factory.mktemp("par") / "v41", "tiny", seed=0))
+def v41_checkpoint(tiny_v41) -> str:
+    return str(tiny_v41)
 
 
 def _cpu():
@@ -66,21 +64,25 @@ def v4_single_lines(v4_checkpoint) -> list[str]:
     return sample_lines(v4_checkpoint, "--ep", "1")
 
 
+@pytest.mark.slow
 def test_ep2_prints_the_single_process_samples(v4_checkpoint, v4_single_lines):
     """DeepSeek-V4 (hash and routed MoE layers, MTP drafting on): --ep 2 (dp 2 by default)."""
     assert sample_lines(v4_checkpoint, "--ep", "2") == v4_single_lines
 
 
+@pytest.mark.slow
 def test_two_ep_groups_print_the_single_process_samples(v4_checkpoint, v4_single_lines):
     """--ep 2 --dp 4 (the seeds' --ep 2 --dp 8, on 4 processes): EP groups [0, 1] and [2, 3], each
     exchanging over its own sub-group, four DP ranks with their own requests."""
     assert sample_lines(v4_checkpoint, "--ep", "2", "--dp", "4") == v4_single_lines
 
 
+@pytest.mark.slow
 def test_ep2_dp2_prints_the_single_process_samples_v41(v41_checkpoint):
     assert sample_lines(v41_checkpoint, "--ep", "2", "--dp", "2") == sample_lines(v41_checkpoint, "--ep", "1")
 
 
+@pytest.mark.slow
 def test_two_nodes_print_the_single_process_samples(v4_checkpoint, v4_single_lines):
     """Two node processes on one host over gloo (WORLD_SIZE=2, RANK=0/1): --ep 2 gives each node
     one DP rank; node 0 gathers and prints every sample, node 1 only its rank's summary."""
@@ -146,6 +148,7 @@ IDLE_PROMPTS = ["The capital of France is", "1 2 3 4 5 6 7 8"]
     # rank 0 in EP group [0, 1]
     ParallelLayout(ep=2, dp=4),
 ], ids=["ep2-dp2", "ep2-dp4"])
+@pytest.mark.slow
 def test_a_rank_without_requests_keeps_serving_its_experts(v4_checkpoint, single_tokens, layout):
     results = launch(generate_tokens, (v4_checkpoint, IDLE_PROMPTS, 8), layout, _cpu(), threads_per_rank=1)
     assert results[0] == single_tokens and all(r == [] for r in results[1:])
@@ -171,6 +174,7 @@ def die_on_rank_one(ctx) -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_a_failing_rank_ends_the_launch_with_its_error():
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"rank 1 failed") as failed:
@@ -181,6 +185,7 @@ def test_a_failing_rank_ends_the_launch_with_its_error():
     assert time.monotonic() - start < 60
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_silently_is_reported():
     with pytest.raises(RankFailed, match=r"exited with code 3"):
         launch(die_on_rank_one, (), ParallelLayout(ep=1, dp=2), _cpu(), threads_per_rank=1)
@@ -190,6 +195,7 @@ def where_am_i(ctx, tag: str) -> tuple[int, int, int, str]:
     return ctx.dp_rank, ctx.layout.dp, os.getpid(), tag
 
 
+@pytest.mark.slow
 def test_launch_dp_with_the_number_of_data_parallel_ranks(monkeypatch):
     """The seeds' entry point `launch_dp(main, dp_size)`: one process per data-parallel rank on the
     back end DEEPINFER_ACCELERATOR selects."""

@@ -21,6 +21,8 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.models.interface import BlockGroup, CacheLayout, StateTensor, allocate_cache_tensors
 
+from conftest import TINY_SEED
+
 BLOCK = 16
 VOCAB = 512
 _rng = random.Random(0)
@@ -42,14 +44,11 @@ def _one_thread():
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
+def ckpts(tiny_v4, tiny_v41, tmp_path_factory):
     from deepinfer.models.deepseek_v4.make_model import make_model as make_v4
-    from deepinfer.models.deepseek_v41.make_model import make_model as make_v41
 
-    root = tmp_path_factory.mktemp("prefix")
-    return {"v4": str(make_v4(root / "v4", "tiny", seed=0, dtype="float32")),
-            "v4_other": str(make_v4(root / "v4b", "tiny", seed=1, dtype="float32")),
-            "v41": str(make_v41(root / "v41", "tiny", seed=0, dtype="float32"))}
+    other = make_v4(tmp_path_factory.mktemp("prefix") / "v4b", "tiny", seed=TINY_SEED + 1)
+    return {"v4": str(tiny_v4), "v4_other": str(other), "v41": str(tiny_v41)}  # all fp32
 
 
 def _llm(path: str, prefix: dict | None, **kw) -> LLM:
@@ -277,8 +276,8 @@ def test_serve_flags_and_metrics(ckpts):
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.05)
         for prompt in (P1, P2):
-            r = httpx.post(url + "/v1/completions", json={"model": "v4", "prompt": prompt, "max_tokens": 4,
-                                                          "temperature": 0}, timeout=60)
+            r = httpx.post(url + "/v1/completions", json={"model": os.path.basename(ckpts["v4"]), "prompt": prompt,
+                                                          "max_tokens": 4, "temperature": 0}, timeout=60)
             assert r.status_code == 200, r.text
         metrics = {}
         for line in httpx.get(url + "/metrics").text.splitlines():
@@ -294,6 +293,7 @@ def test_serve_flags_and_metrics(ckpts):
 
 
 @pytest.mark.parametrize("family", ["v4", "v41"])
+@pytest.mark.slow
 def test_hit_is_bitwise_a_miss_with_batch_invariant_kernels(ckpts, family):
     """With the batch-invariant kernels a prefill chunk's numbers do not depend on where it starts
     or what it is batched with, so a hit's logits are the very bits of a miss's (bf16 included)."""
@@ -322,6 +322,7 @@ def test_environment_variable_enables_it_with_the_default_block(ckpts, monkeypat
         assert llm.engine.cache.prefix_cache is None
 
 
+@pytest.mark.slow
 def test_preempted_requests_resume_from_their_own_snapshots(ckpts):
     """A preempted request recomputes prompt + generated tokens; with the cache it restores the
     snapshot its own decode left, and its tokens stay those of an engine without the cache."""

@@ -519,6 +519,7 @@ def v41_with_system_token(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.slow
 def test_v41_chat_renders_constrains_and_parses_a_tool_call(v41_with_system_token):
     """V4.1's encoding and xgrammar's deepseek_v4_1 tag through the offline engine, no server."""
     from deepinfer import LLM
@@ -598,6 +599,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_sigterm_aborts_running_requests_after_the_shutdown_timeout_and_exits(server, tmp_path):
     """The real command in its own process: SIGTERM stops accepting, gives the running requests
     --shutdown-timeout seconds, then ends them (an error event on a stream, a 503 otherwise) and

@@ -207,6 +207,7 @@ def test_latency_histograms_count_each_request(server):  # noqa: F811
 
 # -- structured outputs take the schema whole -------------------------------------------------------------
 
+@pytest.mark.slow
 def test_parse_with_a_strict_schema_enforces_max_length(server):  # noqa: F811
     pydantic = pytest.importorskip("pydantic")
 

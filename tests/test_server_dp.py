@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("deepseek_recipe")

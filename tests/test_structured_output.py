@@ -107,7 +107,8 @@ def generate(proc: StructuredOutputProcessor, so_args: dict, runs: int, seed: in
     return [(tokens[rid], finished[rid]) for rid in ids]
 
 
-@pytest.mark.parametrize("name", list(CONSTRAINTS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) if name == "nested_json" else name
+                                  for name in CONSTRAINTS])  # the fast lane samples the flat JSON schema
 def test_sampled_outputs_satisfy_constraint_and_end_on_eos(processor, tokenizer, name):
     so_args = CONSTRAINTS[name]
     results = generate(processor, so_args, runs=50, seed=sum(map(ord, name)))
@@ -287,6 +288,7 @@ def test_validators_catch_violations():
     assert samples.validate(CONSTRAINTS["ebnf"], "answer=no;level=")
 
 
+@pytest.mark.slow
 def test_feature_spec_and_lazy_xgrammar_import():
     spec = plugin.deepinfer_feature_spec()
     assert spec.name == "structured_output" and spec.enabled_by_default
@@ -308,12 +310,9 @@ def test_feature_spec_and_lazy_xgrammar_import():
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    from deepinfer.models.deepseek_v4.make_model import make_model
-
-    # max_position_embeddings: examples/offline_inference.py asks for max_model_len 32768.
-    return make_model(tmp_path_factory.mktemp("so") / "tiny", "tiny", seed=1, vocab_size=129280,
-                      max_position_embeddings=32768)
+def tiny_checkpoint(tiny_v4_real_vocab):
+    # its 32k context: examples/offline_inference.py asks for max_model_len 32768
+    return tiny_v4_real_vocab
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +385,7 @@ def test_engine_ends_a_dead_end_request_with_a_clear_reason():
     assert fine.outputs[0].token_ids[-1] == TOY_EOS
 
 
+@pytest.mark.slow
 def test_engine_imports_xgrammar_only_for_the_first_constrained_request(tiny_checkpoint):
     import subprocess
     import textwrap
@@ -407,6 +407,7 @@ def test_engine_imports_xgrammar_only_for_the_first_constrained_request(tiny_che
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+@pytest.mark.slow
 def test_offline_inference_check_passes(tiny_checkpoint, capsys):
     offline_inference = load_example("offline_inference.py")
 
@@ -417,6 +418,7 @@ def test_offline_inference_check_passes(tiny_checkpoint, capsys):
     assert all(line.startswith("DP 0; INPUT: ") for line in captured.out.splitlines() if line.startswith("DP "))
 
 
+@pytest.mark.slow
 def test_offline_inference_check_exits_non_zero_on_a_violation(tiny_checkpoint):
     import subprocess
     import textwrap

@@ -19,7 +19,6 @@ import torch
 
 from deepinfer.models.deepseek_v41 import replay
 from deepinfer.models.deepseek_v41.checkpoint import load_checkpoint
-from deepinfer.models.deepseek_v41.make_model import make_model
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41.state import group_name
 from deepinfer.sampling_params import SamplingParams
@@ -30,8 +29,8 @@ KEEP = 12  # >= the window (8): floor = 36, so 36 prompt rows skip the decoder
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("swa") / "tiny", "tiny", seed=3)
+def checkpoint(tiny_v41):
+    return tiny_v41
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +237,7 @@ def test_compact_with_keep_at_least_the_prompt_is_exact(checkpoint, engine_promp
     assert run.tokens == exact_run.tokens and run.logprobs == exact_run.logprobs
 
 
+@pytest.mark.slow
 def test_compact_small_keep_generates_and_chunking_and_preemption_do_not_change_it(checkpoint):
     prompts = [prompt(n, seed=n) for n in (40, 33, 11, 37, 39, 25, 30, 18)]
     common = dict(max_model_len=80, max_tokens=6)
@@ -261,10 +261,8 @@ def test_keep_below_the_window_is_refused_at_engine_start(checkpoint, monkeypatc
         _llm(checkpoint)
 
 
-def test_deepseek_v4_is_refused(tmp_path, monkeypatch):
-    from deepinfer.models.deepseek_v4.make_model import make_model as make_v4
-
-    path = make_v4(tmp_path / "v4", size="tiny", seed=0)
+def test_deepseek_v4_is_refused(tiny_v4, monkeypatch):
+    path = tiny_v4
     monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
     monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
     with pytest.raises(Exception, match="needs a DeepSeek-V4.1 model.*TRUNCATION_MODE=off"):

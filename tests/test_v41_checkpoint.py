@@ -24,25 +24,21 @@ from deepinfer.entrypoints.make_model import main
 from deepinfer.models.deepseek_v41.make_model import SIZES, count_parameters, make_model, model_config
 from deepinfer.models.deepseek_v41.weights import canonicalize, expected_weight_shapes, weight_kind
 from deepinfer.tokenizer import default_tokenizer_path, load_tokenizer
+from conftest import TINY_SEED
 from v41_oracle import build_nemo_model, fast_tokenizer, read_release_tensors
 
 NEMO_REASON = "nemo-automodel (the independent DeepSeek-V4.1 oracle) is not installed; see scripts/setup_env.sh"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("v41") / "tiny", size="tiny", seed=0)
+def loaded(tiny_v41):
+    return load_checkpoint(tiny_v41, torch.float32)
 
 
 @pytest.fixture(scope="module")
-def loaded(tiny):
-    return load_checkpoint(tiny, torch.float32)
-
-
-@pytest.fixture(scope="module")
-def nemo_model(tiny):
+def nemo_model(tiny_v41):
     pytest.importorskip("nemo_automodel.components.models.deepseek_v41.model", reason=NEMO_REASON)
-    return build_nemo_model(tiny)
+    return build_nemo_model(tiny_v41)
 
 
 def copy_with(src: Path, dst: Path, edit=None, rename=None, single_file: bool = False) -> Path:
@@ -61,8 +57,8 @@ def copy_with(src: Path, dst: Path, edit=None, rename=None, single_file: bool = 
 
 # --- config ----------------------------------------------------------------------------------
 
-def test_config_errors_name_the_keys(tiny):
-    good = json.loads((tiny / "config.json").read_text())
+def test_config_errors_name_the_keys(tiny_v41):
+    good = json.loads((tiny_v41 / "config.json").read_text())
     bad = {**good, "text_config": {**good["text_config"], "hidden_size": -4, "index_topk": "many"}}
     with pytest.raises(CheckpointError) as e:
         parse_config(bad, "x/config.json")
@@ -106,8 +102,8 @@ V41_BAD = [
 
 @pytest.mark.parametrize("change, words", V41_BAD, ids=[f"{k}:{sorted(v) if isinstance(v, dict) else v!r:.40}"
                                                        for (k, v), _ in V41_BAD])
-def test_values_that_were_unbounded_or_ignored_are_refused(tiny, change, words):
-    good = json.loads((tiny / "config.json").read_text())
+def test_values_that_were_unbounded_or_ignored_are_refused(tiny_v41, change, words):
+    good = json.loads((tiny_v41 / "config.json").read_text())
     key, value = change
     bad = {**good, "text_config": {**good["text_config"], **value}} if key == "text_config" else {**good, key: value}
     with pytest.raises(CheckpointError) as e:
@@ -117,7 +113,7 @@ def test_values_that_were_unbounded_or_ignored_are_refused(tiny, change, words):
     assert "text_config.eos_token_id" not in str(e.value)  # top-level keys are named as spelt
 
 
-def test_tiny_has_every_role_and_exact_engram_rows(tiny, loaded):
+def test_tiny_has_every_role_and_exact_engram_rows(tiny_v41, loaded):
     config, _ = loaded
     assert config.layer_roles == (SLIDING, SLIDING, FULL, REUSE, FULL, REUSE, REINDEX, REUSE)
     assert config.compress_ratios[2] == 2 and config.compress_ratios[4] == 1
@@ -125,7 +121,7 @@ def test_tiny_has_every_role_and_exact_engram_rows(tiny, loaded):
     assert [config.layer_roles[i] for i in config.engram_layer_ids] == [SLIDING, FULL]
     # the next unused primes above engram_vocab_size - 1, per layer, order and head (seen set shared)
     assert config.engram_num_embeddings == (601 + 607 + 613 + 617 + 619 + 631, 641 + 643 + 647 + 653 + 659 + 661)
-    assert config.engram_compressed_vocab_size == compressed_token_map(tiny / "tokenizer" / "tokenizer.json")[1]
+    assert config.engram_compressed_vocab_size == compressed_token_map(tiny_v41 / "tokenizer" / "tokenizer.json")[1]
 
 
 def test_other_sizes_are_valid():
@@ -139,12 +135,12 @@ def test_other_sizes_are_valid():
 
 # --- the files make-model writes ----------------------------------------------------------------
 
-def test_release_layout_and_loaded_shapes(tiny, loaded):
+def test_release_layout_and_loaded_shapes(tiny_v41, loaded):
     config, tensors = loaded
-    files = safetensors_files(tiny)
-    assert len(files) >= 2 and (tiny / "model.safetensors.index.json").is_file()
+    files = safetensors_files(tiny_v41)
+    assert len(files) >= 2 and (tiny_v41 / "model.safetensors.index.json").is_file()
     assert all(f.name.startswith("model-0000") for f in files)
-    assert (tiny / "tokenizer" / "tokenizer.json").is_file() and not (tiny / "tokenizer.json").exists()
+    assert (tiny_v41 / "tokenizer" / "tokenizer.json").is_file() and not (tiny_v41 / "tokenizer.json").exists()
     expected = expected_weight_shapes(config)
     assert set(tensors) == set(expected) | {TOKEN_MAP}
     assert {k: tuple(v.shape) for k, v in tensors.items() if k != TOKEN_MAP} == expected
@@ -160,9 +156,9 @@ def test_release_layout_and_loaded_shapes(tiny, loaded):
     assert not any(k.startswith(("layers.3.attn.indexer", "layers.3.attn.compressor")) for k in tensors)
 
 
-def test_every_quantised_tensor_is_quantised_on_disk(tiny, loaded):
+def test_every_quantised_tensor_is_quantised_on_disk(tiny_v41, loaded):
     config, _ = loaded
-    entries = read_headers(safetensors_files(tiny))
+    entries = read_headers(safetensors_files(tiny_v41))
     checked = {"fp8": 0, "fp4": 0, "engram": 0}
     for name, shape in expected_weight_shapes(config).items():
         e, base = entries[name], name.removesuffix(".weight")
@@ -189,21 +185,21 @@ def test_every_quantised_tensor_is_quantised_on_disk(tiny, loaded):
     assert checked == {"fp8": 8 * 8 + 3 + 2, "fp4": 8 * 8 * 3, "engram": 2}
 
 
-def test_make_model_is_deterministic_and_has_a_cli(tiny, tmp_path, capsys):
-    assert main([str(tmp_path / "same"), "--family", "v41", "--size", "tiny", "--seed", "0"]) == 0
+def test_make_model_is_deterministic_and_has_a_cli(tiny_v41, tmp_path, capsys):
+    assert main([str(tmp_path / "same"), "--family", "v41", "--size", "tiny", "--seed", str(TINY_SEED)]) == 0
     assert "DeepSeek-V4.1 tiny" in capsys.readouterr().out
-    for file in safetensors_files(tiny):
+    for file in safetensors_files(tiny_v41):
         assert (tmp_path / "same" / file.name).read_bytes() == file.read_bytes()
-    other = make_model(tmp_path / "other", seed=1)
-    assert read_release_tensors(other)["embed.weight"].ne(read_release_tensors(tiny)["embed.weight"]).any()
+    other = make_model(tmp_path / "other", seed=TINY_SEED + 1)
+    assert read_release_tensors(other)["embed.weight"].ne(read_release_tensors(tiny_v41)["embed.weight"]).any()
     assert main([str(tmp_path / "same"), "--family", "v41"]) == 2  # exists
 
 
 # --- loading ------------------------------------------------------------------------------------
 
-def test_engram_tables_stay_memory_mapped(tiny, loaded):
+def test_engram_tables_stay_memory_mapped(tiny_v41, loaded):
     config, tensors = loaded
-    shards = {str(f.resolve()) for f in safetensors_files(tiny)}
+    shards = {str(f.resolve()) for f in safetensors_files(tiny_v41)}
     mapped = []
     for line in Path("/proc/self/maps").read_text().splitlines():
         fields = line.split()
@@ -218,7 +214,7 @@ def test_engram_tables_stay_memory_mapped(tiny, loaded):
     assert not any(lo <= tensors["layers.0.attn.wq_a.weight"].data_ptr() < hi for lo, hi in mapped)  # dequantised
 
 
-def test_memory_check_leaves_the_engram_tables_out(tiny, loaded, monkeypatch):
+def test_memory_check_leaves_the_engram_tables_out(tiny_v41, loaded, monkeypatch):
     from deepinfer.models.common import checkpoint as common
     from deepinfer.models.common.errors import CheckpointTooLargeError
 
@@ -226,22 +222,22 @@ def test_memory_check_leaves_the_engram_tables_out(tiny, loaded, monkeypatch):
     in_ram = sum(math.prod(s) * 4 for k, s in expected_weight_shapes(config).items() if weight_kind(k) != "quantized")
     in_ram += config.vocab_size * 8  # the token map
     monkeypatch.setattr(common, "available_memory_bytes", lambda: in_ram)
-    load_checkpoint(tiny, torch.float32)  # fits exactly: the memory-mapped tables are not counted
+    load_checkpoint(tiny_v41, torch.float32)  # fits exactly: the memory-mapped tables are not counted
     monkeypatch.setattr(common, "available_memory_bytes", lambda: in_ram - 1)
     with pytest.raises(CheckpointTooLargeError, match="make-model --family v41"):
-        load_checkpoint(tiny, torch.float32)
+        load_checkpoint(tiny_v41, torch.float32)
 
 
-def test_token_map_is_the_tokenizers_compressed_vocabulary(tiny, loaded):
+def test_token_map_is_the_tokenizers_compressed_vocabulary(tiny_v41, loaded):
     config, tensors = loaded
-    token_map, size = compressed_token_map(tiny / "tokenizer" / "tokenizer.json")
+    token_map, size = compressed_token_map(tiny_v41 / "tokenizer" / "tokenizer.json")
     assert tensors[TOKEN_MAP].tolist() == token_map and len(token_map) == config.vocab_size
     assert size == config.engram_compressed_vocab_size == int(tensors[TOKEN_MAP].max()) + 1
 
 
-def test_engram_vocabulary_size_must_match(tiny, tmp_path):
+def test_engram_vocabulary_size_must_match(tiny_v41, tmp_path):
     bad = tmp_path / "bad"
-    shutil.copytree(tiny, bad)
+    shutil.copytree(tiny_v41, bad)
     data = json.loads((bad / "config.json").read_text())
     right = data["text_config"]["engram_compressed_vocab_size"]
     data["text_config"]["engram_compressed_vocab_size"] = right + 1
@@ -252,7 +248,7 @@ def test_engram_vocabulary_size_must_match(tiny, tmp_path):
     assert "text_config.engram_compressed_vocab_size" in message and f"{right} " in message
     assert str(right + 1) in message and "checkpoint's own" in message
 
-    (bad / "config.json").write_text((tiny / "config.json").read_text())
+    (bad / "config.json").write_text((tiny_v41 / "config.json").read_text())
     shutil.move(bad / "tokenizer" / "tokenizer.json", bad / "tokenizer.json")  # root tokenizer also works
     assert TOKEN_MAP in load_checkpoint(bad)[1]
     (bad / "tokenizer.json").unlink()
@@ -260,14 +256,14 @@ def test_engram_vocabulary_size_must_match(tiny, tmp_path):
         load_checkpoint(bad)
 
 
-def test_load_tokenizer_finds_the_tokenizer_folder(tiny):
-    tok = load_tokenizer(tiny, vocab_size=512)
+def test_load_tokenizer_finds_the_tokenizer_folder(tiny_v41):
+    tok = load_tokenizer(tiny_v41, vocab_size=512)
     assert tok.source.endswith("tokenizer/tokenizer.json") and tok.vocab_size == 512
 
 
-def test_encoding_py_is_never_executed(tiny, tmp_path):
+def test_encoding_py_is_never_executed(tiny_v41, tmp_path):
     ckpt = tmp_path / "with_encoding"
-    shutil.copytree(tiny, ckpt)
+    shutil.copytree(tiny_v41, ckpt)
     marker = tmp_path / "executed"
     (ckpt / "encoding").mkdir()
     (ckpt / "encoding" / "encoding.py").write_text(
@@ -278,21 +274,21 @@ def test_encoding_py_is_never_executed(tiny, tmp_path):
     assert not marker.exists() and "encoding" not in sys.modules and "encoding.encoding" not in sys.modules
 
 
-def test_non_backbone_tensors_are_skipped(tiny, tmp_path, caplog):
+def test_non_backbone_tensors_are_skipped(tiny_v41, tmp_path, caplog):
     def add(t):
         t["mtp.0.attn.wq_a.weight"] = torch.zeros(4, 4)
         t["vision.patch_embed.weight"] = torch.zeros(2)
         t["aligner.proj.weight"] = torch.zeros(2)
         t["image_start"] = torch.zeros(64)
-    ckpt = copy_with(tiny, tmp_path / "extra", edit=add)
+    ckpt = copy_with(tiny_v41, tmp_path / "extra", edit=add)
     with caplog.at_level(logging.INFO, logger="deepinfer.models.deepseek_v41.checkpoint"):
         _, tensors = load_checkpoint(ckpt, torch.float32)
     assert not any(k.startswith(("mtp.", "vision.", "aligner.", "image_")) for k in tensors)
     assert "mtp.*: 1" in caplog.text and "vision.*: 1" in caplog.text and "image_start*: 1" in caplog.text
 
 
-def test_prefixed_single_file_checkpoint_loads_the_same(tiny, loaded, tmp_path):
-    ckpt = copy_with(tiny, tmp_path / "prefixed", rename=lambda k: "model." + k, single_file=True)
+def test_prefixed_single_file_checkpoint_loads_the_same(tiny_v41, loaded, tmp_path):
+    ckpt = copy_with(tiny_v41, tmp_path / "prefixed", rename=lambda k: "model." + k, single_file=True)
     assert (ckpt / "model.safetensors").is_file() and not (ckpt / "model.safetensors.index.json").exists()
     _, tensors = load_checkpoint(ckpt, torch.float32)
     assert tensors.keys() == loaded[1].keys()
@@ -300,7 +296,7 @@ def test_prefixed_single_file_checkpoint_loads_the_same(tiny, loaded, tmp_path):
                            v.view(torch.uint8) if v.itemsize == 1 else v) for k, v in loaded[1].items())
 
 
-def test_problems_are_listed_together_by_name(tiny, tmp_path):
+def test_problems_are_listed_together_by_name(tiny_v41, tmp_path):
     def damage(t):
         del t["layers.2.attn.compressor.norm.weight"]  # missing
         t["layers.0.attn.attn_sink"] = torch.zeros(5)  # wrong shape
@@ -308,7 +304,7 @@ def test_problems_are_listed_together_by_name(tiny, tmp_path):
         t["layers.3.ffn.shared_experts.w2.scale"] = torch.ones(1, 1).to(torch.float8_e8m0fnu)  # wrong scale shape
         t["layers.4.attn.compressor.wgate.weight"] = torch.zeros(32, 64)  # ratio 1: no gate
         t["layers.1.engram.embed.weight"] = t["layers.1.engram.embed.weight"].to(torch.bfloat16)  # not FP8
-    ckpt = copy_with(tiny, tmp_path / "damaged", edit=damage)
+    ckpt = copy_with(tiny_v41, tmp_path / "damaged", edit=damage)
     with pytest.raises(CheckpointError) as e:
         load_checkpoint(ckpt)
     message = str(e.value)
@@ -325,13 +321,13 @@ def test_problems_are_listed_together_by_name(tiny, tmp_path):
     ("layers.5.attn.wkv.scale", (0, 0), None),  # ue8m0's NaN encoding in an FP8 scale
     ("layers.1.engram.embed.scale", (0, 0), None),  # a memory-mapped Engram table's scale
 ], ids=["norm", "embedding-row", "fp8-scale", "engram-scale"])
-def test_non_finite_values_are_refused_at_load(tiny, tmp_path, name, index, value):
+def test_non_finite_values_are_refused_at_load(tiny_v41, tmp_path, name, index, value):
     def poison(t):
         if value is None:
             t[name].view(torch.uint8)[index] = 0xFF
         else:
             t[name][index] = value
-    ckpt = copy_with(tiny, tmp_path / "poisoned", edit=poison)
+    ckpt = copy_with(tiny_v41, tmp_path / "poisoned", edit=poison)
     with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} .* holds a non-finite value .* at index "
                                               rf"{re.escape(str(list(index)))}"):
         load_checkpoint(ckpt, torch.float32)
@@ -359,6 +355,7 @@ def test_canonicalize_accepts_nemo_native_names():
 
 # --- NeMo AutoModel as the oracle --------------------------------------------------------------
 
+@pytest.mark.slow
 def test_make_model_output_loads_into_nemo_strictly_with_the_same_weights(nemo_model, loaded):
     """build_nemo_model loads with strict=True (no missing or unexpected key); NeMo's own
     dequantisation of every tensor equals ours (Engram tables: ours kept FP8, dequantised here)."""
@@ -374,11 +371,12 @@ def test_make_model_output_loads_into_nemo_strictly_with_the_same_weights(nemo_m
     assert torch.equal(nemo_model.model.engram_hash.token_map, tensors[TOKEN_MAP])
 
 
-def test_nemo_dequantisation_of_the_stored_tensors_matches(tiny, loaded):
+@pytest.mark.slow
+def test_nemo_dequantisation_of_the_stored_tensors_matches(tiny_v41, loaded):
     pytest.importorskip("nemo_automodel.components.models.deepseek_v41.model", reason=NEMO_REASON)
     from nemo_automodel.components.models.deepseek_v41.state_dict_adapter import dequantize_checkpoint_weight
 
-    raw, tensors = read_release_tensors(tiny), loaded[1]
+    raw, tensors = read_release_tensors(tiny_v41), loaded[1]
     for name in ("layers.2.attn.wq_b.weight", "layers.6.attn.indexer.wq_b.weight", "layers.4.engram.wkv.weight",
                  "layers.0.ffn.experts.5.w2.weight", "layers.7.ffn.shared_experts.w1.weight"):
         nemo = dequantize_checkpoint_weight(raw[name], raw[name.removesuffix(".weight") + ".scale"],
@@ -390,11 +388,12 @@ def test_nemo_dequantisation_of_the_stored_tensors_matches(tiny, loaded):
 
 
 @pytest.mark.parametrize("which", ["real", "tiny"])
-def test_compressed_vocabulary_equals_nemos(which, tiny):
+@pytest.mark.slow
+def test_compressed_vocabulary_equals_nemos(which, tiny_v41):
     pytest.importorskip("nemo_automodel.components.models.deepseek_v41.engram", reason=NEMO_REASON)
     from nemo_automodel.components.models.deepseek_v41.engram import _compressed_token_map
 
-    path = default_tokenizer_path() if which == "real" else tiny / "tokenizer" / "tokenizer.json"
+    path = default_tokenizer_path() if which == "real" else tiny_v41 / "tokenizer" / "tokenizer.json"
     ours, size = compressed_token_map(path)
     theirs, their_size = _compressed_token_map(fast_tokenizer(path))
     assert (ours, size) == (list(theirs), their_size)

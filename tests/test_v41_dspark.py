@@ -143,7 +143,7 @@ def test_draft_block_matches_nemo(loaded, nemo):
         assert not torch.allclose(conf["normed"], conf["residual"])  # the two readings do differ
 
 
-def test_loader_and_make_model_carry_the_drafter(checkpoint, loaded, tmp_path):
+def test_loader_and_make_model_carry_the_drafter(checkpoint, loaded, tiny_v41, tmp_path):
     config, weights = loaded
     assert config.num_nextn_predict_layers == 3 and len(config.compress_ratios) == config.num_hidden_layers + 3
     assert weights["mtp.2.confidence_head.proj.weight"].dtype == torch.float32
@@ -152,8 +152,7 @@ def test_loader_and_make_model_carry_the_drafter(checkpoint, loaded, tmp_path):
     model.load_weights(weights)
     assert model.drafter_heads() == (model.dspark,) and model.drafter_unsupported is None
     # without the drafter: refused with the class's reason
-    plain = make_model(tmp_path / "plain", "tiny", seed=3)
-    model.load_weights(load_checkpoint(plain, torch.float32)[1])
+    model.load_weights(load_checkpoint(tiny_v41, torch.float32)[1])
     assert model.dspark is None and "DSpark draft head" in model.drafter_unsupported
     with pytest.raises(ValueError, match="dspark_target_layer_ids = \\[9\\] must be strictly increasing"):
         make_model(tmp_path / "bad", "tiny", with_dspark=True, dspark_target_layer_ids=(9,))
@@ -203,7 +202,7 @@ def reference(checkpoint):
     return _run(checkpoint, prompts, params)[0]
 
 
-@pytest.mark.parametrize("async_pipeline", [False, True])
+@pytest.mark.parametrize("async_pipeline", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_dspark_greedy_is_lossless(checkpoint, reference, async_pipeline):
     prompts, params = _batch()
     outs, stats, _ = _run(checkpoint, prompts, params, {"num_draft_tokens": 5}, async_pipeline=async_pipeline)
@@ -211,12 +210,14 @@ def test_dspark_greedy_is_lossless(checkpoint, reference, async_pipeline):
     assert stats.num_drafts_verified > 0
 
 
+@pytest.mark.slow
 def test_dspark_variable_length_is_lossless(checkpoint, reference):
     prompts, params = _batch()
     outs, stats, _ = _run(checkpoint, prompts, params, {"num_draft_tokens": 5, "variable_length": True})
     assert outs == reference and stats.num_verifications > 0
 
 
+@pytest.mark.slow
 def test_rejection_at_every_position_with_preemption(checkpoint, reference):
     """The self-drafting test mode on V4.1 with a share of wrong drafts: every draft position is
     rejected somewhere; with a cache for about two requests preemption happens too."""
@@ -232,6 +233,7 @@ def test_rejection_at_every_position_with_preemption(checkpoint, reference):
     assert stats.num_drafts_accepted < stats.num_drafts_verified
 
 
+@pytest.mark.slow
 def test_dspark_with_preemption_is_lossless(checkpoint, reference):
     prompts, params = _batch()
     dspark = {"num_draft_tokens": 5}
@@ -240,6 +242,7 @@ def test_dspark_with_preemption_is_lossless(checkpoint, reference):
     assert outs == reference and preempted > 0
 
 
+@pytest.mark.slow
 def test_engine_drafts_equal_a_from_scratch_drafter(checkpoint, loaded, monkeypatch):
     """Every block the engine's DSpark drafter proposes (after prefill chunks, rejections and
     continuous batching) equals the block drafted from scratch: the full sequence's target features
@@ -277,6 +280,7 @@ def test_engine_drafts_equal_a_from_scratch_drafter(checkpoint, loaded, monkeypa
     assert checked > 10
 
 
+@pytest.mark.slow
 def test_dspark_with_bounded_replay_is_lossless_against_replay_alone(checkpoint):
     """With SWA bounded replay (the decoder runs the last keep_tokens prompt rows; 20 is the minimum
     for 5 drafts and window 8) the target features of dropped rows are never read: greedy outputs

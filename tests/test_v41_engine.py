@@ -12,13 +12,6 @@ from deepinfer.sampling_params import SamplingParams
 from example_modules import load_example
 
 
-@pytest.fixture(scope="module")
-def tiny_v41(tmp_path_factory):
-    from deepinfer.models.deepseek_v41.make_model import make_model
-
-    return str(make_model(tmp_path_factory.mktemp("v41") / "tiny", "tiny", seed=0))
-
-
 @pytest.fixture
 def one_thread():
     before = torch.get_num_threads()
@@ -40,6 +33,7 @@ def _prompts(n: int, seed: int, vocab: int, max_len: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_len))] for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_batch_with_preemption_and_async_equals_each_batch_of_one(tiny_v41, one_thread):
     prompts = _prompts(16, seed=1, vocab=512, max_len=40)
     params = [SamplingParams(temperature=0, max_tokens=6 + i % 5, ignore_eos=True) for i in range(16)]
@@ -63,6 +57,7 @@ def test_speculative_decoding_is_refused_with_the_reason(tiny_v41, monkeypatch):
         _llm(tiny_v41)
 
 
+@pytest.mark.slow
 def test_structured_outputs_on_v41(tmp_path_factory, one_thread):
     """The real 129,280-token tokenizer (the `default` size): constrained and free requests mixed."""
     samples = load_example("_structured_output.py")
@@ -76,6 +71,7 @@ def test_structured_outputs_on_v41(tmp_path_factory, one_thread):
     llm.shutdown()
 
 
+@pytest.mark.slow
 def test_conformance_kit_runs_on_a_v41_checkpoint(tiny_v41, tmp_path):
     import json
 

@@ -14,7 +14,6 @@ from deepinfer.models.deepseek_v41 import kv_quant
 from deepinfer.models.deepseek_v41.checkpoint import load_checkpoint
 from deepinfer.models.deepseek_v41.config import REUSE
 from deepinfer.models.deepseek_v41.engram import EngramHasher
-from deepinfer.models.deepseek_v41.make_model import make_model
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer.models.deepseek_v41.state import build_cache_layout, context_bytes_per_token
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
@@ -24,8 +23,8 @@ PROMPT_LEN = 48  # > 5 windows of 8; >> index_topk entries at both ratios
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("v41") / "tiny", "tiny", seed=3)
+def checkpoint(tiny_v41):
+    return tiny_v41
 
 
 @pytest.fixture(scope="module")

@@ -230,6 +230,6 @@ class OfflineBackend:
         try:
             parser.push(c.token_ids)
             parser.finish(c.finish_reason)
-            return Completion.from_response(json.loads(parser.response_json()))
+            return Completion.from_response(parser.response_dict())
         finally:
             parser.close()

@@ -12,7 +12,7 @@ from deepinfer import envs
 from deepinfer.accelerator.interface import Accelerator, Capabilities, MemoryInfo, ProbeResult
 from deepinfer.accelerator.quantized_weight import WEIGHT_FORMATS
 from deepinfer.accelerator.reference import TorchCollectives
-from deepinfer_plugins.cpu import huge_pages, native
+from deepinfer_plugins.cpu import huge_pages, native, packed_weights
 from deepinfer_plugins.cpu.host_memory import retain_freed_memory
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
@@ -58,6 +58,8 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
         self.weight_formats = WEIGHT_FORMATS if envs.get_bool("DEEPINFER_CPU_QUANTIZED_WEIGHTS", False) else ()
         # decode steps as their prepared programs (program.py) or call by call
         self.prepared_programs = envs.get_bool("DEEPINFER_CPU_DECODE_BLOCKS", True)
+        self.pack_weights = packed_weights.enabled()
+        self.use_huge_pages = huge_pages.enabled()
 
     @classmethod
     def probe(cls) -> ProbeResult:
@@ -77,7 +79,8 @@ class CpuAccelerator(TorchCollectives, NativeCpuKernels, Accelerator):
     def prepare_memory(self) -> None:
         # the weights, the cache and the heap the activations come from onto huge pages (huge_pages.py): at
         # batch 1 the forward outside the LM head ran 1.02-1.13x faster in 10 of 11 process pairs (docs/performance.md)
-        huge_pages.collapse_process_memory()
+        if self.use_huge_pages:
+            huge_pages.collapse_process_memory()
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device("cpu")

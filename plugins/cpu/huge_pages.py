@@ -112,14 +112,14 @@ class _Arena:
 _ARENA = _Arena()
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def empty(shape: tuple[int, ...], dtype: torch.dtype, huge: bool = True) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor like `torch.empty(shape, dtype=dtype)` on memory advised for
     huge pages: if it is at least `MIN_BYTES`, its own mapping, starting on a 2 MB boundary; else a
-    256-byte aligned slice of the arena's current chunk. Plain `torch.empty` where huge pages are off
-    (DEEPINFER_CPU_HUGE_PAGES=0, no madvise)."""
+    256-byte aligned slice of the arena's current chunk. Plain `torch.empty` with `huge` False (the back
+    end's `enabled()`, read once when it is made) or where the system has no madvise."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = None
-    if 0 < nbytes and enabled():
+    if 0 < nbytes and huge:
         raw = _ARENA.take(nbytes) if nbytes < MIN_BYTES else _advised_bytes(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
     if raw is None:
         return torch.empty(shape, dtype=dtype)
@@ -151,9 +151,10 @@ def collapse_process_memory(min_bytes: int = MIN_BYTES) -> int:
     """Advise every private anonymous mapping of this process with at least `min_bytes` of whole huge
     pages for huge pages, and collapse those mostly resident (`_COLLAPSE_MIN_RESIDENT`) onto huge pages
     now, up to COLLAPSE_MAX_BYTES in all (MADV_COLLAPSE; beyond that, or where the kernel has none, the
-    advice stays for khugepaged). Returns the bytes advised; 0 where huge pages are off or the system
-    has no madvise or /proc/self/smaps. The memory's contents do not change."""
-    madvise = _madvise() if enabled() else None
+    advice stays for khugepaged). Returns the bytes advised; 0 where the system has no madvise or
+    /proc/self/smaps. The memory's contents do not change. The caller decides whether huge pages are on
+    (`enabled()`)."""
+    madvise = _madvise()
     if madvise is None:
         return 0
     try:

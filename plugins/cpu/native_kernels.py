@@ -9,6 +9,8 @@ memory instead of tens of torch ops, for
   and, where the CPU has AMX, the linears of decode batches (tile products instead of oneDNN's calls);
 - the MoE dispatch and combine (a counting sort and a weighted row sum, ~10 torch ops each);
 - decode attention (16 heads per vector lane set, no horizontal sums);
+- DeepSeek-V4.1's own ops (`CpuDeepseekV41Ops`): its single-pass mHC sites, its MXFP4 indexer and its
+  decode attention over the FP8 / NVFP4-coded caches, decoded as they are read;
 - greedy sampling's argmax with the log-sum-exp, in one pass over the logits.
 Each method falls back to the pure-torch reference when the library is unavailable (no compiler,
 DEEPINFER_CPU_NATIVE=0) or the input is outside what the C code handles.
@@ -36,7 +38,8 @@ import torch
 from deepinfer.accelerator.interface import MoEDispatch
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
-from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, DeepseekV41Ops
+from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED
+from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, CandidateBlocks, DeepseekV41Ops
 from deepinfer.program import Program
 from deepinfer_plugins.cpu import native, packed_weights
 from deepinfer_plugins.cpu.program import PreparedProgram
@@ -165,12 +168,59 @@ def _sum_fixed(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class CpuDeepseekV41Ops(DeepseekV41Ops):
-    """DeepSeek-V4.1's op table on the cpu back end: the plain-torch defaults, and in batch-invariant
-    mode versions whose every reduction has a fixed order (the kernels' fixed-order products, sums one
-    add after another, transcendental functions on torch's vector path only)."""
+    """DeepSeek-V4.1's op table on the cpu back end: its C kernels (the single-pass mHC sites' entries, the
+    fused attention projections without the per-head query norm, the MXFP4 indexer, the decode attention
+    over the FP8 window and NVFP4 entries), and in batch-invariant mode the composed ops over the invariant
+    kernels, with versions whose every reduction has a fixed order (the kernels' fixed-order products,
+    sums one add after another, transcendental functions on torch's vector path only)."""
 
     def __init__(self, kernels: NativeCpuKernels):
-        self.kernels = kernels
+        super().__init__(kernels)
+        self._site_buffers = threading.local()
+
+    def _site_outputs(self, streams: torch.Tensor, pre_in: torch.Tensor) -> native.SiteOutputs | None:
+        """The site calls' output buffers for decode-sized steps (as NativeCpuKernels._hc_outputs): two sets
+        per streams shape and dtype in this thread, taken in turn, never the one `pre_in` is in (a site
+        chain reads the previous call's results); None (new tensors) above _HC_REUSE_MAX_ROWS rows."""
+        if streams.dim() != 3 or streams.shape[0] > _HC_REUSE_MAX_ROWS:
+            return None
+        local = self._site_buffers
+        key = (streams.shape, streams.dtype)
+        if getattr(local, "key", None) != key:
+            local.key, local.sets = key, (native.site_outputs(*streams.shape, streams.dtype),
+                                          native.site_outputs(*streams.shape, streams.dtype))
+        first, second = local.sets
+        return second if pre_in is first.pre else first
+
+    def hc_mix_collapse_norm(self, streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor,
+                             base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
+                             norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = self.kernels
+        lib = k.native_library
+        if lib is not None and not k.invariant:  # hc_mix, hc_collapse and rms_norm in one C call
+            out = native.hc_mix_collapse_norm(lib, streams, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                              norm_weight, rms_eps, None, self._site_outputs(streams, pre_in))
+            if out is not None:
+                return out.normed, out.pre, out.post, out.comb
+        return super().hc_mix_collapse_norm(streams, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                            norm_weight, rms_eps)
+
+    def hc_post_mix_collapse_norm(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                                  comb: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                                  scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
+                                  norm_weight: torch.Tensor, rms_eps: float
+                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        k = self.kernels
+        lib = k.native_library
+        if lib is not None and not k.invariant:  # hc_post and the next site's entry in one C call
+            out = native.hc_post_mix_collapse_norm(lib, y, streams, post, comb, pre_in, fn, base, scale,
+                                                   sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps,
+                                                   None, self._site_outputs(streams, pre_in))
+            if out is not None:
+                return out
+        return super().hc_post_mix_collapse_norm(y, streams, post, comb, pre_in, fn, base, scale, sinkhorn_iters, eps,
+                                                 norm_eps, norm_weight, rms_eps)
 
     def hc_mix(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -185,9 +235,61 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
         return _sum_fixed(streams.float() * pre.float().unsqueeze(-1), -2).squeeze(-2).to(streams.dtype)
 
     def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-        if not self.kernels.invariant:
-            return super().hc_post(y, streams, post, comb)
         return self.kernels.hc_post(y, streams, post, comb)  # the C kernel: one token at a time
+
+    def attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
+                              q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
+                              kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                              index_heads: int = 0, index_cos: torch.Tensor | None = None,
+                              index_sin: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        out = self.kernels.fused_attention_projections(x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos,
+                                                       sin, index_heads, index_cos, index_sin, q_head_norm=False)
+        if out is not None:
+            return out
+        return super().attention_projections(x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin,
+                                             index_heads, index_cos, index_sin)
+
+    def index_select(self, q: torch.Tensor, weights: torch.Tensor, weight_scale: float, index_keys: torch.Tensor,
+                     rows: torch.Tensor, visible: torch.Tensor, k: int, candidates: torch.Tensor | None = None,
+                     pool: CandidateBlocks | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # decode-sized queries in one C call (indexer.c): every query's scores, pool and picks, each key
+        # decoded as it is read; prefill blocks keep the batched products
+        lib, out = self.kernels.native_library, None
+        if lib is not None and not self.kernels.invariant and q.dim() == 4 and q.shape[1] <= _DECODE_QUERIES:
+            out = native.index_select(lib, q, weights, weight_scale, index_keys, rows, visible, k, candidates,
+                                      None if pool is None else (pool.size, pool.keep, pool.rate, pool.positions))
+        if out is not None:
+            return out
+        return super().index_select(q, weights, weight_scale, index_keys, rows, visible, k, candidates, pool)
+
+    def decode_attention_output(self, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
+                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float,
+                                cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                                wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
+        k = self.kernels
+        lib = k.native_library
+        if lib is None or k.invariant:
+            return super().decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
+                                                   wo_b)
+        # bf16 with the products the composed path would pick: one C call (attention_layer.c), V4's own
+        out = k.fused_decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
+                                              wo_b, coded_keys=True)
+        if out is not None:
+            return out
+        # else the own keys' write and the attention over the packed keys in C (kv_cache.c, attention.c: the
+        # bits of the decoded keys' attention), the output projections composed
+        if native.kv_store(lib, kv, FP8_WINDOW, caches[0], key_rows):
+            att = native.sink_attention_rows(lib, q.unsqueeze(1), caches, rows, masks, sinks, scale,
+                                             (FP8_WINDOW, NVFP4_COMPRESSED)[:len(caches)])
+            if att is not None:
+                B = q.shape[0]
+                o = k.rotary(att.squeeze(1), cos, sin, True).view(B, wo_a.shape[0], -1)
+                return k.linear(k.grouped_linear(o, wo_a).reshape(B, -1), wo_b)
+        # (the default stores the same codes again where kv_store did)
+        return super().decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
+                                               wo_b)
 
     def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         if not self.kernels.invariant:
@@ -229,25 +331,28 @@ class NativeCpuKernels(CpuKernels):
 
     @functools.cached_property
     def packed_weights(self) -> PackedWeights | None:
-        return PackedWeights() if packed_weights.available() else None
+        return PackedWeights() if self.pack_weights and packed_weights.onednn_bf16() else None
 
     @functools.cached_property
     def tile_weights(self) -> PackedWeights | None:
         """The weights packed for the C register tiles (packed_gemm.c) of decode batches."""
         lib = self.native_library
-        if lib is None or not packed_weights.enabled():
+        if lib is None or not self.pack_weights:
             return None
-        return PackedWeights(pack=functools.partial(native.pack_bf16, lib), stacks=True)
+        return PackedWeights(pack=functools.partial(native.pack_bf16, lib, huge=self.use_huge_pages), stacks=True)
 
     @functools.cached_property
     def hc_weights(self) -> PackedWeights | None:
         """The mHC sites' fn transposed for hc_pre's 4-row tiles (native.transpose_fn): decode batches
         2.5x faster than the dot products on fn itself."""
-        if self.native_library is None or not packed_weights.enabled():
+        if self.native_library is None or not self.pack_weights:
             return None
         return PackedWeights(pack=native.transpose_fn, dtype=torch.float32)
 
-    prepared_programs: bool = True  # DEEPINFER_CPU_DECODE_BLOCKS, read once by the accelerator
+    # the switches, read once by the accelerator when it is made (nothing reads the environment in a step)
+    prepared_programs: bool = True  # DEEPINFER_CPU_DECODE_BLOCKS
+    pack_weights: bool = True  # DEEPINFER_CPU_PACKED_WEIGHTS
+    use_huge_pages: bool = True  # DEEPINFER_CPU_HUGE_PAGES
 
     def prepare_program(self, program: Program) -> PreparedProgram | None:
         """A model's step program with its C calls bound once (program.py); None (run eagerly) without the
@@ -452,9 +557,10 @@ class NativeCpuKernels(CpuKernels):
                                       caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
                                       masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float,
                                       cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
-                                      wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor | None:
+                                      wo_b: torch.Tensor | QuantizedWeight, coded_keys: bool = False
+                                      ) -> torch.Tensor | None:
         """V4's `decode_attention_output` in one C call where it runs so, else None (the composed calls).
-        """
+        `coded_keys`: DeepSeek-V4.1's caches (the FP8 window ring, the NVFP4 entries; kv_quant.py)."""
         # bf16 decode steps in one C call (attention_layer.c) where every stage is a C kernel the composed
         # path would pick: one token (grouped GEMV, then the tiles if wo_b has its packed copy, else the
         # GEMV), or _SKINNY_ROWS and more on the tiles. It runs only once the packed copies the composed
@@ -466,22 +572,23 @@ class NativeCpuKernels(CpuKernels):
             products = self._quant_output_products(q.shape[0], wo_a, wo_b)  # the same call, on the codes
             if products is not None:
                 out = native.attention_output_quant(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos,
-                                                    sin, wo_a, wo_b, *products)
+                                                    sin, wo_a, wo_b, *products, coded_keys)
         elif (lib is not None and not self.invariant and q.dtype == torch.bfloat16 and q.dim() == 3
                 and not self.native_amx):
             products = self._decode_output_products(q.shape[0], wo_a, wo_b)
             if products is not None:
                 out = native.attention_output_bf16(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin,
-                                                   wo_a, wo_b, *products)
+                                                   wo_a, wo_b, *products, coded_keys)
         return out
 
     def fused_attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
                                     q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
                                     kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                                     index_heads: int = 0, index_cos: torch.Tensor | None = None,
-                                    index_sin: torch.Tensor | None = None
+                                    index_sin: torch.Tensor | None = None, q_head_norm: bool = True
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """V4's `attention_projections` in one C call where it runs so, else None (the composed calls)."""
+        """V4's `attention_projections` in one C call where it runs so, else None (the composed calls).
+        Without `q_head_norm` the query heads are only rotated (DeepSeek-V4.1's)."""
         # bf16 decode steps in one C call (attention_layer.c) where both products run on the kernels `linear`
         # would pick (the tiles once the copies exist, or the GEMV for one token), see decode_attention_output
         lib, out = self.native_library, None
@@ -490,13 +597,15 @@ class NativeCpuKernels(CpuKernels):
             copies = self._quant_linear_copies(x.shape[0], fused_x, fused_qr)  # the same call, on the codes
             if copies is not None:
                 out = native.attention_projections_quant(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm,
-                                                         eps, cos, sin, index_heads, index_cos, index_sin, *copies)
+                                                         eps, cos, sin, index_heads, index_cos, index_sin, *copies,
+                                                         q_head_norm)
         elif (lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2
                 and (x.shape[0] == 1 or not self.native_amx)):
             copies = self._linear_copies(x.shape[0], fused_x, fused_qr)
             if copies is not None:
                 out = native.attention_projections_bf16(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps,
-                                                        cos, sin, index_heads, index_cos, index_sin, *copies)
+                                                        cos, sin, index_heads, index_cos, index_sin, *copies,
+                                                        q_head_norm)
         return out
 
     def _linear_copies(self, tokens: int, *weights: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:

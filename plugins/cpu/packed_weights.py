@@ -30,8 +30,11 @@ def enabled() -> bool:
 
 def available() -> bool:
     """oneDNN with bf16 support in this torch build, and not turned off (DEEPINFER_CPU_PACKED_WEIGHTS=0)."""
-    if not enabled():
-        return False
+    return enabled() and onednn_bf16()
+
+
+def onednn_bf16() -> bool:
+    """This torch build has oneDNN's bf16 linear and its weight reorder."""
     mkldnn = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
             and hasattr(mkldnn, "_reorder_linear_weight") and bool(mkldnn._is_mkldnn_bf16_supported()))

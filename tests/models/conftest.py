@@ -25,7 +25,11 @@ def _target(config):
 
 
 def pytest_configure(config):
-    _target(config)  # a refused --output fails before any test runs
+    target = _target(config)  # a refused --output fails before any test runs
+    if target is not None:  # asked for: the default file is in the source tree, which tests never write otherwise
+        from conftest import SOURCE_TREE_GUARD
+
+        SOURCE_TREE_GUARD.allow(target)
 
 
 @pytest.fixture(scope="session")

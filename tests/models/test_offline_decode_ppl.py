@@ -29,7 +29,7 @@ def test_decode_ppl_matches_the_baseline(build, case, built, baselines):
     baselines.check(built(build), build, case)
 
 
-@pytest.mark.parametrize("build", [V4, V41], ids=["v4", "v41"])
+@pytest.mark.parametrize("build", [V4, pytest.param(V41, marks=pytest.mark.slow)], ids=["v4", "v41"])
 def test_a_kernel_perturbed_by_1e_3_fails_the_baseline(build, built, baselines, monkeypatch):
     from deepinfer.plugins import select_accelerator_class
 

@@ -32,7 +32,7 @@ def test_the_prompts_reach_past_the_window_into_several_compressed_blocks(built)
 
 @pytest.mark.parametrize("build, case", [
     pytest.param(V4, LONG, id="v4-tiny-single"),
-    pytest.param(V41, LONG, id="v41-tiny-single"),
+    pytest.param(V41, LONG, id="v41-tiny-single", marks=pytest.mark.slow),  # the fast lane runs V4's
     pytest.param(V4, Case(cp=2, long_context=LONG.long_context), id="v4-tiny-cp2", marks=pytest.mark.slow),
     pytest.param(V41, Case(cp=2, long_context=LONG.long_context), id="v41-tiny-cp2", marks=pytest.mark.slow),
 ])

@@ -42,7 +42,7 @@ from deepinfer.models.common.weights import fused_parts, group_rows, split_fused
 from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, DeepseekV41Config
 from deepinfer.models.deepseek_v41.context_parallel import gather_parts
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
-from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops
+from deepinfer.models.deepseek_v41.ops import CandidateBlocks, DeepseekV41Ops
 from deepinfer.models.deepseek_v4.attention import selected_entry_keys
 from deepinfer.models.deepseek_v4.state import StepPlan
 
@@ -58,6 +58,7 @@ class CacheViews:
                  index_keys: torch.Tensor | None = None,
                  rows: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.window = window  # [num_slots, Rw, 528] uint8
+        self.window_flat = window.view(-1, window.shape[-1])  # [num_slots * Rw, 528]: ring rows
         self.entries = entries  # [num_entries, 288] uint8 (the KV source's)
         self.index_keys = index_keys  # [num_entries, 68] uint8 (the KV source's)
         self.rows = rows  # compressor raw rows (kv, score) [num_slots, Rc, d] fp32 (Full, ratio > 1)
@@ -76,8 +77,14 @@ class Attention:
         self.is_candidate_source = layer == config.candidate_source_layer_id
         self.uses_candidates = config.uses_candidates(layer)
         self.x_parts = fused_parts(weights, X_PARTS, "attn.")
-        self.qr_parts = fused_parts(weights, QR_PARTS, "attn.")
+        self.q_rank = self.x_parts[1][0]  # wq_a's output width (fused_x starts with wq_a, then wkv)
         self.wo_a = group_rows(weights["wo_a.weight"], config.o_groups)  # [G, R, in] for grouped_linear
+        # the indexer's head weights: its projection's columns of fused_x, times this scale
+        self.index_scale = config.index_n_heads ** -0.5 * config.index_head_dim ** -0.5
+        # the ratio-1 compressor's projection in the model's dtype (it reads x in it), made once
+        self.compress_wkv = None
+        if self.role == FULL and self.rate == 1:
+            self.compress_wkv = weights["compressor.wkv.weight"].to(weights["wo_b.weight"].dtype)
         self.state: CacheViews | None = None
 
     @property
@@ -91,14 +98,19 @@ class Attention:
         a, c, w, st, plan = self.accel, self.c, self.w, self.state, step.plan
         T, H, d, eps = x.shape[0], c.num_attention_heads, c.head_dim, c.rms_norm_eps
         cos, sin = step.cos_sin[self.rope_kind]
-
-        px = split_fused(a.linear(x, w["fused_x.weight"]), self.x_parts)
-        qr = a.rms_norm(px["wq_a.weight"], w["q_norm.weight"], eps)
-        pqr = split_fused(a.linear(qr, w["fused_qr.weight"]), self.qr_parts)
-        q = a.rotary(pqr["wq_b.weight"].reshape(T, H, d), cos, sin, False)
-        kv = a.rms_norm_rotary(px["wkv.weight"], w["kv_norm.weight"], eps, cos, sin)
-        keyed = {"kv": encode(kv, FP8_WINDOW)}  # what other tokens read: the window key, compressor inputs
+        Hi = c.index_n_heads if self.indexes else 0
+        px, q, kv, iq = self.ops.attention_projections(
+            x, w["fused_x.weight"], self.q_rank, w["q_norm.weight"], w["fused_qr.weight"], H, w["kv_norm.weight"],
+            eps, cos, sin, Hi, *(step.cos_sin["compress"] if Hi else (None, None)))
+        index_w = split_fused(px, self.x_parts)["indexer.weights_proj.weight"] if Hi else None
         compress = self.role == FULL and not step.kv_published  # bounded replay ran it on every row (replay.py)
+        if len(plan.groups) == 1 and plan.groups[0].in_row_order and plan.split is None:
+            # a step of decode tokens: the keys are written as they are read, the rest in one op
+            if compress:
+                self._compress(self._compressor_inputs(x), x.dtype, step)
+            return self._decode(q, kv, iq, index_w, step, cos, sin)
+
+        keyed = {"kv": encode(kv, FP8_WINDOW)}  # what other tokens read: the window key, compressor inputs
         if compress:
             keyed.update(self._compressor_inputs(x))
         if plan.split is not None:  # context parallelism: every rank's rows of it (context_parallel.py)
@@ -108,14 +120,7 @@ class Attention:
 
         if compress:
             self._compress(keyed, x.dtype, step)
-        index_q = index_w = None
-        if self.indexes:
-            Hi, di = c.index_n_heads, c.index_head_dim
-            iq = a.rotary(pqr["indexer.wq_b.weight"].reshape(T, Hi, di), *step.cos_sin["compress"], False)
-            index_q = decode(encode(iq, MXFP4_INDEX), MXFP4_INDEX, di, torch.float32)
-            index_w = px["indexer.weights_proj.weight"].float() * (Hi ** -0.5 * di ** -0.5)
-
-        window_flat = st.window.view(-1, st.window.shape[-1])
+        window_flat = st.window_flat
         out = torch.empty_like(q)
         for gi, g in enumerate(plan.groups):
             if g.key_ring_row_all is not None:  # decode: own key into the ring first, then one gather
@@ -127,13 +132,8 @@ class Attention:
             mask = g.window_mask
             if self.rate:
                 ev = plan.entry_view(gi, self.rate)
-                if self.indexes:
-                    step.selection[gi] = (self.layer, self._select(gi, g, ev, index_q, index_w, step))
-                owner, sel = step.selection[gi]
-                if owner != self.topk_owner:
-                    raise RuntimeError(f"layer {self.layer} expects the top-k of layer {self.topk_owner} but the step "
-                                       f"holds layer {owner}'s; layers must run in order")
-                ckeys, cmask = selected_entry_keys(self._read_entries, g, ev, sel)
+                ckeys, cmask = selected_entry_keys(self._read_entries, g, ev,
+                                                   self._picks(gi, g, ev, iq, index_w, step))
                 keys, mask = torch.cat((keys, ckeys), dim=1), torch.cat((mask, cmask), dim=2)
             g.scatter(out, a.sink_attention(g.gather(q), keys, mask, w["attn_sink"], d ** -0.5))
 
@@ -144,6 +144,32 @@ class Attention:
         o = a.rotary(out, cos, sin, True).view(T, c.o_groups, -1)
         grouped = a.grouped_linear(o, self.wo_a)
         return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
+
+    def _decode(self, q: torch.Tensor, kv: torch.Tensor, iq: torch.Tensor | None, index_w: torch.Tensor | None,
+                step, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A step of decode tokens (one group, every row one sequence's only query, no context-parallel
+        split): `ops.decode_attention_output` over the window and this layer's picked entries."""
+        c, w, st, plan = self.c, self.w, self.state, step.plan
+        g = plan.groups[0]
+        caches, rows, masks = (st.window_flat,), (g.key_ring_row_all,), (g.window_mask,)
+        if self.rate:
+            ev = plan.entry_view(0, self.rate)
+            picks = self._picks(0, g, ev, iq, index_w, step)[:, 0, :ev.flat.shape[1]]  # -1s beyond E only
+            caches, rows = (*caches, st.entries), (*rows, ev.flat.gather(1, picks.clamp(min=0)))
+            masks = (*masks, (picks >= 0).unsqueeze(1))
+        return self.ops.decode_attention_output(q, kv, g.new_key_ring_row, caches, rows, masks, w["attn_sink"],
+                                                c.head_dim ** -0.5, cos, sin, self.wo_a, w["wo_b.weight"])
+
+    def _picks(self, gi: int, g, ev, iq: torch.Tensor | None, index_w: torch.Tensor | None, step) -> torch.Tensor:
+        """The top-k entry ids `[B, S, k]` of the group's queries this layer attends over: its own
+        indexer's (an index source, which leaves them on the step), else its top-k owner's."""
+        if self.indexes:
+            step.selection[gi] = (self.layer, self._select(gi, g, ev, iq, index_w, step))
+        owner, sel = step.selection[gi]
+        if owner != self.topk_owner:
+            raise RuntimeError(f"layer {self.layer} expects the top-k of layer {self.topk_owner} but the step "
+                               f"holds layer {owner}'s; layers must run in order")
+        return sel
 
     def _read_entries(self, rows: torch.Tensor) -> torch.Tensor:
         """Dequantised compressed entries at block-group rows `rows` (any shape) -> `[*rows.shape, d]`."""
@@ -165,7 +191,7 @@ class Attention:
         ratio 1; `wkv` and `wgate` in fp32 at ratio > 1."""
         a, w = self.accel, self.w
         if self.rate == 1:
-            return {"compressor.wkv": a.linear(x, w["compressor.wkv.weight"].to(x.dtype))}
+            return {"compressor.wkv": a.linear(x, self.compress_wkv.to(x.dtype))}
         xf = x.float()
         return {"compressor.wkv": a.linear(xf, w["compressor.wkv.weight"]),
                 "compressor.wgate": a.linear(xf, w["compressor.wgate.weight"])}
@@ -204,48 +230,16 @@ class Attention:
         st.index_keys[cp.entry_row] = encode(a.rotary(key, cos, sin, False), MXFP4_INDEX)
 
     # ----- indexer (Full and Reindex layers) -----
-    def _select(self, gi: int, g, ev, index_q: torch.Tensor, index_w: torch.Tensor, step) -> torch.Tensor:
-        """Top-k entry ids `[B, S, k]` (sorted by position, -1 = none) of the group's queries."""
-        c, st = self.c, self.state
-        B, S, E = ev.visible.shape
-        k = c.index_topk
-        if E == 0:
-            if self.is_candidate_source:
-                step.candidates[gi] = ev.visible
-            return torch.full((B, S, k), -1, dtype=torch.long, device=ev.visible.device)
-        keys = decode(take_rows(st.index_keys, ev.flat), MXFP4_INDEX, c.index_head_dim, torch.float32)
-        dots = torch.einsum("bshd,bed->bshe", g.gather(index_q), keys).relu_()
-        scores = (dots * g.gather(index_w).unsqueeze(-1)).sum(dim=2)  # [B, S, E]
-        allowed = ev.visible
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        if self.is_candidate_source:
-            step.candidates[gi] = self._candidate_pool(scores, g, allowed)
-        elif self.uses_candidates:
-            scores = scores.masked_fill(~step.candidates[gi], float("-inf"))
-        kk = min(k, E)
-        # a stable sort, not topk: exact score ties (common with MXFP4 index keys) then go to the
-        # older entry, whatever the padded entry count (i.e. the batch) is
-        top = scores.sort(dim=-1, descending=True, stable=True)
-        picks = torch.where(torch.isfinite(top.values[..., :kk]), top.indices[..., :kk], -1)
-        # sorted by position, the -1s last
-        picks = torch.where(picks < 0, E, picks).sort(dim=-1).values
-        picks = torch.where(picks >= E, -1, picks)
-        if kk < k:
-            picks = torch.nn.functional.pad(picks, (0, k - kk), value=-1)
-        return picks
-
-    def _candidate_pool(self, scores: torch.Tensor, g, allowed: torch.Tensor) -> torch.Tensor:
-        """`[B, S, E]` bool: entries in the best blocks (by max score), the newest block always kept."""
+    def _select(self, gi: int, g, ev, iq: torch.Tensor, index_w: torch.Tensor, step) -> torch.Tensor:
+        """Top-k entry ids `[B, S, k]` (sorted by position, -1 = none) of the group's queries (`ops.index_select`
+        over the KV source's index keys); the candidate source leaves its pool on the step."""
         c = self.c
-        bs, E = c.candidate_block_size, scores.shape[-1]
-        padded = torch.nn.functional.pad(scores, (0, -E % bs), value=float("-inf"))
-        block_scores = padded.unflatten(-1, (-1, bs)).amax(dim=-1)  # [B, S, nb]
-        visible = (g.q_pos + 1) // self.rate  # [B, S]
-        newest = ((visible - 1) // bs).unsqueeze(-1)
-        ids = torch.arange(block_scores.shape[-1], device=scores.device)
-        block_scores = block_scores.masked_fill(ids == newest, float("inf"))
-        nbest = min(c.candidate_topk_blocks, block_scores.shape[-1])
-        best = block_scores.sort(dim=-1, descending=True, stable=True)  # ties: the older block, as above
-        keep = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best.indices[..., :nbest],
-                                                                        best.values[..., :nbest] > float("-inf"))
-        return keep.repeat_interleave(bs, dim=-1)[..., :E] & allowed
+        pool = None
+        if self.is_candidate_source:
+            pool = CandidateBlocks(c.candidate_block_size, c.candidate_topk_blocks, self.rate, g.q_pos)
+        candidates = step.candidates[gi] if self.uses_candidates and pool is None else None
+        picks, pooled = self.ops.index_select(g.gather(iq), g.gather(index_w), self.index_scale, self.state.index_keys,
+                                              ev.flat, ev.visible, c.index_topk, candidates, pool)
+        if pooled is not None:
+            step.candidates[gi] = pooled
+        return picks

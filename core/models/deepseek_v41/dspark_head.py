@@ -41,6 +41,7 @@ from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, decode, encode
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops
+from deepinfer.models.deepseek_v41.sites import Site, run_blocks
 
 ConfidenceInput = Literal["normed", "residual"]
 
@@ -111,8 +112,6 @@ class DSparkHead:
                  confidence_input: ConfidenceInput = "normed"):
         """`weights`: the `mtp.*` tensors under official names, converted to the model's dtypes;
         `top`: the target's `embed.weight` and `head.weight` (shared)."""
-        from deepinfer.models.deepseek_v41.model import Site  # the model module builds this head
-
         c = config
         if c.num_nextn_predict_layers < 1:
             raise ValueError("the config has no DSpark stages (num_nextn_predict_layers = 0)")
@@ -180,8 +179,7 @@ class DSparkHead:
         context = anchor_positions.to(dev).unsqueeze(1) - W + torch.arange(W, device=dev)
         step = _BlockStep(ids, pre, self.rope.cos_sin(positions, "main"), slots.to(dev), context % W, context >= 0,
                           B, S)
-        for blk in self.blocks:
-            streams = blk.run(streams, step)
+        streams = run_blocks(self.blocks, streams, step)
         residual = self.ops.hc_collapse(streams, step.pre)
         hidden = a.rms_norm(residual, self.norm, c.rms_norm_eps)
         logits = a.linear(hidden, self.top["head.weight"]).float()

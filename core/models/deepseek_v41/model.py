@@ -10,10 +10,11 @@ history), the embedding copied into `hc_mult` streams, the layers, then the stre
 the last FFN site's `pre`, `norm` and `head`.
 
 A layer is a `DecoderBlock` (V4's ordered list of sub-modules): `[Engram (some layers),
-Site(attention), Site(MoE)]`. `Site` is single-pass mHC: it computes its own (pre, post, comb) from
-the streams it receives, but its sub-layer reads the streams collapsed with the PREVIOUS site's
-`pre` (carried on the step; one-hot on stream 0 before the first site), then expands with its own
-post and comb. The MoE is V4's without hash routing (every layer scored with `gate.bias`).
+Site(attention), Site(MoE)]`. `Site` (sites.py) is single-pass mHC: it computes its own (pre, post,
+comb) from the streams it receives, but its sub-layer reads the streams collapsed with the PREVIOUS
+site's `pre` (carried on the step; one-hot on stream 0 before the first site), then expands with its
+own post and comb; the blocks run through `sites.run_blocks` (one op between two sites). The MoE is
+V4's without hash routing (every layer scored with `gate.bias`).
 
 With the vision tower's weights loaded (`vision_config` with layers), `self.images` runs it: a
 batch's `images` (the spans overlapping its chunks) replace those rows' token embeddings before the
@@ -56,14 +57,15 @@ from deepinfer.models.deepseek_v41.attention import QR_PARTS, X_PARTS, Attention
 from deepinfer.models.deepseek_v41.config import FULL, DeepseekV41Config
 from deepinfer.models.deepseek_v41.context_parallel import gather_outputs, step_split
 from deepinfer.models.deepseek_v41.engram import Engram, EngramHasher
+from deepinfer.models.deepseek_v41.image_processing import ProcessedImage, preprocess_image
 from deepinfer.models.deepseek_v41.multimodal import ImageEmbedder, VisionRoutedMoE
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops, resolve_ops
 from deepinfer.models.deepseek_v41.replay import decoder_rows, decoder_start, minimum_keep_tokens
-from deepinfer.models.deepseek_v41.image_processing import ProcessedImage, preprocess_image
-from deepinfer.models.deepseek_v41.vision import VisionTower, is_vision_weight
+from deepinfer.models.deepseek_v41.sites import Site, run_blocks
 from deepinfer.models.deepseek_v41.state import (
     COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
 )
+from deepinfer.models.deepseek_v41.vision import VisionTower, is_vision_weight
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
 from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
 from deepinfer.parallel.expert_parallel import current_expert_parallel
@@ -102,28 +104,6 @@ class StepInputs:
     def cp_split(self) -> RowSplit | None:
         """The context-parallel split whose rows of this rank the step runs, or None: the whole step."""
         return self.plan.split
-
-
-class Site:
-    """One sub-layer inside single-pass mHC (reads `hc_{name}_*` and `{name}_norm.weight`)."""
-
-    def __init__(self, name: str, layer, weights: dict[str, torch.Tensor], config: DeepseekV41Config,
-                 accel: Accelerator, ops: DeepseekV41Ops):
-        self.name, self.layer, self.c, self.accel, self.ops = name, layer, config, accel, ops
-        self.fn, self.base, self.scale = weights[f"hc_{name}_fn"], weights[f"hc_{name}_base"], weights[f"hc_{name}_scale"]
-        self.norm = weights[f"{name}_norm.weight"]
-
-    def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        a, c, ops = self.accel, self.c, self.ops
-        if step.capture is not None and self.name == ATTN and self.layer.layer in step.capture:
-            # DSpark's target feature: the streams entering this attention (after Engram), averaged
-            step.capture[self.layer.layer] = streams.float().mean(dim=1)
-        pre, post, comb = ops.hc_mix(streams, self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps,
-                                     c.rms_norm_eps)
-        collapsed = ops.hc_collapse(streams, step.pre)
-        step.pre = pre
-        y = self.layer.run(a.rms_norm(collapsed, self.norm, c.rms_norm_eps), step)
-        return ops.hc_post(y, streams, post, comb)
 
 
 def _twin_module(m):
@@ -337,8 +317,7 @@ class DeepseekV41ForCausalLM:
         features = batch.return_streams and self.dspark is not None
         if features:
             step.capture = dict.fromkeys(c.dspark_target_layer_ids)
-        for blk in self.blocks if split is None else self.blocks[:split.layer]:
-            streams = blk.run(streams, step)
+        streams = run_blocks(self.blocks if split is None else self.blocks[:split.layer], streams, step)
         if cp_split is not None and split is None:  # every rank samples (and drafts) from the whole step's rows
             streams, step.pre, step.capture = gather_outputs(cp_split, streams, step.pre, step.capture)
         rows = logits_rows = batch.logits_indices.to(self.device)

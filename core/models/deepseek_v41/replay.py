@@ -39,6 +39,7 @@ from deepinfer.models.deepseek_v4.block import ATTN
 from deepinfer.models.deepseek_v4.state import AttnGroup, StepPlan
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.context_parallel import gather_outputs, gather_parts, step_split
+from deepinfer.models.deepseek_v41.sites import run_blocks, run_modules
 from deepinfer.models.deepseek_v41.state import RingSizes
 from deepinfer.parallel.context_parallel import RowSplit
 
@@ -121,11 +122,8 @@ class DecoderRows:
             cos_sin={k: (cos[rows], sin[rows]) for k, (cos, sin) in step.cos_sin.items()}, pre=step.pre[rows],
             engram_rows=None if step.engram_rows is None else step.engram_rows[rows], selection={}, candidates={},
             kv_published=True)
-        h = streams[rows]
-        for m in blk.modules[site:]:
-            h = m.forward(h, kept)
-        for b in model.blocks[self.layer + 1:]:
-            h = b.run(h, kept)
+        h, waiting = run_modules(blk.modules[site:], streams[rows], None, kept)
+        h = run_blocks(model.blocks[self.layer + 1:], h, kept, waiting)
         if split is not None:  # every rank's kept rows (the decoder layers' captures are kept rows too)
             h, kept.pre, kept.capture = gather_outputs(split, h, kept.pre, kept.capture,
                                                        range(self.layer, len(model.blocks)))

@@ -3,7 +3,8 @@ together into one cached library (build.py), and one Python binding per family t
 prototypes (binding.Kernel) next to its typed tensor wrappers:
 
     norm_rope.c / .py   rms_norm, rotary, rms_norm_rotary
-    mhc.c / .py         hc_pre (+ hc_pre_norm), hc_post, hc_post_pre_norm (+ hc_outputs, HcOutputs), hc_head
+    mhc.c / .py         hc_pre (+ hc_pre_norm), hc_post, hc_post_pre_norm (+ hc_outputs, HcOutputs), hc_head;
+                        V4.1's hc_mix_collapse_norm, hc_post_mix_collapse_norm (+ site_outputs, SiteOutputs)
     activation.c / .py  swiglu
     gemv.c / .py        gemv_bf16, gemv_tokens_bf16, gemv_tier(_for), grouped_gemv_bf16, grouped_amx_bf16, linear_amx_bf16,
                         amx_usable, linear_rows (batch-invariant)
@@ -24,9 +25,11 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored),
                         quant_grouped_linear, quant_simd
     quant_experts.c / .py  quant_experts (all routed experts of a step on FP4 / FP8-block weights, one call)
+    kv_cache.c / .py    kv_store (rows encoded in DeepSeek-V4.1's cache formats into cache rows)
+    indexer.c / .py     index_select (DeepSeek-V4.1's lightning indexer: scores, candidate pool, top-k)
     isa.c               build_isa (its wrapper is in build.py)
     common.h, gemv.h,   what the C files share (bf16 conversions, ISA checks, the bf16 products,
-    quant.h             the products on FP4 / FP8 codes)
+    quant.h, kv_codes.h the products on FP4 / FP8 codes, V4.1's cache formats bit-exact)
     sink_attention.h    attention.c's sink attention for one lane count (included once per lane count)
 
 A wrapper takes the library and torch tensors and returns new tensors, or None when the input is
@@ -51,9 +54,12 @@ from deepinfer_plugins.cpu.native.experts import experts_bf16
 from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_bf16_arguments, gemv_tier, gemv_tier_for,
                                                gemv_tokens_bf16, grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16,
                                                linear_rows)
+from deepinfer_plugins.cpu.native.indexer import index_select
+from deepinfer_plugins.cpu.native.kv_cache import kv_store
 from deepinfer_plugins.cpu.native.mhc import (
-    TRANSPOSED_MIXES, HcOutputs, hc_head, hc_outputs, hc_post, hc_post_pre_norm, hc_post_pre_norm_arguments, hc_pre,
-    hc_pre_arguments, transpose_fn,
+    TRANSPOSED_MIXES, HcOutputs, SiteOutputs, hc_head, hc_mix_collapse_norm, hc_outputs, hc_post,
+    hc_post_mix_collapse_norm, hc_post_pre_norm, hc_post_pre_norm_arguments, hc_pre, hc_pre_arguments, site_outputs,
+    transpose_fn,
 )
 from deepinfer_plugins.cpu.native.moe_layer import (moe_layer_arguments, moe_layer_bf16, moe_layer_quant,
                                                     moe_layer_quant_arguments)
@@ -75,8 +81,9 @@ __all__ = [
     "compress_store_arguments", "cache_root", "enabled",
     "experts_bf16", "gemv_bf16", "gemv_bf16_arguments", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16",
     "grouped_gemv_bf16", "hc_head", "hc_outputs", "hc_post", "hc_post_pre_norm", "hc_post_pre_norm_arguments",
-    "hc_pre", "hc_pre_arguments", "HcOutputs",
-    "indexer_scores", "library", "linear_amx_bf16",
+    "hc_pre", "hc_pre_arguments", "HcOutputs", "hc_mix_collapse_norm", "hc_post_mix_collapse_norm", "SiteOutputs",
+    "site_outputs",
+    "index_select", "indexer_scores", "kv_store", "library", "linear_amx_bf16",
     "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_arguments", "moe_layer_bf16", "moe_layer_quant",
     "moe_layer_quant_arguments", "moe_route_rows",
     "pack_bf16", "packed_cols", "packed_linear_arguments", "packed_linear_bf16", "packed_shape", "planned_isa", "planned_target", "quant_experts",

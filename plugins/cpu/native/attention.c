@@ -1,8 +1,32 @@
-/* sink_attention_decode: decode attention with a per-head sink; sink_attention_rows: the same over
- * keys read by index from cache tensors (a decode step's window ring and compressed entries);
- * sink_attention_invariant: the same with each sequence's keys in a canonical order (the
- * batch_invariant feature). */
+/* sink_attention_decode: decode attention with a per-head sink; sink_attention_coded_rows: the same
+ * over keys read by index from cache tensors (a decode step's window ring and compressed entries),
+ * plain or packed in DeepSeek-V4.1's cache formats (kv_codes.h); sink_attention_invariant: the same with each sequence's keys in a canonical
+ * order (the batch_invariant feature). */
 #include "common.h"
+#include "kv_codes.h"
+
+/* How a call's keys are stored: as rows of the queries' dtype (KEYS_PLAIN), or packed in a V4.1 cache
+ * format (kv_codes.h: KV_FP8, KV_NVFP4), decoded to the values a tensor of that dtype holds; the keys
+ * at positions below `split` (of the L a query sees) in form code0, the others in form code1. */
+#define KEYS_PLAIN (-1)
+typedef struct {
+    int code0, code1;
+    long split;
+} key_forms;
+static const key_forms PLAIN_KEYS = {KEYS_PLAIN, KEYS_PLAIN, 0};
+
+static inline void load_key(const char *row, const key_forms *forms, long position, int dtype, float *dst, long d) {
+    const int code = position < forms->split ? forms->code0 : forms->code1;
+    if (code == KEYS_PLAIN)
+        load_row(row, dtype, dst, d);
+    else
+        kv_decode_row_as(code, (const uint8_t *)row, d, dtype, dst);
+}
+
+/* the bytes of one key row of d features in form `code` */
+static inline size_t key_row_bytes(int code, long d, int dtype) {
+    return code == KEYS_PLAIN ? (size_t)d * elem_size(dtype) : (size_t)kv_row_bytes(code, d);
+}
 
 /* ----- sink_attention_decode: MQA with a per-head sink, for queries that see few keys (decode) -----
  * q [B, S, H, d], kv [B, L, d] (K = V), mask [B, S, L] (1 = attend), sinks [H] fp32; out [B, S, H, d]
@@ -29,11 +53,11 @@ static inline size_t round64(size_t bytes) { return (bytes + 63) / 64 * 64; }
 #define ATTN_FN sink_attention8
 #include "sink_attention.h"
 
-static void sink_attention(const void *q, const char *const *key_rows, const uint8_t *mask, const float *sinks,
-                           float scale, void *out, long B, long S, long H, long L, long d, int dtype, const long *order,
-                           int num_threads) {
-    (H <= 8 ? sink_attention8 : sink_attention16)(q, key_rows, mask, sinks, scale, out, B, S, H, L, d, dtype, order,
-                                                  num_threads);
+static void sink_attention(const void *q, const char *const *key_rows, const key_forms *forms, const uint8_t *mask,
+                           const float *sinks, float scale, void *out, long B, long S, long H, long L, long d,
+                           int dtype, const long *order, int num_threads) {
+    (H <= 8 ? sink_attention8 : sink_attention16)(q, key_rows, forms, mask, sinks, scale, out, B, S, H, L, d, dtype,
+                                                  order, num_threads);
 }
 #else
 #define ATTN_LANES 16
@@ -52,21 +76,24 @@ static const char **contiguous_rows(const void *kv, long B, long L, size_t row_b
 void sink_attention_decode(const void *q, const void *kv, const uint8_t *mask, const float *sinks, float scale,
                            void *out, long B, long S, long H, long L, long d, int dtype, int num_threads) {
     const char **rows = contiguous_rows(kv, B, L, (size_t)d * elem_size(dtype));
-    sink_attention(q, rows, mask, sinks, scale, out, B, S, H, L, d, dtype, NULL, num_threads);
+    sink_attention(q, rows, &PLAIN_KEYS, mask, sinks, scale, out, B, S, H, L, d, dtype, NULL, num_threads);
     free(rows);
 }
 
-/* ----- sink_attention_rows: sink_attention_decode over keys read by index from cache tensors -----
- * The key set of item b is part 0's rows rows0[b, 0..L0) of cache0 [n0, d], then part 1's rows
- * rows1[b, 0..L1) of cache1 [n1, d] (L1 = 0: no part 1), with masks mask0 [B, S, L0] and mask1
- * [B, S, L1]: the same keys, order and arithmetic as sink_attention_decode over the concatenation
- * of the gathered rows and of the masks, without materialising either. Returns 0, or -1 (nothing
- * written) when a row index is outside its cache. */
-int sink_attention_rows(const void *q, const void *cache0, const long *rows0, const uint8_t *mask0, long n0,
-                        long L0, const void *cache1, const long *rows1, const uint8_t *mask1, long n1, long L1,
-                        const float *sinks, float scale, void *out, long B, long S, long H, long d, int dtype,
-                        int num_threads) {
-    const size_t row_bytes = (size_t)d * elem_size(dtype);
+/* ----- sink_attention_coded_rows: sink_attention_decode over keys read by index from cache tensors -----
+ * The key set of item b is part 0's rows rows0[b, 0..L0) of cache0, then part 1's rows rows1[b, 0..L1)
+ * of cache1 (L1 = 0: no part 1), with masks mask0 [B, S, L0] and mask1 [B, S, L1]: the same keys, order
+ * and arithmetic as sink_attention_decode over the concatenation of the gathered rows and of the masks,
+ * without materialising either. A part's rows are in form code0 / code1: KEYS_PLAIN (cache [n, d] of
+ * `dtype`) or packed in a V4.1 format (cache [n, kv_row_bytes(code, d)] uint8), each such key decoded to
+ * the values a `dtype` tensor of kv_quant.decode holds (the bits of the decoded, gathered keys). Returns 0,
+ * or -1 (nothing written) when a row index is outside its cache. */
+int sink_attention_coded_rows(const void *q, const void *cache0, const long *rows0, const uint8_t *mask0, long n0,
+                              long L0, int code0, const void *cache1, const long *rows1, const uint8_t *mask1,
+                              long n1, long L1, int code1, const float *sinks, float scale, void *out, long B, long S,
+                              long H, long d, int dtype, int num_threads) {
+    const key_forms forms = {code0, code1, L0};
+    const size_t bytes0 = key_row_bytes(code0, d, dtype), bytes1 = key_row_bytes(code1, d, dtype);
     const long L = L0 + L1;
     const char **key_rows = malloc((size_t)(B * L + 1) * sizeof(*key_rows));
     uint8_t *mask = malloc((size_t)(B * S * L + 1));
@@ -75,19 +102,20 @@ int sink_attention_rows(const void *q, const void *cache0, const long *rows0, co
         for (long l = 0; l < L0; l++) {
             const long r = rows0[b * L0 + l];
             if (r < 0 || r >= n0) status = -1;
-            key_rows[b * L + l] = (const char *)cache0 + (size_t)(status ? 0 : r) * row_bytes;
+            key_rows[b * L + l] = (const char *)cache0 + (size_t)(status ? 0 : r) * bytes0;
         }
         for (long l = 0; l < L1; l++) {
             const long r = rows1[b * L1 + l];
             if (r < 0 || r >= n1) status = -1;
-            key_rows[b * L + L0 + l] = (const char *)cache1 + (size_t)(status ? 0 : r) * row_bytes;
+            key_rows[b * L + L0 + l] = (const char *)cache1 + (size_t)(status ? 0 : r) * bytes1;
         }
         for (long s = 0; s < S; s++) {
             memcpy(mask + (b * S + s) * L, mask0 + (b * S + s) * L0, (size_t)L0);
             if (L1) memcpy(mask + (b * S + s) * L + L0, mask1 + (b * S + s) * L1, (size_t)L1);
         }
     }
-    if (status == 0) sink_attention(q, key_rows, mask, sinks, scale, out, B, S, H, L, d, dtype, NULL, num_threads);
+    if (status == 0)
+        sink_attention(q, key_rows, &forms, mask, sinks, scale, out, B, S, H, L, d, dtype, NULL, num_threads);
     free(mask);
     free(key_rows);
     return status;
@@ -131,7 +159,7 @@ void sink_attention_invariant(const void *q, const void *kv, const uint8_t *mask
         free(tmp);
     });
     const char **rows = contiguous_rows(kv, B, L, row_bytes);
-    sink_attention(q, rows, mask, sinks, scale, out, B, S, H, L, d, dtype, order, num_threads);
+    sink_attention(q, rows, &PLAIN_KEYS, mask, sinks, scale, out, B, S, H, L, d, dtype, order, num_threads);
     free(rows);
     free(order);
 }

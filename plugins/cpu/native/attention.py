@@ -1,22 +1,24 @@
 """sink_attention_decode, decode attention with a per-head sink, sink_attention_rows, the same over
-keys read by index from cache tensors, and sink_attention_invariant, the same with each sequence's
-keys in a canonical order (attention.c)."""
+keys read by index from cache tensors (plain, or packed in DeepSeek-V4.1's cache formats), and
+sink_attention_invariant, the same with each sequence's keys in a canonical order (attention.c)."""
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
+from deepinfer.models.deepseek_v41.kv_quant import KVFormat
 from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.kv_cache import KV_CODES, codes_fit
 
 _ARGUMENTS = dict(q=ptr, kv=ptr, mask=ptr, sinks=ptr, scale=float_, out=ptr, B=long_, S=long_, H=long_, L=long_,
                   d=long_, dtype=int_, num_threads=int_)
 _SINK_ATTENTION_DECODE = Kernel("sink_attention_decode", **_ARGUMENTS)
 _SINK_ATTENTION_INVARIANT = Kernel("sink_attention_invariant", **_ARGUMENTS)
-_SINK_ATTENTION_ROWS = Kernel("sink_attention_rows", ctypes.c_int, q=ptr, cache0=ptr, rows0=ptr, mask0=ptr,
-                              n0=long_, L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, sinks=ptr,
-                              scale=float_, out=ptr, B=long_, S=long_, H=long_, d=long_, dtype=int_,
-                              num_threads=int_)
+_SINK_ATTENTION_CODED_ROWS = Kernel(
+    "sink_attention_coded_rows", ctypes.c_int, q=ptr, cache0=ptr, rows0=ptr, mask0=ptr, n0=long_, L0=long_,
+    code0=int_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, code1=int_, sinks=ptr, scale=float_, out=ptr,
+    B=long_, S=long_, H=long_, d=long_, dtype=int_, num_threads=int_)
 
 
 def _call(kernel: Kernel, lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
@@ -49,37 +51,54 @@ def sink_attention_invariant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor
     return _call(_SINK_ATTENTION_INVARIANT, lib, q, kv, mask, sinks, scale)
 
 
-def _rows_part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> bool:
+# attention.c's key forms: KEYS_PLAIN, or kv_codes.h's formats of keys (by kv_quant's name)
+_KEYS_PLAIN = -1
+_KEY_CODES = {name: KV_CODES[name] for name in ("fp8", "nvfp4")}
+
+
+def _rows_part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor,
+               fmt: KVFormat | None) -> bool:
     """Whether one (cache, rows, mask) part is what sink_attention_rows reads: a contiguous cache
-    `[n, d]` of q's dtype, int64 rows `[B, L]`, bool mask `[B, S, L]`."""
+    `[n, d]` of q's dtype (`fmt` given: uint8 `[n, fmt.bytes_per_vector(d)]` packed keys), int64 rows
+    `[B, L]`, bool mask `[B, S, L]`."""
     B, S, _, d = q.shape
-    return (cache.dtype == q.dtype and cache.dim() == 2 and cache.shape[1] == d and cache.is_cpu
+    if fmt is None:
+        dtype, width = q.dtype, d
+    elif codes_fit(fmt, d) and fmt.name in _KEY_CODES:
+        dtype, width = torch.uint8, fmt.bytes_per_vector(d)
+    else:
+        return False
+    return (cache.dtype == dtype and cache.dim() == 2 and cache.shape[1] == width and cache.is_cpu
             and cache.is_contiguous() and rows.dtype == torch.int64 and rows.dim() == 2 and rows.shape[0] == B
             and mask.dtype == torch.bool and mask.shape == (B, S, rows.shape[1]))
 
 
 def sink_attention_rows(lib: ctypes.CDLL, q: torch.Tensor, caches: tuple[torch.Tensor, ...],
                         rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor, ...], sinks: torch.Tensor,
-                        scale: float) -> torch.Tensor | None:
+                        scale: float, formats: tuple[KVFormat | None, ...] | None = None) -> torch.Tensor | None:
     """`sink_attention_decode` of `q [B, S, H, d]` over the keys `caches[i][rows[i]]` of one or two
-    parts, masks `masks[i]` (the interface's `sink_attention_rows`), read by index in C; None for
-    input the C code does not handle. IndexError for a row outside its cache."""
+    parts, masks `masks[i]` (the interface's `sink_attention_rows`), read by index in C; with `formats`,
+    a part whose format is given holds DeepSeek-V4.1's packed rows (kv_quant's FP8 window or NVFP4
+    entries), each decoded to q's dtype as `kv_quant.decode` would. None for input the C code does not
+    handle. IndexError for a row outside its cache."""
     dtype = dtype_code(q)
+    formats = (None,) * len(caches) if formats is None else formats
     if (dtype is None or q.dim() != 4 or not 1 <= len(caches) <= 2 or len(rows) != len(caches)
-            or len(masks) != len(caches) or sinks.shape != (q.shape[2],)
-            or not all(_rows_part(q, c, r, m) for c, r, m in zip(caches, rows, masks))):
+            or len(masks) != len(caches) or len(formats) != len(caches) or sinks.shape != (q.shape[2],)
+            or not all(_rows_part(q, c, r, m, f) for c, r, m, f in zip(caches, rows, masks, formats))):
         return None
     B, S, H, d = q.shape
     parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
     c0, r0, m0 = parts[0]
     c1, r1, m1 = parts[1] if len(parts) == 2 else (c0, r0[:, :0], m0[..., :0])
+    code0, code1 = (_KEYS_PLAIN if f is None else _KEY_CODES[f.name] for f in (formats[0], formats[-1]))
     qc, s = q.contiguous(), f32(sinks)
     out = torch.empty((B, S, H, d), dtype=q.dtype)
-    status = _SINK_ATTENTION_ROWS(lib, q=qc.data_ptr(), cache0=c0.data_ptr(), rows0=r0.data_ptr(),
-                                  mask0=m0.data_ptr(), n0=c0.shape[0], L0=r0.shape[1], cache1=c1.data_ptr(),
-                                  rows1=r1.data_ptr(), mask1=m1.data_ptr(), n1=c1.shape[0], L1=r1.shape[1],
-                                  sinks=s.data_ptr(), scale=scale, out=out.data_ptr(), B=B, S=S, H=H, d=d,
-                                  dtype=dtype, num_threads=threads())
+    status = _SINK_ATTENTION_CODED_ROWS(lib, q=qc.data_ptr(), cache0=c0.data_ptr(), rows0=r0.data_ptr(),
+                                        mask0=m0.data_ptr(), n0=c0.shape[0], L0=r0.shape[1], code0=code0,
+                                        cache1=c1.data_ptr(), rows1=r1.data_ptr(), mask1=m1.data_ptr(),
+                                        n1=c1.shape[0], L1=r1.shape[1], code1=code1, sinks=s.data_ptr(), scale=scale,
+                                        out=out.data_ptr(), B=B, S=S, H=H, d=d, dtype=dtype, num_threads=threads())
     if status != 0:
         raise IndexError(f"sink_attention_rows: a row index is outside its cache (sizes "
                          f"{[c.shape[0] for c in caches]}); the step plan's key rows must address the bound cache")

@@ -11,14 +11,18 @@
  * them (ten wrapper calls and ~20 torch ops per layer).
  * attention_projections_quant and attention_output_quant are the same two calls where any of the four
  * weights is kept as FP8-block or FP4 codes (the others bf16): such a product is quant_gemv.c's, rounded
- * to bf16 as the composed linear / grouped_linear round it. */
+ * to bf16 as the composed linear / grouped_linear round it.
+ * DeepSeek-V4.1 runs them too: without the query heads' norm (`q_head_norm` 0), and with `coded_keys` 1,
+ * its caches as it stores them (kv_codes.h): the own keys written as FP8 window codes, the window and
+ * the compressed entries (NVFP4) read through sink_attention_coded_rows. */
 #include "common.h"
+#include "kv_codes.h"
 
 /* the stages, defined in the other C files of the library */
-int sink_attention_rows(const void *q, const void *cache0, const long *rows0, const uint8_t *mask0, long n0,
-                        long L0, const void *cache1, const long *rows1, const uint8_t *mask1, long n1, long L1,
-                        const float *sinks, float scale, void *out, long B, long S, long H, long d, int dtype,
-                        int num_threads);
+int sink_attention_coded_rows(const void *q, const void *cache0, const long *rows0, const uint8_t *mask0, long n0,
+                              long L0, int code0, const void *cache1, const long *rows1, const uint8_t *mask1,
+                              long n1, long L1, int code1, const float *sinks, float scale, void *out, long B, long S,
+                              long H, long d, int dtype, int num_threads);
 void rms_norm(const void *x, long x_row_stride, const void *w, int w_dtype, void *out, long rows, long D,
               float eps, int dtype, int num_threads);
 void rms_norm_rotary(const void *x, long x_row_stride, const void *w, int w_dtype, const float *cos_t,
@@ -95,16 +99,20 @@ static void grouped_product(const weight_ref *A, long pa_size, const uint16_t *r
  * [T, Nx], q [T, H, d], kv [T, d], iq [T, Hi, (Nqr - H d) / Hi], all bf16. */
 static void projections(const uint16_t *x, long T, long D, const weight_ref *fx, long Nx, long rank,
                         const void *q_norm, int qn_dtype, const weight_ref *fqr, long Nqr, long H, long d,
-                        const void *kv_norm, int kv_dtype, float eps, const float *cos_t, const float *sin_t,
-                        long half, long Hi, const float *icos, const float *isin, long ihalf, uint16_t *px,
-                        uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
+                        int q_head_norm, const void *kv_norm, int kv_dtype, float eps, const float *cos_t,
+                        const float *sin_t, long half, long Hi, const float *icos, const float *isin, long ihalf,
+                        uint16_t *px, uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
     uint16_t *qr = malloc((size_t)T * rank * 2), *pqr = malloc((size_t)T * Nqr * 2);
     product(fx, x, px, T, Nx, D, num_threads);
     rms_norm(px, Nx, q_norm, qn_dtype, qr, T, rank, eps, DT_BF16, num_threads);
     product(fqr, qr, pqr, T, Nqr, rank, num_threads);
-    for (long t = 0; t < T; t++) /* a token's heads are evenly spaced rows; the tokens are Nqr apart */
-        rms_norm_rotary(pqr + t * Nqr, d, NULL, 0, cos_t + t * half, sin_t + t * half, q + t * H * d, 1, H, d, half,
-                        eps, DT_BF16, num_threads);
+    if (q_head_norm) {
+        for (long t = 0; t < T; t++) /* a token's heads are evenly spaced rows; the tokens are Nqr apart */
+            rms_norm_rotary(pqr + t * Nqr, d, NULL, 0, cos_t + t * half, sin_t + t * half, q + t * H * d, 1, H, d,
+                            half, eps, DT_BF16, num_threads);
+    } else {
+        rotary(pqr, Nqr, d, cos_t, sin_t, q, T, H, d, half, 0, DT_BF16, num_threads);
+    }
     rms_norm_rotary(px + rank, Nx, kv_norm, kv_dtype, cos_t, sin_t, kv, T, 1, d, half, eps, DT_BF16, num_threads);
     if (Hi) {
         const long di = (Nqr - H * d) / Hi;
@@ -118,43 +126,57 @@ static void projections(const uint16_t *x, long T, long D, const weight_ref *fx,
  * pfx, pfqr */
 void attention_projections_bf16(const uint16_t *x, long T, long D, const uint16_t *fused_x, const uint16_t *pfx,
                                 long Nx, long rank, const void *q_norm, int qn_dtype, const uint16_t *fused_qr,
-                                const uint16_t *pfqr, long Nqr, long H, long d, const void *kv_norm, int kv_dtype,
-                                float eps, const float *cos_t, const float *sin_t, long half, long Hi,
-                                const float *icos, const float *isin, long ihalf, uint16_t *px, uint16_t *q,
-                                uint16_t *kv, uint16_t *iq, int num_threads) {
+                                const uint16_t *pfqr, long Nqr, long H, long d, int q_head_norm,
+                                const void *kv_norm, int kv_dtype, float eps, const float *cos_t,
+                                const float *sin_t, long half, long Hi, const float *icos, const float *isin,
+                                long ihalf, uint16_t *px, uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
     const weight_ref fx = {W_BF16, fused_x, pfx, NULL, 0, 0}, fqr = {W_BF16, fused_qr, pfqr, NULL, 0, 0};
-    projections(x, T, D, &fx, Nx, rank, q_norm, qn_dtype, &fqr, Nqr, H, d, kv_norm, kv_dtype, eps, cos_t, sin_t,
-                half, Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
+    projections(x, T, D, &fx, Nx, rank, q_norm, qn_dtype, &fqr, Nqr, H, d, q_head_norm, kv_norm, kv_dtype, eps, cos_t,
+                sin_t, half, Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
 }
 
 /* projections where each weight is bf16 (plain, or its packed copy) or FP8-block / FP4 codes */
 void attention_projections_quant(const uint16_t *x, long T, long D, const weight_ref *fx, long Nx, long rank,
                                  const void *q_norm, int qn_dtype, const weight_ref *fqr, long Nqr, long H, long d,
-                                 const void *kv_norm, int kv_dtype, float eps, const float *cos_t, const float *sin_t,
-                                 long half, long Hi, const float *icos, const float *isin, long ihalf, uint16_t *px,
-                                 uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
-    projections(x, T, D, fx, Nx, rank, q_norm, qn_dtype, fqr, Nqr, H, d, kv_norm, kv_dtype, eps, cos_t, sin_t, half,
-                Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
+                                 int q_head_norm, const void *kv_norm, int kv_dtype, float eps, const float *cos_t,
+                                 const float *sin_t, long half, long Hi, const float *icos, const float *isin,
+                                 long ihalf, uint16_t *px, uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
+    projections(x, T, D, fx, Nx, rank, q_norm, qn_dtype, fqr, Nqr, H, d, q_head_norm, kv_norm, kv_dtype, eps, cos_t,
+                sin_t, half, Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
 }
 
 /* q [B, H, d], kv [B, d] (the queries' own keys), window [n0, d] (written at key_rows [B]); the key
  * parts as sink_attention_rows takes them (S = 1); cos/sin [B, half] fp32. wo_a [G, R, K] (K = H d / G)
  * and wo_b [D, G R] as grouped_product and product take them (pa_size: the elements of one group's
- * packed copy). out [B, D]. Returns 0; -1 (nothing written) for a key row outside the window; -2 (the
- * keys written, as the composed path leaves them) for a key part's row outside its cache. */
-static int output(const uint16_t *q, const uint16_t *kv, uint16_t *window, long n0, const long *key_rows,
-                  const long *rows0, const uint8_t *mask0, long L0, const uint16_t *cache1, const long *rows1,
-                  const uint8_t *mask1, long n1, long L1, const float *sinks, float scale, const float *cos_t,
-                  const float *sin_t, long half, const weight_ref *wo_a, long pa_size, long G, long R,
-                  const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d, int num_threads) {
+ * packed copy). out [B, D]. With coded_keys the window holds FP8 window codes [n0, kv_row_bytes] (the
+ * own keys encoded into it) and cache1 NVFP4 entries. Returns 0; -1 (nothing written) for a key row
+ * outside the window; -2 (the keys written, as the composed path leaves them) for a key part's row
+ * outside its cache. */
+static int output(const uint16_t *q, const uint16_t *kv, void *window, long n0, const long *key_rows,
+                  const long *rows0, const uint8_t *mask0, long L0, const void *cache1, const long *rows1,
+                  const uint8_t *mask1, long n1, long L1, int coded_keys, const float *sinks, float scale,
+                  const float *cos_t, const float *sin_t, long half, const weight_ref *wo_a, long pa_size, long G,
+                  long R, const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d, int num_threads) {
     for (long b = 0; b < B; b++)
         if (key_rows[b] < 0 || key_rows[b] >= n0) return -1;
-    for (long b = 0; b < B; b++) memcpy(window + (size_t)key_rows[b] * d, kv + (size_t)b * d, (size_t)d * 2);
+    if (coded_keys) {
+        const long bytes = kv_row_bytes(KV_FP8, d);
+        float *row = malloc((size_t)d * sizeof(float));
+        for (long b = 0; b < B; b++) {
+            load_row(kv + (size_t)b * d, DT_BF16, row, d);
+            kv_encode_row(KV_FP8, row, d, (uint8_t *)window + (size_t)key_rows[b] * bytes);
+        }
+        free(row);
+    } else {
+        for (long b = 0; b < B; b++)
+            memcpy((uint16_t *)window + (size_t)key_rows[b] * d, kv + (size_t)b * d, (size_t)d * 2);
+    }
     const long K = H * d / G;
     uint16_t *att = malloc((size_t)B * H * d * 2), *rot = malloc((size_t)B * H * d * 2);
     uint16_t *grouped = malloc((size_t)B * G * R * 2);
-    int status = sink_attention_rows(q, window, rows0, mask0, n0, L0, cache1, rows1, mask1, n1, L1, sinks, scale, att,
-                                     B, 1, H, d, DT_BF16, num_threads);
+    const int code0 = coded_keys ? KV_FP8 : -1, code1 = coded_keys ? KV_NVFP4 : -1; /* -1: attention.c's KEYS_PLAIN */
+    int status = sink_attention_coded_rows(q, window, rows0, mask0, n0, L0, code0, cache1, rows1, mask1, n1, L1, code1,
+                                           sinks, scale, att, B, 1, H, d, DT_BF16, num_threads);
     if (status == 0) {
         rotary(att, H * d, d, cos_t, sin_t, rot, B, H, d, half, 1, DT_BF16, num_threads);
         grouped_product(wo_a, pa_size, rot, grouped, B, G, R, K, num_threads);
@@ -168,25 +190,25 @@ static int output(const uint16_t *q, const uint16_t *kv, uint16_t *window, long 
 
 /* output on bf16 weights: wo_a packed per group (pwo_a, pack_bf16 of each group, pa_size elements apart)
  * or, for one token, plain (grouped_gemv_bf16); wo_b packed (pwo_b) or, for one token, plain (gemv_bf16) */
-int attention_output_bf16(const uint16_t *q, const uint16_t *kv, uint16_t *window, long n0, const long *key_rows,
-                          const long *rows0, const uint8_t *mask0, long L0, const uint16_t *cache1, const long *rows1,
-                          const uint8_t *mask1, long n1, long L1, const float *sinks, float scale, const float *cos_t,
-                          const float *sin_t, long half, const uint16_t *wo_a, const uint16_t *pwo_a, long pa_size,
-                          long G, long R, const uint16_t *wo_b, const uint16_t *pwo_b, long D, uint16_t *out, long B,
-                          long H, long d, int num_threads) {
+int attention_output_bf16(const uint16_t *q, const uint16_t *kv, void *window, long n0, const long *key_rows,
+                          const long *rows0, const uint8_t *mask0, long L0, const void *cache1, const long *rows1,
+                          const uint8_t *mask1, long n1, long L1, int coded_keys, const float *sinks, float scale,
+                          const float *cos_t, const float *sin_t, long half, const uint16_t *wo_a,
+                          const uint16_t *pwo_a, long pa_size, long G, long R, const uint16_t *wo_b,
+                          const uint16_t *pwo_b, long D, uint16_t *out, long B, long H, long d, int num_threads) {
     const weight_ref a = {W_BF16, wo_a, pwo_a, NULL, 0, 0}, b = {W_BF16, wo_b, pwo_b, NULL, 0, 0};
-    return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, sinks, scale, cos_t,
-                  sin_t, half, &a, pa_size, G, R, &b, D, out, B, H, d, num_threads);
+    return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, coded_keys, sinks,
+                  scale, cos_t, sin_t, half, &a, pa_size, G, R, &b, D, out, B, H, d, num_threads);
 }
 
 /* output where each weight is bf16 (as attention_output_bf16 takes it) or FP8-block / FP4 codes (wo_a's
  * scales [G, ...], one weight's a group) */
-int attention_output_quant(const uint16_t *q, const uint16_t *kv, uint16_t *window, long n0, const long *key_rows,
-                           const long *rows0, const uint8_t *mask0, long L0, const uint16_t *cache1,
-                           const long *rows1, const uint8_t *mask1, long n1, long L1, const float *sinks, float scale,
+int attention_output_quant(const uint16_t *q, const uint16_t *kv, void *window, long n0, const long *key_rows,
+                           const long *rows0, const uint8_t *mask0, long L0, const void *cache1, const long *rows1,
+                           const uint8_t *mask1, long n1, long L1, int coded_keys, const float *sinks, float scale,
                            const float *cos_t, const float *sin_t, long half, const weight_ref *wo_a, long pa_size,
                            long G, long R, const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d,
                            int num_threads) {
-    return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, sinks, scale, cos_t,
-                  sin_t, half, wo_a, pa_size, G, R, wo_b, D, out, B, H, d, num_threads);
+    return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, coded_keys, sinks,
+                  scale, cos_t, sin_t, half, wo_a, pa_size, G, R, wo_b, D, out, B, H, d, num_threads);
 }

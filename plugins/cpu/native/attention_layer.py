@@ -1,25 +1,29 @@
 """The attention sub-layer of a decode step in two calls (attention_layer.c): attention_projections_bf16,
 its input projections with their norms and rotaries, and attention_output_bf16, from the own keys' write
-to the output projection."""
+to the output projection. DeepSeek-V4.1's run through them too (`q_head_norm=False`: its queries have
+no per-head norm; `coded_keys=True`: its FP8 window and NVFP4 entry caches)."""
 from __future__ import annotations
 
 import ctypes
 
 import torch
 
+from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED
 from deepinfer_plugins.cpu.native.binding import (Bound, Kernel, dtype_code, f32, float_, int_, long_, ptr,
                                                    threads)
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
 _ATTENTION_OUTPUT_BF16 = Kernel(
     "attention_output_bf16", ctypes.c_int, q=ptr, kv=ptr, window=ptr, n0=long_, key_rows=ptr, rows0=ptr, mask0=ptr,
-    L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, sinks=ptr, scale=float_, cos_t=ptr, sin_t=ptr,
+    L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, coded_keys=int_, sinks=ptr, scale=float_,
+    cos_t=ptr, sin_t=ptr,
     half=long_, wo_a=ptr, pwo_a=ptr, pa_size=long_, G=long_, R=long_, wo_b=ptr, pwo_b=ptr, D=long_, out=ptr, B=long_,
     H=long_, d=long_, num_threads=int_)
 
 _ATTENTION_PROJECTIONS_BF16 = Kernel(
     "attention_projections_bf16", x=ptr, T=long_, D=long_, fused_x=ptr, pfx=ptr, Nx=long_, rank=long_, q_norm=ptr,
-    qn_dtype=int_, fused_qr=ptr, pfqr=ptr, Nqr=long_, H=long_, d=long_, kv_norm=ptr, kv_dtype=int_, eps=float_,
+    qn_dtype=int_, fused_qr=ptr, pfqr=ptr, Nqr=long_, H=long_, d=long_, q_head_norm=int_, kv_norm=ptr, kv_dtype=int_,
+    eps=float_,
     cos_t=ptr, sin_t=ptr, half=long_, Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr,
     num_threads=int_)
 
@@ -61,12 +65,13 @@ def attention_projections_bf16(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch
                                q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
                                eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
                                index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
-                               packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None
+                               packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None, q_head_norm: bool = True
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """`attention_projections` (the interface's) of bf16 tokens `x [T, D]` with bf16 weights, each product
-    on its packed copy when given, else (one token) on the plain weight; None for anything else."""
+    on its packed copy when given, else (one token) on the plain weight; None for anything else. Without
+    `q_head_norm` the query heads are only rotated (DeepSeek-V4.1's)."""
     bound = attention_projections_arguments(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin,
-                                            index_heads, index_cos, index_sin, packed_x, packed_qr)
+                                            index_heads, index_cos, index_sin, packed_x, packed_qr, q_head_norm)
     if bound is None:
         return None
     bound.call(lib)
@@ -77,7 +82,8 @@ def attention_projections_arguments(lib: ctypes.CDLL, x: torch.Tensor, fused_x: 
                                     q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
                                     eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
                                     index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
-                                    packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None) -> Bound | None:
+                                    packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None,
+                                    q_head_norm: bool = True) -> Bound | None:
     """`attention_projections_bf16`'s checked call (outputs: px, q, kv, the indexer's q), not made."""
     if x.dim() != 2 or not all(_bf16(t) for t in (x, fused_x, fused_qr)) or fused_x.dim() != 2 or fused_qr.dim() != 2:
         return None
@@ -98,39 +104,43 @@ def attention_projections_arguments(lib: ctypes.CDLL, x: torch.Tensor, fused_x: 
                   pfx=None if packed_x is None else packed_x.data_ptr(), Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
                   qn_dtype=qn_dtype, fused_qr=fused_qr.data_ptr(),
                   pfqr=None if packed_qr is None else packed_qr.data_ptr(), Nqr=Nqr, H=heads, d=d,
-                  kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(),
+                  q_head_norm=int(q_head_norm), kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(),
                   half=cos.shape[1], Hi=index_heads, icos=ic.data_ptr(), isin=isn.data_ptr(), ihalf=ic.shape[1],
                   px=px.data_ptr(), q=q.data_ptr(), kv=kv.data_ptr(), iq=None if iq is None else iq.data_ptr(),
                   num_threads=threads())
     return Bound(_ATTENTION_PROJECTIONS_BF16, values, (px, q, kv, iq), inputs)
 
 
-def _part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor) -> bool:
+def _part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, width: int | None) -> bool:
     """Whether one (cache, rows, mask) key part is what the C call reads for queries `q [B, H, d]`: a
-    contiguous cache `[n, d]` of q's dtype, int64 rows `[B, L]`, bool mask `[B, 1, L]` (sink_attention_rows'
-    parts, S = 1)."""
+    contiguous cache `[n, d]` of q's dtype (or, `width` given, uint8 `[n, width]`: packed rows), int64 rows
+    `[B, L]`, bool mask `[B, 1, L]` (sink_attention_rows' parts, S = 1)."""
     B, _, d = q.shape
-    return (cache.dtype == q.dtype and cache.dim() == 2 and cache.shape[1] == d and cache.is_cpu
+    dtype, row = (q.dtype, d) if width is None else (torch.uint8, width)
+    return (cache.dtype == dtype and cache.dim() == 2 and cache.shape[1] == row and cache.is_cpu
             and cache.is_contiguous() and rows.dtype == torch.int64 and rows.dim() == 2 and rows.shape[0] == B
             and mask.dtype == torch.bool and mask.shape == (B, 1, rows.shape[1]))
 
 
 def _keys_fit(q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor, caches: tuple[torch.Tensor, ...],
               rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, cos: torch.Tensor,
-              sin: torch.Tensor) -> bool:
+              sin: torch.Tensor, coded_keys: bool = False) -> bool:
     """Whether the output call's query side (own keys, their rows, sinks, rotary table) and its one or two
-    key parts are what the C code reads for queries `q [B, H, d]`."""
+    key parts are what the C code reads for queries `q [B, H, d]`; with `coded_keys`, V4.1's FP8 window
+    and NVFP4 entries."""
     B, H, d = q.shape
+    widths = ((FP8_WINDOW.bytes_per_vector(d), NVFP4_COMPRESSED.bytes_per_vector(d)) if coded_keys else (None, None))
     return (1 <= len(caches) <= 2 and len(rows) == len(caches) and len(masks) == len(caches) and sinks.shape == (H,)
             and kv.shape == (B, d) and kv.dtype is q.dtype and key_rows.shape == (B,)
             and key_rows.dtype is torch.int64 and key_rows.is_cpu and cos.dim() == 2 and cos.shape == sin.shape
             and cos.shape[0] == B and 0 < 2 * cos.shape[1] <= d and cos.is_cpu and sin.is_cpu
-            and all(_part(q, c, r, m) for c, r, m in zip(caches, rows, masks)))
+            and all(_part(q, c, r, m, w) for c, r, m, w in zip(caches, rows, masks, widths)))
 
 
 def _key_arguments(q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor, caches: tuple[torch.Tensor, ...],
                    rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float,
-                   cos: torch.Tensor, sin: torch.Tensor) -> tuple[dict, tuple[torch.Tensor, ...]]:
+                   cos: torch.Tensor, sin: torch.Tensor, coded_keys: bool = False
+                   ) -> tuple[dict, tuple[torch.Tensor, ...]]:
     """The output calls' keyword arguments of the query side and the key parts (L1 = 0 where there is one
     part only), and the tensors made here, which the caller holds until the call returns."""
     parts = [(c, r.contiguous(), m.contiguous()) for c, r, m in zip(caches, rows, masks)]
@@ -140,7 +150,8 @@ def _key_arguments(q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor, ca
     keep = (r0, m0, r1, m1, kvc, kr, s, cs, sn)
     return dict(q=q.data_ptr(), kv=kvc.data_ptr(), window=c0.data_ptr(), n0=c0.shape[0], key_rows=kr.data_ptr(),
                 rows0=r0.data_ptr(), mask0=m0.data_ptr(), L0=r0.shape[1], cache1=c1.data_ptr(), rows1=r1.data_ptr(),
-                mask1=m1.data_ptr(), n1=c1.shape[0], L1=r1.shape[1] if len(parts) == 2 else 0, sinks=s.data_ptr(),
+                mask1=m1.data_ptr(), n1=c1.shape[0], L1=r1.shape[1] if len(parts) == 2 else 0,
+                coded_keys=int(coded_keys), sinks=s.data_ptr(),
                 scale=scale, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(), half=cos.shape[1]), keep
 
 
@@ -158,14 +169,15 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
                           caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
                           masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
                           sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
-                          packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None
+                          packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None, coded_keys: bool = False
                           ) -> torch.Tensor | None:
-    """`decode_attention_output` (the interface's) of bf16 queries `q [B, H, d]` with bf16 caches and
-    weights, the products on the packed copies given (pack_bf16 of wo_a's groups and of wo_b), else,
-    for one token, on the plain weights (the GEMVs); None for anything else, with nothing written.
-    IndexError for a key row outside its cache (the own keys then written, as the composed path does)."""
+    """`decode_attention_output` (the interface's) of bf16 queries `q [B, H, d]` with bf16 caches (or, with
+    `coded_keys`, DeepSeek-V4.1's FP8 window and NVFP4 entries, the own keys encoded) and bf16 weights, the
+    products on the packed copies given (pack_bf16 of wo_a's groups and of wo_b), else, for one token, on
+    the plain weights (the GEMVs); None for anything else, with nothing written. IndexError for a key row
+    outside its cache (the own keys then written, as the composed path does)."""
     bound = attention_output_arguments(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a, wo_b,
-                                       packed_wo_a, packed_wo_b)
+                                       packed_wo_a, packed_wo_b, coded_keys)
     if bound is None:
         return None
     check_output_status(bound.call(lib), caches)
@@ -176,14 +188,16 @@ def attention_output_arguments(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tens
                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
                                sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
-                               packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None) -> Bound | None:
+                               packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None,
+                               coded_keys: bool = False) -> Bound | None:
     """`attention_output_bf16`'s checked call (outputs: the `[B, D]` result; its status goes to
     `check_output_status`), not made."""
     if q.dim() != 3 or not all(_bf16(t) for t in (q, wo_a, wo_b)) or wo_a.dim() != 3 or wo_b.dim() != 2:
         return None
     B, H, d = q.shape
     G, R, K = wo_a.shape
-    if G * K != H * d or wo_b.shape[1] != G * R or not _keys_fit(q, kv, key_rows, caches, rows, masks, sinks, cos, sin):
+    if (G * K != H * d or wo_b.shape[1] != G * R
+            or not _keys_fit(q, kv, key_rows, caches, rows, masks, sinks, cos, sin, coded_keys)):
         return None
     if (packed_wo_a is None or packed_wo_b is None) and B != 1:
         return None
@@ -191,7 +205,7 @@ def attention_output_arguments(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tens
         return None
     if not _packed_fits(lib, packed_wo_b, wo_b):
         return None
-    keys, held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin)
+    keys, held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, coded_keys)
     out = torch.empty((B, wo_b.shape[0]), dtype=torch.bfloat16)
     values = dict(keys, wo_a=wo_a.data_ptr(), pwo_a=None if packed_wo_a is None else packed_wo_a.data_ptr(),
                   pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wo_b.data_ptr(),

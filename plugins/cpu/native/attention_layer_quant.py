@@ -28,13 +28,13 @@ class WeightRef(ctypes.Structure):
 
 _ATTENTION_PROJECTIONS_QUANT = Kernel(
     "attention_projections_quant", x=ptr, T=long_, D=long_, fx=ptr, Nx=long_, rank=long_, q_norm=ptr, qn_dtype=int_,
-    fqr=ptr, Nqr=long_, H=long_, d=long_, kv_norm=ptr, kv_dtype=int_, eps=float_, cos_t=ptr, sin_t=ptr, half=long_,
-    Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr, num_threads=int_)
+    fqr=ptr, Nqr=long_, H=long_, d=long_, q_head_norm=int_, kv_norm=ptr, kv_dtype=int_, eps=float_, cos_t=ptr,
+    sin_t=ptr, half=long_, Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr, num_threads=int_)
 
 _ATTENTION_OUTPUT_QUANT = Kernel(
     "attention_output_quant", ctypes.c_int, q=ptr, kv=ptr, window=ptr, n0=long_, key_rows=ptr, rows0=ptr, mask0=ptr,
-    L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, sinks=ptr, scale=float_, cos_t=ptr, sin_t=ptr,
-    half=long_, wo_a=ptr, pa_size=long_, G=long_, R=long_, wo_b=ptr, D=long_, out=ptr, B=long_, H=long_, d=long_,
+    L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, coded_keys=int_, sinks=ptr, scale=float_,
+    cos_t=ptr, sin_t=ptr, half=long_, wo_a=ptr, pa_size=long_, G=long_, R=long_, wo_b=ptr, D=long_, out=ptr, B=long_, H=long_, d=long_,
     num_threads=int_)
 
 # a quantised weight's (logical shape, WeightRef, its address), made at its first call: its storage never
@@ -77,12 +77,14 @@ def attention_projections_quant(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torc
                                 rank: int, q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
                                 kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                                 index_heads: int, index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
-                                packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None
+                                packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None, q_head_norm: bool = True
                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """`attention_projections` (the interface's) of bf16 tokens `x [T, D]`, each weight FP8-block / FP4
-    codes or bf16 (its packed copy given, or None: the GEMV, one token); None for anything else."""
+    codes or bf16 (its packed copy given, or None: the GEMV, one token); None for anything else. Without
+    `q_head_norm` the query heads are only rotated (DeepSeek-V4.1's)."""
     bound = attention_projections_quant_arguments(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos,
-                                                  sin, index_heads, index_cos, index_sin, packed_x, packed_qr)
+                                                  sin, index_heads, index_cos, index_sin, packed_x, packed_qr,
+                                                  q_head_norm)
     if bound is None:
         return None
     bound.call(lib)
@@ -94,7 +96,7 @@ def attention_projections_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, fus
                                           heads: int, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor,
                                           sin: torch.Tensor, index_heads: int, index_cos: torch.Tensor | None,
                                           index_sin: torch.Tensor | None, packed_x: torch.Tensor | None,
-                                          packed_qr: torch.Tensor | None) -> Bound | None:
+                                          packed_qr: torch.Tensor | None, q_head_norm: bool = True) -> Bound | None:
     """`attention_projections_quant`'s checked call (outputs: px, q, kv, the indexer's q), not made."""
     if x.dim() != 2 or not _bf16(x):
         return None
@@ -116,7 +118,7 @@ def attention_projections_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, fus
     inputs, (px, q, kv, iq) = io
     qn, kn, cs, sn, ic, isn = inputs
     values = dict(x=x.data_ptr(), T=T, D=D, fx=wx[2], Nx=Nx, rank=rank, q_norm=qn.data_ptr(), qn_dtype=qn_dtype,
-                  fqr=wqr[2], Nqr=Nqr, H=heads, d=d, kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps,
+                  fqr=wqr[2], Nqr=Nqr, H=heads, d=d, q_head_norm=int(q_head_norm), kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps,
                   cos_t=cs.data_ptr(), sin_t=sn.data_ptr(), half=cos.shape[1], Hi=index_heads, icos=ic.data_ptr(),
                   isin=isn.data_ptr(), ihalf=ic.shape[1], px=px.data_ptr(), q=q.data_ptr(), kv=kv.data_ptr(),
                   iq=None if iq is None else iq.data_ptr(), num_threads=threads())
@@ -128,13 +130,13 @@ def attention_output_quant(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, 
                            masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
                            sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
                            wo_b: torch.Tensor | QuantizedWeight, packed_wo_a: torch.Tensor | None,
-                           packed_wo_b: torch.Tensor | None) -> torch.Tensor | None:
-    """`decode_attention_output` (the interface's) of bf16 queries `q [B, H, d]` with bf16 caches, each
-    weight FP8-block / FP4 codes (wo_a `[G, R, K]` per group) or bf16 (as attention_output_bf16 takes it);
-    None for anything else, with nothing written. IndexError for a key row outside its cache (the own keys
-    then written, as the composed path does)."""
+                           packed_wo_b: torch.Tensor | None, coded_keys: bool = False) -> torch.Tensor | None:
+    """`decode_attention_output` (the interface's) of bf16 queries `q [B, H, d]` with bf16 caches (or V4.1's
+    coded ones: `coded_keys`, as attention_output_bf16), each weight FP8-block / FP4 codes (wo_a `[G, R, K]`
+    per group) or bf16 (as attention_output_bf16 takes it); None for anything else, with nothing written.
+    IndexError for a key row outside its cache (the own keys then written, as the composed path does)."""
     bound = attention_output_quant_arguments(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
-                                             wo_b, packed_wo_a, packed_wo_b)
+                                             wo_b, packed_wo_a, packed_wo_b, coded_keys)
     if bound is None:
         return None
     check_output_status(bound.call(lib), caches)
@@ -146,7 +148,7 @@ def attention_output_quant_arguments(lib: ctypes.CDLL, q: torch.Tensor, kv: torc
                                      masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float,
                                      cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
                                      wo_b: torch.Tensor | QuantizedWeight, packed_wo_a: torch.Tensor | None,
-                                     packed_wo_b: torch.Tensor | None) -> Bound | None:
+                                     packed_wo_b: torch.Tensor | None, coded_keys: bool = False) -> Bound | None:
     """`attention_output_quant`'s checked call (outputs: the `[B, D]` result; its status goes to
     `check_output_status`), not made."""
     if q.dim() != 3 or not _bf16(q):
@@ -156,7 +158,8 @@ def attention_output_quant_arguments(lib: ctypes.CDLL, q: torch.Tensor, kv: torc
         return None
     B, H, d = q.shape
     (G, R, K), (D, in_b) = wa[0], wb[0]
-    if G * K != H * d or in_b != G * R or not _keys_fit(q, kv, key_rows, caches, rows, masks, sinks, cos, sin):
+    if (G * K != H * d or in_b != G * R
+            or not _keys_fit(q, kv, key_rows, caches, rows, masks, sinks, cos, sin, coded_keys)):
         return None
     if B != 1 and (packed_wo_a is None and wa[1].format == _W_BF16 or packed_wo_b is None and wb[1].format == _W_BF16):
         return None
@@ -164,7 +167,7 @@ def attention_output_quant_arguments(lib: ctypes.CDLL, q: torch.Tensor, kv: torc
         return None
     if not _packed_fits(lib, packed_wo_b, wo_b):
         return None
-    keys, held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin)
+    keys, held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, coded_keys)
     out = torch.empty((B, D), dtype=torch.bfloat16)
     values = dict(keys, wo_a=wa[2], pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R,
                   wo_b=wb[2], D=D, out=out.data_ptr(), B=B, H=H, d=d, num_threads=threads())

@@ -55,8 +55,9 @@ HERE = Path(__file__).parent
 SOURCES = tuple(HERE / name for name in ("isa.c", "norm_rope.c", "mhc.c", "activation.c", "gemv.c", "experts.c",
                                          "attention.c", "moe_rows.c", "sampling.c",
                                          "quant_gemv.c", "quant_experts.c", "selection.c", "packed_gemm.c",
-                                         "moe_layer.c", "compressor.c", "attention_layer.c"))
-HEADERS = tuple(HERE / name for name in ("common.h", "gemv.h", "quant.h", "sink_attention.h"))
+                                         "moe_layer.c", "compressor.c", "attention_layer.c", "kv_cache.c",
+                                         "indexer.c"))
+HEADERS = tuple(HERE / name for name in ("common.h", "gemv.h", "quant.h", "sink_attention.h", "kv_codes.h"))
 # Every build's flags; the build switch adds its target (-march) and the rest (build_flags).
 FLAGS = ("-O3", "-mprefer-vector-width=512", "-fPIC", "-shared", "-fopenmp")
 # Build switches (DEEPINFER_CPU_NATIVE_ISA): the flags after FLAGS. The C files pick their AMX,

@@ -1,6 +1,8 @@
 /* The mHC (hyper-connection) kernels: hc_pre (mixing weights with Sinkhorn, collapsed input), hc_post
  * (the unit's output mixed back into the streams), hc_post_pre_norm (one site's hc_post and the next
- * site's hc_pre_norm in one call) and hc_head. */
+ * site's hc_pre_norm in one call) and hc_head; and DeepSeek-V4.1's single-pass sites, whose input is
+ * the streams collapsed with the PREVIOUS site's pre while they compute their own (hc_mix_collapse_norm,
+ * hc_post_mix_collapse_norm). */
 #include "common.h"
 
 /* ----- hc_pre: mHC mixing weights and the collapsed input of one unit, per token -----
@@ -288,15 +290,19 @@ void hc_post(const void *y, int y_dtype, const void *streams, const float *post,
  * each row's collapse (and norm) while the row is still in cache. With `prev` (hc_post_pre_norm) a
  * block's rows are first made by the previous site's hc_post and stored to `streams`; hc_pre then reads
  * them as stored (rounded to dtype), so the call gives the bits of hc_post then hc_pre_norm.
+ * With `pre_in` [T, n] (V4.1's single-pass sites) the collapse uses it instead of the pre just computed,
+ * which goes to `pre_out` [T, n] (when not NULL).
  * Each thread's scratch holds min(T, HC_LANES) rows (a decode token's ~20 KB at n*D = 2048, not a
  * 16-row block's ~135 KB). */
-static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *fn, const float *fnT,
-                        const float *base, const float *scale, void *out, float *post, float *comb, long T, long n,
-                        long D, int sinkhorn_iters, float eps, float norm_eps, const void *norm_weight, int w_dtype,
-                        float rms_eps, int dtype, int num_threads) {
+static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *pre_in, const float *fn,
+                        const float *fnT, const float *base, const float *scale, void *out, float *pre_out,
+                        float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
+                        float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype,
+                        int rows_alone, int num_threads) {
     const size_t es = elem_size(dtype);
     const long width = n * D, mixes = n * (n + 2);
-    const long blocks = (T + HC_LANES - 1) / HC_LANES, block_rows = T < HC_LANES ? T : HC_LANES;
+    const long per_block = rows_alone ? 1 : HC_LANES; /* rows_alone: each row as a call of one row */
+    const long blocks = (T + per_block - 1) / per_block, block_rows = T < per_block ? T : per_block;
     const int tiles_t = fnT != NULL && mixes == HC_T_MIXES;
     PARALLEL_IF(T * width > PARALLEL_MIN_WORK && blocks > 1, {
         const size_t src_size = prev != NULL ? (size_t)(n + 1) * D : 0; /* hc_post's inputs of one token */
@@ -308,8 +314,8 @@ static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *
         if (norm_weight != NULL && w_dtype != DT_F32) load_row(norm_weight, w_dtype, wf, D);
         _Pragma("omp for schedule(static)")
         for (long b = 0; b < blocks; b++) {
-            const long t0 = b * HC_LANES;
-            const long nb = T - t0 < HC_LANES ? T - t0 : HC_LANES;
+            const long t0 = b * per_block;
+            const long nb = T - t0 < per_block ? T - t0 : per_block;
             float inv[HC_LANES];
             for (long r = 0; r < nb; r++) {
                 float *row = rows + r * width;
@@ -347,7 +353,8 @@ static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *
             for (long r = 0; r < nb; r++) {
                 const long t = t0 + r;
                 for (long e = 0; e < n * n; e++) comb[t * n * n + e] = lanes[e * L + r];
-                collapse_row(rows + r * width, pre + r * n, n, D, acc);
+                if (pre_out != NULL) memcpy(pre_out + t * n, pre + r * n, (size_t)n * sizeof(float));
+                collapse_row(rows + r * width, pre_in != NULL ? pre_in + t * n : pre + r * n, n, D, acc);
                 if (norm_weight != NULL) { /* as rms_norm (norm_rope.c) on the collapse rounded to dtype */
                     if (dtype == DT_BF16)
                         for (long i = 0; i < D; i++) acc[i] = bf16_to_float(float_to_bf16(acc[i]));
@@ -364,8 +371,8 @@ static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *
 void hc_pre(const void *streams, const float *fn, const float *fnT, const float *base, const float *scale,
             void *collapsed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
             float norm_eps, int dtype, int num_threads) {
-    hc_pre_rows(NULL, (void *)streams, fn, fnT, base, scale, collapsed, post, comb, T, n, D, sinkhorn_iters, eps,
-                norm_eps, NULL, DT_F32, 0.0f, dtype, num_threads);
+    hc_pre_rows(NULL, (void *)streams, NULL, fn, fnT, base, scale, collapsed, NULL, post, comb, T, n, D,
+                sinkhorn_iters, eps, norm_eps, NULL, DT_F32, 0.0f, dtype, 0, num_threads);
 }
 
 /* As the two calls hc_pre then rms_norm (norm_rope.c) in a row: the collapse is rounded to `dtype`
@@ -373,8 +380,8 @@ void hc_pre(const void *streams, const float *fn, const float *fnT, const float 
 void hc_pre_norm(const void *streams, const float *fn, const float *fnT, const float *base, const float *scale,
                  void *normed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
                  float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
-    hc_pre_rows(NULL, (void *)streams, fn, fnT, base, scale, normed, post, comb, T, n, D, sinkhorn_iters, eps,
-                norm_eps, norm_weight, w_dtype, rms_eps, dtype, num_threads);
+    hc_pre_rows(NULL, (void *)streams, NULL, fn, fnT, base, scale, normed, NULL, post, comb, T, n, D,
+                sinkhorn_iters, eps, norm_eps, norm_weight, w_dtype, rms_eps, dtype, 0, num_threads);
 }
 
 /* Between two mHC sites: hc_post of the first (y [T, D] in y_dtype, streams [T, n, D], post_in [T, n],
@@ -386,8 +393,35 @@ void hc_post_pre_norm(const void *y, int y_dtype, const void *streams, const flo
                       float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype,
                       int num_threads) {
     const hc_post_inputs prev = {y, y_dtype, streams, post_in, comb_in};
-    hc_pre_rows(&prev, streams_out, fn, fnT, base, scale, normed, post, comb, T, n, D, sinkhorn_iters, eps, norm_eps,
-                norm_weight, w_dtype, rms_eps, dtype, num_threads);
+    hc_pre_rows(&prev, streams_out, NULL, fn, fnT, base, scale, normed, NULL, post, comb, T, n, D, sinkhorn_iters,
+                eps, norm_eps, norm_weight, w_dtype, rms_eps, dtype, 0, num_threads);
+}
+
+/* ----- DeepSeek-V4.1's single-pass sites -----
+ * hc_mix_collapse_norm: a site's coefficients (pre [T, n], post, comb) from the streams arriving at it,
+ * and its sub-layer's input: the streams collapsed with the previous site's pre_in [T, n], then
+ * RMS-normalised as hc_pre_norm does (the collapse rounded to dtype first). pre_in must not be pre.
+ * Each row is computed alone (hc_pre's one-row path, fnT unused): its bits do not depend on the rows
+ * beside it, so a step split over context-parallel ranks, a chunk or a batch gives the same values. */
+void hc_mix_collapse_norm(const void *streams, const float *pre_in, const float *fn, const float *fnT,
+                          const float *base, const float *scale, void *normed, float *pre, float *post, float *comb,
+                          long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
+                          const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
+    hc_pre_rows(NULL, (void *)streams, pre_in, fn, fnT, base, scale, normed, pre, post, comb, T, n, D,
+                sinkhorn_iters, eps, norm_eps, norm_weight, w_dtype, rms_eps, dtype, 1, num_threads);
+}
+
+/* Between two single-pass sites: hc_post of the first (as hc_post_pre_norm) into streams_out, then
+ * hc_mix_collapse_norm of the second on it, in one pass per token. */
+void hc_post_mix_collapse_norm(const void *y, int y_dtype, const void *streams, const float *post_in,
+                               const float *comb_in, void *streams_out, const float *pre_in, const float *fn,
+                               const float *fnT, const float *base, const float *scale, void *normed, float *pre,
+                               float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
+                               float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype,
+                               int num_threads) {
+    const hc_post_inputs prev = {y, y_dtype, streams, post_in, comb_in};
+    hc_pre_rows(&prev, streams_out, pre_in, fn, fnT, base, scale, normed, pre, post, comb, T, n, D, sinkhorn_iters,
+                eps, norm_eps, norm_weight, w_dtype, rms_eps, dtype, 1, num_threads);
 }
 
 /* ----- hc_head: the output head's collapse, sum_j pre_j * X_j with pre = sigmoid(mix * scale + base) + eps -----

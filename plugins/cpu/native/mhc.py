@@ -29,7 +29,6 @@ _HC_POST_PRE_NORM = Kernel("hc_post_pre_norm", y=ptr, y_dtype=int_, streams=ptr,
 TRANSPOSED_MIXES = 24
 
 
-
 def _fn_t_address(fn_t: torch.Tensor | None, n: int, D: int) -> int | None | bool:
     """The address of `fn_t` (transpose_fn's copy of fn, `[n * D, TRANSPOSED_MIXES]` fp32) for the C call,
     None where there is none (the call reads fn), False where it is not that layout."""
@@ -192,3 +191,115 @@ def hc_post_pre_norm_arguments(lib: ctypes.CDLL, y: torch.Tensor, streams: torch
                   T=T, n=n, D=D, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps, norm_weight=w.data_ptr(),
                   w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype, num_threads=threads())
     return Bound(_HC_POST_PRE_NORM, values, out, (s, yc, w, p, c, f, b, sc))
+
+
+# ----- DeepSeek-V4.1's single-pass sites -----
+
+_HC_MIX_COLLAPSE_NORM = Kernel("hc_mix_collapse_norm", streams=ptr, pre_in=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr,
+                               normed=ptr, pre=ptr, post=ptr, comb=ptr, T=long_, n=long_, D=long_, sinkhorn_iters=int_,
+                               eps=float_, norm_eps=float_, norm_weight=ptr, w_dtype=int_, rms_eps=float_, dtype=int_,
+                               num_threads=int_)
+_HC_POST_MIX_COLLAPSE_NORM = Kernel(
+    "hc_post_mix_collapse_norm", y=ptr, y_dtype=int_, streams=ptr, post_in=ptr, comb_in=ptr, streams_out=ptr,
+    pre_in=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, normed=ptr, pre=ptr, post=ptr, comb=ptr, T=long_, n=long_,
+    D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, norm_weight=ptr, w_dtype=int_, rms_eps=float_,
+    dtype=int_, num_threads=int_)
+
+
+class SiteOutputs(NamedTuple):
+    """A V4.1 site's results: the streams arriving at it (the previous site's hc_post applied), its
+    sub-layer's normalised input and its pre, post and comb."""
+
+    streams: torch.Tensor  # [T, n, D], the streams' dtype
+    normed: torch.Tensor  # [T, D], the streams' dtype
+    pre: torch.Tensor  # [T, n] fp32
+    post: torch.Tensor  # [T, n] fp32
+    comb: torch.Tensor  # [T, n, n] fp32
+
+
+def site_outputs(T: int, n: int, D: int, dtype: torch.dtype, streams: bool = True) -> SiteOutputs:
+    """Empty tensors for the site calls' `out` (`streams`: with the new streams' tensor, which only
+    hc_post_mix_collapse_norm writes)."""
+    return SiteOutputs(torch.empty((T, n, D) if streams else (0,), dtype=dtype), torch.empty((T, D), dtype=dtype),
+                       torch.empty((T, n), dtype=torch.float32), torch.empty((T, n), dtype=torch.float32),
+                       torch.empty((T, n, n), dtype=torch.float32))
+
+
+def _site_values(streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                 scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor,
+                 rms_eps: float, fn_t: torch.Tensor | None, out: SiteOutputs | None, new_streams: bool
+                 ) -> tuple[dict, SiteOutputs, tuple] | None:
+    """The arguments both site calls share (their outputs in `out` or new tensors), the outputs and the
+    tensors made for the call; None where the C code does not take these inputs."""
+    dtype, w_dtype = dtype_code(streams), dtype_code(norm_weight)
+    if dtype is None or w_dtype is None or streams.dim() != 3 or streams.numel() == 0:
+        return None
+    T, n, D = streams.shape
+    mixes = n * (n + 2)
+    if (pre_in.shape != (T, n) or not pre_in.is_cpu or fn.shape != (mixes, n * D) or base.numel() != mixes
+            or scale.numel() < 3 or norm_weight.shape != (D,) or not (fn.is_cpu and base.is_cpu and scale.is_cpu)):
+        return None
+    t_ptr = _fn_t_address(fn_t, n, D)
+    if t_ptr is False:
+        return None
+    if out is None:
+        out = site_outputs(T, n, D, streams.dtype, new_streams)
+    elif out.normed.shape != (T, D) or out.normed.dtype is not streams.dtype or out.pre.shape != (T, n):
+        return None
+    p, f, b, sc = f32(pre_in), f32(fn), f32(base), f32(scale)
+    if p.data_ptr() == out.pre.data_ptr():
+        return None  # the C call reads pre_in while it writes pre
+    w = norm_weight if norm_weight.is_contiguous() else norm_weight.contiguous()
+    values = dict(pre_in=p.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr, base=b.data_ptr(), scale=sc.data_ptr(),
+                  normed=out.normed.data_ptr(), pre=out.pre.data_ptr(), post=out.post.data_ptr(),
+                  comb=out.comb.data_ptr(), T=T, n=n, D=D, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps,
+                  norm_weight=w.data_ptr(), w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype, num_threads=threads())
+    return values, out, (p, f, b, sc, w)
+
+
+def hc_mix_collapse_norm(lib: ctypes.CDLL, streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor,
+                         base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
+                         norm_weight: torch.Tensor, rms_eps: float, fn_t: torch.Tensor | None = None,
+                         out: SiteOutputs | None = None) -> SiteOutputs | None:
+    """A V4.1 site of streams `[T, n, D]`: its coefficients (hc_pre's, with fn, base, scale, fn_t as there)
+    and its sub-layer's input, the streams collapsed with the previous site's `pre_in` `[T, n]` and
+    RMS-normalised (`norm_weight`, `rms_eps`). Returns `out` (or new tensors) written, with `streams` the
+    given ones; None: not handled (fall back)."""
+    s = streams if streams.is_contiguous() else streams.contiguous()
+    shared = _site_values(s, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, fn_t,
+                          out, False)
+    if shared is None:
+        return None
+    values, outputs, held = shared
+    _HC_MIX_COLLAPSE_NORM(lib, streams=s.data_ptr(), **values)
+    return outputs._replace(streams=streams)
+
+
+def hc_post_mix_collapse_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                              comb: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                              scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
+                              norm_weight: torch.Tensor, rms_eps: float, fn_t: torch.Tensor | None = None,
+                              out: SiteOutputs | None = None) -> SiteOutputs | None:
+    """`hc_post(y, streams, post, comb)` of the previous site, then `hc_mix_collapse_norm` of this one on its
+    result, in one call with their bits; every field of the result written. None: not handled."""
+    y_dtype = dtype_code(y)
+    if y_dtype is None or streams.dim() != 3:
+        return None
+    T, n, D = streams.shape
+    if y.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n) or not (post.is_cpu and comb.is_cpu):
+        return None
+    s = streams if streams.is_contiguous() else streams.contiguous()
+    shared = _site_values(s, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, fn_t,
+                          out, True)
+    if shared is None:
+        return None
+    values, outputs, held = shared
+    if outputs.streams.shape != s.shape or outputs.streams.dtype is not s.dtype:
+        return None
+    if outputs.streams.data_ptr() == s.data_ptr():
+        return None  # the streams are read token by token while the new ones are written
+    yc = y if y.is_contiguous() else y.contiguous()
+    p, c = f32(post), f32(comb)
+    _HC_POST_MIX_COLLAPSE_NORM(lib, y=yc.data_ptr(), y_dtype=y_dtype, streams=s.data_ptr(), post_in=p.data_ptr(),
+                               comb_in=c.data_ptr(), streams_out=outputs.streams.data_ptr(), **values)
+    return outputs

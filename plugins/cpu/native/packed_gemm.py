@@ -28,16 +28,17 @@ def packed_shape(lib: ctypes.CDLL, N: int, K: int) -> tuple[int, int, int, int]:
     return (-(-N // cols), (K + 1) // 2, cols, 2)
 
 
-def pack_bf16(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor | None:
+def pack_bf16(lib: ctypes.CDLL, weight: torch.Tensor, huge: bool = True) -> torch.Tensor | None:
     """A contiguous 2-D bf16 CPU `weight` [N, K] in the packed layout (a new bf16 tensor of about the
     same size: N rounded up to the block width, K to even), a 3-D one [G, N, K] (a stack of G matrices,
     the routed experts) as G such copies one after the other, or None for anything else. Copies of
-    4 MB and more lie on huge pages (huge_pages.empty): decode streams them from memory."""
+    4 MB and more lie on huge pages (huge_pages.empty, unless `huge` is False): decode streams them from
+    memory."""
     if (weight.dtype is not torch.bfloat16 or weight.dim() not in (2, 3) or not weight.is_cpu
             or not weight.is_contiguous() or weight.requires_grad or weight.numel() == 0):
         return None
     N, K = weight.shape[-2:]
-    packed = huge_pages.empty((*weight.shape[:-2], *packed_shape(lib, N, K)), torch.bfloat16)
+    packed = huge_pages.empty((*weight.shape[:-2], *packed_shape(lib, N, K)), torch.bfloat16, huge)
     for w, p in zip(weight.view(-1, N, K), packed.view(-1, *packed_shape(lib, N, K))):
         _PACK_BF16(lib, W=w.data_ptr(), P=p.data_ptr(), N=N, K=K, num_threads=threads())
     return packed

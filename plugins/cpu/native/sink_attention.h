@@ -4,8 +4,9 @@
  * lane count (every operation is lane-wise), so every instance gives a head the same bits. */
 typedef float ATTN_VEC __attribute__((vector_size(ATTN_LANES * sizeof(float))));
 
-static void ATTN_FN(const void *q, const char *const *key_rows, const uint8_t *mask, const float *sinks, float scale,
-                    void *out, long B, long S, long H, long L, long d, int dtype, const long *order, int num_threads) {
+static void ATTN_FN(const void *q, const char *const *key_rows, const key_forms *forms, const uint8_t *mask,
+                    const float *sinks, float scale, void *out, long B, long S, long H, long L, long d, int dtype,
+                    const long *order, int num_threads) {
     const size_t es = elem_size(dtype);
     const long head_blocks = (H + ATTN_LANES - 1) / ATTN_LANES;
 #define KEY(p) (ord ? ord[p] : (p))
@@ -35,7 +36,7 @@ static void ATTN_FN(const void *q, const char *const *key_rows, const uint8_t *m
                 long idx[4], n = 0;
                 for (; l < L && n < 4; l++)
                     if (visible[KEY(l)]) idx[n++] = KEY(l);
-                for (long j = 0; j < n; j++) load_row(keys[idx[j]], dtype, keys_f + j * d, d);
+                for (long j = 0; j < n; j++) load_key(keys[idx[j]], forms, idx[j], dtype, keys_f + j * d, d);
                 for (long j = n; j < 4; j++) memset(keys_f + j * d, 0, (size_t)d * sizeof(float));
                 ATTN_VEC s0 = {0}, s1 = {0}, s2 = {0}, s3 = {0};
                 const float *k0 = keys_f, *k1 = keys_f + d, *k2 = keys_f + 2 * d, *k3 = keys_f + 3 * d;
@@ -72,7 +73,7 @@ static void ATTN_FN(const void *q, const char *const *key_rows, const uint8_t *m
                 const ATTN_VEC zero = {0};
                 ATTN_VEC p[4] = {zero, zero, zero, zero};
                 for (long j = 0; j < n; j++) {
-                    load_row(keys[idx[j]], dtype, keys_f + j * d, d);
+                    load_key(keys[idx[j]], forms, idx[j], dtype, keys_f + j * d, d);
                     p[j] = probs[idx[j]];
                 }
                 for (long j = n; j < 4; j++) memset(keys_f + j * d, 0, (size_t)d * sizeof(float));
