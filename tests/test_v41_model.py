@@ -23,8 +23,13 @@ PROMPT_LEN = 48  # > 5 windows of 8; >> index_topk entries at both ratios
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_v41):
-    return tiny_v41
+def checkpoint(tmp_path_factory):
+    # its own seed, not the session's tiny_v41: with that one (seed 0) and this prompt, two index-key
+    # scores at rows 9-15 are within rounding of each other (MXFP4 keys tie often), so any chunking's
+    # rounding, the torch defaults' included, can swap a top-4 pick (3e-4 on the logits, tokens kept)
+    # and the 1e-5 chunking checks below would test that tie instead of the cache
+    from deepinfer.models.deepseek_v41.make_model import make_model
+    return make_model(tmp_path_factory.mktemp("v41") / "tiny", "tiny", seed=3)
 
 
 @pytest.fixture(scope="module")
