@@ -7,7 +7,6 @@ The text is gibberish; what is checked is the bookkeeping, the protocol and the 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -122,28 +121,17 @@ def test_image_tasks_are_skipped_and_counted(model, tmp_path):
 
 @pytest.fixture(scope="module")
 def server(model):
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     pytest.importorskip("fastapi")
     from deepinfer.entrypoints.serve import build_server
     from deepinfer.server.protocol import ServerSettings
+    from server_harness import running_server
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     settings = ServerSettings(api_key="k", max_pending=64)
-    app, front = build_server(settings, model=model, **ENGINE)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
-    srv.should_exit = True
-    thread.join(timeout=30)
-    front.shutdown()
+    with running_server(*build_server(settings, model=model, **ENGINE)) as url:
+        yield url + "/v1"
     torch.set_num_threads(threads)
 
 

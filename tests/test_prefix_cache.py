@@ -246,15 +246,13 @@ def test_refused_with_bounded_replay_and_bad_block_tokens(ckpts):
 def test_serve_flags_and_metrics(ckpts):
     """`deepinfer serve --prefix-cache...` enables the feature; /metrics reports its counters."""
     pytest.importorskip("fastapi")
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     pytest.importorskip("deepseek_recipe")
     httpx = pytest.importorskip("httpx2")
-    import socket
-    import threading
-    import time
 
     from deepinfer.entrypoints.serve import build_parser, build_server, prefix_cache_features
     from deepinfer.server.protocol import ServerSettings
+    from server_harness import running_server
 
     assert prefix_cache_features(build_parser().parse_args([])) is None
     assert prefix_cache_features(build_parser().parse_args(["--prefix-cache"])) == {"prefix_cache": {}}
@@ -264,17 +262,7 @@ def test_serve_flags_and_metrics(ckpts):
     app, front = build_server(ServerSettings(), model=ckpts["v4"], accelerator="cpu", dtype="float32",
                               max_model_len=256, async_pipeline=False,
                               features={"prefix_cache": {"block_tokens": BLOCK}})
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not srv.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.05)
+    with running_server(app, front) as url:
         for prompt in (P1, P2):
             r = httpx.post(url + "/v1/completions", json={"model": os.path.basename(ckpts["v4"]), "prompt": prompt,
                                                           "max_tokens": 4, "temperature": 0}, timeout=60)
@@ -284,10 +272,6 @@ def test_serve_flags_and_metrics(ckpts):
             if line.startswith("deepinfer_prefix_cache"):
                 name, value = line.rsplit(" ", 1)
                 metrics[name] = float(value)
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
-        front.shutdown()
     assert metrics["deepinfer_prefix_cache_hits"] == 1 and metrics["deepinfer_prefix_cache_misses"] == 1
     assert metrics["deepinfer_prefix_cache_prefill_tokens_saved"] == 64
 

@@ -55,11 +55,10 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
-
     from deepinfer.entrypoints.serve import build_server
     from deepinfer.models.deepseek_v4.make_model import make_model
     from deepinfer.server.protocol import ServerSettings
+    from server_harness import running_server
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -67,20 +66,8 @@ def server(tmp_path_factory):
                           max_position_embeddings=2048))
     settings = ServerSettings(api_key=KEY, default_thinking=False, max_pending=128, max_body_bytes=64 * 1024)
     app, front = build_server(settings, model=path, **ENGINE)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield Server(f"http://127.0.0.1:{port}", app, front, settings, "tiny-v4", path)
-    srv.should_exit = True
-    thread.join(timeout=30)
-    front.shutdown()
+    with running_server(app, front) as url:
+        yield Server(url, app, front, settings, "tiny-v4", path)
     torch.set_num_threads(threads)
 
 

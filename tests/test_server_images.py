@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
-import json
-import socket
 import threading
-import time
 
 import pytest
 import torch
@@ -40,32 +37,18 @@ def data_url(image) -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    import uvicorn
-
     from deepinfer.entrypoints.serve import build_server
     from deepinfer.models.deepseek_v41.make_model import make_model
     from deepinfer.server.protocol import ServerSettings
+    from server_harness import running_server
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     path = str(make_model(tmp_path_factory.mktemp("serve-images") / "tiny", "tiny", seed=4, with_vision=True,
                           dtype="float32"))
     settings = ServerSettings(api_key=KEY, default_thinking=False, max_pending=16)
-    app, front = build_server(settings, model=path, **ENGINE)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", path
-    srv.should_exit = True
-    thread.join(timeout=30)
-    front.shutdown()
+    with running_server(*build_server(settings, model=path, **ENGINE)) as url:
+        yield url, path
     torch.set_num_threads(threads)
 
 
@@ -202,11 +185,10 @@ def media_dirs(tmp_path_factory):
 def served_media(tmp_path_factory, media_dirs):
     """The server with image URLs on: 127.0.0.1 and localhost allowed, local files under one
     folder, and small limits (2 images, LIMIT_BYTES, LIMIT_PIXELS)."""
-    import uvicorn
-
     from deepinfer.entrypoints.serve import build_server
     from deepinfer.models.deepseek_v41.make_model import make_model
     from deepinfer.server.protocol import ServerSettings
+    from server_harness import running_server
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -216,21 +198,8 @@ def served_media(tmp_path_factory, media_dirs):
                               allowed_media_domains=["127.0.0.1", "LocalHost"],
                               allowed_local_media_path=str(media_dirs[0]), max_images_per_prompt=2,
                               max_image_bytes=LIMIT_BYTES, max_image_pixels=LIMIT_PIXELS, media_fetch_timeout_s=20)
-    app, front = build_server(settings, model=path, **ENGINE)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=30)
-    front.shutdown()
+    with running_server(*build_server(settings, model=path, **ENGINE)) as url:
+        yield url
     torch.set_num_threads(threads)
 
 
