@@ -200,7 +200,7 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
         lib = k.native_library
         if lib is not None and not k.invariant:  # hc_mix, hc_collapse and rms_norm in one C call
             out = native.hc_mix_collapse_norm(lib, streams, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                              norm_weight, rms_eps, None, self._site_outputs(streams, pre_in))
+                                              norm_weight, rms_eps, self._site_outputs(streams, pre_in))
             if out is not None:
                 return out.normed, out.pre, out.post, out.comb
         return super().hc_mix_collapse_norm(streams, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps,
@@ -216,7 +216,7 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
         if lib is not None and not k.invariant:  # hc_post and the next site's entry in one C call
             out = native.hc_post_mix_collapse_norm(lib, y, streams, post, comb, pre_in, fn, base, scale,
                                                    sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps,
-                                                   None, self._site_outputs(streams, pre_in))
+                                                   self._site_outputs(streams, pre_in))
             if out is not None:
                 return out
         return super().hc_post_mix_collapse_norm(y, streams, post, comb, pre_in, fn, base, scale, sinkhorn_iters, eps,

@@ -401,13 +401,13 @@ void hc_post_pre_norm(const void *y, int y_dtype, const void *streams, const flo
  * hc_mix_collapse_norm: a site's coefficients (pre [T, n], post, comb) from the streams arriving at it,
  * and its sub-layer's input: the streams collapsed with the previous site's pre_in [T, n], then
  * RMS-normalised as hc_pre_norm does (the collapse rounded to dtype first). pre_in must not be pre.
- * Each row is computed alone (hc_pre's one-row path, fnT unused): its bits do not depend on the rows
- * beside it, so a step split over context-parallel ranks, a chunk or a batch gives the same values. */
-void hc_mix_collapse_norm(const void *streams, const float *pre_in, const float *fn, const float *fnT,
-                          const float *base, const float *scale, void *normed, float *pre, float *post, float *comb,
-                          long T, long n, long D, int sinkhorn_iters, float eps, float norm_eps,
-                          const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
-    hc_pre_rows(NULL, (void *)streams, pre_in, fn, fnT, base, scale, normed, pre, post, comb, T, n, D,
+ * Each row is computed alone (hc_pre's one-row path, so no transposed fn): its bits do not depend on
+ * the rows beside it, so a step split over context-parallel ranks, a chunk or a batch gives the same values. */
+void hc_mix_collapse_norm(const void *streams, const float *pre_in, const float *fn, const float *base,
+                          const float *scale, void *normed, float *pre, float *post, float *comb, long T, long n,
+                          long D, int sinkhorn_iters, float eps, float norm_eps, const void *norm_weight,
+                          int w_dtype, float rms_eps, int dtype, int num_threads) {
+    hc_pre_rows(NULL, (void *)streams, pre_in, fn, NULL, base, scale, normed, pre, post, comb, T, n, D,
                 sinkhorn_iters, eps, norm_eps, norm_weight, w_dtype, rms_eps, dtype, 1, num_threads);
 }
 
@@ -415,12 +415,12 @@ void hc_mix_collapse_norm(const void *streams, const float *pre_in, const float 
  * hc_mix_collapse_norm of the second on it, in one pass per token. */
 void hc_post_mix_collapse_norm(const void *y, int y_dtype, const void *streams, const float *post_in,
                                const float *comb_in, void *streams_out, const float *pre_in, const float *fn,
-                               const float *fnT, const float *base, const float *scale, void *normed, float *pre,
+                               const float *base, const float *scale, void *normed, float *pre,
                                float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
                                float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype,
                                int num_threads) {
     const hc_post_inputs prev = {y, y_dtype, streams, post_in, comb_in};
-    hc_pre_rows(&prev, streams_out, pre_in, fn, fnT, base, scale, normed, pre, post, comb, T, n, D, sinkhorn_iters,
+    hc_pre_rows(&prev, streams_out, pre_in, fn, NULL, base, scale, normed, pre, post, comb, T, n, D, sinkhorn_iters,
                 eps, norm_eps, norm_weight, w_dtype, rms_eps, dtype, 1, num_threads);
 }
 

@@ -195,13 +195,13 @@ def hc_post_pre_norm_arguments(lib: ctypes.CDLL, y: torch.Tensor, streams: torch
 
 # ----- DeepSeek-V4.1's single-pass sites -----
 
-_HC_MIX_COLLAPSE_NORM = Kernel("hc_mix_collapse_norm", streams=ptr, pre_in=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr,
+_HC_MIX_COLLAPSE_NORM = Kernel("hc_mix_collapse_norm", streams=ptr, pre_in=ptr, fn=ptr, base=ptr, scale=ptr,
                                normed=ptr, pre=ptr, post=ptr, comb=ptr, T=long_, n=long_, D=long_, sinkhorn_iters=int_,
                                eps=float_, norm_eps=float_, norm_weight=ptr, w_dtype=int_, rms_eps=float_, dtype=int_,
                                num_threads=int_)
 _HC_POST_MIX_COLLAPSE_NORM = Kernel(
     "hc_post_mix_collapse_norm", y=ptr, y_dtype=int_, streams=ptr, post_in=ptr, comb_in=ptr, streams_out=ptr,
-    pre_in=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, normed=ptr, pre=ptr, post=ptr, comb=ptr, T=long_, n=long_,
+    pre_in=ptr, fn=ptr, base=ptr, scale=ptr, normed=ptr, pre=ptr, post=ptr, comb=ptr, T=long_, n=long_,
     D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, norm_weight=ptr, w_dtype=int_, rms_eps=float_,
     dtype=int_, num_threads=int_)
 
@@ -227,7 +227,7 @@ def site_outputs(T: int, n: int, D: int, dtype: torch.dtype, streams: bool = Tru
 
 def _site_values(streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
                  scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor,
-                 rms_eps: float, fn_t: torch.Tensor | None, out: SiteOutputs | None, new_streams: bool
+                 rms_eps: float, out: SiteOutputs | None, new_streams: bool
                  ) -> tuple[dict, SiteOutputs, tuple] | None:
     """The arguments both site calls share (their outputs in `out` or new tensors), the outputs and the
     tensors made for the call; None where the C code does not take these inputs."""
@@ -239,9 +239,6 @@ def _site_values(streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, 
     if (pre_in.shape != (T, n) or not pre_in.is_cpu or fn.shape != (mixes, n * D) or base.numel() != mixes
             or scale.numel() < 3 or norm_weight.shape != (D,) or not (fn.is_cpu and base.is_cpu and scale.is_cpu)):
         return None
-    t_ptr = _fn_t_address(fn_t, n, D)
-    if t_ptr is False:
-        return None
     if out is None:
         out = site_outputs(T, n, D, streams.dtype, new_streams)
     elif out.normed.shape != (T, D) or out.normed.dtype is not streams.dtype or out.pre.shape != (T, n):
@@ -250,7 +247,7 @@ def _site_values(streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, 
     if p.data_ptr() == out.pre.data_ptr():
         return None  # the C call reads pre_in while it writes pre
     w = norm_weight if norm_weight.is_contiguous() else norm_weight.contiguous()
-    values = dict(pre_in=p.data_ptr(), fn=f.data_ptr(), fn_t=t_ptr, base=b.data_ptr(), scale=sc.data_ptr(),
+    values = dict(pre_in=p.data_ptr(), fn=f.data_ptr(), base=b.data_ptr(), scale=sc.data_ptr(),
                   normed=out.normed.data_ptr(), pre=out.pre.data_ptr(), post=out.post.data_ptr(),
                   comb=out.comb.data_ptr(), T=T, n=n, D=D, sinkhorn_iters=sinkhorn_iters, eps=eps, norm_eps=norm_eps,
                   norm_weight=w.data_ptr(), w_dtype=w_dtype, rms_eps=rms_eps, dtype=dtype, num_threads=threads())
@@ -259,15 +256,16 @@ def _site_values(streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, 
 
 def hc_mix_collapse_norm(lib: ctypes.CDLL, streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor,
                          base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
-                         norm_weight: torch.Tensor, rms_eps: float, fn_t: torch.Tensor | None = None,
-                         out: SiteOutputs | None = None) -> SiteOutputs | None:
-    """A V4.1 site of streams `[T, n, D]`: its coefficients (hc_pre's, with fn, base, scale, fn_t as there)
+                         norm_weight: torch.Tensor, rms_eps: float, out: SiteOutputs | None = None
+                         ) -> SiteOutputs | None:
+    """A V4.1 site of streams `[T, n, D]`: its coefficients (hc_pre's, with fn, base, scale as there; each
+    row computed alone, so never over hc_pre's transposed fn)
     and its sub-layer's input, the streams collapsed with the previous site's `pre_in` `[T, n]` and
     RMS-normalised (`norm_weight`, `rms_eps`). Returns `out` (or new tensors) written, with `streams` the
     given ones; None: not handled (fall back)."""
     s = streams if streams.is_contiguous() else streams.contiguous()
-    shared = _site_values(s, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, fn_t,
-                          out, False)
+    shared = _site_values(s, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, out,
+                          False)
     if shared is None:
         return None
     values, outputs, held = shared
@@ -278,8 +276,8 @@ def hc_mix_collapse_norm(lib: ctypes.CDLL, streams: torch.Tensor, pre_in: torch.
 def hc_post_mix_collapse_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                               comb: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
                               scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
-                              norm_weight: torch.Tensor, rms_eps: float, fn_t: torch.Tensor | None = None,
-                              out: SiteOutputs | None = None) -> SiteOutputs | None:
+                              norm_weight: torch.Tensor, rms_eps: float, out: SiteOutputs | None = None
+                              ) -> SiteOutputs | None:
     """`hc_post(y, streams, post, comb)` of the previous site, then `hc_mix_collapse_norm` of this one on its
     result, in one call with their bits; every field of the result written. None: not handled."""
     y_dtype = dtype_code(y)
@@ -289,8 +287,8 @@ def hc_post_mix_collapse_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.
     if y.shape != (T, D) or post.shape != (T, n) or comb.shape != (T, n, n) or not (post.is_cpu and comb.is_cpu):
         return None
     s = streams if streams.is_contiguous() else streams.contiguous()
-    shared = _site_values(s, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, fn_t,
-                          out, True)
+    shared = _site_values(s, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, out,
+                          True)
     if shared is None:
         return None
     values, outputs, held = shared
