@@ -97,12 +97,14 @@ class MoE:
         rows = share.local_rows
         return share.gather(self._exchange(x.index_select(0, rows), input_ids.index_select(0, rows)))
 
-    def _exchange(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's rows: routing, the EP all-to-all to the experts' ranks and back, the combine."""
+    def _exchange(self, x: torch.Tensor, input_ids: torch.Tensor, chosen: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """This rank's rows: routing, the EP all-to-all to the experts' ranks and back, the combine.
+        `chosen`: experts `[T, top_k]` selected already (a subclass's own rule; hash layers: None)."""
         a, c = self.accel, self.c
         scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
         weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor,
-                                   self.hash_ids(input_ids))
+                                   self.hash_ids(input_ids) if chosen is None else chosen)
         # logical experts -> physical slots (replicas under load balancing)
         rows, dispatch = a.moe_dispatch(x, self.ep.route(self.ep_key, ids), self.ep.num_slots(self.ep_key))
         y = a.moe_combine(self.ep.experts(self.ep_key, rows, dispatch), dispatch, weights)
