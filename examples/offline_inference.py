@@ -23,7 +23,7 @@ decode_ppl is the perplexity of the model over its generated tokens.
 
 Model: --model_name (a checkpoint directory, or a Hugging Face id already in the local cache);
 without it DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if the local Hugging
-Face cache holds it, else the embedded default model (a small random-weight DeepSeek-V4.1, created
+Face cache holds it, else the embedded default model (a small DeepSeek-V4.1 trained on Shakespeare, expanded
 on first use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py and
 docs/parallelism.md): one process per rank; the samples are dealt round-robin over the DP ranks
 and printed in their original order (on several nodes node 0 prints every rank's samples, the
@@ -286,8 +286,9 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
         return {**result, "status": 1}
     info = llm.build_info
     if info.is_default_model:
-        result["header"].append(f"Using the embedded default model (small, random weights: the text is gibberish) "
-                                f"at {info.model_path}. Pass --model_name to use a real checkpoint.")
+        result["header"].append(f"Using the embedded default model (a small DeepSeek-V4.1 with its DSpark drafter, "
+                                f"trained on Shakespeare's plays: expect Elizabethan English, not answers) at "
+                                f"{info.model_path}. Pass --model_name to use a real checkpoint.")
     else:
         result["header"].append(f"Model: {info.model_path}")
     prompts, params = prepare_offline_prompts(llm.tokenizer, args.long_context, args.greedy,
