@@ -257,8 +257,6 @@ def image_samples(llm, args: argparse.Namespace) -> tuple[list, list, list[str],
     """The image samples (prompts, params, texts shown) when the model reads images, else empty
     lists and the reason they are skipped (one line for stderr)."""
     refusal = llm.image_input_unsupported
-    if refusal is None and args.cp > 1:
-        refusal = "image prompts under context parallelism (--cp) are not built yet; run without --cp"
     if refusal is None and llm.image_placeholder is None:
         refusal = "the model's tokenizer has no text for its image token"
     if refusal is None:

@@ -277,7 +277,6 @@ def test_one_line_escapes_newlines(example):
     assert example.one_line("x" * 10, limit=4) == "xxxx...[6 more chars]"
 
 
-@pytest.mark.slow
 #: common words of Shakespeare's plays (and of English): the README's main job must print some
 ENGLISH_WORDS = frozenset("""the and of to a i you my that in is not with me it be your his this for he but
 have thou thy thee so will what her all do no shall by we our lord him are as on if good now sir o love king
@@ -410,10 +409,11 @@ def test_the_sample_pictures_are_the_drawing_scripts(tmp_path):
             assert max(hi for _, hi in diff) <= (0 if path.suffix == ".png" else 8), (path.name, diff)
 
 
-def test_image_samples_are_skipped_under_context_parallelism(example):
+def test_image_samples_run_under_context_parallelism(example):
+    """The samples are built under --cp (tests/test_context_parallel.py checks what they print)."""
+    pytest.importorskip("PIL")
     from types import SimpleNamespace
 
     llm = SimpleNamespace(image_input_unsupported=None, image_placeholder="<｜image｜>")
-    args = example.parse_args(["--cp", "2"])
-    prompts, params, shown, note = example.image_samples(llm, args)
-    assert (prompts, params, shown) == ([], [], []) and "context parallelism (--cp) are not built yet" in note
+    prompts, params, shown, note = example.image_samples(llm, example.parse_args(["--cp", "2"]))
+    assert len(prompts) == len(params) == len(shown) == 2 and note is None

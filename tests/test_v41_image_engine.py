@@ -215,3 +215,24 @@ def test_chat_with_image_parts_is_the_rendered_prompt_with_its_images(ckpts, one
                                              r"checkpoint is text-only"):
             llm.chat([[{"role": "user", "content": "hello"}],
                       conversation({"type": "image_url", "image_url": {"url": as_url}})], GREEDY, use_tqdm=False)
+
+
+def test_bounded_replay_keeps_the_span_marks_of_its_kept_rows(ckpts, one_thread, monkeypatch):
+    """SWA bounded replay (keep 24 rows) on a prompt ending inside an image's span: the decoder's kept
+    rows reach the MoE with their span marks (bias_vl routing), the dropped ones never do."""
+    from deepinfer.models.deepseek_v41.multimodal import VisionRoutedMoE
+
+    seen = []
+    run = VisionRoutedMoE.run
+    monkeypatch.setattr(VisionRoutedMoE, "run", lambda self, x, step: (
+        seen.append((x.shape[0], None if step.span_rows is None else int(step.span_rows.sum()))), run(self, x, step))[1])
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "24")
+    request = {"prompt": f"a picture: {PLACEHOLDER} .", "multi_modal_data": {"image": picture(40, 40, 7)}}
+    with _llm(ckpts["vision"], max_num_batched_tokens=128) as llm:
+        out = llm.generate(request, GREEDY, use_tqdm=False)[0]
+    assert out.error is None, out.error
+    prompt_len = len(out.prompt_token_ids)
+    kept = [(rows, marked) for rows, marked in seen if rows == 24]
+    assert prompt_len > 24 and kept, seen
+    assert all(0 < marked < 24 for _, marked in kept), kept  # the span's end and the text after it

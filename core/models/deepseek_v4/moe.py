@@ -90,12 +90,14 @@ class MoE:
                       routed_scaling_factor=c.routed_scaling_factor, scoring_func=c.scoring_func,
                       swiglu_limit=c.swiglu_limit)
 
-    def _shared_over_cp(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _shared_over_cp(self, x: torch.Tensor, input_ids: torch.Tensor, chosen: torch.Tensor | None = None
+                        ) -> torch.Tensor:
         """Rows every rank of the CP group holds: each rank runs its zig-zag share of them through the
-        EP exchange, then the group all-gathers the outputs (module doc)."""
+        EP exchange, then the group all-gathers the outputs (module doc). `chosen` as for `_exchange`."""
         share = self.cp.split([x.shape[0]], x.device)
         rows = share.local_rows
-        return share.gather(self._exchange(x.index_select(0, rows), input_ids.index_select(0, rows)))
+        mine = None if chosen is None else chosen.index_select(0, rows)
+        return share.gather(self._exchange(x.index_select(0, rows), input_ids.index_select(0, rows), mine))
 
     def _exchange(self, x: torch.Tensor, input_ids: torch.Tensor, chosen: torch.Tensor | None = None
                   ) -> torch.Tensor:

@@ -365,11 +365,6 @@ class DeepseekV41ForCausalLM:
     def image_input_unsupported(self) -> str | None:
         """Why this model refuses image input, or None when it takes images."""
         if self.images is not None:
-            if current_context_parallel() is not None:
-                return ("image input under context parallelism (--cp) is not built yet; serve DeepSeek-V4.1 image "
-                        "prompts without --cp")
-            if self.replay_keep_tokens is not None:
-                return "image input with SWA bounded replay (the swa_replay feature) is not built yet; turn it off"
             return None
         if self.config.vision is None:
             return ("this DeepSeek-V4.1 checkpoint is text-only (its config.json has no vision_config with layers); "

@@ -95,8 +95,7 @@ class VisionRoutedMoE(MoE):
         ids = (scores + bias).topk(c.num_experts_per_tok, dim=-1).indices
         if self.ep is not None:  # the chosen experts travel the expert-parallel exchange like hash ids
             if self.cp is not None and step.cp_split is None:
-                raise NotImplementedError("image input under context parallelism is not built yet; run DeepSeek-V4.1 "
-                                          "image prompts without --cp")
+                return self._shared_over_cp(x, step.input_ids, chosen=ids)
             return self._exchange(x, step.input_ids, chosen=ids)
         shared_w13, shared_w2 = (None, None) if self.shared is None else self.shared
         return a.moe_sublayer(x, self.gate, None, ids, self.w13, self.w2, shared_w13, shared_w2,
