@@ -40,16 +40,6 @@ def _inline_pil(part: Any) -> Any:
     return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}}
 
 
-def _with_inline_images(conversation: list[dict]) -> list[dict]:
-    out = []
-    for message in conversation:
-        content = message.get("content") if isinstance(message, dict) else None
-        if isinstance(content, list):
-            message = dict(message, content=[_inline_pil(part) for part in content])
-        out.append(message)
-    return out
-
-
 class OfflineChat:
     """The chat renderer of one `LLM` (thinking on or off), its prompts ready for `generate`."""
 
@@ -72,10 +62,10 @@ class OfflineChat:
     def prompt(self, conversation: list[dict], index: int) -> list[int] | dict[str, Any]:
         """The engine prompt of one conversation; ValueError naming the conversation and the problem."""
         from deepinfer.server.chat_format import RequestError
-        from deepinfer.server.images import image_parts
+        from deepinfer.server.images import image_parts, map_content_parts
 
         try:
-            body = {"model": OFFLINE_MODEL_NAME, "messages": _with_inline_images(conversation)}
+            body = {"model": OFFLINE_MODEL_NAME, "messages": map_content_parts(conversation, _inline_pil)}
             if self.image_refusal is not None and image_parts(body):
                 raise ValueError(f"{image_parts(body)[0][0]}: {self.image_refusal}")
             return self.format.prepare(body).engine_prompt

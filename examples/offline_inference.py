@@ -9,10 +9,9 @@
 
 Samples: four text prompts, and two image prompts (examples/images/lighthouse.jpeg and shapes.png,
 pictures drawn by examples/images/draw_images.py) when the model reads images: a DeepSeek-V4.1
-checkpoint with its vision tower (`deepinfer make-model --family v41 --vision` writes a random one).
-On any other model, the embedded default model included (it has no tower, so its recorded
-perplexity baselines stay those of the text samples), the image samples are skipped with one note
-on stderr that says why; so are they with --long_context.
+checkpoint with its vision tower (`deepinfer make-model --family v41 --vision` writes a random one;
+the embedded default model has one, untrained). On any other model the image samples are skipped
+with one note on stderr that says why; so are they with --long_context.
 
 For each sample it prints one line:
 

@@ -197,7 +197,8 @@ def train(args) -> dict:
     train_plays, held_plays = split_plays(plays, args.held_out_fraction, args.seed)
 
     work = Path(tempfile.mkdtemp(prefix="demo-train-"))
-    start_dir = make_model(work / "start", size="demo", seed=args.seed, progress=False)
+    # with the preset's (small, untrained) image tower: the default model then shows the image path too
+    start_dir = make_model(work / "start", size="demo", seed=args.seed, progress=False, with_vision=True)
     tokenizer = Tokenizer.from_file(start_dir / "tokenizer")
     train_windows = windows(token_stream(train_plays, tokenizer), args.seq_len + 1)
     held_windows = windows(token_stream(held_plays, tokenizer), args.seq_len + 1)[: args.held_out_windows]
@@ -278,6 +279,7 @@ def export(trunk, drafter, vocab, kept_ids, start_dir: Path, held_windows: torch
             {k: v for k, v in drafter.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))})
         tensors = {k.removeprefix("model."): v.detach().float().clone() for k, v in tensors.items()}
         tensors["embed.weight"], tensors["head.weight"] = vocab.embed.detach().clone(), vocab.head.detach().clone()
+        tensors |= untrained_tower(start_dir, record["seed"])
     out.mkdir(parents=True, exist_ok=True)
     compact = out / demo_model.COMPACT_FILE_NAME
     demo_model.write_compact(compact, start_dir, tensors, kept_ids, held_windows, record)
@@ -288,6 +290,18 @@ def export(trunk, drafter, vocab, kept_ids, start_dir: Path, held_windows: torch
     (out / "record.json").write_text(json.dumps(record, indent=2))
     print(f"wrote {compact} ({compact.stat().st_size / 2**20:.1f} MiB); held-out perplexity of the exported "
           f"weights (NeMo, float32): {record['held_out_perplexity']:.4f}", flush=True)
+
+
+def untrained_tower(start_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The starting checkpoint's image tower as float tensors (make-model's values for `seed`): the
+    text model never sees it in training, so it ships as it started (docs/demo_model.md)."""
+    from deepinfer.models.deepseek_v41.checkpoint import parse_config
+    from deepinfer.models.deepseek_v41.make_model import random_tensor
+    from deepinfer.models.deepseek_v41.vision import vision_weight_shapes
+
+    config = parse_config(json.loads((start_dir / "config.json").read_text()))
+    return {name: random_tensor(name, shape, seed)
+            for name, shape in vision_weight_shapes(config.vision, config.hidden_size).items()}
 
 
 @torch.no_grad()

@@ -290,16 +290,18 @@ def english_words(text: str) -> list[str]:
 
 @pytest.mark.slow
 def test_default_model_is_used_and_announced(example, tmp_path, monkeypatch, empty_hub, capsys):
-    """The embedded default (the trained demo DeepSeek-V4.1 with its DSpark drafter) end to end, the
-    README's main job: it speculates as the seeds' default says, its drafts are accepted, and every
-    sample continues in English (at least 4 words of ENGLISH_WORDS in each 32-token output)."""
+    """The embedded default (the trained demo DeepSeek-V4.1 with its DSpark drafter and an untrained
+    image tower) end to end, the README's main job: four text and two image samples, speculating as
+    the seeds' default says, its drafts accepted, and every sample continuing in English (at least 4
+    words of ENGLISH_WORDS in each 32-token output)."""
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path))
     assert example.main([]) == 0
     captured = capsys.readouterr()
     out = captured.out
     assert "embedded default model" in out and str(tmp_path / "models" / "demo-v41") in out
     samples = [m for m in map(LINE.match, out.splitlines()) if m]
-    assert len(samples) == 4 and all(m.group(4) != "n/a" for m in samples)
+    assert len(samples) == 6 and all(m.group(4) != "n/a" for m in samples)
+    assert sum(m.group(1).startswith("[image ") for m in samples) == 2  # it has a (random) tower
     assert "speculative decoding is off" not in captured.err
     assert max(float(m.group(4)) for m in samples) > 0.1, "the trained drafter's drafts are never accepted"
     for m in samples:

@@ -75,16 +75,18 @@ def for_renderer(body: Any) -> Any:
         return body
     out = dict(body)
     for key in _PART_TYPES:
-        turns = out.get(key)
-        if not isinstance(turns, list):
-            continue
-        new_turns = []
-        for turn in turns:
-            contents = turn.get("content") if isinstance(turn, dict) else None
-            if isinstance(contents, list):
-                turn = dict(turn, content=[_stand_in(part) for part in contents])
-            new_turns.append(turn)
-        out[key] = new_turns
+        if isinstance(out.get(key), list):
+            out[key] = map_content_parts(out[key], _stand_in)
+    return out
+
+
+def map_content_parts(turns: list, change: Any) -> list:
+    """`turns` (messages or Responses input items) with `change(part)` in place of each part of a
+    list content (copies of the turns it touches; the others as they are)."""
+    out = []
+    for turn in turns:
+        contents = turn.get("content") if isinstance(turn, dict) else None
+        out.append(dict(turn, content=[change(part) for part in contents]) if isinstance(contents, list) else turn)
     return out
 
 
