@@ -114,6 +114,7 @@ def run_batch(args, batch: int) -> dict:
             schedules[name] = []
             record_schedule(llm, schedules[name])
     speeds: dict[str, list[float]] = {n: [] for n in engines}
+    step_ms: dict[str, list[float]] = {n: [] for n in engines}  # wall time per engine step (prefill included)
     spec: dict[str, dict] = {}
     outputs: dict[str, list] = {}
     for _ in range(args.rounds):
@@ -124,14 +125,20 @@ def run_batch(args, batch: int) -> dict:
             seconds = time.perf_counter() - t0
             speeds[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
             outputs[name] = [o.outputs[0].token_ids for o in outs]
+            steps = args.max_tokens
             if before:
                 d = combine(counters(llm.engine.spec_stats), before, -1)
                 spec[name] = combine(spec[name], d) if name in spec else d
+                steps = max(d["steps"], 1)
+            step_ms[name].append(seconds * 1e3 / steps)
     result = {"batch": batch, "modes": {}}
     base = statistics.median(speeds["off"])
     for name, llm in engines.items():
         row = {"tokens_per_s": statistics.median(speeds[name]), "speedup": statistics.median(speeds[name]) / base,
-               "lossless": outputs[name] == outputs["off"], "start_seconds": llm.start_seconds}
+               "lossless": outputs[name] == outputs["off"], "start_seconds": llm.start_seconds,
+               "ms_per_step": statistics.median(step_ms[name])}
+        if llm.engine.speculator is not None:  # the drafter's share of a step (a moving average)
+            row["draft_ms_per_step"] = llm.engine.speculator.draft_seconds * 1e3
         if name in spec:
             c = spec[name]
             row.update(accept_rate=c["accepted"] / c["verified"] if c["verified"] else None,
@@ -185,14 +192,16 @@ def report(results: list[dict], args) -> str:
     lines = [f"greedy, {args.prompt_tokens}-token prompts ({args.prompt_source}), {args.max_tokens} new tokens, median of {args.rounds} rounds, "
              f"dtype {args.dtype or 'of the checkpoint'}",
              "", "| batch | mode | tokens/s | vs off | lossless | accept rate | accepted length | drafts verified "
-                 "per request-step | acceptance by position |", "|---|---|---|---|---|---|---|---|---|"]
+                 "per request-step | acceptance by position | ms per step (drafting) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for name, m in r["modes"].items():
             pos = " / ".join(fmt(a) for a in m.get("acceptance_by_position", []))
             lines.append(f"| {r['batch']} | {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
                          f"{'yes' if m['lossless'] else 'NO'} | {fmt(m.get('accept_rate'), '.3f')} | "
                          f"{fmt(m.get('mean_accepted_length'))} | {fmt(m.get('verified_drafts_per_request_step'))} | "
-                         f"{pos or '-'} |")
+                         f"{pos or '-'} | {m['ms_per_step']:.1f}"
+                         + (f" ({m['draft_ms_per_step']:.1f})" if "draft_ms_per_step" in m else "") + " |")
     lines += ["", "variable length: drafts verified per request-step by the (calibrated) confidence of the first draft", "",
               "| batch | mode | first-draft confidence | request-steps | drafts verified |", "|---|---|---|---|---|"]
     for r in results:
