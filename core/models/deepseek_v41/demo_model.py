@@ -34,7 +34,7 @@ COMPACT_FILE_NAME = "demo-v41.safetensors"
 #: the shipped compact file, inside the package
 SHIPPED_FILE = Path(__file__).parent / "demo" / COMPACT_FILE_NAME
 #: sha256 of SHIPPED_FILE: checked before it is expanded
-SHIPPED_SHA256 = "fbfb5ecc6845061dbc92a4a65fff6f29be46a85a5f1b0ba9281e1cdbcd07a7f5"
+SHIPPED_SHA256 = "56457b926b706074c94764d9c7364e5b3c5cdc2b884ec7675b104d4f4e8b56a1"
 MARKER_FILE = "deepinfer_demo_model.json"
 KEPT_IDS = "compact.kept_ids"
 HELD_OUT = "heldout.tokens"
