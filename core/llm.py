@@ -74,7 +74,7 @@ class LLM:
         self.engine, self.build_info = build_engine(self.config)
         self.config = self.engine.config  # auto settings resolved
         if self.build_info.is_default_model:
-            logger.warning("no model given: using the embedded default model (random weights) at %s",
+            logger.warning("no model given: using the embedded default model (the small demo model trained on Shakespeare) at %s",
                            self.build_info.model_path)
 
     # -- API --------------------------------------------------------------------------------------
@@ -138,6 +138,23 @@ class LLM:
                 return self._run(prompt_list, params, ids, use_tqdm)
             finally:
                 self._owner = None
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *, thinking: bool = False,
+             allowed_local_media_path: str | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate the assistant's reply to one conversation (a list of OpenAI-style message dicts)
+        or to each of several, rendered with the model's DeepSeek chat encoding as `deepinfer serve`
+        renders them (`thinking`: the encoding's thinking mode). Image parts (`image_url` with a
+        `data:` URL or a `file:` URL under `allowed_local_media_path`, or `image_pil` with a PIL
+        image) become image spans (`deepinfer.offline_chat`). The text of each output is the raw
+        completion. ValueError names the conversation and the part at fault, before anything runs;
+        needs the `serve` extra (deepseek-recipe)."""
+        from deepinfer.offline_chat import OfflineChat, as_conversations
+
+        conversations = as_conversations(messages)
+        renderer = OfflineChat(self, thinking, allowed_local_media_path)
+        prompts = [renderer.prompt(conversation, i) for i, conversation in enumerate(conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort these requests of the running `generate` call; safe from any thread. They finish with

@@ -15,10 +15,12 @@ alternating rounds (CPU timings drift, so the report is the median of the rounds
 - for variable length: drafts verified per request-step by the calibrated confidence of its first
   draft, which shows the schedule verifying fewer drafts when the drafter is unsure.
 
-The embedded default model has random weights, and so has its MTP drafter: its drafts are almost
-never accepted, so speculation costs time there. `--self_draft` adds the test-mode drafter (the
-target drafts for itself: every greedy draft is accepted, at about k extra target forwards per
-step) to show the schedule and the bookkeeping with high confidence; it is not a speed-up.
+Prompts (`--prompt_source`): "heldout" cuts them from the demo model's held-out Shakespeare (the
+text its trainer never saw; the default for the embedded default model, whose drafter is trained),
+"random" draws random token ids (the default for other models, whose drafters are usually random
+too and rarely accepted). `--self_draft` adds the test-mode drafter (the target drafts for itself:
+every greedy draft is accepted, at about k extra target forwards per step) to show the schedule and
+the bookkeeping with high confidence; it is not a speed-up.
 """
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model_name", default=None, help="checkpoint directory (default: the embedded default model)")
     p.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prompt_tokens", type=int, default=32)
+    p.add_argument("--prompt_source", choices=["auto", "heldout", "random"], default="auto",
+                   help="heldout: the demo model's held-out text; random: random ids; auto: heldout for the "
+                        "embedded default model, else random")
     p.add_argument("--max_tokens", type=int, default=48)
     p.add_argument("--num_draft_tokens", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3)
@@ -100,9 +105,7 @@ def run_batch(args, batch: int) -> dict:
                             max_num_batched_tokens=max(batch * (args.num_draft_tokens + 1), args.prompt_tokens * batch),
                             features=None if dspark is None else {"dspark": dspark})
         engines[name].start_seconds = time.perf_counter() - t0
-    vocab = engines["off"].engine.vocab_size
-    rng = random.Random(batch)
-    prompts = [[rng.randrange(3, min(vocab, 128000)) for _ in range(args.prompt_tokens)] for _ in range(batch)]
+    prompts = make_prompts(args, batch, engines["off"])
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     schedules: dict[str, list] = {}
     for name, llm in engines.items():
@@ -111,6 +114,7 @@ def run_batch(args, batch: int) -> dict:
             schedules[name] = []
             record_schedule(llm, schedules[name])
     speeds: dict[str, list[float]] = {n: [] for n in engines}
+    step_ms: dict[str, list[float]] = {n: [] for n in engines}  # wall time per engine step (prefill included)
     spec: dict[str, dict] = {}
     outputs: dict[str, list] = {}
     for _ in range(args.rounds):
@@ -121,14 +125,20 @@ def run_batch(args, batch: int) -> dict:
             seconds = time.perf_counter() - t0
             speeds[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
             outputs[name] = [o.outputs[0].token_ids for o in outs]
+            steps = args.max_tokens
             if before:
                 d = combine(counters(llm.engine.spec_stats), before, -1)
                 spec[name] = combine(spec[name], d) if name in spec else d
+                steps = max(d["steps"], 1)
+            step_ms[name].append(seconds * 1e3 / steps)
     result = {"batch": batch, "modes": {}}
     base = statistics.median(speeds["off"])
     for name, llm in engines.items():
         row = {"tokens_per_s": statistics.median(speeds[name]), "speedup": statistics.median(speeds[name]) / base,
-               "lossless": outputs[name] == outputs["off"], "start_seconds": llm.start_seconds}
+               "lossless": outputs[name] == outputs["off"], "start_seconds": llm.start_seconds,
+               "ms_per_step": statistics.median(step_ms[name])}
+        if llm.engine.speculator is not None:  # the drafter's share of a step (a moving average)
+            row["draft_ms_per_step"] = llm.engine.speculator.draft_seconds * 1e3
         if name in spec:
             c = spec[name]
             row.update(accept_rate=c["accepted"] / c["verified"] if c["verified"] else None,
@@ -142,6 +152,26 @@ def run_batch(args, batch: int) -> dict:
         result["modes"][name] = row
         llm.shutdown()
     return result
+
+
+def make_prompts(args, batch: int, llm) -> list[list[int]]:
+    """`batch` prompts of `--prompt_tokens` ids: cut at even strides from the demo model's held-out
+    text, or random ids (see `--prompt_source`)."""
+    source = args.prompt_source
+    if source == "auto":
+        source = "heldout" if llm.build_info.is_default_model else "random"
+    if source == "random":
+        rng = random.Random(batch)
+        vocab = llm.engine.vocab_size
+        return [[rng.randrange(3, min(vocab, 128000)) for _ in range(args.prompt_tokens)] for _ in range(batch)]
+    from deepinfer.models.deepseek_v41.demo_model import SHIPPED_FILE, held_out_windows
+
+    stream = held_out_windows(SHIPPED_FILE).flatten().tolist()
+    stride = (len(stream) - args.prompt_tokens) // batch
+    if stride < 1:
+        raise SystemExit(f"error: the held-out text ({len(stream)} tokens) is too short for {batch} prompts of "
+                         f"{args.prompt_tokens} tokens; use fewer or shorter prompts, or --prompt_source random")
+    return [stream[i * stride: i * stride + args.prompt_tokens] for i in range(batch)]
 
 
 def bucket(trace: list[tuple[float, int]]) -> list[dict]:
@@ -159,17 +189,19 @@ def fmt(x, spec: str = ".2f") -> str:
 
 
 def report(results: list[dict], args) -> str:
-    lines = [f"greedy, {args.prompt_tokens}-token prompts, {args.max_tokens} new tokens, median of {args.rounds} rounds, "
+    lines = [f"greedy, {args.prompt_tokens}-token prompts ({args.prompt_source}), {args.max_tokens} new tokens, median of {args.rounds} rounds, "
              f"dtype {args.dtype or 'of the checkpoint'}",
              "", "| batch | mode | tokens/s | vs off | lossless | accept rate | accepted length | drafts verified "
-                 "per request-step | acceptance by position |", "|---|---|---|---|---|---|---|---|---|"]
+                 "per request-step | acceptance by position | ms per step (drafting) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         for name, m in r["modes"].items():
             pos = " / ".join(fmt(a) for a in m.get("acceptance_by_position", []))
             lines.append(f"| {r['batch']} | {name} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
                          f"{'yes' if m['lossless'] else 'NO'} | {fmt(m.get('accept_rate'), '.3f')} | "
                          f"{fmt(m.get('mean_accepted_length'))} | {fmt(m.get('verified_drafts_per_request_step'))} | "
-                         f"{pos or '-'} |")
+                         f"{pos or '-'} | {m['ms_per_step']:.1f}"
+                         + (f" ({m['draft_ms_per_step']:.1f})" if "draft_ms_per_step" in m else "") + " |")
     lines += ["", "variable length: drafts verified per request-step by the (calibrated) confidence of the first draft", "",
               "| batch | mode | first-draft confidence | request-steps | drafts verified |", "|---|---|---|---|---|"]
     for r in results:

@@ -9,10 +9,9 @@
 
 Samples: four text prompts, and two image prompts (examples/images/lighthouse.jpeg and shapes.png,
 pictures drawn by examples/images/draw_images.py) when the model reads images: a DeepSeek-V4.1
-checkpoint with its vision tower (`deepinfer make-model --family v41 --vision` writes a random one).
-On any other model, the embedded default model included (it has no tower, so its recorded
-perplexity baselines stay those of the text samples), the image samples are skipped with one note
-on stderr that says why; so are they with --long_context.
+checkpoint with its vision tower (`deepinfer make-model --family v41 --vision` writes a random one;
+the embedded default model has one, untrained). On any other model the image samples are skipped
+with one note on stderr that says why; so are they with --long_context.
 
 For each sample it prints one line:
 
@@ -23,7 +22,7 @@ decode_ppl is the perplexity of the model over its generated tokens.
 
 Model: --model_name (a checkpoint directory, or a Hugging Face id already in the local cache);
 without it DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if the local Hugging
-Face cache holds it, else the embedded default model (a small random-weight DeepSeek-V4.1, created
+Face cache holds it, else the embedded default model (a small DeepSeek-V4.1 trained on Shakespeare, expanded
 on first use). Parallelism: --ep/--dp/--cp follow the seeds' rules (see _launch.py and
 docs/parallelism.md): one process per rank; the samples are dealt round-robin over the DP ranks
 and printed in their original order (on several nodes node 0 prints every rank's samples, the
@@ -257,8 +256,6 @@ def image_samples(llm, args: argparse.Namespace) -> tuple[list, list, list[str],
     """The image samples (prompts, params, texts shown) when the model reads images, else empty
     lists and the reason they are skipped (one line for stderr)."""
     refusal = llm.image_input_unsupported
-    if refusal is None and args.cp > 1:
-        refusal = "image prompts under context parallelism (--cp) are not built yet; run without --cp"
     if refusal is None and llm.image_placeholder is None:
         refusal = "the model's tokenizer has no text for its image token"
     if refusal is None:
@@ -286,8 +283,9 @@ def run_rank(ctx: RankContext, args: argparse.Namespace, accelerator: str) -> di
         return {**result, "status": 1}
     info = llm.build_info
     if info.is_default_model:
-        result["header"].append(f"Using the embedded default model (small, random weights: the text is gibberish) "
-                                f"at {info.model_path}. Pass --model_name to use a real checkpoint.")
+        result["header"].append(f"Using the embedded default model (a small DeepSeek-V4.1 with its DSpark drafter, "
+                                f"trained on Shakespeare's plays: expect Elizabethan English, not answers) at "
+                                f"{info.model_path}. Pass --model_name to use a real checkpoint.")
     else:
         result["header"].append(f"Model: {info.model_path}")
     prompts, params = prepare_offline_prompts(llm.tokenizer, args.long_context, args.greedy,

@@ -342,3 +342,36 @@ def _without_ppl(line: str) -> str:
 
 def _ppl(line: str) -> float:
     return float(line.rsplit("; decode_ppl=", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def v41_vision_checkpoint(tmp_path_factory) -> str:
+    from deepinfer.models.deepseek_v41.make_model import make_model
+    return str(make_model(tmp_path_factory.mktemp("cp") / "v41-vision", "tiny", seed=0, with_vision=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [("--cp", "2"), ("--ep", "2", "--cp", "2")], ids=["cp2", "ep2-cp2"])
+def test_v41_image_samples_under_context_parallelism(v41_vision_checkpoint, flags):
+    """The image samples' prefill split over a CP group (each rank embeds its own rows of the span,
+    the tower's rows for them; with --ep 2 the rows every rank holds choose their experts with
+    gate.bias_vl and share the exchange) print the single process's lines (fp32)."""
+    pytest.importorskip("PIL")
+    single = sample_lines(v41_vision_checkpoint, "--cp", "1")
+    assert sum("[image " in line for line in single) == 2, single
+    assert sample_lines(v41_vision_checkpoint, *flags) == single
+
+
+@pytest.mark.slow
+def test_v41_image_samples_with_bounded_replay_in_every_layout(v41_vision_checkpoint):
+    """SWA bounded replay keeping 20 rows on the image samples (spans longer than that: their first
+    rows only reach the encoder): the decoder's kept rows carry their span marks (bias_vl routing, no
+    Engram contribution), alone, split over --cp 2 and with --ep 2 --cp 2 alike."""
+    pytest.importorskip("PIL")
+    replay = {"DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "compact", "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "20"}
+    replayed = sample_lines(v41_vision_checkpoint, "--cp", "1", env=replay)
+    assert sum("[image " in line for line in replayed) == 2, replayed
+    assert replayed != sample_lines(v41_vision_checkpoint, "--cp", "1")  # bounded replay is on
+    assert sample_lines(v41_vision_checkpoint, "--cp", "2", env=replay) == replayed
+    split_lines = sample_lines(v41_vision_checkpoint, "--ep", "2", "--cp", "2", env=replay)
+    assert [_without_ppl(line) for line in split_lines] == [_without_ppl(line) for line in replayed]

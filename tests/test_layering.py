@@ -20,7 +20,7 @@ LAYERS = [
     {"parallel"},
     {"models", "features"},
     {"testing", "engine", "hookspecs", "plugins"},
-    {"llm", "server", "__init__"},
+    {"llm", "offline_chat", "server", "__init__"},
     {"eval"},
     {"cli", "entrypoints", "benchmarks"},
 ]

@@ -87,29 +87,29 @@ def test_the_default_id_not_in_the_cache_says_how_to_get_it(hub):
 
 @pytest.mark.slow
 def test_default_model_is_a_v41_created_once(hub, tmp_path, clean_env):
-    from deepinfer.models.deepseek_v41.make_model import MARKER_FILE
+    from deepinfer.models.deepseek_v41.demo_model import MARKER_FILE, marker
     from deepinfer.models.registry import load_model_checkpoint
     from deepinfer.tokenizer import load_tokenizer
 
     clean_env.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
-    target = tmp_path / "cache" / "models" / "default-v41"
-    target.mkdir(parents=True)  # a stale one (another family's marker) is replaced
-    (target / MARKER_FILE).write_text(json.dumps({"family": "v4", "spec_version": 1, "size": "default"}))
+    target = tmp_path / "cache" / "models" / "demo-v41"
+    target.mkdir(parents=True)  # a stale one (another demo file's marker) is replaced
+    (target / MARKER_FILE).write_text(json.dumps({**marker(), "sha256": "0" * 64}))
     umask = os.umask(0o002)  # a user-private-group umask: plain writes would be group-writable
     try:
         first = resolve_model(None)
     finally:
         os.umask(umask)
-    assert first.is_default and first.path == target and first.name == "default-v41"
+    assert first.is_default and first.path == target and first.name == "demo-v41"
     # a private store: folders 0700, files 0600
     assert stat.S_IMODE(os.stat(target.parent).st_mode) == 0o700
     for path in [target, *target.rglob("*")]:
         assert stat.S_IMODE(os.lstat(path).st_mode) == (0o700 if path.is_dir() else 0o600), path
-    assert json.loads((target / MARKER_FILE).read_text())["family"] == "v41"
+    assert json.loads((target / MARKER_FILE).read_text()) == marker()
     stamp = (first.path / "model.safetensors").stat().st_mtime_ns
     assert resolve_model(None).path == first.path
     assert (first.path / "model.safetensors").stat().st_mtime_ns == stamp  # reused, not rewritten
-    assert not list(target.parent.glob(".default-v41-*"))  # no temporary folder left behind
+    assert not list(target.parent.glob(".demo-v41-*"))  # no temporary folder left behind
     family, config, tensors = load_model_checkpoint(first.path, "auto")
     assert family.model_type == "deepseek_v41" and config.vocab_size == 129280
     assert {"sliding", "full", "reindex", "reuse"} <= set(config.layer_roles) and config.engram_layer_ids
@@ -123,12 +123,11 @@ def test_default_model_is_a_v41_created_once(hub, tmp_path, clean_env):
 def _earlier_default(cache: Path) -> Path:
     """A current default model as earlier versions left it under DEEPINFER_CACHE_DIR=cache: folders
     0755, files 0644 (a marker and a stand-in weights file: nothing here loads it)."""
-    from deepinfer.models.deepseek_v41.make_model import FAMILY, MARKER_FILE, SPEC_VERSION
+    from deepinfer.models.deepseek_v41.demo_model import MARKER_FILE, marker
 
-    target = cache / "models" / "default-v41"
+    target = cache / "models" / "demo-v41"
     (target / "tokenizer").mkdir(parents=True)
-    (target / MARKER_FILE).write_text(json.dumps({"family": FAMILY, "spec_version": SPEC_VERSION,
-                                                  "size": "default"}))
+    (target / MARKER_FILE).write_text(json.dumps(marker()))
     (target / "model.safetensors").write_bytes(b"weights")
     (target / "tokenizer" / "tokenizer.json").write_text("{}")
     for path in [cache / "models", *target.parent.rglob("*")]:

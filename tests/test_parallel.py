@@ -111,6 +111,15 @@ def test_dp2_with_images_prints_the_single_process_samples(v41_vision_checkpoint
     assert sample_lines(v41_vision_checkpoint, "--ep", "1", "--dp", "2") == single
 
 
+@pytest.mark.slow
+def test_ep2_with_images_prints_the_single_process_samples(v41_vision_checkpoint):
+    """--ep 2 (two DP ranks sharing the experts): an image span's rows choose their experts with
+    gate.bias_vl and travel the expert-parallel exchange with those choices (fp32, greedy)."""
+    pytest.importorskip("PIL")
+    single = sample_lines(v41_vision_checkpoint, "--ep", "1")
+    assert sample_lines(v41_vision_checkpoint, "--ep", "2") == single
+
+
 # --------------------------------------------------------------- lockstep: a rank with no requests
 
 

@@ -246,3 +246,45 @@ def test_layouts_serve_cannot_run_are_refused_before_anything_starts(ckpt, capsy
     # each rank persists its prefix cache in its own folder
     config = rank_engine_args({"model": ckpt, "features": {"prefix_cache": {"dir": str(tmp_path)}}}, 1)["config"]
     assert config.features["prefix_cache"]["dir"] == str(tmp_path / "rank1")
+
+
+def test_image_chats_over_two_ranks_equal_the_offline_engine(tmp_path, one_thread):
+    """A tiny DeepSeek-V4.1 with a vision tower behind `serve --dp 2`: concurrent chats with different
+    images reach both ranks (the images travel to the engine processes with their prompts) and each
+    answer is the offline engine's for the same rendered prompt and image."""
+    pytest.importorskip("PIL")
+    import base64
+    import io
+
+    from PIL import Image
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.models.deepseek_v41.make_model import make_model
+
+    path = str(make_model(tmp_path / "v41-vision", "tiny", seed=3, with_vision=True, max_position_embeddings=2048))
+    images = [Image.fromarray(torch.randint(0, 256, (20 + 4 * i, 28, 3), generator=torch.Generator().manual_seed(i),
+                                            dtype=torch.uint8).numpy()) for i in range(4)]
+
+    def chat(image):
+        buf = io.BytesIO()
+        image.save(buf, format="PNG")
+        return [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()}},
+            {"type": "text", "text": "what is this?"}]}]
+
+    server = DPServer(path)
+    try:
+        client = server.client()
+        with ThreadPoolExecutor(4) as pool:
+            answers = list(pool.map(lambda im: client.chat.completions.create(
+                model="v41-vision", messages=chat(im), max_tokens=5, temperature=0), images))
+        ranks = {server.rank_of(a.id) for a in answers}
+        tokenized = [httpx.post(server.url + "/tokenize", json={"messages": chat(im)}).json()["tokens"] for im in images]
+    finally:
+        server.close()
+    assert ranks == {0, 1}
+    with LLM(model=path, **ENGINE) as llm:
+        offline = llm.generate([{"prompt_token_ids": ids, "multi_modal_data": {"image": im}}
+                                for ids, im in zip(tokenized, images)],
+                               SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [a.choices[0].message.content for a in answers] == [o.outputs[0].text for o in offline]

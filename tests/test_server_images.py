@@ -91,6 +91,28 @@ def test_responses_with_an_input_image(served):
     assert r.json()["usage"]["input_tokens"] > 8  # the 24x24 image alone takes 8 positions
 
 
+def test_messages_with_an_image_part_answers_as_chat_completions(served):
+    """Anthropic Messages' `image` part (a base64 source) renders and answers as the same image sent
+    to Chat Completions as a data: URL; a source it cannot load is a 400 naming the part."""
+    url, _ = served
+    image, headers = picture(40, 28, seed=3), {"x-api-key": KEY}
+    encoded = data_url(image).split(",", 1)[1]
+    body = {"model": "tiny", "max_tokens": 5, "temperature": 0, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": encoded}},
+        {"type": "text", "text": "what is in this picture?"}]}]}
+    r = httpx.post(url + "/v1/messages", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    chat = _client(url).chat.completions.create(model="tiny", max_tokens=5, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                     {"type": "text", "text": "what is in this picture?"}]}])
+    assert r.json()["usage"]["input_tokens"] == chat.usage.prompt_tokens
+    assert "".join(block["text"] for block in r.json()["content"] if block["type"] == "text") == \
+        chat.choices[0].message.content
+    body["messages"][0]["content"][0]["source"] = {"type": "url", "url": "http://example.com/a.png"}
+    r = httpx.post(url + "/v1/messages", json=body, headers=headers, timeout=120)
+    assert r.status_code == 400 and "messages[0].content[0]: image URL" in r.text and "is not fetched" in r.text
+
+
 @pytest.mark.parametrize("image_url,words", [
     ("data:image/png;base64,AAAA", "messages[0].content[1]: the image cannot be read"),
     ("http://example.com/a.png", "is not fetched"),

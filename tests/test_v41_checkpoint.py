@@ -130,7 +130,10 @@ def test_other_sizes_are_valid():
     assert default.vocab_size == bench.vocab_size == 129280
     assert set(default.layer_roles) == {SLIDING, FULL, REUSE, REINDEX}
     assert count_parameters(default) < 30e6 and 0.5e9 < count_parameters(bench) < 1.5e9
-    assert set(SIZES) == {"tiny", "default", "bench"}
+    demo, _ = model_config("demo")  # the trained demo model's shape: every layer role, the real vocabulary
+    assert set(demo.layer_roles) == {SLIDING, FULL, REUSE, REINDEX} and demo.vocab_size == 129280
+    assert demo.num_nextn_predict_layers == 3 and demo.hidden_size == 256
+    assert set(SIZES) == {"tiny", "default", "demo", "bench"}
 
 
 # --- the files make-model writes ----------------------------------------------------------------

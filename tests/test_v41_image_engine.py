@@ -177,3 +177,62 @@ def test_preempted_inside_a_span_recomputes_the_image(ckpts, one_thread):
             engine.step()
         assert req.num_preemptions == 1
         assert req.to_output().outputs[0].token_ids == want
+
+
+def test_chat_with_image_parts_is_the_rendered_prompt_with_its_images(ckpts, one_thread, tmp_path):
+    """`LLM.chat`: an `image_pil` part, a data: URL and a file: URL under the allowed folder give the
+    prompt the server's renderer makes for the same conversation, with the images in order."""
+    pytest.importorskip("deepseek_recipe")
+    import base64
+    import io
+
+    first, second = picture(40, 28, 5), picture(24, 30, 6)
+    buf = io.BytesIO()
+    second.save(buf, format="PNG")
+    (tmp_path / "second.png").write_bytes(buf.getvalue())
+    as_url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    text = {"type": "text", "text": "compare these"}
+
+    def conversation(second_part):
+        return [{"role": "user", "content": [{"type": "image_pil", "image_pil": first}, text, second_part]}]
+
+    with _llm(ckpts["vision"]) as llm:
+        by_url = llm.chat(conversation({"type": "image_url", "image_url": {"url": as_url}}), GREEDY, use_tqdm=False)
+        by_file = llm.chat(conversation({"type": "image_url", "image_url": {"url": f"file://{tmp_path}/second.png"}}),
+                           GREEDY, allowed_local_media_path=str(tmp_path), use_tqdm=False)
+        from deepinfer.offline_chat import OfflineChat
+        rendered = OfflineChat(llm, thinking=False).prompt(conversation({"type": "image_pil", "image_pil": second}), 0)
+        direct = llm.generate(rendered, GREEDY, use_tqdm=False)
+        assert rendered["prompt_token_ids"].count(llm.engine.model.image_token_id) == 2
+        assert _tokens(by_url) == _tokens(by_file) == _tokens(direct)
+        with pytest.raises(ValueError, match=r"conversation 0: messages\[0\]\.content\[2\]: local image files"):
+            llm.chat(conversation({"type": "image_url", "image_url": {"url": f"file://{tmp_path}/second.png"}}), GREEDY)
+        with pytest.raises(TypeError, match="LLM.chat takes a conversation"):
+            llm.chat("hello", GREEDY)
+    with _llm(ckpts["text"]) as llm:  # a text-only model: text conversations, and images refused by name
+        assert llm.chat([{"role": "user", "content": "hello"}], GREEDY, use_tqdm=False)[0].error is None
+        with pytest.raises(ValueError, match=r"conversation 1: messages\[0\]\.content\[0\]: this DeepSeek-V4.1 "
+                                             r"checkpoint is text-only"):
+            llm.chat([[{"role": "user", "content": "hello"}],
+                      conversation({"type": "image_url", "image_url": {"url": as_url}})], GREEDY, use_tqdm=False)
+
+
+def test_bounded_replay_keeps_the_span_marks_of_its_kept_rows(ckpts, one_thread, monkeypatch):
+    """SWA bounded replay (keep 24 rows) on a prompt ending inside an image's span: the decoder's kept
+    rows reach the MoE with their span marks (bias_vl routing), the dropped ones never do."""
+    from deepinfer.models.deepseek_v41.multimodal import VisionRoutedMoE
+
+    seen = []
+    run = VisionRoutedMoE.run
+    monkeypatch.setattr(VisionRoutedMoE, "run", lambda self, x, step: (
+        seen.append((x.shape[0], None if step.span_rows is None else int(step.span_rows.sum()))), run(self, x, step))[1])
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE", "compact")
+    monkeypatch.setenv("DEEPINFER_YOCO_PREFILL_KEEP_TOKENS", "24")
+    request = {"prompt": f"a picture: {PLACEHOLDER} .", "multi_modal_data": {"image": picture(40, 40, 7)}}
+    with _llm(ckpts["vision"], max_num_batched_tokens=128) as llm:
+        out = llm.generate(request, GREEDY, use_tqdm=False)[0]
+    assert out.error is None, out.error
+    prompt_len = len(out.prompt_token_ids)
+    kept = [(rows, marked) for rows, marked in seen if rows == 24]
+    assert prompt_len > 24 and kept, seen
+    assert all(0 < marked < 24 for _, marked in kept), kept  # the span's end and the text after it

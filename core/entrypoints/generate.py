@@ -5,8 +5,8 @@
     echo "from stdin" | deepinfer generate --prompt -
 
 Without --model: DEEPINFER_HF_MODEL_DIR, else deepseek-ai/DeepSeek-V4.1-Flash-1017 if the local
-Hugging Face cache holds it, else the embedded default model (a random-weight DeepSeek-V4.1; the
-command says so). Engine settings not exposed as flags go in a TOML file (--config).
+Hugging Face cache holds it, else the embedded default model (the small demo DeepSeek-V4.1 trained on
+Shakespeare; the command says so). Engine settings not exposed as flags go in a TOML file (--config).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if llm.build_info.is_default_model:
-        print(f"[using the embedded default model (random weights) at {llm.build_info.model_path}; "
+        print(f"[using the embedded default model (the small demo model trained on Shakespeare) at {llm.build_info.model_path}; "
               f"pass --model for a real checkpoint]", file=sys.stderr if args.json else sys.stdout)
     start = time.perf_counter()
     try:

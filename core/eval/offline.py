@@ -88,7 +88,7 @@ def _rank(ctx: Any, run: Run, jobs: list[Job], spec: EngineSpec) -> Stats:
               cp=layout.cp)
     try:
         if llm.build_info.is_default_model:
-            print(f"[using the embedded default model (random weights) at {llm.build_info.model_path}; pass --model "
+            print(f"[using the embedded default model (the small demo model trained on Shakespeare) at {llm.build_info.model_path}; pass --model "
                   f"for a real checkpoint]", flush=True)
         backend = OfflineBackend(llm, Path(llm.build_info.model_path).name)
         mine = [job for job in jobs if owner(job, layout.dp) == ctx.dp_rank]

@@ -8,10 +8,11 @@ Rules (the seeds' examples/_config.py behaviour, without downloads):
   `models--org--name/snapshots/<revision>/`); if it is not there, the error says how to download it;
 * no model: `DEEPINFER_HF_MODEL_DIR` if set (it replaces only the *default* model, never an explicit
   one); else `deepseek-ai/DeepSeek-V4.1-Flash-1017` (`DEFAULT_HF_MODEL_ID`, the seeds' default) when
-  the local Hugging Face cache holds it; else the embedded default model, a small random-weight
-  DeepSeek-V4.1 checkpoint (make-model size `default`) created on first use in
-  `$DEEPINFER_CACHE_DIR/models/default-v41` (default `~/.cache/deepinfer/...`), a private store
-  (see `ensure_default_model`), and reused.
+  the local Hugging Face cache holds it; else the embedded default model, the trained demo model (a
+  small DeepSeek-V4.1 with its DSpark drafter, trained on Shakespeare's plays; shipped compact in the
+  package, `deepinfer.models.deepseek_v41.demo_model`) expanded on first use into
+  `$DEEPINFER_CACHE_DIR/models/demo-v41` (default `~/.cache/deepinfer/...`), a private store (see
+  `ensure_default_model`), and reused.
 """
 from __future__ import annotations
 
@@ -32,9 +33,8 @@ logger = logging.getLogger(__name__)
 
 #: the seeds' default checkpoint, used without a model when the local Hugging Face cache holds it
 DEFAULT_HF_MODEL_ID = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
-#: the embedded default model: a random-weight DeepSeek-V4.1 checkpoint of make-model size `default`
-DEFAULT_MODEL_NAME = "default-v41"
-DEFAULT_MODEL_SIZE = "default"
+#: the embedded default model: the trained demo model, expanded from the package's compact file
+DEFAULT_MODEL_NAME = "demo-v41"
 CONFIG_FILE = "config.json"
 _HF_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -47,7 +47,7 @@ class ResolvedModel:
 
     @property
     def is_default(self) -> bool:
-        """True when the embedded random-weight default model is used (callers should say so)."""
+        """True when the embedded default (demo) model is used (callers should say so)."""
         return self.source == "default"
 
 
@@ -120,29 +120,29 @@ def _models_dir() -> PrivateDir:
 
 
 def _is_current_default(path: Path) -> bool:
-    from deepinfer.models.deepseek_v41.make_model import FAMILY, MARKER_FILE, SPEC_VERSION
+    from deepinfer.models.deepseek_v41.demo_model import MARKER_FILE, marker
 
     try:
-        marker = json.loads((path / MARKER_FILE).read_text())
+        found = json.loads((path / MARKER_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return (marker.get("family") == FAMILY and marker.get("spec_version") == SPEC_VERSION
-            and marker.get("size") == DEFAULT_MODEL_SIZE)
+    return isinstance(found, dict) and all(found.get(k) == v for k, v in marker().items())
 
 
 def ensure_default_model() -> Path:
-    """The embedded default model's directory, creating it on first use (a few seconds).
+    """The embedded default model's directory, expanding the package's compact demo model on first
+    use (a few seconds; its checksum is verified first).
 
     It lives in a private store (`deepinfer.private_store`): `$DEEPINFER_CACHE_DIR/models` is
     created 0700 (an existing one of this user's is tightened to 0700), and the model is written
     to a temporary folder next to its final place (folders 0700, files 0600) and renamed, so
-    concurrent processes never see a half-written checkpoint; a stale one (an older make-model
-    spec, another family or size) is replaced. An existing model folder, or anything in it, that
+    concurrent processes never see a half-written checkpoint; a stale one (another demo model file)
+    is replaced. An existing model folder, or anything in it, that
     is a symlink, is not this user's or is writable by group or others is refused (StoreError)
     rather than rebuilt in place: someone else could have changed its weights, deleting their
     files may not even be possible, and the user should know that someone else could write there.
     """
-    from deepinfer.models.deepseek_v41.make_model import make_model
+    from deepinfer.models.deepseek_v41 import demo_model
 
     models = _models_dir()
     folder = models.ensure()
@@ -153,7 +153,7 @@ def ensure_default_model() -> Path:
             return target
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=folder))
     try:
-        make_model(tmp, size=DEFAULT_MODEL_SIZE, seed=0, overwrite=True, progress=False)
+        demo_model.expand_shipped(tmp)
         _make_private(tmp)
         if target.exists() and not _is_current_default(target):
             shutil.rmtree(target, ignore_errors=True)

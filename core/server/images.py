@@ -1,8 +1,10 @@
 """Image content parts of a chat request, loaded for the engine (docs/server.md, "Images").
 
 `request_images(body, policy)` finds the image parts of a Chat Completions (`messages[i].content[j]`
-of type `image_url`) or Responses (`input[i].content[j]` of type `input_image`) body, in the order
-the chat encoding renders their placeholders, and loads each into a PIL image:
+of type `image_url`), Responses (`input[i].content[j]` of type `input_image`) or Anthropic Messages
+(`messages[i].content[j]` of type `image`, its `source` `{"type": "base64", "data"}` or
+`{"type": "url", "url"}`) body, in the order the chat encoding renders their placeholders, and loads
+each into a PIL image:
 
 * a `data:` URL is decoded;
 * an `http://` or `https://` URL is fetched only when its host is in the server's allow-list
@@ -14,8 +16,7 @@ the chat encoding renders their placeholders, and loads each into a PIL image:
 Every problem is a `RequestError` (400) naming the part: a URL of another kind, a host or path not
 allowed, a fetch that fails, data that is not base64 or not an image Pillow reads, more than
 `max_images` images, an image over `max_image_bytes` or `max_image_pixels` (checked from the
-header, before the pixels are decoded: decompression bombs). Anthropic Messages' `image` parts are
-refused (not served yet).
+header, before the pixels are decoded: decompression bombs).
 """
 from __future__ import annotations
 
@@ -70,35 +71,47 @@ def for_renderer(body: Any) -> Any:
     """`body` with each image part's http(s) or file: URL replaced by an inline stand-in (a copy
     where one is replaced; `body` itself otherwise): the server loaded those images already, and the
     renderer only places their placeholders."""
-    parts = [(path, part) for path, part in image_parts(body) if part.get("type") in ("image_url", "input_image")]
-    if not any(not _url(part).startswith("data:") for _, part in parts if isinstance(_url(part), str)):
+    if not any(isinstance(_url(part), str) and not _url(part).startswith("data:") for _, part in image_parts(body)):
         return body
     out = dict(body)
     for key in _PART_TYPES:
-        turns = out.get(key)
-        if not isinstance(turns, list):
-            continue
-        new_turns = []
-        for turn in turns:
-            contents = turn.get("content") if isinstance(turn, dict) else None
-            if isinstance(contents, list):
-                turn = dict(turn, content=[_stand_in(part) for part in contents])
-            new_turns.append(turn)
-        out[key] = new_turns
+        if isinstance(out.get(key), list):
+            out[key] = map_content_parts(out[key], _stand_in)
+    return out
+
+
+def map_content_parts(turns: list, change: Any) -> list:
+    """`turns` (messages or Responses input items) with `change(part)` in place of each part of a
+    list content (copies of the turns it touches; the others as they are)."""
+    out = []
+    for turn in turns:
+        contents = turn.get("content") if isinstance(turn, dict) else None
+        out.append(dict(turn, content=[change(part) for part in contents]) if isinstance(contents, list) else turn)
     return out
 
 
 def _url(part: dict) -> Any:
+    """The part's URL (an Anthropic base64 source as a data: URL), or what stands where it should be."""
+    if part.get("type") == "image":
+        source = part.get("source")
+        if not isinstance(source, dict):
+            return None
+        if source.get("type") == "base64":
+            return f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
+        return source.get("url") if source.get("type") == "url" else None
     url = part.get("image_url")
     return url.get("url") if isinstance(url, dict) else url
 
 
 def _stand_in(part: Any) -> Any:
-    if not isinstance(part, dict) or part.get("type") not in ("image_url", "input_image"):
+    if not isinstance(part, dict) or part.get("type") not in ("image_url", "input_image", "image"):
         return part
     url = _url(part)
     if not isinstance(url, str) or url.startswith("data:"):
         return part
+    if part.get("type") == "image":
+        media, _, data = _INLINE_STAND_IN[5:].partition(";base64,")
+        return dict(part, source={"type": "base64", "media_type": media, "data": data})
     if isinstance(part.get("image_url"), dict):
         return dict(part, image_url=dict(part["image_url"], url=_INLINE_STAND_IN))
     return dict(part, image_url=_INLINE_STAND_IN)
@@ -134,13 +147,12 @@ def _shown(url: str) -> str:
 
 
 def _load(path: str, part: dict, policy: MediaPolicy) -> Any:
-    if part.get("type") == "image":
-        raise RequestError(400, f"{path}: image content parts of /v1/messages are not served yet; send the image "
-                                f"to /v1/chat/completions as an image_url")
-    url = part.get("image_url")
-    if isinstance(url, dict):
-        url = url.get("url")
+    url = _url(part)
     if not isinstance(url, str) or not url:
+        if part.get("type") == "image":
+            raise RequestError(400, f"{path}: an image part needs a source: {{\"type\": \"base64\", \"media_type\", "
+                                    f"\"data\"}}, or {{\"type\": \"url\", \"url\"}} with an http(s) or file: URL the "
+                                    f"server allows")
         raise RequestError(400, f"{path}: an image part needs image_url (a data: URL, or an http(s) or file: URL "
                                 f"the server allows)")
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""

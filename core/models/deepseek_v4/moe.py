@@ -90,19 +90,23 @@ class MoE:
                       routed_scaling_factor=c.routed_scaling_factor, scoring_func=c.scoring_func,
                       swiglu_limit=c.swiglu_limit)
 
-    def _shared_over_cp(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _shared_over_cp(self, x: torch.Tensor, input_ids: torch.Tensor, chosen: torch.Tensor | None = None
+                        ) -> torch.Tensor:
         """Rows every rank of the CP group holds: each rank runs its zig-zag share of them through the
-        EP exchange, then the group all-gathers the outputs (module doc)."""
+        EP exchange, then the group all-gathers the outputs (module doc). `chosen` as for `_exchange`."""
         share = self.cp.split([x.shape[0]], x.device)
         rows = share.local_rows
-        return share.gather(self._exchange(x.index_select(0, rows), input_ids.index_select(0, rows)))
+        mine = None if chosen is None else chosen.index_select(0, rows)
+        return share.gather(self._exchange(x.index_select(0, rows), input_ids.index_select(0, rows), mine))
 
-    def _exchange(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """This rank's rows: routing, the EP all-to-all to the experts' ranks and back, the combine."""
+    def _exchange(self, x: torch.Tensor, input_ids: torch.Tensor, chosen: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """This rank's rows: routing, the EP all-to-all to the experts' ranks and back, the combine.
+        `chosen`: experts `[T, top_k]` selected already (a subclass's own rule; hash layers: None)."""
         a, c = self.accel, self.c
         scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
         weights, ids = a.moe_route(scores, self.bias, c.num_experts_per_tok, c.routed_scaling_factor,
-                                   self.hash_ids(input_ids))
+                                   self.hash_ids(input_ids) if chosen is None else chosen)
         # logical experts -> physical slots (replicas under load balancing)
         rows, dispatch = a.moe_dispatch(x, self.ep.route(self.ep_key, ids), self.ep.num_slots(self.ep_key))
         y = a.moe_combine(self.ep.experts(self.ep_key, rows, dispatch), dispatch, weights)

@@ -93,7 +93,7 @@ SIZES: dict[str, dict[str, Any]] = {
         engram_layer_ids=(1, 4), engram_head_dim=32, engram_n_heads=2, engram_vocab_size=600,
         num_nextn_predict_layers=0, dspark_target_layer_ids=(), dspark_noise_token_id=511, image_token_id=None,
         dtype="float32"),
-    # the embedded default model: the real vocabulary, a few tens of MB, quick on two cores
+    # random weights with the real vocabulary, a few tens of MB, quick on two cores
     "default": dict(
         _SCALED_SCHEDULE, vocab_size=129280, hidden_size=64, num_attention_heads=4, head_dim=32,
         qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=32,
@@ -101,6 +101,18 @@ SIZES: dict[str, dict[str, Any]] = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         rope_scaling=YarnScaling(factor=16, original_max_position_embeddings=4096), max_position_embeddings=65536,
         engram_head_dim=32, engram_n_heads=2, engram_vocab_size=2000, dtype="bfloat16"),
+    # the shape of the trained demo model (`deepinfer.models.deepseek_v41.demo_model`): every layer role
+    # of tiny at width 256, a window and top-k that matter at its 256-token training context
+    "demo": dict(
+        vocab_size=129280, hidden_size=256, num_hidden_layers=8, num_attention_heads=4, head_dim=64,
+        qk_rope_head_dim=16, q_lora_rank=128, o_groups=2, o_lora_rank=128, sliding_window=64,
+        compress_ratios=(0, 0, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(2, 4), index_source_layer_ids=(2, 4, 6),
+        candidate_source_layer_id=4, candidate_block_size=4, candidate_topk_blocks=8,
+        index_n_heads=8, index_head_dim=32, index_topk=32,
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+        rope_scaling=YarnScaling(factor=16, original_max_position_embeddings=4096), max_position_embeddings=65536,
+        engram_layer_ids=(1, 4), engram_head_dim=32, engram_n_heads=2, engram_vocab_size=2000,
+        num_nextn_predict_layers=0, dspark_target_layer_ids=(), dtype="bfloat16"),
     # about DeepSeek-V4 `bench`'s size and cost, the release's window and top-k
     "bench": dict(
         _SCALED_SCHEDULE, vocab_size=129280, hidden_size=1024, num_attention_heads=16, head_dim=128,
@@ -118,15 +130,18 @@ DSPARK: dict[str, dict[str, Any]] = {
                  dspark_n_routed_experts=8, dspark_num_experts_per_tok=3),
     "default": dict(num_nextn_predict_layers=3, dspark_target_layer_ids=(9, 10, 11), dspark_markov_rank=16,
                     dspark_n_routed_experts=8, dspark_num_experts_per_tok=3),
+    "demo": dict(num_nextn_predict_layers=3, dspark_target_layer_ids=(5, 6, 7), dspark_markov_rank=32,
+                 dspark_n_routed_experts=8, dspark_num_experts_per_tok=3),
     "bench": dict(num_nextn_predict_layers=3, dspark_target_layer_ids=(9, 10, 11), dspark_markov_rank=64,
                   dspark_n_routed_experts=16, dspark_num_experts_per_tok=3),
 }
-_DSPARK_BY_DEFAULT = {"tiny": False, "default": True, "bench": True}
+_DSPARK_BY_DEFAULT = {"tiny": False, "default": True, "demo": True, "bench": True}
 # the image tower of each preset, written only with with_vision=True (`--vision`)
 VISION: dict[str, VisionConfig] = {
     "tiny": VisionConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, intermediate_size=48,
                          patch_size=4, max_image_tokens=64, min_pixels=576),
     "default": VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128),
+    "demo": VisionConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128),
     "bench": VisionConfig(),
 }
 TINY_IMAGE_TOKEN_ID = 505  # tiny's vocabulary has no 129264; 505 is its <｜image2｜>, as 129264 in the full one
@@ -227,19 +242,25 @@ def release_tensors(config: DeepseekV41Config, seed: int, dtype: torch.dtype, pr
     out: dict[str, torch.Tensor] = {}
     bar = _bytes_bar(sum(math.prod(s) for s in shapes.values()) * 4, "generating weights", progress)
     for name, shape in shapes.items():
-        t = random_tensor(name, shape, seed)
-        base = name.removesuffix(".weight")
-        if _FP4_RE.match(name):
-            out[name], out[base + ".scale"] = quant.quantize_fp4(t)
-        elif _FP8_RE.match(name):
-            out[name], out[base + ".scale"] = quant.quantize_fp8_block(t, BLOCK)
-        elif _ENGRAM_TABLE_RE.match(name):
-            out[name], out[base + ".scale"] = quant.quantize_fp8_rows(t)
-        else:
-            out[name] = t.to(torch.float32 if weight_kind(name) == "fp32" else dtype)
+        out |= release_format(name, random_tensor(name, shape, seed), dtype)
         bar.update(math.prod(shape) * 4)
     bar.close()
     return out
+
+
+def release_format(name: str, value: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One official tensor as the release stores it: experts FP4, dense projections FP8 (each with
+    its `.scale`), Engram tables FP8 rows, float32 kinds in float32, the rest in `dtype`."""
+    base = name.removesuffix(".weight")
+    if _FP4_RE.match(name):
+        weight, scale = quant.quantize_fp4(value)
+    elif _FP8_RE.match(name):
+        weight, scale = quant.quantize_fp8_block(value, BLOCK)
+    elif _ENGRAM_TABLE_RE.match(name):
+        weight, scale = quant.quantize_fp8_rows(value)
+    else:
+        return {name: value.to(torch.float32 if weight_kind(name) == "fp32" else dtype)}
+    return {name: weight, base + ".scale": scale}
 
 
 # --- writing ---------------------------------------------------------------------------------
@@ -250,7 +271,7 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
     """Write a random-weight DeepSeek-V4.1 checkpoint in the release layout to `out_dir`; its path.
 
     Args:
-        size: a preset from `SIZES` ("tiny", "default", "bench").
+        size: a preset from `SIZES` ("tiny", "default", "demo", "bench").
         seed: random seed; the same arguments always give the same files.
         overwrite: replace an existing non-empty `out_dir`.
         max_shard_bytes: shard size (default: 256 KiB for tiny, so it has several shards; else 1 GiB).
@@ -268,14 +289,10 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
     n_params = count_parameters(config)
     if progress is None:
         progress = n_params * dtype.itemsize > 100 * 2**20
-    (out / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
-    if not write_tokenizer(out / TOKENIZER_DIR, config.vocab_size):
+    if not write_release_tokenizer(out, config):
         shutil.rmtree(out)
         raise ValueError(f"vocab_size {config.vocab_size} is too small for a tokenizer, which the Engram layers "
                          f"need; use a larger vocab_size")
-    add_release_chat_tokens(out / TOKENIZER_DIR / TOKENIZER_FILE)
-    if config.vision is not None:
-        rename_image_token(out / TOKENIZER_DIR / TOKENIZER_FILE, config.image_token_id)
     if "engram_compressed_vocab_size" not in overrides:
         _, compressed = compressed_token_map(out / TOKENIZER_DIR / TOKENIZER_FILE)
         config = config.model_copy(update={"engram_compressed_vocab_size": compressed})
@@ -293,6 +310,18 @@ def make_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, overwrite
                             if not isinstance(v, YarnScaling)}}
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2, default=str))
     return out
+
+
+def write_release_tokenizer(out: Path, config: DeepseekV41Config) -> bool:
+    """`tokenizer/tokenizer.json` for `config` (the V4.1 chat tokens, the image token's spelling);
+    False when the vocabulary is too small for a tokenizer."""
+    (out / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
+    if not write_tokenizer(out / TOKENIZER_DIR, config.vocab_size):
+        return False
+    add_release_chat_tokens(out / TOKENIZER_DIR / TOKENIZER_FILE)
+    if config.vision is not None:
+        rename_image_token(out / TOKENIZER_DIR / TOKENIZER_FILE, config.image_token_id)
+    return True
 
 
 #: V4.1 chat tokens missing from the V4 tokenizer -> the unused V4 special token whose id each takes

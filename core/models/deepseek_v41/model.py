@@ -68,7 +68,6 @@ from deepinfer.models.deepseek_v41.state import (
 from deepinfer.models.deepseek_v41.vision import VisionTower, is_vision_weight
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
 from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
-from deepinfer.parallel.expert_parallel import current_expert_parallel
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
@@ -366,11 +365,6 @@ class DeepseekV41ForCausalLM:
     def image_input_unsupported(self) -> str | None:
         """Why this model refuses image input, or None when it takes images."""
         if self.images is not None:
-            if current_expert_parallel() is not None:
-                return ("image input under expert parallelism (--ep) is not built yet; serve DeepSeek-V4.1 image "
-                        "prompts without --ep")
-            if self.replay_keep_tokens is not None:
-                return "image input with SWA bounded replay (the swa_replay feature) is not built yet; turn it off"
             return None
         if self.config.vision is None:
             return ("this DeepSeek-V4.1 checkpoint is text-only (its config.json has no vision_config with layers); "

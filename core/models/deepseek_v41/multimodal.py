@@ -89,13 +89,14 @@ class VisionRoutedMoE(MoE):
         span = getattr(step, "span_rows", None)
         if span is None:
             return super().run(x, step)
-        if self.ep is not None:
-            raise NotImplementedError("image input under expert parallelism is not built yet; run DeepSeek-V4.1 "
-                                      "image prompts without --ep")
         a, c = self.accel, self.c
         scores = routing_scores(a.linear(x.float(), self.gate), c.scoring_func)
         bias = torch.where(span.unsqueeze(-1), self.bias_vl, self.bias)
         ids = (scores + bias).topk(c.num_experts_per_tok, dim=-1).indices
+        if self.ep is not None:  # the chosen experts travel the expert-parallel exchange like hash ids
+            if self.cp is not None and step.cp_split is None:
+                return self._shared_over_cp(x, step.input_ids, chosen=ids)
+            return self._exchange(x, step.input_ids, chosen=ids)
         shared_w13, shared_w2 = (None, None) if self.shared is None else self.shared
         return a.moe_sublayer(x, self.gate, None, ids, self.w13, self.w2, shared_w13, shared_w2,
                               c.num_experts_per_tok, c.routed_scaling_factor, c.scoring_func, c.swiglu_limit)

@@ -121,7 +121,7 @@ class DecoderRows:
             step, input_ids=step.input_ids[rows], plan=plan,
             cos_sin={k: (cos[rows], sin[rows]) for k, (cos, sin) in step.cos_sin.items()}, pre=step.pre[rows],
             engram_rows=None if step.engram_rows is None else step.engram_rows[rows], selection={}, candidates={},
-            kv_published=True)
+            kv_published=True, span_rows=None if step.span_rows is None else step.span_rows[rows])
         h, waiting = run_modules(blk.modules[site:], streams[rows], None, kept)
         h = run_blocks(model.blocks[self.layer + 1:], h, kept, waiting)
         if split is not None:  # every rank's kept rows (the decoder layers' captures are kept rows too)
@@ -138,6 +138,8 @@ def _whole_step(split: RowSplit, streams: torch.Tensor, step: StepInputs) -> tup
     parts.update({f"sin.{k}": sin for k, (_, sin) in step.cos_sin.items()})
     if step.engram_rows is not None:
         parts["engram_rows"] = step.engram_rows
+    if step.span_rows is not None:  # image span positions (bool: gathered as bytes)
+        parts["span_rows"] = step.span_rows.to(torch.uint8)
     captured = [] if step.capture is None else [layer for layer, f in step.capture.items() if f is not None]
     parts.update({f"capture.{layer}": step.capture[layer] for layer in captured})
     full = gather_parts(split, parts)
@@ -145,7 +147,8 @@ def _whole_step(split: RowSplit, streams: torch.Tensor, step: StepInputs) -> tup
         step.capture[layer] = full[f"capture.{layer}"]
     whole = dataclasses.replace(step, input_ids=full["input_ids"], pre=full["pre"],
                                 cos_sin={k: (full[f"cos.{k}"], full[f"sin.{k}"]) for k in step.cos_sin},
-                                engram_rows=full.get("engram_rows"))
+                                engram_rows=full.get("engram_rows"),
+                                span_rows=None if step.span_rows is None else full["span_rows"].bool())
     return full["streams"], whole
 
 
