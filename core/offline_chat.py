@@ -66,8 +66,9 @@ class OfflineChat:
 
         try:
             body = {"model": OFFLINE_MODEL_NAME, "messages": map_content_parts(conversation, _inline_pil)}
-            if self.image_refusal is not None and image_parts(body):
-                raise ValueError(f"{image_parts(body)[0][0]}: {self.image_refusal}")
+            parts = image_parts(body) if self.image_refusal is not None else []
+            if parts:
+                raise ValueError(f"{parts[0][0]}: {self.image_refusal}")
             return self.format.prepare(body).engine_prompt
         except (RequestError, ValueError) as e:
             raise ValueError(f"conversation {index}: {getattr(e, 'message', e)}") from None

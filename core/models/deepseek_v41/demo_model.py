@@ -121,9 +121,8 @@ def expand(compact: str | Path, out_dir: str | Path, sha256: str | None = None) 
     model.safetensors, tokenizer/tokenizer.json."""
     from safetensors.torch import save_file
 
-    from deepinfer.models.deepseek_v41.make_model import write_release_tokenizer
-
     from deepinfer.models.deepseek_v41.checkpoint import parse_config
+    from deepinfer.models.deepseek_v41.make_model import write_release_tokenizer
 
     tensors, config_dict, _ = read_compact(compact, sha256)
     out = Path(out_dir)
