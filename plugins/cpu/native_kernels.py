@@ -42,7 +42,7 @@ from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED
 from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, CandidateBlocks, DeepseekV41Ops
 from deepinfer.program import Program
 from deepinfer_plugins.cpu import native, packed_weights
-from deepinfer_plugins.cpu.program import PreparedProgram
+from deepinfer_plugins.cpu.program import V41_BINDERS, PreparedProgram
 from deepinfer_plugins.cpu.kernels import _SKINNY_ROWS, CpuKernels, _pad_rows
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
@@ -173,6 +173,8 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
     over the FP8 window and NVFP4 entries), and in batch-invariant mode the composed ops over the invariant
     kernels, with versions whose every reduction has a fixed order (the kernels' fixed-order products,
     sums one add after another, transcendental functions on torch's vector path only)."""
+
+    program_binders = V41_BINDERS  # how the prepared programs bind its ops (program.py)
 
     def __init__(self, kernels: NativeCpuKernels):
         super().__init__(kernels)

@@ -139,7 +139,39 @@ class HcPostPreNorm(Binder):
             native.hc_outputs(T, n, D, a["streams"].dtype)), self.patches)
 
 
+class HcMixCollapseNorm(Binder):
+    """DeepSeek-V4.1's site entry (`hc_mix_collapse_norm`): one C call, each row computed alone."""
+
+    patches = {"streams": pointer("streams"), "pre_in": pointer("pre_in", dtype=torch.float32)}
+
+    def bind(self, k, a, choices):
+        binding = _bound(k, native.hc_mix_collapse_norm_arguments(
+            a["streams"], a["pre_in"], a["fn"], a["base"], a["scale"], a["sinkhorn_iters"], a["eps"], a["norm_eps"],
+            a["norm_weight"], a["rms_eps"]), self.patches)
+        if binding is not None:
+            out = binding.outputs
+            binding.outputs = (out.normed, out.pre, out.post, out.comb)  # the op's results
+        return binding
+
+
+class HcPostMixCollapseNorm(Binder):
+    """A V4.1 site's `hc_post` and the next site's entry (`hc_post_mix_collapse_norm`) in one C call."""
+
+    patches = {"y": pointer("y"), "streams": pointer("streams"), "post": pointer("post_in", dtype=torch.float32),
+               "comb": pointer("comb_in", dtype=torch.float32), "pre_in": pointer("pre_in", dtype=torch.float32)}
+
+    def bind(self, k, a, choices):
+        return _bound(k, native.hc_post_mix_collapse_norm_arguments(
+            a["y"], a["streams"], a["post"], a["comb"], a["pre_in"], a["fn"], a["base"], a["scale"],
+            a["sinkhorn_iters"], a["eps"], a["norm_eps"], a["norm_weight"], a["rms_eps"]), self.patches)
+
+
 class AttentionProjections(Binder):
+    """`attention_projections` in one C call; `q_head_norm=False`: DeepSeek-V4.1's (its query heads only rotated)."""
+
+    def __init__(self, q_head_norm: bool = True):
+        self.q_head_norm = q_head_norm
+
     patches = {"x": pointer("x"), "cos": table_pointer("cos_t"), "sin": table_pointer("sin_t"),
                "index_cos": table_pointer("icos"), "index_sin": table_pointer("isin")}
 
@@ -156,7 +188,7 @@ class AttentionProjections(Binder):
                      native.attention_projections_arguments)
         bound = arguments(k.native_library, a["x"], a["fused_x"], a["rank"], a["q_norm"], a["fused_qr"], a["heads"],
                           a["kv_norm"], a["eps"], a["cos"], a["sin"], a["index_heads"], a["index_cos"],
-                          a["index_sin"], *choices)
+                          a["index_sin"], *choices, self.q_head_norm)
         tables = (a["cos"], a["sin"], a["index_cos"] if a["index_heads"] else a["cos"],
                   a["index_sin"] if a["index_heads"] else a["sin"])
         if bound is None or [bound.values[n] for n in ("cos_t", "sin_t", "icos", "isin")] != [
@@ -210,6 +242,11 @@ def _key_masks(parts: int) -> Patch:
 
 
 class AttentionOutput(Binder):
+    """`decode_attention_output` in one C call; `coded_keys=True`: DeepSeek-V4.1's FP8 / NVFP4-coded caches."""
+
+    def __init__(self, coded_keys: bool = False):
+        self.coded_keys = coded_keys
+
     def choices(self, k, a):
         T, wo_a, wo_b = a["q"].shape[0], a["wo_a"], a["wo_b"]
         if _quantised(wo_a, wo_b):
@@ -223,7 +260,7 @@ class AttentionOutput(Binder):
         arguments = (native.attention_output_quant_arguments if _quantised(a["wo_a"], a["wo_b"]) else
                      native.attention_output_arguments)
         bound = arguments(k.native_library, a["q"], a["kv"], a["key_rows"], a["caches"], a["rows"], a["masks"],
-                          a["sinks"], a["scale"], a["cos"], a["sin"], a["wo_a"], a["wo_b"], *choices)
+                          a["sinks"], a["scale"], a["cos"], a["sin"], a["wo_a"], a["wo_b"], *choices, self.coded_keys)
         if bound is None or bound.values["cos_t"] != a["cos"].data_ptr() or bound.values["sin_t"] != a["sin"].data_ptr():
             return None  # a RoPE table it would copy: read where it is, or not this way
         patches = {"q": pointer("q"), "kv": pointer("kv"), "key_rows": pointer("key_rows", dtype=torch.long),
@@ -308,6 +345,17 @@ BINDERS: dict[str, Binder] = {
     "kernels.rms_norm": RmsNorm(),
 }
 
+#: DeepSeek-V4.1's op table's binders (its `program_binders`: an op table names its own where they differ)
+V41_BINDERS: dict[str, Binder] = {
+    "ops.hc_mix_collapse_norm": HcMixCollapseNorm(),
+    "ops.hc_post_mix_collapse_norm": HcPostMixCollapseNorm(),
+    "ops.attention_projections": AttentionProjections(q_head_norm=False),
+    "ops.decode_attention_output": AttentionOutput(coded_keys=True),
+    "kernels.moe_sublayer": MoESublayer(),
+    "kernels.linear": Linear(),
+    "kernels.rms_norm": RmsNorm(),
+}
+
 
 # ----- the prepared program ---------------------------------------------------------------------------
 
@@ -372,7 +420,7 @@ class PreparedProgram:
         program, k = self.program, self.kernels
         self.steps, self.static, self.choices, self.threads = [], {}, [], threads()
         for call in program.calls:
-            s = _Step(call, BINDERS.get(call.op) if isinstance(call.op, str) else None)
+            s = _Step(call, self._binder(call))
             args = {name: resolve(v, env) for name, v in call.args.items()}
             chosen = None
             if s.binder is not None:
@@ -393,6 +441,14 @@ class PreparedProgram:
                     self.static.update((name, env[name]) for name in call.outs)
             self.steps.append(s)
             self.choices.append(chosen)
+
+
+    def _binder(self, call: Call) -> Binder | None:
+        """The binder of a table's op: the table's own (`program_binders`), else this back end's `BINDERS`."""
+        if not isinstance(call.op, str):
+            return None
+        table = self.program.tables[call.op.partition(".")[0]]
+        return getattr(table, "program_binders", BINDERS).get(call.op)
 
 
 def _flat(values: Any) -> list:

@@ -43,8 +43,9 @@ from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, Deepsee
 from deepinfer.models.deepseek_v41.context_parallel import gather_parts
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
 from deepinfer.models.deepseek_v41.ops import CandidateBlocks, DeepseekV41Ops
-from deepinfer.models.deepseek_v4.attention import selected_entry_keys
+from deepinfer.models.deepseek_v4.attention import rope_inputs, selected_entry_keys
 from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.program import Builder, Ref
 
 # projections of the attention input fused into one matrix at load (model.FUSED_PROJECTIONS order)
 X_PARTS = ("attn.wq_a.weight", "attn.wkv.weight", "attn.indexer.weights_proj.weight")
@@ -102,13 +103,13 @@ class Attention:
         px, q, kv, iq = self.ops.attention_projections(
             x, w["fused_x.weight"], self.q_rank, w["q_norm.weight"], w["fused_qr.weight"], H, w["kv_norm.weight"],
             eps, cos, sin, Hi, *(step.cos_sin["compress"] if Hi else (None, None)))
-        index_w = split_fused(px, self.x_parts)["indexer.weights_proj.weight"] if Hi else None
         compress = self.role == FULL and not step.kv_published  # bounded replay ran it on every row (replay.py)
         if len(plan.groups) == 1 and plan.groups[0].in_row_order and plan.split is None:
             # a step of decode tokens: the keys are written as they are read, the rest in one op
             if compress:
-                self._compress(self._compressor_inputs(x), x.dtype, step)
-            return self._decode(q, kv, iq, index_w, step, cos, sin)
+                self.compress_decode(x, step)
+            return self._decode(q, kv, iq, px, step, cos, sin)
+        index_w = split_fused(px, self.x_parts)["indexer.weights_proj.weight"] if Hi else None
 
         keyed = {"kv": encode(kv, FP8_WINDOW)}  # what other tokens read: the window key, compressor inputs
         if compress:
@@ -145,20 +146,59 @@ class Attention:
         grouped = a.grouped_linear(o, self.wo_a)
         return a.linear(grouped.reshape(T, -1), w["wo_b.weight"])
 
-    def _decode(self, q: torch.Tensor, kv: torch.Tensor, iq: torch.Tensor | None, index_w: torch.Tensor | None,
-                step, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv: torch.Tensor, iq: torch.Tensor | None, px: torch.Tensor, step,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A step of decode tokens (one group, every row one sequence's only query, no context-parallel
         split): `ops.decode_attention_output` over the window and this layer's picked entries."""
-        c, w, st, plan = self.c, self.w, self.state, step.plan
-        g = plan.groups[0]
+        c, w, st, g = self.c, self.w, self.state, step.plan.groups[0]
         caches, rows, masks = (st.window_flat,), (g.key_ring_row_all,), (g.window_mask,)
         if self.rate:
-            ev = plan.entry_view(0, self.rate)
-            picks = self._picks(0, g, ev, iq, index_w, step)[:, 0, :ev.flat.shape[1]]  # -1s beyond E only
-            caches, rows = (*caches, st.entries), (*rows, ev.flat.gather(1, picks.clamp(min=0)))
-            masks = (*masks, (picks >= 0).unsqueeze(1))
+            caches, (picked, mask) = (*caches, st.entries), self.decode_picks(px, iq, step)
+            rows, masks = (*rows, picked), (*masks, mask)
         return self.ops.decode_attention_output(q, kv, g.new_key_ring_row, caches, rows, masks, w["attn_sink"],
                                                 c.head_dim ** -0.5, cos, sin, self.wo_a, w["wo_b.weight"])
+
+    def lower_decode(self, b: Builder, x: Ref, step: Ref) -> Ref:
+        """`run` on a step of decode tokens (as `_decode` runs it) as program calls: the projections, a KV
+        source's compressor, the picks of a compressed layer, the attention output; the same ops in the
+        same order on the same values. The step's addressing and RoPE tables come in as program inputs."""
+        if self.state is None:
+            raise RuntimeError("no cache bound: call bind_cache() before building a decode program")
+        c, w, st = self.c, self.w, self.state
+        Hi = c.index_n_heads if self.indexes else 0
+        cos, sin = rope_inputs(b, self.rope_kind)
+        icos, isin = rope_inputs(b, "compress") if Hi else (None, None)
+        px, q, kv, iq = b.call(
+            "ops.attention_projections", 4, x=x, fused_x=w["fused_x.weight"], rank=self.q_rank,
+            q_norm=w["q_norm.weight"], fused_qr=w["fused_qr.weight"], heads=c.num_attention_heads,
+            kv_norm=w["kv_norm.weight"], eps=c.rms_norm_eps, cos=cos, sin=sin, index_heads=Hi, index_cos=icos,
+            index_sin=isin)
+        if self.role == FULL:
+            b.call(self.compress_decode, 0, x=x, step=step)
+        caches = (st.window_flat,)
+        rows = (b.input("key_ring_row_all", lambda s: s.plan.groups[0].key_ring_row_all),)
+        masks = (b.input("window_mask", lambda s: s.plan.groups[0].window_mask),)
+        if self.rate:
+            picked, mask = b.call(self.decode_picks, 2, px=px, iq=iq, step=step)
+            caches, rows, masks = (*caches, st.entries), (*rows, picked), (*masks, mask)
+        key_rows = b.input("new_key_ring_row", lambda s: s.plan.groups[0].new_key_ring_row)
+        return b.call("ops.decode_attention_output", q=q, kv=kv, key_rows=key_rows, caches=caches, rows=rows,
+                      masks=masks, sinks=w["attn_sink"], scale=c.head_dim ** -0.5, cos=cos, sin=sin, wo_a=self.wo_a,
+                      wo_b=w["wo_b.weight"])
+
+    def compress_decode(self, x: torch.Tensor, step) -> None:
+        """A KV source's compressor over a decode step's rows `x` `[T, D]` (`_compress` of its inputs)."""
+        self._compress(self._compressor_inputs(x), x.dtype, step)
+
+    def decode_picks(self, px: torch.Tensor, iq: torch.Tensor | None, step) -> tuple[torch.Tensor, torch.Tensor]:
+        """A compressed layer's picked entries for a step of decode tokens, from the fused projection `px`
+        and the indexer's query `iq` (an index source's; else its top-k owner's picks on the step): (entry
+        rows `[B, k']`, their mask `[B, 1, k']`), the part its attention reads after the window's."""
+        plan = step.plan
+        g, ev = plan.groups[0], plan.entry_view(0, self.rate)
+        index_w = split_fused(px, self.x_parts)["indexer.weights_proj.weight"] if self.indexes else None
+        picks = self._picks(0, g, ev, iq, index_w, step)[:, 0, :ev.flat.shape[1]]  # -1s beyond E only
+        return ev.flat.gather(1, picks.clamp(min=0)), (picks >= 0).unsqueeze(1)
 
     def _picks(self, gi: int, g, ev, iq: torch.Tensor | None, index_w: torch.Tensor | None, step) -> torch.Tensor:
         """The top-k entry ids `[B, S, k]` of the group's queries this layer attends over: its own

@@ -50,6 +50,7 @@ from deepinfer.accelerator.interface import Accelerator
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.common.weights import ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
 from deepinfer.models.deepseek_v4.block import ATTN, FFN, DecoderBlock
+from deepinfer.models.deepseek_v4.model import DECODE_PROGRAM_MAX_TOKENS
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.rope import RotaryTables
 from deepinfer.models.deepseek_v4.state import StepPlan
@@ -61,13 +62,14 @@ from deepinfer.models.deepseek_v41.image_processing import ProcessedImage, prepr
 from deepinfer.models.deepseek_v41.multimodal import ImageEmbedder, VisionRoutedMoE
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops, resolve_ops
 from deepinfer.models.deepseek_v41.replay import decoder_rows, decoder_start, minimum_keep_tokens
-from deepinfer.models.deepseek_v41.sites import Site, run_blocks
+from deepinfer.models.deepseek_v41.sites import Site, lower_blocks, run_blocks
 from deepinfer.models.deepseek_v41.state import (
     COMPRESSED_KV, ENGRAM_HISTORY, INDEX_KEYS, WINDOW_KV, build_cache_layout, group_name, ring_sizes, rows_names,
 )
 from deepinfer.models.deepseek_v41.vision import VisionTower, is_vision_weight
 from deepinfer.models.interface import CacheLayout, CacheTensors, ForwardBatch, ForwardOutput
 from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
+from deepinfer.program import Builder, Program, Programs
 
 if TYPE_CHECKING:
     from deepinfer.models.deepseek_v41.dspark_head import DSparkHead
@@ -156,6 +158,7 @@ class DeepseekV41ForCausalLM:
         self.replay_keep_tokens: int | None = None  # SWA bounded replay (replay.py); None: exact prefill
         self.dspark: DSparkHead | None = None  # the DSpark drafter, when the checkpoint has it
         self.images: ImageEmbedder | None = None  # the image tower, when the checkpoint has it (multimodal.py)
+        self.programs = Programs(accelerator)  # decode-step programs by token count (`decode_program`)
 
     def set_bounded_replay(self, keep_tokens: int | None) -> None:
         """Run prefill with decoder-side SWA bounded replay keeping the last `keep_tokens` prompt
@@ -180,6 +183,7 @@ class DeepseekV41ForCausalLM:
         other = copy.copy(self)
         other.blocks = [DecoderBlock([_twin_module(m) for m in blk.modules], blk.w) for blk in self.blocks]
         other._cache, other._layout, other._num_slots, other.dspark = None, None, 0, None
+        other.programs = Programs(self.accel)  # its programs hold its own cache
         return other
 
     # ----- weights -----
@@ -202,6 +206,7 @@ class DeepseekV41ForCausalLM:
         self.hasher = EngramHasher(c, weights[TOKEN_MAP], self.device) if c.engram_layer_ids else None
         self.blocks = [self._build_block(i, strip_prefix(state, f"layers.{i}.")) for i in range(c.num_hidden_layers)]
         self.dspark = None
+        self.programs.clear()
         self.__dict__.pop("drafter_unsupported", None)
         self.images = None
         if c.vision is not None and "vision.norm.weight" in weights:
@@ -256,6 +261,7 @@ class DeepseekV41ForCausalLM:
         layout = self.cache_layout(max_rollback)
         layout.check(cache, f"model.cache_layout({max_rollback})")
         self._cache, self._layout = cache, layout
+        self.programs.clear()  # their calls hold the old cache's tensors
         self._num_slots = cache.slot[WINDOW_KV].shape[1]
         self._rings = ring_sizes(c, max_rollback)
         if self.dspark is not None:
@@ -316,7 +322,12 @@ class DeepseekV41ForCausalLM:
         features = batch.return_streams and self.dspark is not None
         if features:
             step.capture = dict.fromkeys(c.dspark_target_layer_ids)
-        streams = run_blocks(self.blocks if split is None else self.blocks[:split.layer], streams, step)
+        if (plan.decode_step and plan.T <= DECODE_PROGRAM_MAX_TOKENS and split is None and not batch.images
+                and not features):  # the same calls, prepared by the back end
+            program = self.programs.get(("decode", plan.T), lambda: self.decode_program(plan.T))
+            streams, step.pre = program.run(step, streams=streams, pre=pre)
+        else:
+            streams = run_blocks(self.blocks if split is None else self.blocks[:split.layer], streams, step)
         if cp_split is not None and split is None:  # every rank samples (and drafts) from the whole step's rows
             streams, step.pre, step.capture = gather_outputs(cp_split, streams, step.pre, step.capture)
         rows = logits_rows = batch.logits_indices.to(self.device)
@@ -336,6 +347,17 @@ class DeepseekV41ForCausalLM:
         if features:
             out = self._target_features(capture, batch, logits_rows, split)
         return ForwardOutput(logits=logits, streams=out)
+
+    def decode_program(self, tokens: int) -> Program:
+        """The layers of a step of `tokens` decode tokens (one per sequence, in row order, not split; no image
+        rows, no DSpark capture) as a program (`deepinfer.program`): inputs the embedded streams, the first
+        site's `pre` and the step's `StepInputs`; outputs the final streams and the last site's pre; the
+        calls `run_blocks` makes on such a step."""
+        if self._cache is None:
+            raise RuntimeError("no cache bound: call bind_cache() before building a decode program")
+        b = Builder({"ops": self.ops, "kernels": self.accel})
+        streams, pre = lower_blocks(self.blocks, b, b.input("streams"), b.input("pre"), b.input("step", lambda s: s))
+        return b.build((streams, pre), key=("decode", tokens))
 
     def _embed_with_images(self, batch: ForwardBatch, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The step's embeddings `[T, D]` with its image span rows from the tower, and the span mask `[T]`."""

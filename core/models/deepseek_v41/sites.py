@@ -9,7 +9,8 @@ with its own post and comb (`hc_post`).
 would, except that a site's `hc_post` waits for the next module: the next site takes it in its own
 entry op (`hc_post_mix_collapse_norm`, one op between two sub-layers), any other module (Engram)
 gets the streams after it. `run_blocks` does this over whole blocks, so the last site of a block
-and the first of the next meet in one op too.
+and the first of the next meet in one op too. `lower_blocks` describes the same calls as a step
+program (`deepinfer.program`), which a back end may prepare once and replay.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.deepseek_v4.block import ATTN, DecoderBlock
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops
+from deepinfer.program import Builder, Ref
 
 
 class Site:
@@ -41,16 +43,31 @@ class Site:
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The streams arriving here (the `waiting` site's hc_post applied), this sub-layer's normalised
         input and this site's post and comb; `step.pre` becomes this site's pre."""
-        c, ops = self.c, self.ops
-        mix = (self.fn, self.base, self.scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, self.norm,
-               c.rms_norm_eps)
+        mix = self._mix()
         if waiting is None:
-            x, pre, post, comb = ops.hc_mix_collapse_norm(streams, step.pre, *mix)
+            x, pre, post, comb = self.ops.hc_mix_collapse_norm(streams, step.pre, **mix)
         else:
             _, y, post_in, comb_in = waiting
-            streams, x, pre, post, comb = ops.hc_post_mix_collapse_norm(y, streams, post_in, comb_in, step.pre, *mix)
+            streams, x, pre, post, comb = self.ops.hc_post_mix_collapse_norm(y, streams, post_in, comb_in, step.pre,
+                                                                             **mix)
         step.pre = pre
         return streams, x, post, comb
+
+    def lower(self, b: Builder, streams: Ref, waiting: tuple | None, pre_in: Ref) -> tuple[Ref, Ref, Ref, Ref, Ref]:
+        """`enter` as a program call, the previous site's pre flowing as a value: (streams, the sub-layer's
+        input, this site's pre, post, comb)."""
+        if waiting is None:
+            x, pre, post, comb = b.call("ops.hc_mix_collapse_norm", 4, streams=streams, pre_in=pre_in, **self._mix())
+            return streams, x, pre, post, comb
+        _, y, post_in, comb_in = waiting
+        return b.call("ops.hc_post_mix_collapse_norm", 5, y=y, streams=streams, post=post_in, comb=comb_in,
+                      pre_in=pre_in, **self._mix())
+
+    def _mix(self) -> dict[str, Any]:
+        """This site's coefficient and norm arguments of the entry ops."""
+        c = self.c
+        return dict(fn=self.fn, base=self.base, scale=self.scale, sinkhorn_iters=c.hc_sinkhorn_iters, eps=c.hc_eps,
+                    norm_eps=c.rms_norm_eps, norm_weight=self.norm, rms_eps=c.rms_norm_eps)
 
 
 def run_modules(modules: Iterable, streams: torch.Tensor, waiting: tuple | None, step: Any
@@ -85,3 +102,28 @@ def run_blocks(blocks: Iterable[DecoderBlock], streams: torch.Tensor, step: Any,
     for blk in blocks:
         streams, waiting = run_modules(blk.modules, streams, waiting, step)
     return finish(streams, waiting)
+
+
+def lower_blocks(blocks: Iterable[DecoderBlock], b: Builder, streams: Ref, pre: Ref, step: Ref) -> tuple[Ref, Ref]:
+    """`run_blocks` of a decode step (no DSpark capture, no image rows) as program calls: the same ops on the
+    same values in the same order (sites by `Site.lower`, a sub-layer by its `lower_decode` where it has one,
+    else its `run`; any other module's `forward` as one call). `pre`: the first site's pre_in; returns the
+    streams after the blocks and the last site's pre (what the output collapses with)."""
+    waiting = None
+    for blk in blocks:
+        for m in blk.modules:
+            if not isinstance(m, Site):
+                streams, waiting = b.call(m.forward, streams=_lower_finish(b, streams, waiting), step=step), None
+                continue
+            streams, x, pre, post, comb = m.lower(b, streams, waiting, pre)
+            lower = getattr(m.layer, "lower_decode", None)
+            waiting = (m, lower(b, x, step) if lower is not None else b.call(m.layer.run, x=x, step=step), post, comb)
+    return _lower_finish(b, streams, waiting), pre
+
+
+def _lower_finish(b: Builder, streams: Ref, waiting: tuple | None) -> Ref:
+    """`finish` as a program call."""
+    if waiting is None:
+        return streams
+    _, y, post, comb = waiting
+    return b.call("ops.hc_post", y=y, streams=streams, post=post, comb=comb)

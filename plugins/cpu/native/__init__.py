@@ -57,9 +57,9 @@ from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_bf16_
 from deepinfer_plugins.cpu.native.indexer import index_select
 from deepinfer_plugins.cpu.native.kv_cache import kv_store
 from deepinfer_plugins.cpu.native.mhc import (
-    TRANSPOSED_MIXES, HcOutputs, SiteOutputs, hc_head, hc_mix_collapse_norm, hc_outputs, hc_post,
-    hc_post_mix_collapse_norm, hc_post_pre_norm, hc_post_pre_norm_arguments, hc_pre, hc_pre_arguments, site_outputs,
-    transpose_fn,
+    TRANSPOSED_MIXES, HcOutputs, SiteOutputs, hc_head, hc_mix_collapse_norm, hc_mix_collapse_norm_arguments,
+    hc_outputs, hc_post, hc_post_mix_collapse_norm, hc_post_mix_collapse_norm_arguments, hc_post_pre_norm,
+    hc_post_pre_norm_arguments, hc_pre, hc_pre_arguments, site_outputs, transpose_fn,
 )
 from deepinfer_plugins.cpu.native.moe_layer import (moe_layer_arguments, moe_layer_bf16, moe_layer_quant,
                                                     moe_layer_quant_arguments)
@@ -81,7 +81,8 @@ __all__ = [
     "compress_store_arguments", "cache_root", "enabled",
     "experts_bf16", "gemv_bf16", "gemv_bf16_arguments", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16",
     "grouped_gemv_bf16", "hc_head", "hc_outputs", "hc_post", "hc_post_pre_norm", "hc_post_pre_norm_arguments",
-    "hc_pre", "hc_pre_arguments", "HcOutputs", "hc_mix_collapse_norm", "hc_post_mix_collapse_norm", "SiteOutputs",
+    "hc_pre", "hc_pre_arguments", "HcOutputs", "hc_mix_collapse_norm", "hc_mix_collapse_norm_arguments",
+    "hc_post_mix_collapse_norm", "hc_post_mix_collapse_norm_arguments", "SiteOutputs",
     "site_outputs",
     "index_select", "indexer_scores", "kv_store", "library", "linear_amx_bf16",
     "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_arguments", "moe_layer_bf16", "moe_layer_quant",

@@ -263,14 +263,26 @@ def hc_mix_collapse_norm(lib: ctypes.CDLL, streams: torch.Tensor, pre_in: torch.
     and its sub-layer's input, the streams collapsed with the previous site's `pre_in` `[T, n]` and
     RMS-normalised (`norm_weight`, `rms_eps`). Returns `out` (or new tensors) written, with `streams` the
     given ones; None: not handled (fall back)."""
+    bound = hc_mix_collapse_norm_arguments(streams, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                           norm_weight, rms_eps, out)
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs._replace(streams=streams)
+
+
+def hc_mix_collapse_norm_arguments(streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                                   scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
+                                   norm_weight: torch.Tensor, rms_eps: float, out: SiteOutputs | None = None
+                                   ) -> Bound | None:
+    """`hc_mix_collapse_norm`'s checked call (outputs: the SiteOutputs, their streams field empty), not made."""
     s = streams if streams.is_contiguous() else streams.contiguous()
     shared = _site_values(s, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, out,
                           False)
     if shared is None:
         return None
     values, outputs, held = shared
-    _HC_MIX_COLLAPSE_NORM(lib, streams=s.data_ptr(), **values)
-    return outputs._replace(streams=streams)
+    return Bound(_HC_MIX_COLLAPSE_NORM, dict(values, streams=s.data_ptr()), outputs, (*held, s))
 
 
 def hc_post_mix_collapse_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
@@ -280,6 +292,20 @@ def hc_post_mix_collapse_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.
                               ) -> SiteOutputs | None:
     """`hc_post(y, streams, post, comb)` of the previous site, then `hc_mix_collapse_norm` of this one on its
     result, in one call with their bits; every field of the result written. None: not handled."""
+    bound = hc_post_mix_collapse_norm_arguments(y, streams, post, comb, pre_in, fn, base, scale, sinkhorn_iters, eps,
+                                                norm_eps, norm_weight, rms_eps, out)
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs
+
+
+def hc_post_mix_collapse_norm_arguments(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                                        comb: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
+                                        scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
+                                        norm_weight: torch.Tensor, rms_eps: float, out: SiteOutputs | None = None
+                                        ) -> Bound | None:
+    """`hc_post_mix_collapse_norm`'s checked call (outputs: the SiteOutputs), not made."""
     y_dtype = dtype_code(y)
     if y_dtype is None or streams.dim() != 3:
         return None
@@ -298,6 +324,6 @@ def hc_post_mix_collapse_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.
         return None  # the streams are read token by token while the new ones are written
     yc = y if y.is_contiguous() else y.contiguous()
     p, c = f32(post), f32(comb)
-    _HC_POST_MIX_COLLAPSE_NORM(lib, y=yc.data_ptr(), y_dtype=y_dtype, streams=s.data_ptr(), post_in=p.data_ptr(),
-                               comb_in=c.data_ptr(), streams_out=outputs.streams.data_ptr(), **values)
-    return outputs
+    values = dict(values, y=yc.data_ptr(), y_dtype=y_dtype, streams=s.data_ptr(), post_in=p.data_ptr(),
+                  comb_in=c.data_ptr(), streams_out=outputs.streams.data_ptr())
+    return Bound(_HC_POST_MIX_COLLAPSE_NORM, values, outputs, (*held, s, yc, p, c))
