@@ -46,55 +46,34 @@ from deepinfer_plugins.cpu.program import V41_BINDERS, PreparedProgram
 from deepinfer_plugins.cpu.kernels import _SKINNY_ROWS, CpuKernels, _pad_rows
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
-# When the C expert kernel beats the torch paths (32 experts of 1024 x 512, top-4, 2 threads).
-# With AMX tiles: 1.4-1.7x at 4-32 rows (cold weights), 1.05-1.1x at 64-128 (all experts touched,
-# both stream the weights at ~23 GB/s), 1.96x at 1,024 rows, 1.65x at 2,048, 1.35x at 4,096, equal
-# at 8,192 (256 rows per expert): up to 192 rows per expert on average.
-# The portable dot products (no AVX2 or AVX-512): up to 48 rows in all.
+# The crossovers these thresholds were set from are in docs/performance.md ("The cpu back end's tuning
+# thresholds").
+
+# Rows per expert (on average) up to which the C expert kernel runs on AMX tiles (1.96x torch at 1,024
+# rows, equal at 256 rows per expert), and rows in all on the portable dot products.
 _EXPERT_ROWS_PER_EXPERT_AMX = 192
 _EXPERT_MAX_ROWS_DOT = 48
 
-# Tokens up to which the grouped output projection runs on AMX tiles (4 groups of 256 x 512 at 32
-# tokens: ~230 -> ~60 us; oneDNN's batched product takes over for prefill chunks).
+# Tokens up to which the grouped output projection runs on AMX tiles (~230 -> ~60 us at 32 tokens).
 _GROUPED_AMX_MAX_TOKENS = 64
 
-# Decode-batch linears (2-32 rows) of weights up to 8 M elements run on AMX tiles where available:
-# at 8 sequences `linear` 20.6 -> 17.9 ms per step, at 32 24.0 -> 22.1 ms. From 64 rows the packed
-# oneDNN path is faster (0.90x at 64, 0.60x at 256), and the LM head stays there too (AMX tiles
-# stream it slower at 32 rows: 18.9 vs 21.1 GB/s).
+# Decode-batch linears (2-32 rows) of weights up to 8 M elements on AMX tiles (from 64 rows, and for the
+# LM head, the packed oneDNN path is faster).
 _LINEAR_AMX_MAX_ROWS = 32
 _LINEAR_AMX_MAX_ELEMENTS = 8 << 20
 
-# Decode-batch linears (2 to this many rows) on the C multi-token GEMV (each weight block streamed
-# once for all rows) instead of oneDNN, per GEMV tier (one thread, AMD EPYC, cold weights, against
-# the packed oneDNN path where it exists): AVX2+FMA 1.25-2.4x at 4 and 16 rows (LM head, 4096 x 512,
-# 512 x 2048); AVX512-BF16 2.2-2.4x at 4 rows, 0.84-1.19x at 16. Not measured on the plain C tier.
+# Decode-batch linears (2 to this many rows) on the C multi-token GEMV instead of oneDNN, per GEMV tier.
 _GEMV_TOKENS_MAX_ROWS = {"avx512-bf16": 8, "avx2-fma": 16, "portable": 1}
 # Row counts (inclusive) whose bf16 linears run on the C register tiles over weights packed for them
-# (packed_gemm.c, packed at a weight's second use in that range), per tier. scripts/bench_packed_gemm.py,
-# AMD Zen 4 without AMX, one thread, cold weights (300 MB cycled), packed C against oneDNN packed / the C
-# multi-token GEMV / the one-token GEMV:
-#   AVX512-BF16, LM head 129,280 x 512: 1 row 1.13x the GEMV (21.8 vs 19.3 GB/s); 4 rows 1.18x / 1.69x;
-#     8 rows 1.12x / 1.66x; 16 rows 0.97-1.08x / 1.59x (156 GFLOP/s); 32-64 rows 1.00x / 1.6x (179-201);
-#     4096 x 512 and 512 x 2048: 1 row 1.06-1.19x the GEMV, 4-64 rows 1.01-1.46x / 1.5-3.0x.
-#     128 and 512 rows (prefill) 0.96-1.16x oneDNN: left to oneDNN.
-#   AVX2+FMA (emulated): 2-3 rows 0.96-1.56x the multi-token GEMV, 4 rows 1.22-1.28x, 16-64 rows 1.86-1.91x
-#     (67-70 GFLOP/s); one row 0.55-0.61x the GEMV (it widens bf16 pairs, the GEMV streams rows): not used.
-#     Prefill too: oneDNN has no AVX2 bf16 kernel, and torch's F.linear runs at 15-23 GFLOP/s, the tiles at
-#     47-71 (2.5-3.7x at 16, 128 and 512 rows); so do the routed experts' rows and the grouped output
-#     projection above the C expert kernel's and the GEMV's limits (_tile_experts, _tile_grouped).
-# The portable tier is not measured: its products stay where they were.
+# (packed_gemm.c, packed at a weight's second use in that range), per tier; on AVX2+FMA prefill too
+# (oneDNN has no AVX2 bf16 kernel: 2.5-3.7x torch), with the routed experts' rows and the grouped output
+# projection above the expert kernel's and the GEMV's limits (_tile_experts, _tile_grouped).
 _PACKED_GEMM_ROWS = {"avx512-bf16": (1, 64), "avx2-fma": (2, 1 << 62), "portable": (0, 0)}
-# Weight elements from which one row (decode at batch 1) also runs on the tiles on AVX2+FMA: the LM head.
-# In the model, the GEMV on the loaded 129,280 x 512 weight ran 1.24x slower than on a fresh copy of it
-# (one thread; the tiles read their packed copy, fresh memory, as fast as that GEMV), and the tiles at two
-# threads 1.26x faster than that GEMV (one process, alternating, after a 64 MB sweep each call, load ~3).
+# Weight elements from which one row (decode at batch 1) also runs on the tiles on AVX2+FMA: the LM head
+# (1.26x the GEMV on the loaded weight at two threads).
 _AVX2_ONE_ROW_TILES_MIN_ELEMENTS = 32 << 20
 # Expert rows per expert (on average) up to which the C expert kernel runs on the AVX2+FMA and
-# AVX512-BF16 tiers: its products are the multi-token GEMV's, each expert weight streamed once. AMD Zen 4
-# (AVX512-BF16, no AMX), one thread, cold weights, C vs the torch paths: 16 experts of 128 x 512 (top-4)
-# 2.97x at 4 rows per expert, 2.83x at 16, 1.67x at 32; 32 experts of 512 x 1024 2.97x at 3 rows per
-# expert, 1.45x at 16, 1.04x at 32.
+# AVX512-BF16 tiers, each expert weight streamed once (1.45-2.83x torch at 16).
 _EXPERT_ROWS_PER_EXPERT_DOT = 16
 
 # Tokens up to which the router's top-k runs in C (one thread, k passes over the experts: ~10 torch ops
@@ -104,11 +83,7 @@ _ROUTE_MAX_TOKENS = 64
 # The fused MoE sub-layer (moe_layer.c) of a bf16 decode batch: up to the multi-token GEMV's rows, and with
 # the register tiles (packed_gemm.c) up to _MOE_FUSED_MAX_TOKENS. Its routed experts run on the tiles over
 # packed copies of the expert weights (as many bytes again) from this many rows per expert on average, per
-# tier, else on the expert kernel's GEMVs. scripts/bench_moe_layer.py (the 161 M V4 checkpoint's MoE: 16
-# experts of 256 x 512 and 512 x 128, top-4, a 128-wide shared expert, 6 layers cycled), one thread, AMD
-# Zen 4, shared machine, two runs; the fused call with tiles against it with GEMV experts: AVX512-BF16
-# 0.90-0.94x at 1 row per expert (4 tokens), 0.96-1.09x at 2, 1.16-1.22x at 4, 1.57-1.60x at 16; AVX2+FMA
-# (emulated) 0.78-0.80x at 1, 0.89-0.92x at 2, 1.09-1.39x at 4, 1.25-1.36x at 16.
+# tier, else on the expert kernel's GEMVs.
 _MOE_TILES_ROWS_PER_EXPERT = {"avx512-bf16": 3, "avx2-fma": 4, "portable": 1 << 62}
 _MOE_FUSED_MAX_TOKENS = 64
 
@@ -123,13 +98,9 @@ _SWIGLU_TORCH_MAX = 4096
 # Queries per sequence up to which attention runs in the C kernel (decode, speculative verification):
 # 2.2x the two fp32 bmms at 32 sequences x 256 keys, 6x at one sequence.
 _DECODE_QUERIES = 16
-# Rows up to which a product on FP4/FP8 weights runs on the codes (quant_gemv.c), which decodes each
-# weight group once per 4 rows; above, dequantising tiles for a GEMM is cheaper. scripts/
-# bench_quant_gemv.py, 4096 x 4096 FP4, 2 threads: codes 27 ms vs tiles 100 ms at 64 rows, 56 vs
-# 100 ms at 128, and the codes' time grows with the rows while the tiles' barely does. The routed
-# experts on the codes take one C call for all experts up to this many rows per expert (scripts/
-# bench_quant_experts.py, the 161 M V4 checkpoint's 16 experts of 256 x 512 and 512 x 128 FP4, top-4,
-# 2 threads, against one expert at a time: 7.7x at 1 token, 15x at 4, 7.2x at 16, 3.6x at 64, 3.1x at 128).
+# Rows up to which a product on FP4/FP8 weights runs on the codes (quant_gemv.c, each weight group decoded
+# once per 4 rows; above, dequantising tiles for a GEMM is cheaper: 56 vs 100 ms at 128 rows), and rows
+# per expert up to which the routed experts on the codes take one C call for all experts.
 _QUANT_MAX_ROWS = 128
 
 
