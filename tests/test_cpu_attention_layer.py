@@ -34,7 +34,7 @@ def fused(kernels: NativeCpuKernels, *args):
 
 
 def count_calls(monkeypatch, name: str) -> list[int]:
-    """The token counts of the C calls `native.<name>` that ran (a None from the wrapper is not counted)."""
+    """The token counts of the C calls `native.<name>` that ran (a None from it is not counted)."""
     calls, fused = [], getattr(native, name)
 
     def counted(*args, **kw):
@@ -53,7 +53,7 @@ def fused_calls(monkeypatch) -> list[int]:
 
 @pytest.fixture
 def projection_calls(monkeypatch) -> list[int]:
-    return count_calls(monkeypatch, "attention_projections_bf16")
+    return count_calls(monkeypatch, "attention_projections_arguments")
 
 
 def expected_calls(kernels: NativeCpuKernels, dtype: torch.dtype, tokens: int, smallest: int = 1) -> list[int]:
@@ -236,7 +236,7 @@ QUANT_PROJECTIONS = [("fp8", "fp8"), ("fp4", "bf16"), ("bf16", "fp8-f32"), ("fp8
 @pytest.mark.parametrize("index_heads", [0, 4])
 @pytest.mark.parametrize("T", [1, 3])
 def test_quantised_projections_match_the_composed_kernels(lib, T, index_heads, kinds, monkeypatch):  # noqa: F811
-    calls = count_calls(monkeypatch, "attention_projections_quant")
+    calls = count_calls(monkeypatch, "attention_projections_quant_arguments")
     g = torch.Generator().manual_seed(T + index_heads)
     D, rank, H, d, di, half = 128, 64, 4, 64, 32, 8
     x = torch.randn(T, D, generator=g).bfloat16()

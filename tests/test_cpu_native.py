@@ -152,15 +152,16 @@ def test_hc_pre_tiles(nat, T, dtype):
     norm = make((D,), torch.bfloat16, 4)
     want = hc_pre_exact(streams, fn, base, scale, 20, 1e-6, 1e-6)
     for fn_t in (None, native.transpose_fn(fn)):
-        got = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn_t)
+        got = native.run(lib, native.hc_pre_arguments(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn_t))
         assert_close(got[0], want[0])
         for g, w in zip(got[1:], want[1:]):
             assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
-        fused = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5, fn_t=fn_t)
+        fused = native.run(lib, native.hc_pre_arguments(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5,
+                                                        fn_t=fn_t))
         assert torch.equal(fused[0], nat.rms_norm(got[0], norm, 1e-5))
         assert torch.equal(fused[1], got[1]) and torch.equal(fused[2], got[2])
     # a transposed copy of the wrong shape is refused (the caller falls back), not read out of bounds
-    assert native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn.t().contiguous()[:-1]) is None
+    assert native.hc_pre_arguments(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn.t().contiguous()[:-1]) is None
 
 
 def test_hc_pre_keeps_one_transposed_fn(nat):
@@ -198,10 +199,11 @@ def check_hc_post_pre_norm(lib, T, n, D, dtype, y_dtype, w_dtype, with_fn_t):
     norm = make((D,), w_dtype, 7)
     fn_t = native.transpose_fn(fn) if with_fn_t else None
     mixed = native.hc_post(lib, y, streams, post, comb)
-    want = (mixed, *native.hc_pre(lib, mixed, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5, fn_t=fn_t))
+    want = (mixed, *native.run(lib, native.hc_pre_arguments(lib, mixed, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5,
+                                                            fn_t=fn_t)))
     for out in (None, native.hc_outputs(T, n, D, dtype)):
-        got = native.hc_post_pre_norm(lib, y, streams, post, comb, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5,
-                                      fn_t=fn_t, out=out)
+        got = native.run(lib, native.hc_post_pre_norm_arguments(lib, y, streams, post, comb, fn, base, scale, 20, 1e-6,
+                                                                1e-6, norm, 1e-5, fn_t=fn_t, out=out))
         assert out is None or all(g is o for g, o in zip(got, out))
         for name, g, w in zip(native.HcOutputs._fields, got, want):
             assert torch.equal(g, w), f"{name} differs from hc_post then hc_pre_norm (T={T}, n={n}, {dtype})"
@@ -230,10 +232,10 @@ def test_hc_post_pre_norm(nat, T, dtype):
     assert all(torch.equal(g, w) for g, w in zip(REF.hc_post_pre_norm(y, streams, post, comb, *site), want))
     # wrong shapes are declined (the composed ops then run), not read out of bounds
     lib = nat.native_library
-    assert native.hc_post_pre_norm(lib, y[:, :-1], streams, post, comb, *site) is None
-    assert native.hc_post_pre_norm(lib, y, streams, post, comb[:, :-1], *site) is None
+    assert native.hc_post_pre_norm_arguments(lib, y[:, :-1], streams, post, comb, *site) is None
+    assert native.hc_post_pre_norm_arguments(lib, y, streams, post, comb[:, :-1], *site) is None
     wrong = native.hc_outputs(T + 1, n, D, dtype)
-    assert native.hc_post_pre_norm(lib, y, streams, post, comb, *site, out=wrong) is None
+    assert native.hc_post_pre_norm_arguments(lib, y, streams, post, comb, *site, out=wrong) is None
 
 
 def test_hc_post_pre_norm_buffers(nat):
@@ -313,7 +315,7 @@ def test_kernel_call_takes_exactly_its_arguments(nat):
 
 def test_unsupported_input_falls_back(nat):
     x = make((4, 32), torch.float16)
-    assert native.rms_norm(nat.native_library, x, None, 1e-6) is None
+    assert native.rms_norm_arguments(nat.native_library, x, None, 1e-6) is None
     assert torch.equal(nat.rms_norm(x, None, 1e-6), REF.rms_norm(x, None, 1e-6))
     cos = sin = torch.ones(1, 8)  # a broadcast table: the reference handles it
     assert torch.equal(nat.rotary(make((4, 64), torch.float32), cos, sin, False),
@@ -406,13 +408,13 @@ def test_swiglu_exp_over_the_whole_range(nat):
 def test_gemv_bf16(nat, N, K):
     # the decode GEMV: fp32 sums of exact bf16 products, rounded once, like torch.mv
     W, x = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
-    got = native.gemv_bf16(nat.native_library, W, x)
+    got = native.run(nat.native_library, native.gemv_bf16_arguments(nat.native_library, W, x))
     want = (W.double() @ x.double()).to(torch.bfloat16)
     assert_close(got, want)
     assert_close(nat.linear(x.view(1, 1, K), W).view(N), want)  # the linear's one-row path uses it
-    assert native.gemv_bf16(nat.native_library, W.float(), x.float()) is None  # fp32: torch.mv
+    assert native.gemv_bf16_arguments(nat.native_library, W.float(), x.float()) is None  # fp32: torch.mv
     if N > 1:  # rows further apart than K: the reference
-        assert native.gemv_bf16(nat.native_library, make((N, K + 8), torch.bfloat16)[:, :K], x) is None
+        assert native.gemv_bf16_arguments(nat.native_library, make((N, K + 8), torch.bfloat16)[:, :K], x) is None
 
 
 @pytest.mark.parametrize("m,N,K", [(2, 7, 70), (5, 100, 384), (16, 1344, 1024), (3, 9, 8)])
@@ -422,7 +424,8 @@ def test_gemv_tokens_bf16(nat, m, N, K):
     got = native.gemv_tokens_bf16(nat.native_library, x, W)
     assert_close(got, (x.double() @ W.double().t()).to(torch.bfloat16))
     for t in range(m):
-        assert torch.equal(got[t], native.gemv_bf16(nat.native_library, W, x[t]))
+        lib = nat.native_library
+        assert torch.equal(got[t], native.run(lib, native.gemv_bf16_arguments(lib, W, x[t])))
     if m <= nat._gemv_tokens_max_rows:  # the linear's decode-batch path on this tier
         assert torch.equal(nat.linear(x.view(1, m, K), W).view(m, N), got)
     assert native.gemv_tokens_bf16(nat.native_library, x.float(), W.float()) is None
@@ -1186,10 +1189,11 @@ def check_attention_layer(lib):
     q_norm, kv_norm = torch.rand(48, generator=g) + 0.5, torch.rand(64, generator=g) + 0.5
     angles = make((1, 8), torch.float32, 3)
     cs = (angles.cos(), angles.sin())
-    px, q, kv, iq = native.attention_projections_bf16(lib, x, fused_x, 48, q_norm, fused_qr, 2, kv_norm, 1e-6, *cs, 2,
-                                                      *cs, None, None)
-    assert torch.equal(px, native.gemv_bf16(lib, fused_x, x).view(1, -1))
-    pqr = native.gemv_bf16(lib, fused_qr, native.rms_norm(lib, px[:, :48], q_norm, 1e-6)).view(1, -1)
+    px, q, kv, iq = native.run(lib, native.attention_projections_arguments(lib, x, fused_x, 48, q_norm, fused_qr, 2,
+                                                                           kv_norm, 1e-6, *cs, 2, *cs, None, None))
+    assert torch.equal(px, native.run(lib, native.gemv_bf16_arguments(lib, fused_x, x)).view(1, -1))
+    normed = native.run(lib, native.rms_norm_arguments(lib, px[:, :48], q_norm, 1e-6))
+    pqr = native.run(lib, native.gemv_bf16_arguments(lib, fused_qr, normed)).view(1, -1)
     assert torch.equal(q, native.rms_norm_rotary(lib, pqr[:, :128].reshape(1, 2, 64), None, 1e-6, *cs))
     assert torch.equal(kv, native.rms_norm_rotary(lib, px[:, 48:112], kv_norm, 1e-6, *cs))
     assert torch.equal(iq, native.rotary(lib, pqr[:, 128:].reshape(1, 2, 32), *cs, False))
@@ -1205,7 +1209,7 @@ def check_attention_layer(lib):
     o = native.sink_attention_rows(lib, q.unsqueeze(1), (window, entries), rows, (masks[0], masks[1][..., :2]),
                                    sinks, 0.125).squeeze(1)
     o = native.grouped_gemv_bf16(lib, native.rotary(lib, o, *cs, True).view(1, 2, 64), wo_a)
-    assert torch.equal(got, native.gemv_bf16(lib, wo_b, o.reshape(1, -1)).view(1, -1))
+    assert torch.equal(got, native.run(lib, native.gemv_bf16_arguments(lib, wo_b, o.reshape(1, -1))).view(1, -1))
 
 
 def check_every_kernel(lib):
@@ -1214,13 +1218,14 @@ def check_every_kernel(lib):
     for dtype in DTYPES:
         x = make((17, 256), dtype)
         for weight in (None, make((256,), torch.float32, 1)):
-            assert_close(native.rms_norm(lib, x, weight, 1e-6), REF.rms_norm(x, weight, 1e-6))
+            assert_close(native.run(lib, native.rms_norm_arguments(lib, x, weight, 1e-6)),
+                         REF.rms_norm(x, weight, 1e-6))
         angles = make((17, 8), torch.float32, 5) * 3
         xr = make((17, 6, 64), dtype, 1)
         for inverse in (False, True):
             assert_close(native.rotary(lib, xr, angles.cos(), angles.sin(), inverse),
                          REF.rotary(xr, angles.cos(), angles.sin(), inverse))
-        normed = native.rms_norm(lib, xr, None, 1e-6)
+        normed = native.run(lib, native.rms_norm_arguments(lib, xr, None, 1e-6))
         assert_close(native.rms_norm_rotary(lib, xr, None, 1e-6, angles.cos(), angles.sin()),
                      REF.rotary(normed, angles.cos(), angles.sin(), False))
         streams = make((17, 4, 64), dtype)
@@ -1228,12 +1233,13 @@ def check_every_kernel(lib):
         base, scale = make((24,), torch.float32, 2), make((3,), torch.float32, 3).abs() + 0.5
         want = REF.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
         for fn_t in (native.transpose_fn(fn), None):  # the 4-row tiles on fn transposed, then on fn
-            got = native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn_t)
+            got = native.run(lib, native.hc_pre_arguments(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, fn_t=fn_t))
             assert_close(got[0], want[0])
             for g, w in zip(got[1:], want[1:]):
                 assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
         norm = make((64,), torch.float32, 4)
-        assert_close(native.hc_pre(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm, 1e-5)[0],
+        assert_close(native.run(lib, native.hc_pre_arguments(lib, streams, fn, base, scale, 20, 1e-6, 1e-6, norm,
+                                                             1e-5))[0],
                      REF.rms_norm(got[0], norm, 1e-5))
         ring = [torch.zeros(8, 64) for _ in range(2)]
         assert native.compress_store(lib, y := make((2, 64), dtype, 7), y, make((4, 64), torch.float32, 8),
@@ -1289,7 +1295,8 @@ def check_every_kernel(lib):
                      moe_sublayer_exact(*case, k, 1.5, scoring, 10.0))
     for N, K in [(7, 70), (100, 384), (9, 33), (5, 8), (4099, 64)]:  # with and without a K tail, short rows
         W, v = make((N, K), torch.bfloat16), make((K,), torch.bfloat16, 1)
-        assert_close(native.gemv_bf16(lib, W, v), (W.double() @ v.double()).to(torch.bfloat16))
+        assert_close(native.run(lib, native.gemv_bf16_arguments(lib, W, v)),
+                     (W.double() @ v.double()).to(torch.bfloat16))
     W, X = make((37, 70), torch.bfloat16), make((6, 70), torch.bfloat16, 1)
     assert_close(native.gemv_tokens_bf16(lib, X, W), (X.double() @ W.double().t()).to(torch.bfloat16))
     for M, N, K in [(1, 37, 70), (7, 100, 33), (65, 21, 64)]:  # the packed tiles and their tails

@@ -202,7 +202,8 @@ def check_sites(lib, T: int, n: int, D: int, dtype: torch.dtype, w_dtype: torch.
     streams, pre_in, site = site_case(T, n, D, dtype, w_dtype)
     fn, base, scale, iters, eps, norm_eps, norm, rms_eps = site
     got = native.hc_mix_collapse_norm(lib, streams, pre_in, *site)
-    own = [native.hc_pre(lib, streams[t:t + 1], fn, base, scale, iters, eps, norm_eps, norm, rms_eps)
+    own = [native.run(lib, native.hc_pre_arguments(lib, streams[t:t + 1], fn, base, scale, iters, eps, norm_eps, norm,
+                                                   rms_eps))
            for t in range(T)]
     own = [torch.cat(parts) for parts in zip(*own)]
     assert torch.equal(got.post, own[1]) and torch.equal(got.comb, own[2])
@@ -211,7 +212,7 @@ def check_sites(lib, T: int, n: int, D: int, dtype: torch.dtype, w_dtype: torch.
     want = DEFAULT.hc_mix_collapse_norm(streams, pre_in, *site)
     # the collapse rounded to the streams' dtype, then the norm: compared on the default's collapse
     collapsed = DEFAULT.hc_collapse(streams, pre_in)
-    assert_close(got.normed, native.rms_norm(lib, collapsed, norm, rms_eps))
+    assert_close(got.normed, native.run(lib, native.rms_norm_arguments(lib, collapsed, norm, rms_eps)))
     for g, w in zip((got.pre, got.post, got.comb), want[1:]):
         assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item()
     y, post, comb = make((T, D), dtype, 6), torch.rand(T, n) * 2, torch.softmax(make((T, n, n), torch.float32, 7),
@@ -219,7 +220,8 @@ def check_sites(lib, T: int, n: int, D: int, dtype: torch.dtype, w_dtype: torch.
     mixed = native.hc_post(lib, y, streams, post, comb)
     want = (mixed, *native.hc_mix_collapse_norm(lib, mixed, pre_in, *site)[1:])
     for out in (None, native.site_outputs(T, n, D, dtype)):
-        fused = native.hc_post_mix_collapse_norm(lib, y, streams, post, comb, pre_in, *site, out=out)
+        fused = native.run(lib, native.hc_post_mix_collapse_norm_arguments(y, streams, post, comb, pre_in, *site,
+                                                                           out=out))
         assert out is None or all(f is o for f, o in zip(fused, out))
         for name, f, w in zip(native.SiteOutputs._fields, fused, want):
             assert torch.equal(f, w), f"{name} (T={T}, n={n}, {dtype})"
@@ -238,13 +240,13 @@ def test_site_rows_do_not_depend_on_the_rows_beside_them(kernels, dtype):
     y, post = make((37, 256), dtype, 6), torch.rand(37, 4) * 2
     comb = torch.softmax(make((37, 4, 4), torch.float32, 7), dim=-1)
     full = native.hc_mix_collapse_norm(lib, streams, pre_in, *site)
-    fused = native.hc_post_mix_collapse_norm(lib, y, streams, post, comb, pre_in, *site)
+    fused = native.run(lib, native.hc_post_mix_collapse_norm_arguments(y, streams, post, comb, pre_in, *site))
     for t0, t1 in ((0, 1), (5, 6), (3, 20), (20, 37)):
         part = native.hc_mix_collapse_norm(lib, streams[t0:t1], pre_in[t0:t1], *site)
         for name in ("normed", "pre", "post", "comb"):
             assert torch.equal(getattr(part, name), getattr(full, name)[t0:t1]), (name, t0, t1)
-        part = native.hc_post_mix_collapse_norm(lib, y[t0:t1], streams[t0:t1], post[t0:t1], comb[t0:t1],
-                                                pre_in[t0:t1], *site)
+        part = native.run(lib, native.hc_post_mix_collapse_norm_arguments(y[t0:t1], streams[t0:t1], post[t0:t1],
+                                                                          comb[t0:t1], pre_in[t0:t1], *site))
         for name, p, f in zip(native.SiteOutputs._fields, part, fused):
             assert torch.equal(p, f[t0:t1]), (name, t0, t1)
 
@@ -278,8 +280,8 @@ def test_site_chain_through_the_op_table(kernels, dtype):
     for i in range(4):
         y = make((T, D), dtype, 10 + i)
         streams, x, pre_next, post, comb = ops.hc_post_mix_collapse_norm(y, streams, post, comb, pre, *site)
-        want = native.hc_post_mix_collapse_norm(lib, y, first.streams, first.post,
-                                                first.comb, first.pre, *site)
+        want = native.run(lib, native.hc_post_mix_collapse_norm_arguments(y, first.streams, first.post, first.comb,
+                                                                          first.pre, *site))
         for name, g, w in zip(native.SiteOutputs._fields, (streams, x, pre_next, post, comb), want):
             assert torch.equal(g, w), f"{name} at call {i}"
         assert pre_next is not pre  # the input set is never written

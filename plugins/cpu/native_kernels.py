@@ -187,9 +187,9 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
         k = self.kernels
         lib = k.native_library
         if lib is not None and not k.invariant:  # hc_post and the next site's entry in one C call
-            out = native.hc_post_mix_collapse_norm(lib, y, streams, post, comb, pre_in, fn, base, scale,
-                                                   sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps,
-                                                   self._site_outputs(streams, pre_in))
+            out = native.run(lib, native.hc_post_mix_collapse_norm_arguments(
+                y, streams, post, comb, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps,
+                self._site_outputs(streams, pre_in)))
             if out is not None:
                 return out
         return super().hc_post_mix_collapse_norm(y, streams, post, comb, pre_in, fn, base, scale, sinkhorn_iters, eps,
@@ -381,7 +381,7 @@ class NativeCpuKernels(CpuKernels):
             if y is not None:
                 return y if flat else y.view(*x.shape[:-1], weight.shape[0])
         if lib is not None and rows == 1:  # one bf16 token (decode): straight to the C GEMV
-            y = native.gemv_bf16(lib, weight, x)
+            y = native.run(lib, native.gemv_bf16_arguments(lib, weight, x))
             if y is not None:
                 return y.view(*x.shape[:-1], weight.shape[0])
         if lib is not None and 1 < rows <= _LINEAR_AMX_MAX_ROWS and weight.numel() <= _LINEAR_AMX_MAX_ELEMENTS:
@@ -412,7 +412,7 @@ class NativeCpuKernels(CpuKernels):
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         lib = self.native_library
-        out = None if lib is None else native.rms_norm(lib, x, weight, eps)
+        out = None if lib is None else native.run(lib, native.rms_norm_arguments(lib, x, weight, eps))
         return super().rms_norm(x, weight, eps) if out is None else out
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
@@ -434,8 +434,8 @@ class NativeCpuKernels(CpuKernels):
             collapsed = _sum_fixed(streams_f * pre.unsqueeze(-1), -2).squeeze(-2).to(streams.dtype)
             return collapsed, post, comb
         lib = self.native_library
-        out = None if lib is None else native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                                     fn_t=self._hc_fn_t(streams, fn))
+        out = None if lib is None else native.run(lib, native.hc_pre_arguments(
+            lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, fn_t=self._hc_fn_t(streams, fn)))
         return super().hc_pre(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps) if out is None else out
 
     def hc_pre_norm(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -443,8 +443,8 @@ class NativeCpuKernels(CpuKernels):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         lib, out = self.native_library, None
         if lib is not None and not self.invariant:  # the two C kernels in one call
-            out = native.hc_pre(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps,
-                                self._hc_fn_t(streams, fn))
+            out = native.run(lib, native.hc_pre_arguments(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps,
+                                                          norm_weight, rms_eps, self._hc_fn_t(streams, fn)))
         if out is not None:
             return out
         return super().hc_pre_norm(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps)
@@ -467,8 +467,9 @@ class NativeCpuKernels(CpuKernels):
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         lib, out = self.native_library, None
         if lib is not None and not self.invariant:  # hc_post and hc_pre_norm's C kernels in one call
-            out = native.hc_post_pre_norm(lib, y, streams, post, comb, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                          norm_weight, rms_eps, self._hc_fn_t(streams, fn), self._hc_outputs(streams))
+            out = native.run(lib, native.hc_post_pre_norm_arguments(
+                lib, y, streams, post, comb, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps,
+                self._hc_fn_t(streams, fn), self._hc_outputs(streams)))
         if out is not None:
             return out
         return super().hc_post_pre_norm(y, streams, post, comb, fn, base, scale, sinkhorn_iters, eps, norm_eps,
@@ -569,16 +570,16 @@ class NativeCpuKernels(CpuKernels):
         if quantised and lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2:
             copies = self._quant_linear_copies(x.shape[0], fused_x, fused_qr)  # the same call, on the codes
             if copies is not None:
-                out = native.attention_projections_quant(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm,
-                                                         eps, cos, sin, index_heads, index_cos, index_sin, *copies,
-                                                         q_head_norm)
+                out = native.run(lib, native.attention_projections_quant_arguments(
+                    lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin, index_heads, index_cos,
+                    index_sin, *copies, q_head_norm))
         elif (lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2
                 and (x.shape[0] == 1 or not self.native_amx)):
             copies = self._linear_copies(x.shape[0], fused_x, fused_qr)
             if copies is not None:
-                out = native.attention_projections_bf16(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps,
-                                                        cos, sin, index_heads, index_cos, index_sin, *copies,
-                                                        q_head_norm)
+                out = native.run(lib, native.attention_projections_arguments(
+                    lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin, index_heads, index_cos,
+                    index_sin, *copies, q_head_norm))
         return out
 
     def _linear_copies(self, tokens: int, *weights: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
@@ -982,5 +983,5 @@ class NativeCpuKernels(CpuKernels):
         # every size: with its prefetching the C GEMV streams the 129,280 x 512 LM head from memory at
         # 2.9x torch.mv's rate with AVX512-BF16 and 1.0-1.2x with AVX2 (one thread, AMD EPYC)
         lib = self.native_library
-        out = None if lib is None else native.gemv_bf16(lib, weight, x)
+        out = None if lib is None else native.run(lib, native.gemv_bf16_arguments(lib, weight, x))
         return super()._matvec(weight, x) if out is None else out

@@ -39,32 +39,32 @@ kernel.
 from deepinfer_plugins.cpu.native.activation import swiglu
 from deepinfer_plugins.cpu.native.attention import sink_attention_decode, sink_attention_invariant, sink_attention_rows
 from deepinfer_plugins.cpu.native.attention_layer import (attention_output_arguments, attention_output_bf16,
-                                                          attention_projections_arguments, attention_projections_bf16)
-from deepinfer_plugins.cpu.native.attention_layer_quant import (
-    attention_output_quant, attention_output_quant_arguments, attention_projections_quant,
-    attention_projections_quant_arguments,
+                                                          attention_projections_arguments)
+from deepinfer_plugins.cpu.native.attention_layer_quant import (attention_output_quant,
+                                                                attention_output_quant_arguments,
+                                                                attention_projections_quant_arguments)
+from deepinfer_plugins.cpu.native.binding import run
+from deepinfer_plugins.cpu.native.build import (
+    BUILD_VARIANTS, FLAGS, HEADERS, ISA_BITS, SOURCES, SWITCHED_OFF, CacheError, CompilerError, _build, _compile,
+    _compiler, _cpu_features, _load, active_library, build_flags, build_isa, build_variant, cache_dir, cache_root,
+    enabled, library, planned_isa, planned_target,
 )
-from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, HEADERS, ISA_BITS, SOURCES, SWITCHED_OFF,
-                                                CacheError, CompilerError, _build, _compile, _compiler, _cpu_features,
-                                                _load, active_library, build_flags, build_isa, build_variant,
-                                                cache_dir, cache_root, enabled, library, planned_isa,
-                                                planned_target)
 from deepinfer_plugins.cpu.native.compressor import compress_store, compress_store_arguments
 from deepinfer_plugins.cpu.native.experts import experts_bf16
-from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16, gemv_bf16_arguments, gemv_tier, gemv_tier_for,
+from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16_arguments, gemv_tier, gemv_tier_for,
                                                gemv_tokens_bf16, grouped_amx_bf16, grouped_gemv_bf16, linear_amx_bf16,
                                                linear_rows)
 from deepinfer_plugins.cpu.native.indexer import index_select
 from deepinfer_plugins.cpu.native.kv_cache import kv_store
 from deepinfer_plugins.cpu.native.mhc import (
-    TRANSPOSED_MIXES, HcOutputs, SiteOutputs, hc_head, hc_mix_collapse_norm, hc_mix_collapse_norm_arguments,
-    hc_outputs, hc_post, hc_post_mix_collapse_norm, hc_post_mix_collapse_norm_arguments, hc_post_pre_norm,
-    hc_post_pre_norm_arguments, hc_pre, hc_pre_arguments, site_outputs, transpose_fn,
+    TRANSPOSED_MIXES, HcOutputs, SiteOutputs, hc_head, hc_mix_collapse_norm, hc_mix_collapse_norm_arguments, hc_outputs,
+    hc_post, hc_post_mix_collapse_norm_arguments, hc_post_pre_norm_arguments, hc_pre_arguments, site_outputs,
+    transpose_fn,
 )
 from deepinfer_plugins.cpu.native.moe_layer import (moe_layer_arguments, moe_layer_bf16, moe_layer_quant,
                                                     moe_layer_quant_arguments)
 from deepinfer_plugins.cpu.native.moe_rows import moe_combine_rows, moe_dispatch_rows
-from deepinfer_plugins.cpu.native.norm_rope import rms_norm, rms_norm_arguments, rms_norm_rotary, rotary
+from deepinfer_plugins.cpu.native.norm_rope import rms_norm_arguments, rms_norm_rotary, rotary
 from deepinfer_plugins.cpu.native.packed_gemm import (pack_bf16, packed_cols, packed_linear_arguments,
                                                       packed_linear_bf16, packed_shape)
 from deepinfer_plugins.cpu.native.quant_experts import quant_experts
@@ -73,22 +73,18 @@ from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
 from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_rows
 
 __all__ = [
-    "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "SWITCHED_OFF", "CacheError", "CompilerError",
-    "active_library", "amx_usable", "argmax_logsumexp", "attention_output_arguments", "attention_output_bf16",
-    "attention_output_quant", "attention_output_quant_arguments", "attention_projections_arguments",
-    "attention_projections_bf16", "attention_projections_quant", "attention_projections_quant_arguments",
-    "build_flags", "build_isa", "build_variant", "cache_dir", "compress_store",
-    "compress_store_arguments", "cache_root", "enabled",
-    "experts_bf16", "gemv_bf16", "gemv_bf16_arguments", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16",
-    "grouped_gemv_bf16", "hc_head", "hc_outputs", "hc_post", "hc_post_pre_norm", "hc_post_pre_norm_arguments",
-    "hc_pre", "hc_pre_arguments", "HcOutputs", "hc_mix_collapse_norm", "hc_mix_collapse_norm_arguments",
-    "hc_post_mix_collapse_norm", "hc_post_mix_collapse_norm_arguments", "SiteOutputs",
-    "site_outputs",
-    "index_select", "indexer_scores", "kv_store", "library", "linear_amx_bf16",
-    "linear_rows", "moe_combine_rows", "moe_dispatch_rows", "moe_layer_arguments", "moe_layer_bf16", "moe_layer_quant",
-    "moe_layer_quant_arguments", "moe_route_rows",
-    "pack_bf16", "packed_cols", "packed_linear_arguments", "packed_linear_bf16", "packed_shape", "planned_isa", "planned_target", "quant_experts",
-    "quant_grouped_linear", "quant_linear", "quant_simd", "rms_norm", "rms_norm_arguments", "rms_norm_rotary", "rotary",
-    "TRANSPOSED_MIXES", "transpose_fn", "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows",
-    "swiglu",
+    "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "SWITCHED_OFF", "TRANSPOSED_MIXES", "CacheError",
+    "CompilerError", "HcOutputs", "SiteOutputs", "active_library", "amx_usable", "argmax_logsumexp",
+    "attention_output_arguments", "attention_output_bf16", "attention_output_quant", "attention_output_quant_arguments",
+    "attention_projections_arguments", "attention_projections_quant_arguments", "build_flags", "build_isa",
+    "build_variant", "cache_dir", "cache_root", "compress_store", "compress_store_arguments", "enabled", "experts_bf16",
+    "gemv_bf16_arguments", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16", "grouped_gemv_bf16",
+    "hc_head", "hc_mix_collapse_norm", "hc_mix_collapse_norm_arguments", "hc_outputs", "hc_post",
+    "hc_post_mix_collapse_norm_arguments", "hc_post_pre_norm_arguments", "hc_pre_arguments", "index_select",
+    "indexer_scores", "kv_store", "library", "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows",
+    "moe_layer_arguments", "moe_layer_bf16", "moe_layer_quant", "moe_layer_quant_arguments", "moe_route_rows",
+    "pack_bf16", "packed_cols", "packed_linear_arguments", "packed_linear_bf16", "packed_shape", "planned_isa",
+    "planned_target", "quant_experts", "quant_grouped_linear", "quant_linear", "quant_simd", "rms_norm_arguments",
+    "rms_norm_rotary", "rotary", "run", "sink_attention_decode", "sink_attention_invariant", "sink_attention_rows",
+    "site_outputs", "swiglu", "transpose_fn",
 ]

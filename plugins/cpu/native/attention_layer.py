@@ -61,30 +61,16 @@ def _projection_io(T: int, Nx: int, Nqr: int, heads: int, d: int, q_norm: torch.
     return (q_norm.contiguous(), kv_norm.contiguous(), cs, sn, ic, isn), outputs
 
 
-def attention_projections_bf16(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor, rank: int,
-                               q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
-                               eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
-                               index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
-                               packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None, q_head_norm: bool = True
-                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """`attention_projections` (the interface's) of bf16 tokens `x [T, D]` with bf16 weights, each product
-    on its packed copy when given, else (one token) on the plain weight; None for anything else. Without
-    `q_head_norm` the query heads are only rotated (DeepSeek-V4.1's)."""
-    bound = attention_projections_arguments(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin,
-                                            index_heads, index_cos, index_sin, packed_x, packed_qr, q_head_norm)
-    if bound is None:
-        return None
-    bound.call(lib)
-    return bound.outputs
-
-
 def attention_projections_arguments(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor, rank: int,
                                     q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
                                     eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
                                     index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
                                     packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None,
                                     q_head_norm: bool = True) -> Bound | None:
-    """`attention_projections_bf16`'s checked call (outputs: px, q, kv, the indexer's q), not made."""
+    """`attention_projections` (the interface's) of bf16 tokens `x [T, D]` with bf16 weights, each product
+    on its packed copy when given, else (one token) on the plain weight. Without `q_head_norm` the query heads
+    are only rotated (DeepSeek-V4.1's). The checked call (outputs: px, q, kv, the indexer's q), not made
+    (binding.run makes it); None for anything else."""
     if x.dim() != 2 or not all(_bf16(t) for t in (x, fused_x, fused_qr)) or fused_x.dim() != 2 or fused_qr.dim() != 2:
         return None
     T, D = x.shape

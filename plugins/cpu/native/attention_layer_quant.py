@@ -73,31 +73,16 @@ def _weight(weight: torch.Tensor | QuantizedWeight, packed: torch.Tensor | None,
     return weight.shape, ref, ctypes.addressof(ref)
 
 
-def attention_projections_quant(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight,
-                                rank: int, q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
-                                kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                                index_heads: int, index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
-                                packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None, q_head_norm: bool = True
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-    """`attention_projections` (the interface's) of bf16 tokens `x [T, D]`, each weight FP8-block / FP4
-    codes or bf16 (its packed copy given, or None: the GEMV, one token); None for anything else. Without
-    `q_head_norm` the query heads are only rotated (DeepSeek-V4.1's)."""
-    bound = attention_projections_quant_arguments(lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos,
-                                                  sin, index_heads, index_cos, index_sin, packed_x, packed_qr,
-                                                  q_head_norm)
-    if bound is None:
-        return None
-    bound.call(lib)
-    return bound.outputs
-
-
 def attention_projections_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight,
                                           rank: int, q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight,
                                           heads: int, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor,
                                           sin: torch.Tensor, index_heads: int, index_cos: torch.Tensor | None,
                                           index_sin: torch.Tensor | None, packed_x: torch.Tensor | None,
                                           packed_qr: torch.Tensor | None, q_head_norm: bool = True) -> Bound | None:
-    """`attention_projections_quant`'s checked call (outputs: px, q, kv, the indexer's q), not made."""
+    """`attention_projections` (the interface's) of bf16 tokens `x [T, D]`, each weight FP8-block / FP4
+    codes or bf16 (its packed copy given, or None: the GEMV, one token). Without `q_head_norm` the query heads
+    are only rotated (DeepSeek-V4.1's). The checked call (outputs: px, q, kv, the indexer's q), not made
+    (binding.run makes it); None for anything else."""
     if x.dim() != 2 or not _bf16(x):
         return None
     wx, wqr = _weight(fused_x, packed_x, 2), _weight(fused_qr, packed_qr, 2)

@@ -3,7 +3,9 @@ its argument names, and the small tensor helpers of their wrappers.
 
 A wrapper takes torch tensors, checks once that they are what the C code handles (device, dtype,
 layout, shape) and returns new tensors, or None so that the caller falls back to the reference
-kernel. Decode calls are a few microseconds, so the checks use the cheapest tensor queries.
+kernel. Where a wrapper would only make its `*_arguments` function's checked call (a `Bound`), callers
+make it with `run(lib, foo_arguments(...))`. Decode calls are a few microseconds, so the checks use
+the cheapest tensor queries.
 """
 from __future__ import annotations
 
@@ -62,6 +64,15 @@ class Bound(NamedTuple):
 
     def prepared(self, lib: ctypes.CDLL) -> PreparedCall:
         return PreparedCall(lib, self.kernel, self.values, (self.outputs, self.held))
+
+
+def run(lib: ctypes.CDLL, bound: Bound | None) -> Any | None:
+    """A `*_arguments` function's checked call made once: its outputs, or None where it returned None (the
+    input is not handled: the caller falls back)."""
+    if bound is None:
+        return None
+    bound.call(lib)
+    return bound.outputs
 
 
 class PreparedCall:

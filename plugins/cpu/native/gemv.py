@@ -37,17 +37,9 @@ def gemv_tier_for(isa: frozenset[str]) -> str:
     return "avx512-bf16" if "avx512bf16" in isa else "avx2-fma" if {"avx2", "fma"} <= isa else "portable"
 
 
-def gemv_bf16(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-    """`weight @ x` for one bf16 token (x `[K]` or `[1, K]`) -> `[N]`, or None for anything else."""
-    bound = gemv_bf16_arguments(lib, weight, x)
-    if bound is None:
-        return None
-    bound.call(lib)
-    return bound.outputs
-
-
 def gemv_bf16_arguments(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor) -> Bound | None:
-    """`gemv_bf16`'s checked call (outputs: the `[N]` result), not made; None: not handled."""
+    """`weight @ x` for one bf16 token (x `[K]` or `[1, K]`) -> `[N]`: the checked call (outputs: the `[N]`
+    result), not made (binding.run makes it); None for anything else."""
     if (weight.dtype is not torch.bfloat16 or x.dtype is not torch.bfloat16 or weight.dim() != 2
             or x.numel() != weight.shape[1] or not (weight.is_cpu and x.is_cpu) or not weight.is_contiguous()
             or weight.requires_grad or x.requires_grad):

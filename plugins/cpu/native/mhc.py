@@ -44,25 +44,14 @@ def transpose_fn(fn: torch.Tensor) -> torch.Tensor:
     return fn.detach().float().t().contiguous()
 
 
-def hc_pre(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-           sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None,
-           rms_eps: float = 0.0, fn_t: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(collapsed, post, comb); with `norm_weight` `[D]` (hc_pre_norm) the collapse RMS-normalised
-    (eps `rms_eps`) in its place. `fn_t`: `transpose_fn(fn)` where the caller keeps one (multi-row
-    calls then run on it, 2.5x faster), else None."""
-    bound = hc_pre_arguments(lib, streams, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps, fn_t)
-    if bound is None:
-        return None
-    bound.call(lib)
-    return bound.outputs
-
-
 def hc_pre_arguments(lib: ctypes.CDLL, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
                      scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
                      norm_weight: torch.Tensor | None = None, rms_eps: float = 0.0, fn_t: torch.Tensor | None = None
                      ) -> Bound | None:
-    """`hc_pre`'s checked call (outputs: collapsed or normed, post, comb), not made; None: not handled."""
+    """hc_pre's (collapsed, post, comb); with `norm_weight` `[D]` (hc_pre_norm) the collapse RMS-normalised
+    (eps `rms_eps`) in its place. `fn_t`: `transpose_fn(fn)` where the caller keeps one (multi-row calls then
+    run on it, 2.5x faster), else None. The checked call (outputs: collapsed or normed, post, comb), not made
+    (binding.run makes it); None: not handled."""
     dtype = dtype_code(streams)
     if dtype is None or streams.dim() != 3:
         return None
@@ -143,27 +132,15 @@ def hc_outputs(T: int, n: int, D: int, dtype: torch.dtype) -> HcOutputs:
                      torch.empty((T, n), dtype=torch.float32), torch.empty((T, n, n), dtype=torch.float32))
 
 
-def hc_post_pre_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
-                     norm_eps: float, norm_weight: torch.Tensor, rms_eps: float, fn_t: torch.Tensor | None = None,
-                     out: HcOutputs | None = None) -> HcOutputs | None:
-    """`hc_post(y, streams, post, comb)` then `hc_pre(..., norm_weight, rms_eps)` of the next site (fn, base,
-    scale, fn_t as there) on its result, in one call with their bits. `out`: `hc_outputs(T, n, D, streams.dtype)`
-    to write into (none of them may be an input), else new tensors. None: not handled (fall back)."""
-    bound = hc_post_pre_norm_arguments(lib, y, streams, post, comb, fn, base, scale, sinkhorn_iters, eps, norm_eps,
-                                       norm_weight, rms_eps, fn_t, out)
-    if bound is None:
-        return None
-    bound.call(lib)
-    return bound.outputs
-
-
 def hc_post_pre_norm_arguments(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                                comb: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                                sinkhorn_iters: int, eps: float, norm_eps: float, norm_weight: torch.Tensor,
                                rms_eps: float, fn_t: torch.Tensor | None = None, out: HcOutputs | None = None
                                ) -> Bound | None:
-    """`hc_post_pre_norm`'s checked call (outputs: the HcOutputs), not made; None: not handled."""
+    """`hc_post(y, streams, post, comb)` then `hc_pre(..., norm_weight, rms_eps)` of the next site (fn, base,
+    scale, fn_t as there) on its result, in one call with their bits. `out`: `hc_outputs(T, n, D, streams.dtype)`
+    to write into (none of them may be an input), else new tensors. The checked call (outputs: the
+    HcOutputs), not made (binding.run makes it); None: not handled (fall back)."""
     dtype, y_dtype, w_dtype = dtype_code(streams), dtype_code(y), dtype_code(norm_weight)
     if dtype is None or y_dtype is None or w_dtype is None or streams.dim() != 3 or streams.numel() == 0:
         return None
@@ -285,27 +262,14 @@ def hc_mix_collapse_norm_arguments(streams: torch.Tensor, pre_in: torch.Tensor, 
     return Bound(_HC_MIX_COLLAPSE_NORM, dict(values, streams=s.data_ptr()), outputs, (*held, s))
 
 
-def hc_post_mix_collapse_norm(lib: ctypes.CDLL, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
-                              comb: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
-                              scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
-                              norm_weight: torch.Tensor, rms_eps: float, out: SiteOutputs | None = None
-                              ) -> SiteOutputs | None:
-    """`hc_post(y, streams, post, comb)` of the previous site, then `hc_mix_collapse_norm` of this one on its
-    result, in one call with their bits; every field of the result written. None: not handled."""
-    bound = hc_post_mix_collapse_norm_arguments(y, streams, post, comb, pre_in, fn, base, scale, sinkhorn_iters, eps,
-                                                norm_eps, norm_weight, rms_eps, out)
-    if bound is None:
-        return None
-    bound.call(lib)
-    return bound.outputs
-
-
 def hc_post_mix_collapse_norm_arguments(y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
                                         comb: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor, base: torch.Tensor,
                                         scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
                                         norm_weight: torch.Tensor, rms_eps: float, out: SiteOutputs | None = None
                                         ) -> Bound | None:
-    """`hc_post_mix_collapse_norm`'s checked call (outputs: the SiteOutputs), not made."""
+    """`hc_post(y, streams, post, comb)` of the previous site, then `hc_mix_collapse_norm` of this one on its
+    result, in one call with their bits; every field of the result written. The checked call (outputs: the
+    SiteOutputs), not made (binding.run makes it); None: not handled."""
     y_dtype = dtype_code(y)
     if y_dtype is None or streams.dim() != 3:
         return None

@@ -30,16 +30,9 @@ def _norm_rows(x: torch.Tensor, weight: torch.Tensor | None, D: int
     return flat, None if weight is None else weight.contiguous(), w_dtype
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
-    bound = rms_norm_arguments(lib, x, weight, eps)
-    if bound is None:
-        return None
-    bound.call(lib)
-    return bound.outputs
-
-
 def rms_norm_arguments(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> Bound | None:
-    """`rms_norm`'s checked call (outputs: the normalised rows, x's shape), not made; None: not handled."""
+    """The rows of `x` RMS-normalised (times `weight` when given): the checked call (outputs: the normalised
+    rows, x's shape), not made (binding.run makes it); None: not handled."""
     dtype = dtype_code(x)
     if dtype is None or x.dim() == 0 or x.numel() == 0:
         return None
