@@ -34,7 +34,8 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
 
 A wrapper takes the library and torch tensors and returns new tensors, or None when the input is
 outside what the C code handles (device, dtype, layout), so the caller falls back to the reference
-kernel.
+kernel. Where it would only make the call, the family has its `*_arguments` function alone (the checked
+call, binding.Bound), made by `run(lib, foo_arguments(lib, ...))`.
 """
 from deepinfer_plugins.cpu.native.activation import swiglu
 from deepinfer_plugins.cpu.native.attention import sink_attention_decode, sink_attention_invariant, sink_attention_rows
@@ -44,11 +45,10 @@ from deepinfer_plugins.cpu.native.attention_layer_quant import (attention_output
                                                                 attention_output_quant_arguments,
                                                                 attention_projections_quant_arguments)
 from deepinfer_plugins.cpu.native.binding import run
-from deepinfer_plugins.cpu.native.build import (
-    BUILD_VARIANTS, FLAGS, HEADERS, ISA_BITS, SOURCES, SWITCHED_OFF, CacheError, CompilerError, _build, _compile,
-    _compiler, _cpu_features, _load, active_library, build_flags, build_isa, build_variant, cache_dir, cache_root,
-    enabled, library, planned_isa, planned_target,
-)
+from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, SOURCES, SWITCHED_OFF, CacheError, CompilerError,
+                                                _build, _compile, _compiler, _cpu_features, _load, active_library,
+                                                build_flags, build_isa, build_variant, enabled, library, planned_isa,
+                                                planned_target)
 from deepinfer_plugins.cpu.native.compressor import compress_store, compress_store_arguments
 from deepinfer_plugins.cpu.native.experts import experts_bf16
 from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16_arguments, gemv_tier, gemv_tier_for,
@@ -73,13 +73,13 @@ from deepinfer_plugins.cpu.native.sampling import argmax_logsumexp
 from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_rows
 
 __all__ = [
-    "BUILD_VARIANTS", "FLAGS", "HEADERS", "ISA_BITS", "SOURCES", "SWITCHED_OFF", "TRANSPOSED_MIXES", "CacheError",
-    "CompilerError", "HcOutputs", "SiteOutputs", "active_library", "amx_usable", "argmax_logsumexp",
-    "attention_output_arguments", "attention_output_bf16", "attention_output_quant", "attention_output_quant_arguments",
+    "BUILD_VARIANTS", "FLAGS", "SOURCES", "SWITCHED_OFF", "TRANSPOSED_MIXES", "CacheError", "CompilerError",
+    "HcOutputs", "SiteOutputs", "active_library", "amx_usable", "argmax_logsumexp", "attention_output_arguments",
+    "attention_output_bf16", "attention_output_quant", "attention_output_quant_arguments",
     "attention_projections_arguments", "attention_projections_quant_arguments", "build_flags", "build_isa",
-    "build_variant", "cache_dir", "cache_root", "compress_store", "compress_store_arguments", "enabled", "experts_bf16",
-    "gemv_bf16_arguments", "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16", "grouped_gemv_bf16",
-    "hc_head", "hc_mix_collapse_norm", "hc_mix_collapse_norm_arguments", "hc_outputs", "hc_post",
+    "build_variant", "compress_store", "compress_store_arguments", "enabled", "experts_bf16", "gemv_bf16_arguments",
+    "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16", "grouped_gemv_bf16", "hc_head",
+    "hc_mix_collapse_norm", "hc_mix_collapse_norm_arguments", "hc_outputs", "hc_post",
     "hc_post_mix_collapse_norm_arguments", "hc_post_pre_norm_arguments", "hc_pre_arguments", "index_select",
     "indexer_scores", "kv_store", "library", "linear_amx_bf16", "linear_rows", "moe_combine_rows", "moe_dispatch_rows",
     "moe_layer_arguments", "moe_layer_bf16", "moe_layer_quant", "moe_layer_quant_arguments", "moe_route_rows",
