@@ -83,6 +83,21 @@ def test_kv_store_is_encode_portable(portable):
     check_kv_store(portable)
 
 
+@pytest.mark.parametrize("fmt", [NVFP4_COMPRESSED, MXFP4_INDEX])
+def test_cache_store_writes_the_defaults_bytes(kernels, fmt):
+    """The op table's `cache_store` (a compressor's entries and index keys) writes the default's bytes, on
+    bf16 and fp32 rows, and leaves the other rows alone; a layout the C code does not take (fp16) falls back."""
+    ours, default = CpuDeepseekV41Ops(kernels), DeepseekV41Ops(kernels)
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        x = keys_with_edges(6, 64, dtype, 3)
+        rows = torch.tensor([4, 0, 9, 2, 7, 5])
+        caches = [torch.full((10, fmt.bytes_per_vector(64)), 0xA5, dtype=torch.uint8) for _ in range(2)]
+        ours.cache_store(x, fmt, caches[0], rows)
+        default.cache_store(x, fmt, caches[1], rows)
+        assert torch.equal(caches[0], caches[1]), f"{fmt.name} {dtype}"
+        assert (caches[0][[1, 3, 6, 8]] == 0xA5).all()
+
+
 def check_coded_attention(lib) -> None:
     """Attention over FP8 window rows and NVFP4 entry rows, decoded as they are read, is the bits of the same
     C attention over the keys kv_quant.decode gives."""

@@ -38,7 +38,7 @@ import torch
 from deepinfer.accelerator.interface import MoEDispatch
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
-from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED
+from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED, KVFormat
 from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41, CandidateBlocks, DeepseekV41Ops
 from deepinfer.program import Program
 from deepinfer_plugins.cpu import native, packed_weights
@@ -263,6 +263,11 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
         # (the default stores the same codes again where kv_store did)
         return super().decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
                                                wo_b)
+
+    def cache_store(self, x: torch.Tensor, fmt: KVFormat, cache: torch.Tensor, rows: torch.Tensor) -> None:
+        lib = self.kernels.native_library  # one pass per row (kv_cache.c): the same bytes in every mode
+        if lib is None or not native.kv_store(lib, x, fmt, cache, rows):
+            super().cache_store(x, fmt, cache, rows)
 
     def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
         if not self.kernels.invariant:

@@ -265,9 +265,9 @@ class Attention:
             if not cp.num_windows:
                 return
         cos, sin = step.rope.cos_sin(cp.rope_pos, "compress")
-        st.entries[cp.entry_row] = encode(a.rotary(latent, cos, sin, False), NVFP4_COMPRESSED)
+        self.ops.cache_store(a.rotary(latent, cos, sin, False), NVFP4_COMPRESSED, st.entries, cp.entry_row)
         key = a.rms_norm(a.linear(latent, w["indexer.wk.weight"]), w["indexer.k_norm.weight"], eps)
-        st.index_keys[cp.entry_row] = encode(a.rotary(key, cos, sin, False), MXFP4_INDEX)
+        self.ops.cache_store(a.rotary(key, cos, sin, False), MXFP4_INDEX, st.index_keys, cp.entry_row)
 
     # ----- indexer (Full and Reindex layers) -----
     def _select(self, gi: int, g, ev, iq: torch.Tensor, index_w: torch.Tensor, step) -> torch.Tensor:

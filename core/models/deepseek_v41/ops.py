@@ -12,7 +12,8 @@ The attention's own ops (attention.py): its input projections (`attention_projec
 without the query heads' norm), the lightning indexer over the MXFP4 index keys with the candidate
 pool (`index_select`) and, for a step of decode tokens, the rest of the sub-layer in one op
 (`decode_attention_output`: the own keys into the FP8 window ring, sink attention over the window and
-the picked entries, the output projections). The cache formats are kv_quant.py's, bit for bit.
+the picked entries, the output projections), and the compressor's writes of its entries and index keys
+(`cache_store`). The cache formats are kv_quant.py's, bit for bit.
 
 `DeepseekV41Ops` is plain torch over the generic kernels of the back end it is made for (its
 `kernels`: linears, norms, rotaries, sink attention); a back end with faster versions subclasses it
@@ -29,11 +30,11 @@ from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.common.op_table import check_op_signatures, resolve_op_table
 from deepinfer.models.common.ragged import take_rows
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
-from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
+from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, KVFormat, decode, encode
 
 FAMILY = "deepseek_v41"
 OPS = ("hc_mix", "hc_collapse", "hc_post", "compress_pool", "hc_mix_collapse_norm", "hc_post_mix_collapse_norm",
-       "attention_projections", "index_select", "decode_attention_output")
+       "attention_projections", "index_select", "decode_attention_output", "cache_store")
 
 
 class CandidateBlocks(NamedTuple):
@@ -168,6 +169,13 @@ class DeepseekV41Ops(DeepseekV4Ops):
         out = k.sink_attention(q.unsqueeze(1), keys, mask, sinks, scale).squeeze(1)
         o = k.rotary(out, cos, sin, True).view(B, wo_a.shape[0], -1)
         return k.linear(k.grouped_linear(o, wo_a).reshape(B, -1), wo_b)
+
+
+    def cache_store(self, x: torch.Tensor, fmt: KVFormat, cache: torch.Tensor, rows: torch.Tensor) -> None:
+        """`cache[rows] = encode(x, fmt)`: rows `x` `[N, C]` in one of the cache formats (kv_quant.py, its bytes
+        exactly) into the uint8 `cache` `[n, fmt.bytes_per_vector(C)]` at `rows` `[N]` (a compressor's
+        published entries and index keys)."""
+        cache[rows] = encode(x, fmt)
 
 
 def _pairwise_head_sum(products: torch.Tensor) -> torch.Tensor:
