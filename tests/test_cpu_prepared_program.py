@@ -198,6 +198,25 @@ def test_a_prepared_call_takes_exactly_its_arguments():
     assert call.index("ring_row") == names.index("ring_row") and len(call.arguments) == len(names)
 
 
+def test_kernel_signatures_are_read_from_the_c_definitions():
+    """Each kernel's ctypes prototype comes from its C definition: scalars by type, pointers as void *, a
+    returned string as char *, a parameter named like a Python keyword with a trailing underscore; a name
+    without a definition is refused."""
+    import ctypes
+
+    result, arguments = binding.signature("kv_store")
+    assert result is ctypes.c_int and list(arguments) == ["x", "x_stride", "dtype", "N", "C", "fmt", "cache", "n",
+                                                          "dest"]
+    assert arguments["x"] is ctypes.c_void_p and arguments["x_stride"] is ctypes.c_long
+    assert arguments["dtype"] is ctypes.c_int and arguments["dest"] is ctypes.c_void_p
+    assert binding.signature("gemv_tier") == (ctypes.c_char_p, {})
+    assert binding.signature("fp4_linear")[1]["in_"] is ctypes.c_long  # C's `long in`
+    assert binding.signature("rms_norm")[0] is None  # void
+    with pytest.raises(LookupError, match="no_such_kernel"):
+        binding.signature("no_such_kernel")
+    assert {k.name for k in binding.KERNELS} >= {"kv_store", "attention_output_bf16", "moe_layer_quant"}
+
+
 def test_weights_kept_quantised_decode_the_same_tokens(tmp_path, clean_env, prepared_runs):
     """FP4 experts and FP8 attention weights kept quantised (`DEEPINFER_CPU_QUANTIZED_WEIGHTS=1`): the program
     binds the `*_quant` calls and gives the tokens and log-probabilities of the program run call by call."""

@@ -10,7 +10,9 @@ code) produced — before calling them: the same calls on the same values, so th
 `Program.run`.
 
 Binders are per op (`BINDERS`, keyed by the program's "<table>.<op>" names) and know nothing of the
-model that uses the op: any family whose program calls these ops gets them bound. A call without a
+model that uses the op: any family whose program calls these ops gets them bound. An op table whose ops
+differ from those names' (DeepSeek-V4.1's: its own site entries, projections without the query head
+norm, coded caches) names its binders (`program_binders`, here `V41_BINDERS`). A call without a
 binder, or whose binder declines the inputs, runs as it is, in its place.
 
 The kernel choices (which packed copy a product reads, which kernel a row count takes) are asked
@@ -261,7 +263,8 @@ class AttentionOutput(Binder):
                      native.attention_output_arguments)
         bound = arguments(k.native_library, a["q"], a["kv"], a["key_rows"], a["caches"], a["rows"], a["masks"],
                           a["sinks"], a["scale"], a["cos"], a["sin"], a["wo_a"], a["wo_b"], *choices, self.coded_keys)
-        if bound is None or bound.values["cos_t"] != a["cos"].data_ptr() or bound.values["sin_t"] != a["sin"].data_ptr():
+        tables = (a["cos"].data_ptr(), a["sin"].data_ptr())
+        if bound is None or (bound.values["cos_t"], bound.values["sin_t"]) != tables:
             return None  # a RoPE table it would copy: read where it is, or not this way
         patches = {"q": pointer("q"), "kv": pointer("kv"), "key_rows": pointer("key_rows", dtype=torch.long),
                    "rows": _key_rows(parts), "masks": _key_masks(parts), "cos": table_pointer("cos_t"),

@@ -5,10 +5,9 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, threads
 
-_SWIGLU = Kernel("swiglu", gate=ptr, up=ptr, row_stride=long_, out=ptr, rows=long_, I=long_, limit=float_,
-                 dtype=int_, num_threads=int_)
+_SWIGLU = Kernel("swiglu")
 
 
 def swiglu(lib: ctypes.CDLL, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor | None:

@@ -8,17 +8,12 @@ import ctypes
 import torch
 
 from deepinfer.models.deepseek_v41.kv_quant import KVFormat
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, threads
 from deepinfer_plugins.cpu.native.kv_cache import KV_CODES, codes_fit
 
-_ARGUMENTS = dict(q=ptr, kv=ptr, mask=ptr, sinks=ptr, scale=float_, out=ptr, B=long_, S=long_, H=long_, L=long_,
-                  d=long_, dtype=int_, num_threads=int_)
-_SINK_ATTENTION_DECODE = Kernel("sink_attention_decode", **_ARGUMENTS)
-_SINK_ATTENTION_INVARIANT = Kernel("sink_attention_invariant", **_ARGUMENTS)
-_SINK_ATTENTION_CODED_ROWS = Kernel(
-    "sink_attention_coded_rows", ctypes.c_int, q=ptr, cache0=ptr, rows0=ptr, mask0=ptr, n0=long_, L0=long_,
-    code0=int_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, code1=int_, sinks=ptr, scale=float_, out=ptr,
-    B=long_, S=long_, H=long_, d=long_, dtype=int_, num_threads=int_)
+_SINK_ATTENTION_DECODE = Kernel("sink_attention_decode")
+_SINK_ATTENTION_INVARIANT = Kernel("sink_attention_invariant")
+_SINK_ATTENTION_CODED_ROWS = Kernel("sink_attention_coded_rows")
 
 
 def _call(kernel: Kernel, lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,

@@ -9,23 +9,12 @@ import ctypes
 import torch
 
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED
-from deepinfer_plugins.cpu.native.binding import (Bound, Kernel, dtype_code, f32, float_, int_, long_, ptr,
-                                                   threads)
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, f32, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
-_ATTENTION_OUTPUT_BF16 = Kernel(
-    "attention_output_bf16", ctypes.c_int, q=ptr, kv=ptr, window=ptr, n0=long_, key_rows=ptr, rows0=ptr, mask0=ptr,
-    L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, coded_keys=int_, sinks=ptr, scale=float_,
-    cos_t=ptr, sin_t=ptr,
-    half=long_, wo_a=ptr, pwo_a=ptr, pa_size=long_, G=long_, R=long_, wo_b=ptr, pwo_b=ptr, D=long_, out=ptr, B=long_,
-    H=long_, d=long_, num_threads=int_)
+_ATTENTION_OUTPUT_BF16 = Kernel("attention_output_bf16")
 
-_ATTENTION_PROJECTIONS_BF16 = Kernel(
-    "attention_projections_bf16", x=ptr, T=long_, D=long_, fused_x=ptr, pfx=ptr, Nx=long_, rank=long_, q_norm=ptr,
-    qn_dtype=int_, fused_qr=ptr, pfqr=ptr, Nqr=long_, H=long_, d=long_, q_head_norm=int_, kv_norm=ptr, kv_dtype=int_,
-    eps=float_,
-    cos_t=ptr, sin_t=ptr, half=long_, Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr,
-    num_threads=int_)
+_ATTENTION_PROJECTIONS_BF16 = Kernel("attention_projections_bf16")
 
 
 def _bf16(t: torch.Tensor) -> bool:

@@ -12,7 +12,7 @@ import torch
 from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
 from deepinfer_plugins.cpu.native.attention_layer import (_bf16, check_output_status, _key_arguments, _keys_fit,
                                                            _packed_fits, _projection_io, _rotary_table)
-from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
 # attention_layer.c's weight formats
@@ -26,16 +26,9 @@ class WeightRef(ctypes.Structure):
                 ("scale", ctypes.c_void_p), ("scale_e8m0", ctypes.c_int), ("block", ctypes.c_long)]
 
 
-_ATTENTION_PROJECTIONS_QUANT = Kernel(
-    "attention_projections_quant", x=ptr, T=long_, D=long_, fx=ptr, Nx=long_, rank=long_, q_norm=ptr, qn_dtype=int_,
-    fqr=ptr, Nqr=long_, H=long_, d=long_, q_head_norm=int_, kv_norm=ptr, kv_dtype=int_, eps=float_, cos_t=ptr,
-    sin_t=ptr, half=long_, Hi=long_, icos=ptr, isin=ptr, ihalf=long_, px=ptr, q=ptr, kv=ptr, iq=ptr, num_threads=int_)
+_ATTENTION_PROJECTIONS_QUANT = Kernel("attention_projections_quant")
 
-_ATTENTION_OUTPUT_QUANT = Kernel(
-    "attention_output_quant", ctypes.c_int, q=ptr, kv=ptr, window=ptr, n0=long_, key_rows=ptr, rows0=ptr, mask0=ptr,
-    L0=long_, cache1=ptr, rows1=ptr, mask1=ptr, n1=long_, L1=long_, coded_keys=int_, sinks=ptr, scale=float_,
-    cos_t=ptr, sin_t=ptr, half=long_, wo_a=ptr, pa_size=long_, G=long_, R=long_, wo_b=ptr, D=long_, out=ptr, B=long_, H=long_, d=long_,
-    num_threads=int_)
+_ATTENTION_OUTPUT_QUANT = Kernel("attention_output_quant")
 
 # a quantised weight's (logical shape, WeightRef, its address), made at its first call: its storage never
 # changes (QuantizedWeight is frozen), and the entry goes with the weight

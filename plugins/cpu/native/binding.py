@@ -1,5 +1,6 @@
-"""What the binding modules (one per C file) share: `Kernel`, one C function's ctypes prototype with
-its argument names, and the small tensor helpers of their wrappers.
+"""What the binding modules (one per C file) share: `Kernel`, one C function with its ctypes prototype
+read from its definition in the C sources (each signature written once, in C), and the small tensor
+helpers of their wrappers.
 
 A wrapper takes torch tensors, checks once that they are what the C code handles (device, dtype,
 layout, shape) and returns new tensors, or None so that the caller falls back to the reference
@@ -10,12 +11,13 @@ the cheapest tensor queries.
 from __future__ import annotations
 
 import ctypes
+import functools
+import keyword
+import re
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-
-# ctypes argument types, as the C prototypes spell them
-ptr, int_, long_, float_ = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 
 # the C files' `dtype` codes (common.h: DT_F32, DT_BF16)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -23,23 +25,28 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 # Every Kernel declared so far, in declaration order: build._load gives each its prototype.
 KERNELS: list[Kernel] = []
 
+# C types of the kernels' scalar arguments and results (any pointer is a c_void_p; a returned string a c_char_p)
+_C_SCALARS = {"void": None, "int": ctypes.c_int, "long": ctypes.c_long, "int64_t": ctypes.c_long,
+              "float": ctypes.c_float, "double": ctypes.c_double}
+_QUALIFIERS = {"const", "restrict", "extern"}
+
 
 class Kernel:
-    """A C function of the library: `Kernel("rms_norm", x=ptr, rows=long_, ...)` names its arguments in
-    the C order with their ctypes types; `kernel(lib, x=..., rows=...)` calls it with exactly those
-    arguments (TypeError otherwise).
+    """A C function of the library: `Kernel("rms_norm")` reads its prototype from its definition in the C
+    sources (`signature`); `kernel(lib, x=..., rows=...)` calls it with exactly those arguments, by their C
+    names (TypeError otherwise).
 
     Each kernel is an instance of its own subclass whose `__call__` is written out for its argument
     names (`def __call__(self, lib, *, x, rows, ...): return lib.rms_norm(x, rows, ...)`): the
     interpreter then matches the keywords itself, ~1.2 us less per call than collecting them in a dict
     and ordering them in Python (a decode step makes ~100 calls)."""
 
-    def __new__(cls, name: str, restype: Any = None, **arguments: Any) -> Kernel:
-        return super().__new__(type(f"Kernel_{name}", (cls,), {"__call__": _keyword_call(name, tuple(arguments))}))
-
-    def __init__(self, name: str, restype: Any = None, **arguments: Any):
-        self.name, self.restype, self.arguments = name, restype, arguments
-        KERNELS.append(self)
+    def __new__(cls, name: str) -> Kernel:
+        restype, arguments = signature(name)
+        kernel = super().__new__(type(f"Kernel_{name}", (cls,), {"__call__": _keyword_call(name, tuple(arguments))}))
+        kernel.name, kernel.restype, kernel.arguments = name, restype, arguments
+        KERNELS.append(kernel)
+        return kernel
 
     def declare(self, lib: ctypes.CDLL) -> None:
         fn = getattr(lib, self.name)
@@ -47,6 +54,38 @@ class Kernel:
 
     def __call__(self, lib: ctypes.CDLL, **values: Any) -> Any:  # replaced per kernel (see the class doc)
         raise NotImplementedError
+
+
+@functools.cache
+def _c_sources() -> str:
+    return "\n".join(path.read_text() for path in sorted(Path(__file__).parent.glob("*.c")))
+
+
+def signature(name: str) -> tuple[Any, dict[str, Any]]:
+    """The ctypes result type and arguments (C names in C order -> ctypes types) of the C function `name`,
+    read from its non-static definition in this package's C files (alternatives under `#if` must agree). An
+    argument named like a Python keyword takes a trailing underscore (`in` -> `in_`)."""
+    found = {(result, " ".join(params.split())) for result, params in re.findall(
+        rf"^([\w \t*]*?)\b{re.escape(name)}\s*\(([^)]*)\)\s*{{", _c_sources(), re.M) if "static" not in result.split()}
+    if len(found) != 1:
+        raise LookupError(f"C kernel {name!r}: {len(found)} distinct definitions in {Path(__file__).parent}/*.c, "
+                          f"expected one")
+    (result, params), = found
+    arguments = {}
+    for param in (p.strip() for p in params.split(",")):
+        if param and param != "void":
+            arg = re.findall(r"\w+", param)[-1]
+            arguments[arg + "_" if keyword.iskeyword(arg) else arg] = _c_type(name, param[:param.rindex(arg)])
+    return _c_type(name, result, returned=True), arguments
+
+
+def _c_type(kernel: str, declared: str, returned: bool = False) -> Any:
+    words = [w for w in re.findall(r"\w+", declared) if w not in _QUALIFIERS]
+    if "*" in declared:
+        return ctypes.c_char_p if returned and words == ["char"] else ctypes.c_void_p
+    if len(words) != 1 or words[0] not in _C_SCALARS:
+        raise TypeError(f"C kernel {kernel!r}: no ctypes type for {declared.strip()!r}")
+    return _C_SCALARS[words[0]]
 
 
 class Bound(NamedTuple):

@@ -325,7 +325,7 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-_BUILD_ISA = binding.Kernel("build_isa", restype=ctypes.c_int)
+_BUILD_ISA = binding.Kernel("build_isa")
 
 
 def build_isa(lib: ctypes.CDLL) -> frozenset[str]:

@@ -5,11 +5,9 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, int_, long_, ptr
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code
 
-_COMPRESS_STORE = Kernel("compress_store", restype=ctypes.c_int, kv=ptr, kv_stride=long_, score=ptr,
-                         score_stride=long_, dtype=int_, ape=ptr, m=long_, position_mod=ptr, ring_row=ptr, T=long_,
-                         w=long_, rows_kv=ptr, rows_score=ptr, R=long_)
+_COMPRESS_STORE = Kernel("compress_store")
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:

@@ -5,10 +5,9 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, threads
 
-_EXPERTS_BF16 = Kernel("experts_bf16", restype=ctypes.c_int, rows=ptr, n=long_, D=long_, counts=ptr, E=long_, w13=ptr,
-                       w2=ptr, I=long_, limit=float_, gate_up=ptr, hidden=ptr, out=ptr, num_threads=int_)
+_EXPERTS_BF16 = Kernel("experts_bf16")
 
 
 def experts_bf16(lib: ctypes.CDLL, rows: torch.Tensor, tokens_per_expert: torch.Tensor, w13: torch.Tensor,

@@ -8,14 +8,13 @@ import functools
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Bound, Kernel, dtype_code, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Bound, Kernel, dtype_code, threads
 
-_AMX_USABLE = Kernel("amx_usable", restype=ctypes.c_int)
-_GEMV_TIER = Kernel("gemv_tier", restype=ctypes.c_char_p)
-_GEMV_BF16 = Kernel("gemv_bf16", W=ptr, x=ptr, y=ptr, N=long_, K=long_, num_threads=int_)
-_GROUPED_GEMV_BF16 = Kernel("grouped_gemv_bf16", W=ptr, X=ptr, Y=ptr, G=long_, N=long_, K=long_, num_threads=int_)
-_GROUPED_AMX_BF16 = Kernel("grouped_amx_bf16", W=ptr, G=long_, N=long_, K=long_, X=ptr, T=long_, Y=ptr,
-                           num_threads=int_)
+_AMX_USABLE = Kernel("amx_usable")
+_GEMV_TIER = Kernel("gemv_tier")
+_GEMV_BF16 = Kernel("gemv_bf16")
+_GROUPED_GEMV_BF16 = Kernel("grouped_gemv_bf16")
+_GROUPED_AMX_BF16 = Kernel("grouped_amx_bf16")
 
 
 @functools.cache
@@ -53,7 +52,7 @@ def gemv_bf16_arguments(lib: ctypes.CDLL, weight: torch.Tensor, x: torch.Tensor)
     return Bound(_GEMV_BF16, values, out, (xc,))
 
 
-_GEMV_TOKENS_BF16 = Kernel("gemv_tokens_bf16", W=ptr, X=ptr, Y=ptr, m=long_, N=long_, K=long_, num_threads=int_)
+_GEMV_TOKENS_BF16 = Kernel("gemv_tokens_bf16")
 
 
 def gemv_tokens_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
@@ -116,8 +115,7 @@ def linear_amx_bf16(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor) -> 
     return out
 
 
-_LINEAR_ROWS = Kernel("linear_rows", W=ptr, w_dtype=int_, X=ptr, x_dtype=int_, Y=ptr, y_dtype=int_, M=long_, N=long_,
-                      K=long_, num_threads=int_)
+_LINEAR_ROWS = Kernel("linear_rows")
 
 
 def linear_rows(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None

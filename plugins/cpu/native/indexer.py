@@ -7,13 +7,10 @@ import ctypes
 import torch
 
 from deepinfer.models.deepseek_v41.kv_quant import MXFP4_INDEX
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, threads
 from deepinfer_plugins.cpu.native.kv_cache import codes_fit
 
-_INDEX_SELECT = Kernel(
-    "index_select", ctypes.c_int, q=ptr, q_dtype=int_, q_stride=long_, w=ptr, w_dtype=int_, w_stride=long_,
-    w_scale=float_, keys=ptr, n=long_, rows=ptr, visible=ptr, candidates=ptr, pool=ptr, q_pos=ptr, rate=long_,
-    block=long_, top_blocks=long_, picks=ptr, B=long_, S=long_, Hi=long_, di=long_, E=long_, k=long_, num_threads=int_)
+_INDEX_SELECT = Kernel("index_select")
 
 
 def _item_stride(t: torch.Tensor) -> int | None:

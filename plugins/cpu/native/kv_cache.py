@@ -7,13 +7,12 @@ import ctypes
 import torch
 
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, KVFormat
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, int_, long_, ptr
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code
 
 # kv_codes.h's formats by kv_quant's name
 KV_CODES = {"fp8": 0, "nvfp4": 1, "mxfp4": 2}
 
-_KV_STORE = Kernel("kv_store", ctypes.c_int, x=ptr, x_stride=long_, dtype=int_, N=long_, C=long_, fmt=int_, cache=ptr,
-                   n=long_, dest=ptr)
+_KV_STORE = Kernel("kv_store")
 
 
 def codes_fit(fmt: KVFormat, channels: int) -> bool:

@@ -6,11 +6,11 @@
 #include "common.h"
 
 /* ----- hc_pre: mHC mixing weights and the collapsed input of one unit, per token -----
- * streams [T, n, D]; fn [n*(n+2), n*D] fp32; fnT: fn transposed [n*D, n*(n+2)] or NULL; base
+ * streams [T, n, D]; fn [n*(n+2), n*D] fp32; fn_t: fn transposed [n*D, n*(n+2)] or NULL; base
  * [n*(n+2)] fp32; scale [3] fp32. Outputs: collapsed [T, D] (streams' dtype), post [T, n] fp32,
  * comb [T, n, n] fp32. */
 
-/* Token rows of a mixing tile (fn or fnT is read once per tile instead of once per row). */
+/* Token rows of a mixing tile (fn or fn_t is read once per tile instead of once per row). */
 #define HC_ROW_BLOCK 4
 
 /* Features per pass of the dot products below: the 4 row pieces (8 KiB) stay in L1 while every fn row
@@ -114,20 +114,20 @@ static void collapse_row(const float *restrict row, const float *restrict pre, l
     }
 }
 
-/* ----- the 4-row tiles of the mixing product over fn transposed (fnT [n*D, mixes], mixes = 24: n = 4) -----
+/* ----- the 4-row tiles of the mixing product over fn transposed (fn_t [n*D, mixes], mixes = 24: n = 4) -----
  * Each feature's 24 weights are contiguous, so a row's 24 sums are three 8-wide vector accumulators
  * fed by one broadcast of the feature (12 for the tile's 4 rows: 16 registers with the weights and the
  * broadcast, AVX2's whole set), with no horizontal sums; 2.5x faster than the dot products above on
  * the same 4 rows. Each (row, mix) sum runs over the features in order. */
 #define HC_T_MIXES 24
 
-static void mix_tile_t(const float *restrict rows, const float *restrict fnT, long width,
+static void mix_tile_t(const float *restrict rows, const float *restrict fn_t, long width,
                        const float *restrict inv, float *restrict mix) {
     float a0[HC_T_MIXES] = {0}, a1[HC_T_MIXES] = {0}, a2[HC_T_MIXES] = {0}, a3[HC_T_MIXES] = {0};
     const float *restrict x0 = rows, *restrict x1 = rows + width, *restrict x2 = rows + 2 * width;
     const float *restrict x3 = rows + 3 * width;
     for (long i = 0; i < width; i++) {
-        const float *restrict f = fnT + i * HC_T_MIXES;
+        const float *restrict f = fn_t + i * HC_T_MIXES;
         const float v0 = x0[i], v1 = x1[i], v2 = x2[i], v3 = x3[i];
 #pragma omp simd
         for (int m = 0; m < HC_T_MIXES; m++) {
@@ -285,7 +285,7 @@ void hc_post(const void *y, int y_dtype, const void *streams, const float *post,
 }
 
 /* ----- hc_pre, and hc_pre_norm with the sub-layer's RMSNorm of the collapse in the same pass -----
- * Blocks of HC_LANES rows: their mixing products in 4-row tiles (over fnT when given and n = 4,
+ * Blocks of HC_LANES rows: their mixing products in 4-row tiles (over fn_t when given and n = 4,
  * else the dot products; a block's last rows one at a time), their Sinkhorn rounds in the lanes, then
  * each row's collapse (and norm) while the row is still in cache. With `prev` (hc_post_pre_norm) a
  * block's rows are first made by the previous site's hc_post and stored to `streams`; hc_pre then reads
@@ -295,7 +295,7 @@ void hc_post(const void *y, int y_dtype, const void *streams, const float *post,
  * Each thread's scratch holds min(T, HC_LANES) rows (a decode token's ~20 KB at n*D = 2048, not a
  * 16-row block's ~135 KB). */
 static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *pre_in, const float *fn,
-                        const float *fnT, const float *base, const float *scale, void *out, float *pre_out,
+                        const float *fn_t, const float *base, const float *scale, void *out, float *pre_out,
                         float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
                         float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype,
                         int rows_alone, int num_threads) {
@@ -303,7 +303,7 @@ static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *
     const long width = n * D, mixes = n * (n + 2);
     const long per_block = rows_alone ? 1 : HC_LANES; /* rows_alone: each row as a call of one row */
     const long blocks = (T + per_block - 1) / per_block, block_rows = T < per_block ? T : per_block;
-    const int tiles_t = fnT != NULL && mixes == HC_T_MIXES;
+    const int tiles_t = fn_t != NULL && mixes == HC_T_MIXES;
     PARALLEL_IF(T * width > PARALLEL_MIN_WORK && blocks > 1, {
         const size_t src_size = prev != NULL ? (size_t)(n + 1) * D : 0; /* hc_post's inputs of one token */
         float *rows = malloc(((size_t)block_rows * (width + mixes + n) + (size_t)HC_LANES * n * n + 2 * D + src_size)
@@ -334,7 +334,7 @@ static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *
             long r0 = 0;
             for (; r0 + HC_ROW_BLOCK <= nb; r0 += HC_ROW_BLOCK) {
                 if (tiles_t) {
-                    mix_tile_t(rows + r0 * width, fnT, width, inv + r0, mix + r0 * mixes);
+                    mix_tile_t(rows + r0 * width, fn_t, width, inv + r0, mix + r0 * mixes);
                 } else {
                     mix_full_block(rows + r0 * width, fn, width, mixes, inv + r0, mix + r0 * mixes);
                 }
@@ -368,19 +368,19 @@ static void hc_pre_rows(const hc_post_inputs *prev, void *streams, const float *
     });
 }
 
-void hc_pre(const void *streams, const float *fn, const float *fnT, const float *base, const float *scale,
+void hc_pre(const void *streams, const float *fn, const float *fn_t, const float *base, const float *scale,
             void *collapsed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
             float norm_eps, int dtype, int num_threads) {
-    hc_pre_rows(NULL, (void *)streams, NULL, fn, fnT, base, scale, collapsed, NULL, post, comb, T, n, D,
+    hc_pre_rows(NULL, (void *)streams, NULL, fn, fn_t, base, scale, collapsed, NULL, post, comb, T, n, D,
                 sinkhorn_iters, eps, norm_eps, NULL, DT_F32, 0.0f, dtype, 0, num_threads);
 }
 
 /* As the two calls hc_pre then rms_norm (norm_rope.c) in a row: the collapse is rounded to `dtype`
  * before it is normalised; normed [T, D] in `dtype`, norm_weight [D] in w_dtype. */
-void hc_pre_norm(const void *streams, const float *fn, const float *fnT, const float *base, const float *scale,
+void hc_pre_norm(const void *streams, const float *fn, const float *fn_t, const float *base, const float *scale,
                  void *normed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
                  float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype, int num_threads) {
-    hc_pre_rows(NULL, (void *)streams, NULL, fn, fnT, base, scale, normed, NULL, post, comb, T, n, D,
+    hc_pre_rows(NULL, (void *)streams, NULL, fn, fn_t, base, scale, normed, NULL, post, comb, T, n, D,
                 sinkhorn_iters, eps, norm_eps, norm_weight, w_dtype, rms_eps, dtype, 0, num_threads);
 }
 
@@ -388,12 +388,12 @@ void hc_pre_norm(const void *streams, const float *fn, const float *fnT, const f
  * comb_in [T, n, n]) into streams_out [T, n, D], then hc_pre_norm of the second on streams_out, in one
  * pass per token: the bits of the two calls in a row. */
 void hc_post_pre_norm(const void *y, int y_dtype, const void *streams, const float *post_in, const float *comb_in,
-                      void *streams_out, const float *fn, const float *fnT, const float *base, const float *scale,
+                      void *streams_out, const float *fn, const float *fn_t, const float *base, const float *scale,
                       void *normed, float *post, float *comb, long T, long n, long D, int sinkhorn_iters, float eps,
                       float norm_eps, const void *norm_weight, int w_dtype, float rms_eps, int dtype,
                       int num_threads) {
     const hc_post_inputs prev = {y, y_dtype, streams, post_in, comb_in};
-    hc_pre_rows(&prev, streams_out, NULL, fn, fnT, base, scale, normed, NULL, post, comb, T, n, D, sinkhorn_iters,
+    hc_pre_rows(&prev, streams_out, NULL, fn, fn_t, base, scale, normed, NULL, post, comb, T, n, D, sinkhorn_iters,
                 eps, norm_eps, norm_weight, w_dtype, rms_eps, dtype, 0, num_threads);
 }
 

@@ -7,23 +7,13 @@ from typing import NamedTuple
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import (Bound, Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr,
-                                                   threads)
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, f32, new_like, threads
 
-_HC_PRE = Kernel("hc_pre", streams=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, collapsed=ptr, post=ptr, comb=ptr,
-                 T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, dtype=int_,
-                 num_threads=int_)
-_HC_PRE_NORM = Kernel("hc_pre_norm", streams=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, normed=ptr, post=ptr,
-                      comb=ptr, T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_,
-                      norm_weight=ptr, w_dtype=int_, rms_eps=float_, dtype=int_, num_threads=int_)
-_HC_HEAD = Kernel("hc_head", streams=ptr, fn=ptr, base=ptr, scale=ptr, out=ptr, T=long_, n=long_, D=long_,
-                  eps=float_, norm_eps=float_, dtype=int_, num_threads=int_)
-_HC_POST = Kernel("hc_post", y=ptr, y_dtype=int_, streams=ptr, post=ptr, comb=ptr, out=ptr, T=long_, n=long_,
-                  D=long_, dtype=int_, num_threads=int_)
-_HC_POST_PRE_NORM = Kernel("hc_post_pre_norm", y=ptr, y_dtype=int_, streams=ptr, post_in=ptr, comb_in=ptr,
-                           streams_out=ptr, fn=ptr, fn_t=ptr, base=ptr, scale=ptr, normed=ptr, post=ptr, comb=ptr,
-                           T=long_, n=long_, D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_,
-                           norm_weight=ptr, w_dtype=int_, rms_eps=float_, dtype=int_, num_threads=int_)
+_HC_PRE = Kernel("hc_pre")
+_HC_PRE_NORM = Kernel("hc_pre_norm")
+_HC_HEAD = Kernel("hc_head")
+_HC_POST = Kernel("hc_post")
+_HC_POST_PRE_NORM = Kernel("hc_post_pre_norm")
 
 # The mixes (n * (n + 2), n = 4 streams) whose tiles read fn transposed (mhc.c: HC_T_MIXES).
 TRANSPOSED_MIXES = 24
@@ -172,15 +162,8 @@ def hc_post_pre_norm_arguments(lib: ctypes.CDLL, y: torch.Tensor, streams: torch
 
 # ----- DeepSeek-V4.1's single-pass sites -----
 
-_HC_MIX_COLLAPSE_NORM = Kernel("hc_mix_collapse_norm", streams=ptr, pre_in=ptr, fn=ptr, base=ptr, scale=ptr,
-                               normed=ptr, pre=ptr, post=ptr, comb=ptr, T=long_, n=long_, D=long_, sinkhorn_iters=int_,
-                               eps=float_, norm_eps=float_, norm_weight=ptr, w_dtype=int_, rms_eps=float_, dtype=int_,
-                               num_threads=int_)
-_HC_POST_MIX_COLLAPSE_NORM = Kernel(
-    "hc_post_mix_collapse_norm", y=ptr, y_dtype=int_, streams=ptr, post_in=ptr, comb_in=ptr, streams_out=ptr,
-    pre_in=ptr, fn=ptr, base=ptr, scale=ptr, normed=ptr, pre=ptr, post=ptr, comb=ptr, T=long_, n=long_,
-    D=long_, sinkhorn_iters=int_, eps=float_, norm_eps=float_, norm_weight=ptr, w_dtype=int_, rms_eps=float_,
-    dtype=int_, num_threads=int_)
+_HC_MIX_COLLAPSE_NORM = Kernel("hc_mix_collapse_norm")
+_HC_POST_MIX_COLLAPSE_NORM = Kernel("hc_post_mix_collapse_norm")
 
 
 class SiteOutputs(NamedTuple):

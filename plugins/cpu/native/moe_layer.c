@@ -198,19 +198,19 @@ int moe_layer_bf16(const uint16_t *x, long T, long D, const float *gate, const f
 }
 
 /* ----- moe_layer_quant: moe_layer_bf16 with the routed experts as stored -----
- * The routed experts FP4 or FP8 blocks (quant_experts' arguments: both stacks one format, `e_*`), the
+ * The routed experts FP4 or FP8 blocks (quant_experts' arguments, named as there: both stacks one format), the
  * shared expert bf16 (sw13, sw2, their packed copies psw13, psw2 or NULL), quantised (`s_fp4` 0 or 1:
  * FP8 or FP4 codes in sw13/sw2 with scales ss13/ss2, `s_*` their format; `s_fp4` -1: bf16) or absent
  * (sw13 NULL). Each stage is the call the composed path makes (quant_experts for the routed experts,
  * fp8_linear / fp4_linear rounded to bf16 for the shared expert's products), so the two round alike. */
 int moe_layer_quant(const uint16_t *x, long T, long D, const float *gate, const float *bias, const int64_t *hash_ids,
-                    long E, long k, float scaling, int scoring, int e_fp4, const uint8_t *w13, long w13_stride,
+                    long E, long k, float scaling, int scoring, int fp4, const uint8_t *w13, long w13_stride,
                     const void *s13, long s13_stride, const uint8_t *w2, long w2_stride, const void *s2,
-                    long s2_stride, int e_scale_e8m0, long e_block, long I, const void *sw13, const void *sw2,
+                    long s2_stride, int scale_e8m0, long block, long I, const void *sw13, const void *sw2,
                     const void *ss13, const void *ss2, int s_fp4, int s_scale_e8m0, long s_block, long SI,
                     const uint16_t *psw13, const uint16_t *psw2, float limit, int round_silu, uint16_t *out,
                     int num_threads) {
-    const quant_pair qe = {e_fp4, e_scale_e8m0, e_block, w13, w2, s13, s2, w13_stride, s13_stride, w2_stride,
+    const quant_pair qe = {fp4, scale_e8m0, block, w13, w2, s13, s2, w13_stride, s13_stride, w2_stride,
                            s2_stride};
     const quant_pair qs = {s_fp4 == 1, s_scale_e8m0, s_block, sw13, sw2, ss13, ss2, 0, 0, 0, 0};
     const int quant_shared = sw13 && s_fp4 >= 0;

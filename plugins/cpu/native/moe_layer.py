@@ -6,21 +6,13 @@ import ctypes
 import torch
 
 from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
-from deepinfer_plugins.cpu.native.binding import Bound, Kernel, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 from deepinfer_plugins.cpu.native.quant_experts import expert_stacks
 
-_MOE_LAYER_BF16 = Kernel("moe_layer_bf16", restype=ctypes.c_int, x=ptr, T=long_, D=long_, gate=ptr, bias=ptr,
-                         hash_ids=ptr, E=long_, k=long_, scaling=float_, scoring=int_, w13=ptr, w2=ptr, I=long_,
-                         sw13=ptr, sw2=ptr, SI=long_, pw13=ptr, pw2=ptr, psw13=ptr, psw2=ptr, limit=float_, round_silu=int_, out=ptr,
-                         num_threads=int_)
+_MOE_LAYER_BF16 = Kernel("moe_layer_bf16")
 
-_MOE_LAYER_QUANT = Kernel("moe_layer_quant", restype=ctypes.c_int, x=ptr, T=long_, D=long_, gate=ptr, bias=ptr,
-                          hash_ids=ptr, E=long_, k=long_, scaling=float_, scoring=int_, fp4=int_, w13=ptr,
-                          w13_stride=long_, s13=ptr, s13_stride=long_, w2=ptr, w2_stride=long_, s2=ptr,
-                          s2_stride=long_, scale_e8m0=int_, block=long_, I=long_, sw13=ptr, sw2=ptr, ss13=ptr,
-                          ss2=ptr, s_fp4=int_, s_scale_e8m0=int_, s_block=long_, SI=long_, psw13=ptr, psw2=ptr,
-                          limit=float_, round_silu=int_, out=ptr, num_threads=int_)
+_MOE_LAYER_QUANT = Kernel("moe_layer_quant")
 
 #: the router scoring functions the C code knows (moe_layer.c's SCORE_*)
 SCORING_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}

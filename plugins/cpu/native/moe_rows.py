@@ -5,12 +5,10 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, threads
 
-_MOE_DISPATCH_ROWS = Kernel("moe_dispatch_rows", restype=ctypes.c_int, ids=ptr, T=long_, k=long_, E=long_, x=ptr,
-                            row_bytes=long_, counts=ptr, source_token=ptr, source_slot=ptr, rows=ptr, num_threads=int_)
-_MOE_COMBINE_ROWS = Kernel("moe_combine_rows", restype=ctypes.c_int, rows=ptr, dtype=int_, D=long_, source_token=ptr,
-                           source_slot=ptr, T=long_, k=long_, weights=ptr, out=ptr, num_threads=int_)
+_MOE_DISPATCH_ROWS = Kernel("moe_dispatch_rows")
+_MOE_COMBINE_ROWS = Kernel("moe_combine_rows")
 
 
 def moe_dispatch_rows(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, num_experts: int

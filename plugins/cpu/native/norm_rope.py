@@ -5,16 +5,12 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import (Bound, Kernel, dtype_code, f32, float_, int_, long_, new_like, ptr,
-                                                   threads)
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, f32, new_like, threads
 
-_RMS_NORM = Kernel("rms_norm", x=ptr, x_row_stride=long_, w=ptr, w_dtype=int_, out=ptr, rows=long_, D=long_,
-                   eps=float_, dtype=int_, num_threads=int_)
-_ROTARY = Kernel("rotary", x=ptr, x_stride_t=long_, x_stride_m=long_, cos_t=ptr, sin_t=ptr, out=ptr, T=long_,
-                 M=long_, d=long_, half=long_, inverse=int_, dtype=int_, num_threads=int_)
+_RMS_NORM = Kernel("rms_norm")
+_ROTARY = Kernel("rotary")
 
-_RMS_NORM_ROTARY = Kernel("rms_norm_rotary", x=ptr, x_row_stride=long_, w=ptr, w_dtype=int_, cos_t=ptr, sin_t=ptr,
-                          out=ptr, T=long_, M=long_, d=long_, half=long_, eps=float_, dtype=int_, num_threads=int_)
+_RMS_NORM_ROTARY = Kernel("rms_norm_rotary")
 
 
 def _norm_rows(x: torch.Tensor, weight: torch.Tensor | None, D: int

@@ -9,11 +9,11 @@ import functools
 import torch
 
 from deepinfer_plugins.cpu import huge_pages
-from deepinfer_plugins.cpu.native.binding import Bound, Kernel, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Bound, Kernel, threads
 
-_PACKED_COLS = Kernel("packed_cols", restype=ctypes.c_long)
-_PACK_BF16 = Kernel("pack_bf16", W=ptr, P=ptr, N=long_, K=long_, num_threads=int_)
-_PACKED_GEMM_BF16 = Kernel("packed_gemm_bf16", P=ptr, X=ptr, Y=ptr, M=long_, N=long_, K=long_, num_threads=int_)
+_PACKED_COLS = Kernel("packed_cols")
+_PACK_BF16 = Kernel("pack_bf16")
+_PACKED_GEMM_BF16 = Kernel("packed_gemm_bf16")
 
 
 @functools.cache

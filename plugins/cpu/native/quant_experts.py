@@ -7,12 +7,9 @@ import ctypes
 import torch
 
 from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, threads
 
-_QUANT_EXPERTS = Kernel("quant_experts", restype=ctypes.c_int, rows=ptr, x_dtype=int_, n=long_, D=long_, counts=ptr,
-                        E=long_, fp4=int_, w13=ptr, w13_stride=long_, s13=ptr, s13_stride=long_, w2=ptr,
-                        w2_stride=long_, s2=ptr, s2_stride=long_, scale_e8m0=int_, block=long_, I=long_, limit=float_,
-                        out=ptr, portable=int_, num_threads=int_)
+_QUANT_EXPERTS = Kernel("quant_experts")
 
 
 def _stored(w: QuantizedWeight) -> bool:

@@ -7,16 +7,12 @@ import functools
 import torch
 
 from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
-from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Kernel, dtype_code, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import DTYPE_CODES, Kernel, dtype_code, threads
 
-_COMMON = dict(x=ptr, x_dtype=int_, x_stride=long_, rows=long_, in_=long_, w=ptr, scale=ptr, scale_e8m0=int_)
-_FP4_LINEAR = Kernel("fp4_linear", **_COMMON, out=long_, y=ptr, y_dtype=int_, portable=int_, num_threads=int_)
-_FP8_LINEAR = Kernel("fp8_linear", **_COMMON, block=long_, out=long_, y=ptr, y_dtype=int_, portable=int_,
-                     num_threads=int_)
-_QUANT_GROUPED_LINEAR = Kernel("quant_grouped_linear", fp4=int_, x=ptr, x_dtype=int_, rows=long_, G=long_, in_=long_,
-                               w=ptr, scale=ptr, scale_group=long_, scale_e8m0=int_, block=long_, out=long_, y=ptr,
-                               y_dtype=int_, num_threads=int_)
-_QUANT_SIMD = Kernel("quant_simd", restype=ctypes.c_int)
+_FP4_LINEAR = Kernel("fp4_linear")
+_FP8_LINEAR = Kernel("fp8_linear")
+_QUANT_GROUPED_LINEAR = Kernel("quant_grouped_linear")
+_QUANT_SIMD = Kernel("quant_simd")
 
 
 @functools.cache

@@ -6,10 +6,9 @@ import math
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, threads
 
-_ARGMAX_LOGSUMEXP = Kernel("argmax_logsumexp", logits=ptr, L=long_, V=long_, stride=long_, index=ptr, log_norm=ptr,
-                           num_threads=int_)
+_ARGMAX_LOGSUMEXP = Kernel("argmax_logsumexp")
 
 
 def argmax_logsumexp(lib: ctypes.CDLL, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -5,12 +5,10 @@ import ctypes
 
 import torch
 
-from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, float_, int_, long_, ptr, threads
+from deepinfer_plugins.cpu.native.binding import Kernel, dtype_code, f32, threads
 
-_INDEXER_SCORES = Kernel("indexer_scores", q=ptr, w=ptr, keys=ptr, mask=ptr, out=ptr, B=long_, S=long_, Hi=long_,
-                         di=long_, E=long_, dtype=int_, num_threads=int_)
-_MOE_ROUTE_ROWS = Kernel("moe_route_rows", restype=ctypes.c_int, scores=ptr, bias=ptr, hash_ids=ptr, ids=ptr,
-                         weights=ptr, T=long_, E=long_, k=long_, scaling=float_)
+_INDEXER_SCORES = Kernel("indexer_scores")
+_MOE_ROUTE_ROWS = Kernel("moe_route_rows")
 
 
 def indexer_scores(lib: ctypes.CDLL, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
