@@ -182,3 +182,17 @@ def compile_once(once_compiler, monkeypatch) -> list[str]:
 
     monkeypatch.setenv("CC", shlex.join(once_compiler))
     return once_compiler
+
+
+@pytest.fixture
+def prepared_runs(monkeypatch) -> list:
+    """Every run of a cpu back end's prepared program (plugins/cpu/program.py: the object, once per step it ran)."""
+    from deepinfer_plugins.cpu import program
+
+    runs, run = [], program.PreparedProgram.run
+
+    def counted(self, *args, **kwargs):
+        runs.append(self)
+        return run(self, *args, **kwargs)
+    monkeypatch.setattr(program.PreparedProgram, "run", counted)
+    return runs

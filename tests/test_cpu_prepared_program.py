@@ -17,18 +17,6 @@ BOUND_OPS = {"ops.hc_pre_norm", "ops.hc_post_pre_norm", "ops.attention_projectio
              "ops.decode_attention_output", "kernels.moe_sublayer"}
 
 
-@pytest.fixture
-def prepared_runs(monkeypatch) -> list[program.PreparedProgram]:
-    """Every run of a prepared program (the object, once per step it ran)."""
-    runs, run = [], program.PreparedProgram.run
-
-    def counted(self, *args, **kwargs):
-        runs.append(self)
-        return run(self, *args, **kwargs)
-    monkeypatch.setattr(program.PreparedProgram, "run", counted)
-    return runs
-
-
 def _models(dtype=torch.bfloat16):
     hf = build_hf_model()
     prepared, eager = build_our_model(hf, dtype=dtype), build_our_model(hf, dtype=dtype)
@@ -38,7 +26,7 @@ def _models(dtype=torch.bfloat16):
     return prepared, eager
 
 
-def _bound_ops(prepared: program.PreparedProgram) -> dict[str, int]:
+def bound_ops(prepared: program.PreparedProgram) -> dict[str, int]:
     counts: dict[str, int] = {}
     for s in prepared.steps:
         if s.binding is not None:
@@ -64,7 +52,7 @@ def test_decode_steps_give_the_bits_of_the_program_run_call_by_call(prepared_run
         return
     blocks, csa_hca = len(prepared.blocks), sum(t != "sliding" for t in prepared.config.layer_types)
     csa = sum(t == "csa" for t in prepared.config.layer_types)
-    assert _bound_ops(prepared_runs[-1]) == {
+    assert bound_ops(prepared_runs[-1]) == {
         "ops.hc_pre_norm": 1, "ops.hc_post_pre_norm": 2 * blocks - 1, "ops.attention_projections": blocks,
         "ops.compress_store": csa_hca + csa, "ops.decode_attention_output": blocks, "kernels.moe_sublayer": blocks}
 
@@ -111,7 +99,7 @@ def test_decode_batches_give_the_bits_of_the_program_run_call_by_call(prepared_r
         tokens = {i: [int(outs[0][i][-1].argmax())] for i in range(16)}
     assert {p.program.key for p in prepared_runs} == {("decode", 16)}
     if not prepared.accel.native_amx:
-        assert _bound_ops(prepared_runs[-1]).keys() == BOUND_OPS
+        assert bound_ops(prepared_runs[-1]).keys() == BOUND_OPS
 
 
 def test_a_call_whose_inputs_do_not_fit_runs_as_the_composed_op(prepared_runs, monkeypatch):
@@ -166,7 +154,7 @@ def test_a_float32_model_binds_only_what_the_composed_ops_run_in_c(prepared_runs
     for step in range(5):
         outs = [r.step({"a": [int(outs[0]["a"][-1].argmax())]}) for r in runners]
         assert torch.equal(outs[0]["a"], outs[1]["a"]), f"decode step {step}"
-    assert set(_bound_ops(prepared_runs[-1])) == {"ops.hc_pre_norm", "ops.hc_post_pre_norm"}
+    assert set(bound_ops(prepared_runs[-1])) == {"ops.hc_pre_norm", "ops.hc_post_pre_norm"}
 
 
 def test_switched_off_or_batch_invariant_runs_the_program_eagerly(clean_env):
@@ -220,27 +208,30 @@ def test_kernel_signatures_are_read_from_the_c_definitions():
 def test_weights_kept_quantised_decode_the_same_tokens(tmp_path, clean_env, prepared_runs):
     """FP4 experts and FP8 attention weights kept quantised (`DEEPINFER_CPU_QUANTIZED_WEIGHTS=1`): the program
     binds the `*_quant` calls and gives the tokens and log-probabilities of the program run call by call."""
-    from deepinfer import LLM
     from deepinfer.models.deepseek_v4.make_model import make_model
-    from deepinfer.sampling_params import SamplingParams
 
     # experts 128 wide: the shared expert's w1 and w3 whole FP8 blocks (a mixed pair runs as the composed op)
     path = make_model(tmp_path / "v4", "tiny", seed=3, quantize="fp4-experts", moe_intermediate_size=128)
-    clean_env.setenv("DEEPINFER_CPU_QUANTIZED_WEIGHTS", "1")
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-
-    def generate(prepared: str) -> list:
-        clean_env.setenv("DEEPINFER_CPU_DECODE_BLOCKS", prepared)
-        llm = LLM(model=str(path), accelerator="cpu", dtype="bfloat16", max_model_len=64, max_num_seqs=1)
-        try:
-            out = llm.generate([{"prompt_token_ids": [5, 17, 42, 99, 7]}], params, use_tqdm=False)[0].outputs[0]
-        finally:
-            llm.shutdown()
-        return [out.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]]
-
-    assert generate("1") == generate("0")
-    bound = _bound_ops(prepared_runs[-1])
+    assert greedy_quantised(path, clean_env, prepared=True) == greedy_quantised(path, clean_env, prepared=False)
+    bound = bound_ops(prepared_runs[-1])
     if native.amx_usable(native.active_library()):  # a bf16 wo_a would run on AMX tiles: the composed op
         assert "ops.decode_attention_output" not in bound
     else:
         assert bound.keys() == BOUND_OPS and bound["ops.attention_projections"] == 6
+
+
+def greedy_quantised(path, env, prepared: bool) -> list:
+    """24 greedy tokens and their top-5 log-probabilities from `path` in bf16 with weights kept quantised
+    (`DEEPINFER_CPU_QUANTIZED_WEIGHTS=1`), prepared programs on or off (`env`: the clean_env fixture)."""
+    from deepinfer import LLM
+    from deepinfer.sampling_params import SamplingParams
+
+    env.setenv("DEEPINFER_CPU_QUANTIZED_WEIGHTS", "1")
+    env.setenv("DEEPINFER_CPU_DECODE_BLOCKS", "1" if prepared else "0")
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    llm = LLM(model=str(path), accelerator="cpu", dtype="bfloat16", max_model_len=64, max_num_seqs=1)
+    try:
+        out = llm.generate([{"prompt_token_ids": [5, 17, 42, 99, 7]}], params, use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.shutdown()
+    return [out.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]]

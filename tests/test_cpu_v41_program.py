@@ -13,24 +13,13 @@ import torch
 from deepinfer.models.deepseek_v41 import model as v41_model
 from deepinfer.models.deepseek_v41.checkpoint import load_checkpoint
 from deepinfer.models.deepseek_v41.model import DeepseekV41ForCausalLM
-from deepinfer_plugins.cpu import native, program
+from deepinfer_plugins.cpu import native
 from model_harness import Runner, accelerator
+from test_cpu_prepared_program import bound_ops, greedy_quantised
 
 #: the V4.1 decode program's calls the cpu back end binds (bf16, once the packed copies exist)
 BOUND_OPS = {"ops.hc_mix_collapse_norm", "ops.hc_post_mix_collapse_norm", "ops.attention_projections",
              "ops.decode_attention_output", "kernels.moe_sublayer"}
-
-
-@pytest.fixture
-def prepared_runs(monkeypatch) -> list[program.PreparedProgram]:
-    """Every run of a prepared program (the object, once per step it ran)."""
-    runs, run = [], program.PreparedProgram.run
-
-    def counted(self, *args, **kwargs):
-        runs.append(self)
-        return run(self, *args, **kwargs)
-    monkeypatch.setattr(program.PreparedProgram, "run", counted)
-    return runs
 
 
 @pytest.fixture(scope="module")
@@ -67,14 +56,6 @@ def _models(loaded, monkeypatch, dtype=torch.bfloat16):
     return models[0], models[1], Modules(models[2], monkeypatch)
 
 
-def _bound_ops(prepared: program.PreparedProgram) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for s in prepared.steps:
-        if s.binding is not None:
-            counts[s.call.op] = counts.get(s.call.op, 0) + 1
-    return counts
-
-
 def _decode(models, prompts: dict, steps: int) -> None:
     """Prefill `prompts` on every model, then decode greedily (the first model's tokens) `steps` times;
     every step's logits are the same bits on every model."""
@@ -103,7 +84,7 @@ def test_decode_steps_give_the_bits_of_the_modules(loaded, monkeypatch, prepared
         return
     layers, engram = config.num_hidden_layers, len(config.engram_layer_ids)
     alone = engram + (0 not in config.engram_layer_ids)  # the first site, and each after an Engram module
-    assert _bound_ops(prepared_runs[-1]) == {
+    assert bound_ops(prepared_runs[-1]) == {
         "ops.hc_mix_collapse_norm": alone, "ops.hc_post_mix_collapse_norm": 2 * layers - alone,
         "ops.attention_projections": layers, "ops.decode_attention_output": layers, "kernels.moe_sublayer": layers}
 
@@ -117,7 +98,7 @@ def test_decode_batches_give_the_bits_of_the_modules(loaded, monkeypatch, prepar
     _decode(models, prompts, 12)
     assert {p.program.key for p in prepared_runs} == {("decode", 6)}
     assert {"ops.hc_mix_collapse_norm", "ops.hc_post_mix_collapse_norm", "kernels.moe_sublayer"} <= set(
-        _bound_ops(prepared_runs[-1]))
+        bound_ops(prepared_runs[-1]))
 
 
 def test_a_float32_model_binds_only_the_site_calls(loaded, monkeypatch, prepared_runs):
@@ -125,7 +106,7 @@ def test_a_float32_model_binds_only_the_site_calls(loaded, monkeypatch, prepared
     which the composed ops run in torch for fp32, run as those ops. The same bits as call by call."""
     models = _models(loaded, monkeypatch, torch.float32)
     _decode(models, {"a": [5, 9, 200, 31, 7]}, 6)
-    assert set(_bound_ops(prepared_runs[-1])) == {"ops.hc_mix_collapse_norm", "ops.hc_post_mix_collapse_norm"}
+    assert set(bound_ops(prepared_runs[-1])) == {"ops.hc_mix_collapse_norm", "ops.hc_post_mix_collapse_norm"}
 
 
 def test_a_prefill_runs_no_program(loaded, monkeypatch, prepared_runs):
@@ -142,22 +123,8 @@ def test_a_prefill_runs_no_program(loaded, monkeypatch, prepared_runs):
 def test_weights_kept_quantised_decode_the_same_tokens(tiny_v41, clean_env, prepared_runs):
     """FP4 experts and FP8 attention weights kept quantised (`DEEPINFER_CPU_QUANTIZED_WEIGHTS=1`): the
     program binds the `*_quant` calls and gives the tokens and log-probabilities of the modules."""
-    from deepinfer import LLM
-    from deepinfer.sampling_params import SamplingParams
-
-    clean_env.setenv("DEEPINFER_CPU_QUANTIZED_WEIGHTS", "1")
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
-
-    def generate(prepared: str) -> list:
-        clean_env.setenv("DEEPINFER_CPU_DECODE_BLOCKS", prepared)
-        llm = LLM(model=str(tiny_v41), accelerator="cpu", dtype="bfloat16", max_model_len=64, max_num_seqs=1)
-        try:
-            out = llm.generate([{"prompt_token_ids": [5, 17, 42, 99, 7]}], params, use_tqdm=False)[0].outputs[0]
-        finally:
-            llm.shutdown()
-        return [out.token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in out.logprobs]]
-
-    assert generate("1") == generate("0")
-    bound = _bound_ops(prepared_runs[-1])
+    assert greedy_quantised(tiny_v41, clean_env, prepared=True) == greedy_quantised(tiny_v41, clean_env,
+                                                                                   prepared=False)
+    bound = bound_ops(prepared_runs[-1])
     if not native.amx_usable(native.active_library()):
         assert {"ops.attention_projections", "kernels.moe_sublayer"} <= bound.keys()
