@@ -194,11 +194,15 @@ class Attention:
         """A compressed layer's picked entries for a step of decode tokens, from the fused projection `px`
         and the indexer's query `iq` (an index source's; else its top-k owner's picks on the step): (entry
         rows `[B, k']`, their mask `[B, 1, k']`), the part its attention reads after the window's."""
+        key = (self.topk_owner, self.rate)  # the layers reading one owner's picks at one rate read the same rows
+        if not self.indexes and key in step.picked:
+            return step.picked[key]
         plan = step.plan
         g, ev = plan.groups[0], plan.entry_view(0, self.rate)
         index_w = split_fused(px, self.x_parts)["indexer.weights_proj.weight"] if self.indexes else None
         picks = self._picks(0, g, ev, iq, index_w, step)[:, 0, :ev.flat.shape[1]]  # -1s beyond E only
-        return ev.flat.gather(1, picks.clamp(min=0)), (picks >= 0).unsqueeze(1)
+        step.picked[key] = ev.flat.gather(1, picks.clamp(min=0)), (picks >= 0).unsqueeze(1)
+        return step.picked[key]
 
     def _picks(self, gi: int, g, ev, iq: torch.Tensor | None, index_w: torch.Tensor | None, step) -> torch.Tensor:
         """The top-k entry ids `[B, S, k]` of the group's queries this layer attends over: its own

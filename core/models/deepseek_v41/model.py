@@ -97,6 +97,7 @@ class StepInputs:
     engram_rows: torch.Tensor | None = None  # [T, engram layers, hash heads]
     selection: dict = field(default_factory=dict)  # attention group -> (index-source layer, picks)
     candidates: dict = field(default_factory=dict)  # attention group -> candidate pool [B, S, E]
+    picked: dict = field(default_factory=dict)  # decode: (top-k owner, rate) -> (entry rows, mask) (attention.py)
     kv_published: bool = False  # bounded replay: the decoder KV source already ran its compressor (replay.py)
     capture: dict[int, torch.Tensor | None] | None = None  # DSpark target layer -> its attention input's stream mean
     span_rows: torch.Tensor | None = None  # [T] bool: image span positions (multimodal.py); None: no image

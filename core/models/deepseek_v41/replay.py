@@ -121,7 +121,7 @@ class DecoderRows:
             step, input_ids=step.input_ids[rows], plan=plan,
             cos_sin={k: (cos[rows], sin[rows]) for k, (cos, sin) in step.cos_sin.items()}, pre=step.pre[rows],
             engram_rows=None if step.engram_rows is None else step.engram_rows[rows], selection={}, candidates={},
-            kv_published=True, span_rows=None if step.span_rows is None else step.span_rows[rows])
+            picked={}, kv_published=True, span_rows=None if step.span_rows is None else step.span_rows[rows])
         h, waiting = run_modules(blk.modules[site:], streams[rows], None, kept)
         h = run_blocks(model.blocks[self.layer + 1:], h, kept, waiting)
         if split is not None:  # every rank's kept rows (the decoder layers' captures are kept rows too)
