@@ -348,15 +348,13 @@ BINDERS: dict[str, Binder] = {
     "kernels.rms_norm": RmsNorm(),
 }
 
-#: DeepSeek-V4.1's op table's binders (its `program_binders`: an op table names its own where they differ)
+#: DeepSeek-V4.1's op table's binders (its `program_binders`, for its "ops.*" calls; its "kernels.*" calls are
+#: the accelerator's, bound by `BINDERS`)
 V41_BINDERS: dict[str, Binder] = {
     "ops.hc_mix_collapse_norm": HcMixCollapseNorm(),
     "ops.hc_post_mix_collapse_norm": HcPostMixCollapseNorm(),
     "ops.attention_projections": AttentionProjections(q_head_norm=False),
     "ops.decode_attention_output": AttentionOutput(coded_keys=True),
-    "kernels.moe_sublayer": MoESublayer(),
-    "kernels.linear": Linear(),
-    "kernels.rms_norm": RmsNorm(),
 }
 
 
@@ -444,7 +442,6 @@ class PreparedProgram:
                     self.static.update((name, env[name]) for name in call.outs)
             self.steps.append(s)
             self.choices.append(chosen)
-
 
     def _binder(self, call: Call) -> Binder | None:
         """The binder of a table's op: the table's own (`program_binders`), else this back end's `BINDERS`."""

@@ -169,13 +169,8 @@ class Attention:
             raise RuntimeError("no cache bound: call bind_cache() before building a decode program")
         c, w, st = self.c, self.w, self.state
         Hi = c.index_n_heads if self.indexer_compressor is not None else 0
-        cos, sin = rope_inputs(b, self.rope_kind)
-        icos, isin = rope_inputs(b, "compress") if Hi else (None, None)
-        px, q, kv, index_q = b.call(
-            "ops.attention_projections", 4, x=x, fused_x=w["fused_x.weight"], rank=self.q_rank,
-            q_norm=w["q_norm.weight"], fused_qr=w["fused_qr.weight"], heads=c.num_attention_heads,
-            kv_norm=w["kv_norm.weight"], eps=c.rms_norm_eps, cos=cos, sin=sin, index_heads=Hi, index_cos=icos,
-            index_sin=isin)
+        px, q, kv, index_q, cos, sin = lower_projections(b, x, w, self.q_rank, c.num_attention_heads, c.rms_norm_eps,
+                                                         self.rope_kind, Hi)
 
         def part(name: str) -> Ref:
             return b.call(fused_part, view=True, out=px, parts=self.x_parts, name=name)
@@ -188,8 +183,8 @@ class Attention:
                                   rows, entries, plan, rope)
         window_flat = self._window_flat(st.window)
         caches = (window_flat,)
-        rows = (b.input("key_ring_row_all", lambda s: s.plan.groups[0].key_ring_row_all),)
-        masks = (b.input("window_mask", lambda s: s.plan.groups[0].window_mask),)
+        ring_rows, window_mask, key_rows = window_inputs(b)
+        rows, masks = (ring_rows,), (window_mask,)
         if self.rate:
             if self.type == CSA:
                 index_w = b.call(self.index_weights, weights_proj=part("indexer.weights_proj.weight"))
@@ -199,7 +194,6 @@ class Attention:
                 picked = (b.input(f"entry_rows.{rate}", lambda s: s.plan.entry_view(0, rate).flat),
                           b.input(f"entry_visible.{rate}", lambda s: s.plan.entry_view(0, rate).visible))
             caches, rows, masks = (window_flat, st.entries), (*rows, picked[0]), (*masks, picked[1])
-        key_rows = b.input("new_key_ring_row", lambda s: s.plan.groups[0].new_key_ring_row)
         return b.call("ops.decode_attention_output", q=q, kv=kv, key_rows=key_rows, caches=caches, rows=rows,
                       masks=masks, sinks=w["attn_sink"], scale=c.head_dim ** -0.5, cos=cos, sin=sin, wo_a=self.wo_a,
                       wo_b=w["wo_b.weight"])
@@ -256,6 +250,28 @@ class Attention:
 def rope_inputs(b: Builder, kind: str) -> tuple[Ref, Ref]:
     """The step's RoPE tables of one frequency set (`StepInputs.cos_sin[kind]`) as program inputs."""
     return (b.input(f"cos.{kind}", lambda s: s.cos_sin[kind][0]), b.input(f"sin.{kind}", lambda s: s.cos_sin[kind][1]))
+
+
+def lower_projections(b: Builder, x: Ref, w: dict[str, torch.Tensor], rank: int, heads: int, eps: float,
+                      rope_kind: str, index_heads: int) -> tuple[Ref, Ref, Ref, Ref, Ref, Ref]:
+    """A decode step's `ops.attention_projections` of `x` as a program call, over the layer's weights `w`
+    (`fused_x`, `q_norm`, `fused_qr`, `kv_norm`) with its RoPE tables (`rope_kind`; the indexer's at the
+    compress frequencies) as program inputs: (px, q, kv, the indexer's q, cos, sin)."""
+    cos, sin = rope_inputs(b, rope_kind)
+    icos, isin = rope_inputs(b, "compress") if index_heads else (None, None)
+    px, q, kv, index_q = b.call(
+        "ops.attention_projections", 4, x=x, fused_x=w["fused_x.weight"], rank=rank, q_norm=w["q_norm.weight"],
+        fused_qr=w["fused_qr.weight"], heads=heads, kv_norm=w["kv_norm.weight"], eps=eps, cos=cos, sin=sin,
+        index_heads=index_heads, index_cos=icos, index_sin=isin)
+    return px, q, kv, index_q, cos, sin
+
+
+def window_inputs(b: Builder) -> tuple[Ref, Ref, Ref]:
+    """A decode step's window addressing as program inputs: the ring rows of each query's window keys, their
+    mask and the ring rows the own keys are written to."""
+    def read(name: str) -> Ref:  # a field of the step's one attention group
+        return b.input(name, lambda s: getattr(s.plan.groups[0], name))
+    return read("key_ring_row_all"), read("window_mask"), read("new_key_ring_row")
 
 
 def selected_entry_keys(read: Callable[[torch.Tensor], torch.Tensor], g, ev, sel: torch.Tensor

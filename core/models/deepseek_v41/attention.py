@@ -43,8 +43,7 @@ from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, Deepsee
 from deepinfer.models.deepseek_v41.context_parallel import gather_parts
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
 from deepinfer.models.deepseek_v41.ops import CandidateBlocks, DeepseekV41Ops
-from deepinfer.models.deepseek_v4.attention import rope_inputs, selected_entry_keys
-from deepinfer.models.deepseek_v4.state import StepPlan
+from deepinfer.models.deepseek_v4.attention import lower_projections, selected_entry_keys, window_inputs
 from deepinfer.program import Builder, Ref
 
 # projections of the attention input fused into one matrix at load (model.FUSED_PROJECTIONS order)
@@ -165,23 +164,15 @@ class Attention:
         if self.state is None:
             raise RuntimeError("no cache bound: call bind_cache() before building a decode program")
         c, w, st = self.c, self.w, self.state
-        Hi = c.index_n_heads if self.indexes else 0
-        cos, sin = rope_inputs(b, self.rope_kind)
-        icos, isin = rope_inputs(b, "compress") if Hi else (None, None)
-        px, q, kv, iq = b.call(
-            "ops.attention_projections", 4, x=x, fused_x=w["fused_x.weight"], rank=self.q_rank,
-            q_norm=w["q_norm.weight"], fused_qr=w["fused_qr.weight"], heads=c.num_attention_heads,
-            kv_norm=w["kv_norm.weight"], eps=c.rms_norm_eps, cos=cos, sin=sin, index_heads=Hi, index_cos=icos,
-            index_sin=isin)
+        px, q, kv, iq, cos, sin = lower_projections(b, x, w, self.q_rank, c.num_attention_heads, c.rms_norm_eps,
+                                                    self.rope_kind, c.index_n_heads if self.indexes else 0)
         if self.role == FULL:
             b.call(self.compress_decode, 0, x=x, step=step)
-        caches = (st.window_flat,)
-        rows = (b.input("key_ring_row_all", lambda s: s.plan.groups[0].key_ring_row_all),)
-        masks = (b.input("window_mask", lambda s: s.plan.groups[0].window_mask),)
+        ring_rows, window_mask, key_rows = window_inputs(b)
+        caches, rows, masks = (st.window_flat,), (ring_rows,), (window_mask,)
         if self.rate:
             picked, mask = b.call(self.decode_picks, 2, px=px, iq=iq, step=step)
             caches, rows, masks = (*caches, st.entries), (*rows, picked), (*masks, mask)
-        key_rows = b.input("new_key_ring_row", lambda s: s.plan.groups[0].new_key_ring_row)
         return b.call("ops.decode_attention_output", q=q, kv=kv, key_rows=key_rows, caches=caches, rows=rows,
                       masks=masks, sinks=w["attn_sink"], scale=c.head_dim ** -0.5, cos=cos, sin=sin, wo_a=self.wo_a,
                       wo_b=w["wo_b.weight"])

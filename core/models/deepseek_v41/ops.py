@@ -170,7 +170,6 @@ class DeepseekV41Ops(DeepseekV4Ops):
         o = k.rotary(out, cos, sin, True).view(B, wo_a.shape[0], -1)
         return k.linear(k.grouped_linear(o, wo_a).reshape(B, -1), wo_b)
 
-
     def cache_store(self, x: torch.Tensor, fmt: KVFormat, cache: torch.Tensor, rows: torch.Tensor) -> None:
         """`cache[rows] = encode(x, fmt)`: rows `x` `[N, C]` in one of the cache formats (kv_quant.py, its bytes
         exactly) into the uint8 `cache` `[n, fmt.bytes_per_vector(C)]` at `rows` `[N]` (a compressor's
