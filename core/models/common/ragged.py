@@ -113,6 +113,13 @@ class RaggedPlan:
         return long_tensor(range(self.T), self.device)
 
     @cached_property
+    def query_offsets(self) -> torch.Tensor:
+        """`[T]` each row's index among its sequence's new tokens (`positions - context_len`)."""
+        if self.decode_only:
+            return torch.zeros(self.T, dtype=torch.long, device=self.device)
+        return self.positions - torch.tensor(self.ctx, device=self.device)[self.row_seq]
+
+    @cached_property
     def row_slot(self) -> torch.Tensor:
         """`[T]` each row's sequence slot."""
         slots = long_tensor(self.slots, self.device)

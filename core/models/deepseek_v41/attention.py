@@ -255,8 +255,8 @@ class Attention:
                 pooled = self.ops.compress_pool(src_kv, src_score).to(dtype)
                 latent = a.rms_norm(pooled, w["compressor.norm.weight"], eps)
             write = plan.ring_write(ring)
-            flat_kv[write.ring_row] = kv_raw[write.rows]
-            flat_score[write.ring_row] = score_raw[write.rows]
+            write.store(flat_kv, kv_raw)
+            write.store(flat_score, score_raw)
             if not cp.num_windows:
                 return
         cos, sin = step.rope.cos_sin(cp.rope_pos, "compress")

@@ -98,6 +98,7 @@ class EngramHasher:
         self.offsets = torch.tensor([[0, *np.cumsum(ps[:-1]).tolist()] for ps in primes], dtype=torch.long,
                                     device=device)
         self.multipliers = torch.tensor(engram_multipliers(config), dtype=torch.long, device=device)  # [Le, N]
+        self.look_back = torch.arange(config.engram_max_ngram_size, device=device)  # k = 0..N-1
 
     def hash(self, input_ids: torch.Tensor, plan, history: torch.Tensor, dead: torch.Tensor | None = None
              ) -> torch.Tensor:
@@ -109,31 +110,24 @@ class EngramHasher:
         ids = self.token_map[input_ids]  # [T]
         if dead is not None:
             ids = ids.masked_fill(dead, DEAD)
-        pos = plan.positions
-        ctx = torch.tensor(plan.ctx, device=dev)[plan.row_seq]
-        slot = torch.tensor(plan.slots, device=dev)[plan.row_seq]
         ring = history.shape[1]
         flat_history = history.view(-1)
-        rows = torch.arange(plan.T, device=dev)
-        grams = []
-        blocked = torch.zeros_like(pos, dtype=torch.bool)  # the look-back passed the start or an image
-        for k in range(N):
-            p = pos - k
-            in_step = p >= ctx
-            from_step = ids[(rows - k).clamp(min=0)]
-            from_history = flat_history[slot * ring + p.clamp(min=0) % ring]
-            c = torch.where(in_step, from_step, from_history)
-            blocked = blocked | (p < 0) | (c == DEAD)
-            grams.append(torch.where(blocked, torch.full_like(c, self.pad_id), c))
-        products = torch.stack(grams, dim=-1).unsqueeze(1) * self.multipliers  # [T, Le, N] (int64 wrap-around)
+        # every look-back k = 0..N-1 at once: [T, N] positions, their ids from this step or the history
+        back = self.look_back
+        p = plan.positions.unsqueeze(1) - back
+        in_step = back <= plan.query_offsets.unsqueeze(1)
+        from_step = ids[(plan.row_ids.unsqueeze(1) - back).clamp(min=0)]
+        from_history = flat_history[plan.row_slot.unsqueeze(1) * ring + p.clamp(min=0) % ring]
+        c = torch.where(in_step, from_step, from_history)
+        blocked = ((p < 0) | (c == DEAD)).cumsum(dim=1) > 0  # the look-back passed the start or an image
+        products = c.masked_fill(blocked, self.pad_id).unsqueeze(1) * self.multipliers  # [T, Le, N] (wraps)
         h = products[..., 0]
-        out = []
+        grams = []  # the rolling hash of each order 2..N
         for k in range(1, N):
             h = torch.bitwise_xor(h, products[..., k])
-            out.append(h.unsqueeze(-1) % self.primes[:, (k - 1) * heads:k * heads])
-        write = plan.ring_write(ring)
-        flat_history[slot[write.rows] * ring + pos[write.rows] % ring] = ids[write.rows]
-        return torch.cat(out, dim=-1) + self.offsets
+            grams.append(h)
+        plan.ring_write(ring).store(flat_history, ids)
+        return torch.stack(grams, dim=-1).repeat_interleave(heads, dim=-1) % self.primes + self.offsets
 
 
 class Engram:
