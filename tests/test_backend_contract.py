@@ -143,7 +143,7 @@ def test_family_names_its_op_table_and_its_ops_count_as_present():
 
 def test_cpu_table_delegates_to_the_kernels_and_the_model_resolves_it_once():
     from deepinfer_plugins.cpu import CpuAccelerator
-    from deepinfer_plugins.cpu.kernels import CpuDeepseekV4Ops
+    from deepinfer_plugins.cpu.ops_v4 import CpuDeepseekV4Ops
 
     acc = CpuAccelerator()
     table = acc.model_ops("deepseek_v4")

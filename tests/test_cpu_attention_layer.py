@@ -59,7 +59,7 @@ def projection_calls(monkeypatch) -> list[int]:
 def expected_calls(kernels: NativeCpuKernels, dtype: torch.dtype, tokens: int, smallest: int = 1) -> list[int]:
     """The C calls of three calls on the same weights: on the tiles from the third (the copies are made at
     a weight's second use), for one token without them on every call; none for fp32, AMX, or other sizes."""
-    low, high = kernels._packed_gemm_rows
+    low, high = kernels.tuning.packed_gemm_rows
     if dtype != torch.bfloat16 or kernels.native_amx:
         return []
     if max(low, smallest) <= tokens <= high:
@@ -194,7 +194,7 @@ def test_the_model_decodes_the_same_bits(fused_calls, projection_calls, monkeypa
             assert torch.equal(outs[0][i], outs[1][i]), f"sequence {i}, decode step {step}"
         tokens = {i: [int(outs[0][i][-1].argmax())] for i in range(16)}
     kernels = models[0].blocks[0].attn.accel
-    low, high = kernels._packed_gemm_rows
+    low, high = kernels.tuning.packed_gemm_rows
     if not kernels.native_amx:
         assert 1 in fused_calls and 1 in projection_calls  # one sequence's decode steps
         if max(low, 16) <= 16 <= high:

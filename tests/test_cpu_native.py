@@ -2,6 +2,8 @@
 (CpuKernels), plus how the library is selected, built and loaded."""
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import subprocess
 
@@ -11,7 +13,7 @@ import torch
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer_plugins.cpu import CpuAccelerator, native
 from deepinfer_plugins.cpu.kernels import CpuKernels
-from deepinfer_plugins.cpu.native_kernels import _HC_REUSE_MAX_ROWS, _MOE_FUSED_MAX_TOKENS, NativeCpuKernels
+from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
 REF = CpuKernels()
 SHAPES = [(1, 1024), (3, 64), (17, 256), (300, 512)]  # (T, D)
@@ -254,7 +256,7 @@ def test_hc_post_pre_norm_buffers(nat):
     third = kernels.hc_post_pre_norm(y, second[0], second[2], second[3], *site)
     assert third[0] is first[0] and torch.equal(third[0], kernels.hc_post(y, want, second[2], second[3]))
     assert kernels.hc_post_pre_norm(y[:1], streams[:1], post[:1], comb[:1], *site)[0].shape == (1, n, D)  # new shape
-    rows = _HC_REUSE_MAX_ROWS + 1  # prefill-sized: new tensors every call
+    rows = kernels.tuning.hc_reuse_max_rows + 1  # prefill-sized: new tensors every call
     big = (make((rows, D), torch.bfloat16, 1), make((rows, n, D), torch.bfloat16), torch.rand(rows, n),
            torch.softmax(make((rows, n, n), torch.float32, 3), dim=-1))
     assert kernels.hc_post_pre_norm(*big, *site)[0] is not kernels.hc_post_pre_norm(*big, *site)[0]
@@ -426,7 +428,7 @@ def test_gemv_tokens_bf16(nat, m, N, K):
     for t in range(m):
         lib = nat.native_library
         assert torch.equal(got[t], native.run(lib, native.gemv_bf16_arguments(lib, W, x[t])))
-    if m <= nat._gemv_tokens_max_rows:  # the linear's decode-batch path on this tier
+    if m <= nat.tuning.gemv_tokens_max_rows:  # the linear's decode-batch path on this tier
         assert torch.equal(nat.linear(x.view(1, m, K), W).view(m, N), got)
     assert native.gemv_tokens_bf16(nat.native_library, x.float(), W.float()) is None
     assert native.gemv_tokens_bf16(nat.native_library, x[:, :K - 1], W) is None
@@ -475,7 +477,7 @@ def test_linear_on_packed_tiles(rows):
     want = (x.double() @ W.double().t()).to(torch.bfloat16)
     for _ in range(3):
         assert_close(kernels.linear(x.view(1, rows, 96), W).view(rows, 130), want)
-    low, high = kernels._packed_gemm_rows
+    low, high = kernels.tuning.packed_gemm_rows
     assert len(kernels.tile_weights) == (1 if low <= rows <= high else 0)
     if low <= rows <= high:
         assert torch.equal(kernels.linear(x, W), native.packed_linear_bf16(kernels.native_library, x,
@@ -485,18 +487,18 @@ def test_linear_on_packed_tiles(rows):
 def test_one_row_on_tiles_for_large_weights_on_avx2(monkeypatch):
     # the AVX2 tier's LM head: one row on the tiles from the weight's second use, from a weight size on
     # (lowered here); smaller weights keep the GEMV, and the other tiers their own row range
-    from deepinfer_plugins.cpu import native_kernels
-    monkeypatch.setattr(native_kernels, "_AVX2_ONE_ROW_TILES_MIN_ELEMENTS", 130 * 96)
     kernels = NativeCpuKernels()
     if kernels.native_library is None:
         pytest.fail("the native library did not build")
+    if native.gemv_tier(kernels.native_library) == "avx2-fma":
+        kernels.tuning = dataclasses.replace(kernels.tuning, one_row_tiles_min_elements=130 * 96)
     large, small = make((130, 96), torch.bfloat16), make((129, 96), torch.bfloat16, 1)
     x = make((1, 96), torch.bfloat16, 2)
     for W in (large, small):
         want = (x.double() @ W.double().t()).to(torch.bfloat16)
         for _ in range(3):
             assert_close(kernels.linear(x, W), want)
-    avx2, one_row = native.gemv_tier(kernels.native_library) == "avx2-fma", kernels._packed_gemm_rows[0] == 1
+    avx2, one_row = native.gemv_tier(kernels.native_library) == "avx2-fma", kernels.tuning.packed_gemm_rows[0] == 1
     assert (kernels.tile_weights.peek(large) is not None) == (avx2 or one_row)
     assert (kernels.tile_weights.peek(small) is not None) == one_row
     if avx2:
@@ -525,7 +527,7 @@ def test_moe_experts_on_packed_tiles(nat, monkeypatch):
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).view(n, 1)
     grouped, plan = nat.moe_dispatch(rows, ids, E)
     assert n > nat._native_expert_rows(E)
-    low, high = nat._packed_gemm_rows
+    low, high = nat.tuning.packed_gemm_rows
     for _ in range(3):
         got = nat.moe_experts(grouped, plan, w13, w2, limit)
     if not low <= max(counts) <= high:
@@ -553,7 +555,7 @@ def test_grouped_linear_on_packed_tiles(nat, T):
     for _ in range(3):
         got = nat.grouped_linear(x, w)
         assert_close(got, want)
-    low, high = nat._packed_gemm_rows
+    low, high = nat.tuning.packed_gemm_rows
     if max(low, 16) <= T <= high and not (nat.native_amx and T <= 64):  # from 16 tokens (a call per group)
         packed = nat.tile_weights.lookup(w)
         assert packed is not None
@@ -874,12 +876,12 @@ def test_moe_layer_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
     # fused call takes at all, or fp32: the composed path, not the fused call
     calls = []
     monkeypatch.setattr(native, "moe_layer_bf16", lambda *a, **kw: calls.append(kw) or None)
-    many = make((nat._gemv_tokens_max_rows + 1, 64), torch.bfloat16)
+    many = make((nat.tuning.gemv_tokens_max_rows + 1, 64), torch.bfloat16)
     plain = NativeCpuKernels()
     plain.pack_weights = False  # as the accelerator sets it under DEEPINFER_CPU_PACKED_WEIGHTS=0
     assert plain.moe_sublayer(many, gate, bias, None, w13, w2, sw13, sw2, *args).shape == many.shape
     assert not calls
-    one_each = moe_case(_MOE_FUSED_MAX_TOKENS + 1, 64, 16, 1, 32, 32, False)
+    one_each = moe_case(nat.tuning.moe_fused_max_tokens + 1, 64, 16, 1, 32, 32, False)
     for _ in range(2):
         assert nat.moe_sublayer(*one_each, 1, 1.0, "sigmoid", 0.0).shape == one_each[0].shape
     assert not calls
@@ -891,7 +893,7 @@ def test_moe_layer_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
 def test_moe_sublayer_runs_decode_batches_on_the_tiles(nat, monkeypatch):
     """16 and 64 tokens: the fused call, its routed and shared experts on their packed copies from the
     weights' second use (on the tiers with register tiles)."""
-    if nat.native_amx or nat._packed_gemm_rows == (0, 0):
+    if nat.native_amx or nat.tuning.packed_gemm_rows == (0, 0):
         pytest.skip("the fused MoE takes 16 tokens on the AVX2 and AVX512-BF16 register tiles (not with AMX)")
     calls, fused = [], native.moe_layer_bf16
     monkeypatch.setattr(native, "moe_layer_bf16", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))

@@ -69,8 +69,9 @@ def test_linear_on_packed_weights_matches_the_plain_product(rows):
         # fp32 sums of exact bf16 products, rounded once: within one bf16 rounding of the exact value
         assert ((got.view(rows, 200).double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
     # decode batches run on the C tiles' packed copy (or, at first use, the C multi-token GEMV) instead
-    low, high = kernels._packed_gemm_rows
-    assert len(kernels.packed_weights) == (0 if rows <= kernels._gemv_tokens_max_rows or low <= rows <= high else 1)
+    low, high = kernels.tuning.packed_gemm_rows
+    on_gemv = rows <= kernels.tuning.gemv_tokens_max_rows
+    assert len(kernels.packed_weights) == (0 if on_gemv or low <= rows <= high else 1)
 
 
 def test_one_row_and_fp32_use_the_plain_weights():

@@ -143,6 +143,31 @@ def test_the_calls_follow_torchs_thread_count(prepared_runs):
         torch.set_num_threads(before)
 
 
+def test_the_kernel_choices_are_asked_while_the_packed_copies_change(prepared_runs, monkeypatch):
+    """The calls' kernel choices are asked again only at steps after the tables of packed copies changed
+    (their own lookups count uses, so the copies still get made and the bits stay the call-by-call
+    ones); once nothing changes, a step asks none, and a change elsewhere makes the next step ask again."""
+    prepared, eager = _models()
+    asked = []
+    choices = program.MoESublayer.choices
+    monkeypatch.setattr(program.MoESublayer, "choices", lambda self, k, a: asked.append(1) or choices(self, k, a))
+    runners = [Runner(m, num_slots=2) for m in (prepared, eager)]
+    for r in runners:
+        r.add("a")
+    outs = [r.step({"a": list(range(1, 12))}) for r in runners]
+    per_step = []
+    for step in range(12):
+        before = len(asked)
+        outs = [r.step({"a": [int(outs[0]["a"][-1].argmax())]}) for r in runners]
+        assert torch.equal(outs[0]["a"], outs[1]["a"]), f"decode step {step}"
+        per_step.append(len(asked) - before)
+        if step == 8:  # another user of the tables made a copy
+            prepared.accel.tile_weights.changes += 1
+    blocks = len(prepared.blocks)
+    assert per_step[0] >= blocks and per_step[6:9] == [0, 0, 0], per_step
+    assert per_step[9] == blocks and per_step[10:] == [0, 0], per_step
+
+
 def test_a_float32_model_binds_only_what_the_composed_ops_run_in_c(prepared_runs):
     """fp32 (the reference dtype): the mHC sites are C calls either way and are bound; the attention and MoE
     calls, which the composed ops run in torch for fp32, run as those ops. The same bits as call by call."""

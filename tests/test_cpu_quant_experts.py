@@ -173,11 +173,12 @@ def test_what_the_kernel_does_not_take_is_left_to_the_reference(lib):
 
 def test_the_cpu_back_end_runs_decode_experts_in_one_call(monkeypatch):
     from deepinfer_plugins.cpu.kernels import CpuKernels
-    from deepinfer_plugins.cpu.native_kernels import _QUANT_MAX_ROWS, NativeCpuKernels
+    from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
     kernels = NativeCpuKernels()
     if kernels.native_library is None:
         pytest.skip("the cpu back end's C kernels are not available here")
+    most = kernels.tuning.quant_max_rows
     w13, _, w2, _ = _unit_experts("fp4", 4, 64, 32)
     calls = []
     real = native.quant_experts
@@ -197,10 +198,10 @@ def test_the_cpu_back_end_runs_decode_experts_in_one_call(monkeypatch):
 
     run([1, 0, 2, 1])
     assert calls == [4]
-    run([_QUANT_MAX_ROWS, 3, 0, 1])  # the largest expert on the codes
-    assert calls == [4, _QUANT_MAX_ROWS + 4]
-    run([_QUANT_MAX_ROWS + 1, 0, 0, 0])  # prefill-sized: one expert at a time (dequantised tiles)
-    assert calls == [4, _QUANT_MAX_ROWS + 4]
+    run([most, 3, 0, 1])  # the largest expert on the codes
+    assert calls == [4, most + 4]
+    run([most + 1, 0, 0, 0])  # prefill-sized: one expert at a time (dequantised tiles)
+    assert calls == [4, most + 4]
     kernels.set_batch_invariant(True)  # its fixed-order products, one expert at a time
     run([1, 0, 2, 1])
-    assert calls == [4, _QUANT_MAX_ROWS + 4]
+    assert calls == [4, most + 4]

@@ -169,7 +169,7 @@ def test_what_the_kernel_does_not_take_is_left_to_the_reference(lib):
 
 
 def test_the_cpu_back_end_runs_decode_products_on_the_codes(lib, monkeypatch):
-    from deepinfer_plugins.cpu.native_kernels import _QUANT_MAX_ROWS, NativeCpuKernels
+    from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
     kernels = NativeCpuKernels()
     w = _fp4_weight(64, 128, seed=9)
@@ -181,10 +181,11 @@ def test_the_cpu_back_end_runs_decode_products_on_the_codes(lib, monkeypatch):
     assert calls == [3] and y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), (x.double() @ _fp4_reference(w.data, w.scale).t()).bfloat16().double(),
                                atol=0, rtol=2 ** -7)
-    kernels.linear(torch.randn(_QUANT_MAX_ROWS, 128, dtype=torch.bfloat16), w)  # the last size on the codes
-    assert calls == [3, _QUANT_MAX_ROWS]
-    kernels.linear(torch.randn(_QUANT_MAX_ROWS + 1, 128, dtype=torch.bfloat16), w)  # prefill-sized: the tile path
-    assert calls == [3, _QUANT_MAX_ROWS]
+    most = kernels.tuning.quant_max_rows
+    kernels.linear(torch.randn(most, 128, dtype=torch.bfloat16), w)  # the last size on the codes
+    assert calls == [3, most]
+    kernels.linear(torch.randn(most + 1, 128, dtype=torch.bfloat16), w)  # prefill-sized: the tile path
+    assert calls == [3, most]
 
 
 @pytest.mark.parametrize("rows", [1, 3])

@@ -16,7 +16,7 @@ from test_cpu_quant_gemv import _fp4_weight, _fp8_weight
 
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer_plugins.cpu import native
-from deepinfer_plugins.cpu.native_kernels import _MOE_FUSED_MAX_TOKENS, NativeCpuKernels
+from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
 
 def _kernels(library) -> NativeCpuKernels:
@@ -83,7 +83,7 @@ def test_the_back_end_fuses_quantised_decode_batches_only(lib, monkeypatch):  # 
     monkeypatch.setattr(native, "moe_layer_quant", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw))
     kernels.moe_sublayer(x, gate, bias, None, w13, w2, sw13, sw2, *args)
     assert calls == [2]
-    many = torch.randn(_MOE_FUSED_MAX_TOKENS + 1, 64).bfloat16()
+    many = torch.randn(kernels.tuning.moe_fused_max_tokens + 1, 64).bfloat16()
     assert kernels.moe_sublayer(many, gate, bias, None, w13, w2, sw13, sw2, *args).shape == many.shape
     kernels.moe_sublayer(x.float(), gate, bias, None, w13, w2, sw13, sw2, *args)  # fp32: composed
     assert calls == [2]

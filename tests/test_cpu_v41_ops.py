@@ -16,7 +16,8 @@ import torch
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
 from deepinfer.models.deepseek_v41.ops import CandidateBlocks, DeepseekV41Ops
 from deepinfer_plugins.cpu import native
-from deepinfer_plugins.cpu.native_kernels import CpuDeepseekV41Ops, NativeCpuKernels
+from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
+from deepinfer_plugins.cpu.ops_v41 import CpuDeepseekV41Ops
 from test_cpu_native import DTYPES, assert_close, make
 
 DEFAULT = DeepseekV41Ops()

@@ -403,7 +403,7 @@ def test_the_fused_quantised_attention_decodes_the_composed_bits(v4_path, clean_
     from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
     from deepinfer.sampling_params import SamplingParams
     from deepinfer_plugins.cpu import native
-    from deepinfer_plugins.cpu.kernels import CpuDeepseekV4Ops
+    from deepinfer_plugins.cpu.ops_v4 import CpuDeepseekV4Ops
 
     if native.library() is None:
         pytest.skip("the cpu back end's C kernels are not available here")

@@ -61,6 +61,9 @@ class PackedWeights:
         self._dims = (2, 3) if stacks else (2,)
         # id(weight) -> (weak reference, packed copy or None after the first use)
         self._entries: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
+        #: how many times the table changed (a use counted, a copy made, an entry dropped): an answer read
+        #: from it holds while this stays the same
+        self.changes = 0
 
     def __len__(self) -> int:
         return sum(packed is not None for _, packed in self._entries.values())
@@ -78,8 +81,10 @@ class PackedWeights:
                 return entry[1]
             packed = self._pack(weight)
             self._entries[key] = (entry[0], packed)
+            self.changes += 1
             return packed
         self._entries[key] = (weakref.ref(weight, self._forget(key)), None)
+        self.changes += 1
         return None
 
     def peek(self, weight: torch.Tensor) -> torch.Tensor | None:
@@ -95,4 +100,5 @@ class PackedWeights:
             table = owner()
             if table is not None and key in table._entries and table._entries[key][0] is ref:
                 del table._entries[key]
+                table.changes += 1
         return drop

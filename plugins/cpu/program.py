@@ -15,9 +15,11 @@ differ from those names' (DeepSeek-V4.1's: its own site entries, projections wit
 norm, coded caches) names its binders (`program_binders`, here `V41_BINDERS`). A call without a
 binder, or whose binder declines the inputs, runs as it is, in its place.
 
-The kernel choices (which packed copy a product reads, which kernel a row count takes) are asked
-every step, as the composed ops ask them (their lookups count a weight's uses: a copy is made at its
-second); when one changes, the calls are bound again. A call whose inputs of a step do not fit its
+The kernel choices (which packed copy a product reads, which kernel a row count takes) are asked as the
+composed ops ask them (their lookups count a weight's uses: a copy is made at its second), at every step
+where the tables of packed copies changed since they were last asked (`packed_changes`: a use counted,
+a copy made; the choices' own lookups count as uses, so they are asked again the next step until
+nothing changes); when one changes, the calls are bound again. A call whose inputs of a step do not fit its
 binding (a layout it does not take), or whose C status says it did not run, runs as the composed op
 that step, its results copied into the call's buffers.
 """
@@ -54,9 +56,10 @@ class Binding:
 
 
 class Binder:
-    """How one op becomes a C call: `choices` (asked every step, with the call's constant and bound
-    arguments) names the kernels the composed op would pick for them, None where that is not one C
-    call now; `bind` binds the call on example values of every argument."""
+    """How one op becomes a C call: `choices` (asked where the packed copies changed, with the call's
+    constant and bound arguments) names the kernels the composed op would pick for them, None where that
+    is not one C call now (a function of the tables of packed copies and of constants only); `bind`
+    binds the call on example values of every argument."""
 
     #: the op's arguments that may change per step, and how each reaches the C call
     patches: dict[str, Patch] = {}
@@ -365,7 +368,7 @@ class _Step:
     """One call of the prepared program: bound (`binding`), or run as it is."""
 
     call: Call
-    binder: Binder | None = None  # the op's binder, asked for its kernel choices every step
+    binder: Binder | None = None  # the op's binder, asked for its kernel choices (PreparedProgram.run)
     args: dict[str, Any] | None = None  # the values it was bound on (what `choices` is asked with)
     binding: Binding | None = None
     dynamic: tuple[tuple[str, Any], ...] = ()  # (parameter, its Ref(s)) that change per step: patched
@@ -389,15 +392,19 @@ class PreparedProgram:
         self.steps: list[_Step] = []  # bound at the first run, on its values
         self.static: dict[str, Any] = {}  # the bound calls' outputs and views of them: fixed storage
         self.choices: list = []  # the kernel choices the calls were bound for
+        self.seen = -1  # the packed tables' changes when the choices were last asked (kernels.packed_changes)
         self.threads = threads()
 
     def run(self, step: Any, **given: Any) -> tuple[Any, ...]:
         program, k = self.program, self.kernels
         env = program.feed(step, given)
-        choices = [s.binder.choices(k, s.args) if s.binder is not None else None for s in self.steps]
-        if not self.steps or not _same(choices, self.choices):
-            self._bind(env)  # the first step, or a packed copy appeared: bind again (running this step)
-            return tuple(env[name] for name in program.outputs)
+        changes = k.packed_changes()
+        if not self.steps or changes != self.seen:  # the tables changed since the choices were last asked
+            self.seen = changes  # before asking: a use the choices count themselves makes them asked again
+            choices = [s.binder.choices(k, s.args) if s.binder is not None else None for s in self.steps]
+            if not self.steps or not _same(choices, self.choices):
+                self._bind(env)  # the first step, or a packed copy appeared: bind again (running this step)
+                return tuple(env[name] for name in program.outputs)
         if threads() != self.threads:  # torch's thread count changed: the calls use it, as the composed ops do
             self.threads = threads()
             for s in self.steps:

@@ -1,0 +1,88 @@
+"""What every op family of the cpu back end's C kernels shares (`NativeKernelsBase`): the library,
+batch-invariant mode and its fixed-order product, the switches the accelerator sets once, the tables of
+packed weight copies, the tuning table of the tier, and the prepared programs. The families are
+native_kernels.py (products, norms, attention, sampling), native_moe.py and native_mhc.py;
+`NativeCpuKernels` is all of them."""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from deepinfer.program import Program
+from deepinfer_plugins.cpu import native, packed_weights
+from deepinfer_plugins.cpu.kernels import CpuKernels
+from deepinfer_plugins.cpu.packed_weights import PackedWeights
+from deepinfer_plugins.cpu.program import PreparedProgram
+from deepinfer_plugins.cpu.tuning import TUNING, Tuning
+
+
+class NativeKernelsBase(CpuKernels):
+    invariant: bool = False  # batch-invariant mode (set_batch_invariant)
+
+    # the switches, read once by the accelerator when it is made (nothing reads the environment in a step)
+    prepared_programs: bool = True  # DEEPINFER_CPU_DECODE_BLOCKS
+    pack_weights: bool = True  # DEEPINFER_CPU_PACKED_WEIGHTS
+    use_huge_pages: bool = True  # DEEPINFER_CPU_HUGE_PAGES
+
+    def set_batch_invariant(self, enabled: bool) -> None:
+        if enabled and self.native_library is None:
+            raise RuntimeError("the cpu back end's batch-invariant mode runs on its C kernels, which are not "
+                               "available (DEEPINFER_CPU_NATIVE=0, or no C compiler: see the warning logged at "
+                               "start-up); enable them or disable the batch_invariant feature")
+        self.invariant = enabled
+
+    def _rows(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The batch-invariant product `x @ weight^T` (batch-invariant mode only)."""
+        if weight.dtype != x.dtype and out_dtype is None:
+            weight = weight.to(x.dtype)  # rounded like the default path
+        y = native.linear_rows(self.native_library, x, weight, out_dtype)
+        if y is None:
+            raise RuntimeError(f"batch-invariant mode: no fixed-order product for x {x.dtype} {tuple(x.shape)} and "
+                               f"weight {weight.dtype} {tuple(weight.shape)} on {x.device} (fp32 or bf16 CPU "
+                               f"tensors only); disable the batch_invariant feature for this model")
+        return y
+
+    @functools.cached_property
+    def native_library(self) -> ctypes.CDLL | None:
+        """Decided once per instance (the first kernel call): the loaded library or None."""
+        return native.active_library()
+
+    @functools.cached_property
+    def packed_weights(self) -> PackedWeights | None:
+        return PackedWeights() if self.pack_weights and packed_weights.onednn_bf16() else None
+
+    @functools.cached_property
+    def tile_weights(self) -> PackedWeights | None:
+        """The weights packed for the C register tiles (packed_gemm.c) of decode batches."""
+        lib = self.native_library
+        if lib is None or not self.pack_weights:
+            return None
+        return PackedWeights(pack=functools.partial(native.pack_bf16, lib, huge=self.use_huge_pages), stacks=True)
+
+    def packed_changes(self) -> int:
+        """How many times the tables of packed copies changed so far (`PackedWeights.changes`, summed): kernel
+        choices read from them (which copy a product reads) hold while this stays the same. Tables not made
+        yet are not made here."""
+        tables = (self.__dict__.get(name) for name in ("packed_weights", "tile_weights", "hc_weights"))
+        return sum(t.changes for t in tables if t is not None)
+
+    @functools.cached_property
+    def tuning(self) -> Tuning:
+        """The path choices' thresholds of the tier the library was built for (tuning.py; no library: portable)."""
+        lib = self.native_library
+        return TUNING["portable" if lib is None else native.gemv_tier(lib)]
+
+    @functools.cached_property
+    def native_amx(self) -> bool:
+        """The C expert kernel runs on AMX tiles (built for an AMX CPU, and Linux granted the state): it
+        decides how many rows the expert kernel takes; the AMX wrappers check it themselves."""
+        return self.native_library is not None and native.amx_usable(self.native_library)
+
+    def prepare_program(self, program: Program) -> PreparedProgram | None:
+        """A model's step program with its C calls bound once (program.py); None (run eagerly) without the
+        library, in batch-invariant mode (its kernels are the composed ops'), or when switched off."""
+        if self.native_library is None or self.invariant or not self.prepared_programs:
+            return None
+        return PreparedProgram(self, program)
