@@ -18,7 +18,7 @@ def _wrap(v: int) -> int:
     return v - INT64 if v >= 1 << 63 else v
 
 
-def _reference_rows(config, compressed: list[list[int]], pad: int) -> list[list[list[int]]]:
+def _reference_rows(config, compressed: list[int], pad: int) -> list[list[list[int]]]:
     """Per position of one sequence's compressed ids (DEAD at image positions): rows [layers][heads]."""
     N, heads = config.engram_max_ngram_size, config.engram_n_heads
     primes, mults = engram_primes(config), engram_multipliers(config)

@@ -23,6 +23,7 @@ from deepinfer.accelerator.interface import MoEDispatch
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.accelerator.reference import TorchKernels, quantized_linear, row_chunks
 from deepinfer.models.deepseek_v4.ops import FAMILY as DEEPSEEK_V4, DeepseekV4Ops
+from deepinfer_plugins.cpu.ops_v4 import CpuDeepseekV4Ops
 
 # Inputs of at most this many rows take the weight-streaming GEMV path of `linear` (measured faster
 # up to 16 rows, mixed at 32, slower from 64 on).
@@ -76,8 +77,6 @@ def _sinkhorn_(comb: torch.Tensor, iters: int, eps: float) -> None:
 class CpuKernels(TorchKernels):
     def model_ops(self, family: str) -> DeepseekV4Ops | None:
         """The V4 op table over this object's methods; None (the defaults) for other families."""
-        from deepinfer_plugins.cpu.ops_v4 import CpuDeepseekV4Ops  # it names this class in its hints
-
         return CpuDeepseekV4Ops(self) if family == DEEPSEEK_V4 else None
 
     def fused_attention_projections(self, *args) -> None:

@@ -6,7 +6,8 @@ memory instead of tens of torch ops, for
 - decode-sized products: the bf16 GEMV of one token, LM head included (it streams weights faster
   than torch.mv on every tier: AVX512-BF16, AVX2+FMA, portable), the grouped output projection of a
   few tokens, the routed experts of decode-sized batches (each expert weight streamed once; bf16 in
-  experts.c, FP4/FP8 codes in quant_experts.c), and, where the CPU has AMX, the linears of decode batches (tile products instead of oneDNN's calls);
+  experts.c, FP4/FP8 codes in quant_experts.c), and, where the CPU has AMX, the linears of decode
+  batches (tile products instead of oneDNN's calls);
 - the MoE dispatch and combine (a counting sort and a weighted row sum, ~10 torch ops each);
 - decode attention (16 heads per vector lane set, no horizontal sums);
 - DeepSeek-V4.1's own ops (`CpuDeepseekV41Ops`, ops_v41.py): its single-pass mHC sites, its MXFP4 indexer

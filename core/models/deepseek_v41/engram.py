@@ -106,7 +106,6 @@ class EngramHasher:
         step's compressed ids are written into it after the look-ups); dead `[T]` bool: the image
         span positions, or None."""
         N, heads = self.c.engram_max_ngram_size, self.c.engram_n_heads
-        dev = input_ids.device
         ids = self.token_map[input_ids]  # [T]
         if dead is not None:
             ids = ids.masked_fill(dead, DEAD)
