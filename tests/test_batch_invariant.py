@@ -194,6 +194,37 @@ def test_mhc_of_wide_streams_is_row_count_invariant(lib, one_thread):
         assert all(torch.equal(a[i:i + 1], b) for a, b in zip(full, one)), f"row {i}"
 
 
+def test_the_mode_switches_the_kernels_and_the_op_tables_it_made(lib, one_thread):
+    """The mode's ops are tables of their own (fixed_order.py), put over the kernels and over the V4.1 op
+    tables made before or after it is switched on, and taken away when it is switched off: a row's result
+    is then the same alone and in a batch, and the fast paths' results come back."""
+    from deepinfer_plugins.cpu.accelerator import CpuAccelerator
+
+    accel = CpuAccelerator()
+    before = accel.model_ops("deepseek_v41")
+    g = torch.Generator().manual_seed(4)
+    n, D, T = 4, 1024, 7
+    streams = torch.randn(T, n, D, generator=g).bfloat16()
+    fn, base = torch.randn(n * (n + 2), n * D, generator=g) * 0.02, torch.randn(n * (n + 2), generator=g)
+    scale = torch.rand(3, generator=g)
+
+    def rows_alone_equal(table) -> bool:
+        full = table.hc_mix(streams, fn, base, scale, 20, 1e-6, 1e-6)
+        return all(all(torch.equal(a[i:i + 1], b) for a, b in zip(full, table.hc_mix(
+            streams[i:i + 1], fn, base, scale, 20, 1e-6, 1e-6))) for i in range(T))
+
+    fast = before.hc_mix(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    assert not rows_alone_equal(before)  # the default's batched product: so the check below can fail
+    accel.set_batch_invariant(True)
+    after = accel.model_ops("deepseek_v41")
+    assert rows_alone_equal(before) and rows_alone_equal(after)
+    x, w = torch.randn(9, 1024, generator=g).bfloat16(), torch.randn(64, 1024, generator=g).bfloat16()
+    assert torch.equal(accel.linear(x, w)[4:5], accel.linear(x[4:5], w))
+    accel.set_batch_invariant(False)
+    assert all(torch.equal(a, b) for a, b in zip(fast, before.hc_mix(streams, fn, base, scale, 20, 1e-6, 1e-6)))
+    assert not vars(accel).keys() & {"linear", "hc_pre", "moe_experts"} and "hc_mix" not in vars(before)
+
+
 @pytest.mark.slow
 def test_portable_build(tmp_path, once_compiler):
     """The no-avx512 build (AVX2/FMA or older) of the same kernels keeps the guarantees."""

@@ -520,6 +520,9 @@ def test_moe_experts_on_packed_tiles(nat, monkeypatch):
     # prefill-sized expert rows (above the C expert kernel's limit): from the stacks' second use, each
     # expert's rows on the packed tiles where the tier's tile rows cover them, rounded where the
     # composed path rounds (gate/up, swiglu, output)
+    if nat.native_amx:
+        pytest.skip("with AMX tiles the C expert kernel takes more rows per expert than the register tiles do "
+                    "(tuning.expert_rows_per_expert_amx): the tiles never run the routed experts there")
     counts, D, inter, limit = [40, 0, 35, 33], 64, 128, 7.0  # each expert's hidden >= 4096: the C swiglu
     E, n = len(counts), sum(counts)
     rows, w13, w2 = make((n, D), torch.bfloat16), make((E, 2 * inter, D), torch.bfloat16, 1), \

@@ -122,7 +122,9 @@ def test_draft_block_matches_nemo(loaded, nemo):
     model.load_weights(loaded[1])
     runner = Runner(model)
     runner.add("s")
-    tokens = _prompt(30)
+    # prompt seed 1: with seed 0, two MXFP4 index scores of a late position are within rounding of each
+    # other, and the AVX-512 build's rounding on a Sapphire Rapids CPU swapped a pick (6e-4 on the features)
+    tokens = _prompt(30, seed=1)
     _, streams = runner.step({"s": tokens}, return_streams=True)
     ours_f = streams["s"]
     ref_f = _nemo_features(target, tokens, config.dspark_target_layer_ids)

@@ -131,17 +131,22 @@ def test_ragged_batch_matches_single_sequences(loaded):
 
 
 def test_rollback_is_exact(loaded):
-    """Write 4 speculative tokens, drop them, continue with other tokens: as if never written."""
-    model = build(loaded)
+    """Write 4 speculative tokens, drop them, continue with other tokens: as if never written, the bits of
+    the same decode steps that never saw them. (Against the whole prompt's one forward instead, a decode
+    step's rounding can swap two index picks within rounding of each other, which MXFP4 keys make common:
+    that would test the tie, not the rollback.)"""
     tokens = prompt(loaded[0], 40)
-    reference = full_logits(model, tokens)
+    plain = Runner(build(loaded))
+    plain.add("s")
+    plain.step({"s": tokens[:30]})
+    want = torch.cat([plain.step({"s": [t]})["s"] for t in tokens[30:]])
     runner = Runner(build(loaded), max_rollback=4)
     runner.add("s")
     runner.step({"s": tokens[:30]})
     runner.step({"s": [5, 6, 7, 8]})
     runner.truncate("s", 4)
-    rest = [runner.step({"s": [t]})["s"] for t in tokens[30:]]
-    assert max_rel_diff(torch.cat(rest), reference[30:]) < 1e-5
+    rest = torch.cat([runner.step({"s": [t]})["s"] for t in tokens[30:]])
+    assert torch.equal(rest, want)
 
 
 # ----- mutations: each property above can fail -----

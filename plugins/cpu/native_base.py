@@ -1,17 +1,19 @@
 """What every op family of the cpu back end's C kernels shares (`NativeKernelsBase`): the library,
-batch-invariant mode and its fixed-order product, the switches the accelerator sets once, the tables of
-packed weight copies, the tuning table of the tier, and the prepared programs. The families are
-native_kernels.py (products, norms, attention, sampling), native_moe.py and native_mhc.py;
-`NativeCpuKernels` is all of them."""
+batch-invariant mode (its tables, fixed_order.py, installed over the kernels and the op tables), the
+switches the accelerator sets once, the tables of packed weight copies, the tuning table of the tier,
+and the prepared programs. The families are native_kernels.py (products, norms, attention, sampling),
+native_moe.py and native_mhc.py; `NativeCpuKernels` is all of them."""
 from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
+from typing import Any
 
-import torch
 
 from deepinfer.program import Program
 from deepinfer_plugins.cpu import native, packed_weights
+from deepinfer_plugins.cpu.fixed_order import FixedOrderKernels, install
 from deepinfer_plugins.cpu.kernels import CpuKernels
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 from deepinfer_plugins.cpu.program import PreparedProgram
@@ -20,6 +22,7 @@ from deepinfer_plugins.cpu.tuning import TUNING, Tuning
 
 class NativeKernelsBase(CpuKernels):
     invariant: bool = False  # batch-invariant mode (set_batch_invariant)
+    fixed_order: FixedOrderKernels | None = None  # its kernels, installed over these (fixed_order.py)
 
     # the switches, read once by the accelerator when it is made (nothing reads the environment in a step)
     prepared_programs: bool = True  # DEEPINFER_CPU_DECODE_BLOCKS
@@ -32,17 +35,23 @@ class NativeKernelsBase(CpuKernels):
                                "available (DEEPINFER_CPU_NATIVE=0, or no C compiler: see the warning logged at "
                                "start-up); enable them or disable the batch_invariant feature")
         self.invariant = enabled
+        self.fixed_order = FixedOrderKernels(self) if enabled else None
+        install(self, self.fixed_order, FixedOrderKernels.ops)
+        for table in list(self._op_tables):
+            self.with_fixed_order(table)
 
-    def _rows(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The batch-invariant product `x @ weight^T` (batch-invariant mode only)."""
-        if weight.dtype != x.dtype and out_dtype is None:
-            weight = weight.to(x.dtype)  # rounded like the default path
-        y = native.linear_rows(self.native_library, x, weight, out_dtype)
-        if y is None:
-            raise RuntimeError(f"batch-invariant mode: no fixed-order product for x {x.dtype} {tuple(x.shape)} and "
-                               f"weight {weight.dtype} {tuple(weight.shape)} on {x.device} (fp32 or bf16 CPU "
-                               f"tensors only); disable the batch_invariant feature for this model")
-        return y
+    @functools.cached_property
+    def _op_tables(self) -> weakref.WeakSet:
+        """The family op tables made by `model_ops` that have a batch-invariant table of their own."""
+        return weakref.WeakSet()
+
+    def with_fixed_order(self, table: Any) -> Any:
+        """`table` (a family op table this object made, with `fixed_order_ops`: its batch-invariant table's
+        class) switched with this object's mode from now on, its fixed-order ops installed while it is on."""
+        self._op_tables.add(table)
+        ops = table.fixed_order_ops
+        install(table, ops(table) if self.invariant else None, ops.ops)
+        return table
 
     @functools.cached_property
     def native_library(self) -> ctypes.CDLL | None:

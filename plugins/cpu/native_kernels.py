@@ -24,13 +24,9 @@ prefill included) run on C register tiles over copies of the weights packed for 
 (native/packed_gemm.c), the other multi-row ones on oneDNN-packed copies (packed_weights.py);
 DEEPINFER_CPU_PACKED_WEIGHTS=0 turns both copies off (the plain weights through the C GEMVs and torch).
 
-Batch-invariant mode (`set_batch_invariant(True)`, the batch_invariant feature; needs the library):
-every product (linears, grouped projections, experts, mHC mixes, indexer scores) runs through one
-fixed-order C dot product whatever the row count (`linear_rows`), every attention call through the
-C attention with each sequence's keys in a canonical order (`sink_attention_invariant`), and the
-element-wise and per-row kernels (norms, rotary, swiglu, mHC, MoE combine, argmax/log-sum-exp)
-through the C kernels, which already reduce each row on its own. A row's result is then the same
-bits alone, in any batch, in any prefill chunk or at decode (docs/batch_invariance.md)."""
+Batch-invariant mode (`set_batch_invariant(True)`, the batch_invariant feature; needs the library) is a
+table of its own, fixed_order.py's, installed over the methods here that differ in it: these methods
+never ask which mode they are in."""
 from __future__ import annotations
 
 import torch
@@ -39,7 +35,6 @@ from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
 from deepinfer.models.deepseek_v41.ops import FAMILY as DEEPSEEK_V41
 from deepinfer_plugins.cpu import native, packed_weights
-from deepinfer_plugins.cpu.fixed_order import lanewise, row_strided, sum_fixed
 from deepinfer_plugins.cpu.kernels import _SKINNY_ROWS, _pad_rows
 from deepinfer_plugins.cpu.native_mhc import NativeMhcKernels
 from deepinfer_plugins.cpu.native_moe import NativeMoEKernels
@@ -65,8 +60,6 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
         if isinstance(weight, QuantizedWeight):
             y = self._quant_linear(x, weight)  # decode sizes: straight from the stored bytes
             return super().linear(x, weight) if y is None else y  # else CpuKernels tiles it through here
-        if self.invariant:
-            return row_strided(self._rows(x, weight))
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
         packed = self.linear_tiles(rows, x.dtype, weight)
         if packed is not None:
@@ -98,10 +91,9 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
 
     def _quant_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor | None:
         """`x @ weight^T` computed on the FP4/FP8 codes (quant_gemv.c) for up to tuning.quant_max_rows rows,
-        rounded once to x's dtype; None: the dequantising tile path (more rows, batch-invariant mode,
-        no library)."""
+        rounded once to x's dtype; None: the dequantising tile path (more rows, no library)."""
         rows, lib = x.numel() // max(x.shape[-1], 1), self.native_library
-        if lib is None or self.invariant or rows > self.tuning.quant_max_rows or weight.dim() != 2:
+        if lib is None or rows > self.tuning.quant_max_rows or weight.dim() != 2:
             return None
         y = native.quant_linear(lib, x.reshape(rows, x.shape[-1]), weight, out_dtype=x.dtype)
         return None if y is None else y.view(*x.shape[:-1], y.shape[1])
@@ -124,30 +116,21 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
 
     def compress_store(self, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor, position_mod: torch.Tensor,
                        ring_row: torch.Tensor, rows_kv: torch.Tensor, rows_score: torch.Tensor) -> bool:
-        # copies and one fp32 add per element: the same bits in batch-invariant mode
+        # copies and one fp32 add per element: batch-invariant as it is
         lib = self.native_library
         return lib is not None and native.compress_store(lib, kv, score, ape, position_mod, ring_row, rows_kv,
                                                          rows_score)
 
     def swiglu(self, gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
         lib = self.native_library
-        # a few rows: torch's four ops cost less than the call (5.9 vs 6.6 us for one 512-wide row); not
-        # in batch-invariant mode: torch computes the last few elements of a tensor with the scalar exp,
-        # the others with the vector one, so an element's bits would depend on the tensor's size
-        small = gate.numel() < self.tuning.swiglu_torch_max and not self.invariant
+        # a few rows: torch's four ops cost less than the call (5.9 vs 6.6 us for one 512-wide row)
+        small = gate.numel() < self.tuning.swiglu_torch_max
         out = None if lib is None or small else native.swiglu(lib, gate, up, limit)
         return super().swiglu(gate, up, limit) if out is None else out
 
     def sink_attention(self, q: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor,
                        sinks: torch.Tensor, scale: float) -> torch.Tensor:
-        lib = self.native_library
-        if self.invariant:
-            out = native.sink_attention_invariant(lib, q, kv, mask, sinks, scale)
-            if out is None:
-                raise RuntimeError(f"batch-invariant mode: no canonical-order attention for q {q.dtype} "
-                                   f"{tuple(q.shape)}, kv {kv.dtype} {tuple(kv.shape)} (fp32 or bf16 CPU tensors)")
-            return out
-        out = None
+        lib, out = self.native_library, None
         if lib is not None and q.shape[1] <= self.tuning.decode_queries:  # prefill blocks: flash attention
             out = native.sink_attention_decode(lib, q, kv, mask, sinks, scale)
         return super().sink_attention(q, kv, mask, sinks, scale) if out is None else out
@@ -156,8 +139,8 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
                             masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float) -> torch.Tensor:
         lib, out = self.native_library, None
         # decode-sized queries read their keys in place (attention.c), the same C attention the
-        # composed path runs on the gathered keys; batch-invariant mode keeps the composed path
-        if lib is not None and not self.invariant and q.dim() == 4 and q.shape[1] <= self.tuning.decode_queries:
+        # composed path runs on the gathered keys
+        if lib is not None and q.dim() == 4 and q.shape[1] <= self.tuning.decode_queries:
             out = native.sink_attention_rows(lib, q, caches, rows, masks, sinks, scale)
         return super().sink_attention_rows(q, caches, rows, masks, sinks, scale) if out is None else out
 
@@ -176,13 +159,13 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
         # uses that pack them, so both paths switch products at the same step.
         lib, out = self.native_library, None
         quantised = isinstance(wo_a, QuantizedWeight) or isinstance(wo_b, QuantizedWeight)
-        if quantised and lib is not None and not self.invariant and q.dtype == torch.bfloat16 and q.dim() == 3:
+        if quantised and lib is not None and q.dtype == torch.bfloat16 and q.dim() == 3:
             products = self._quant_output_products(q.shape[0], wo_a, wo_b)  # the same call, on the codes
             if products is not None:
                 out = native.attention_output_quant(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos,
                                                     sin, wo_a, wo_b, *products, coded_keys)
-        elif (lib is not None and not self.invariant and q.dtype == torch.bfloat16 and q.dim() == 3
-                and not self.native_amx):
+        elif (lib is not None and q.dtype == torch.bfloat16 and q.dim() == 3
+                and (q.shape[0] == 1 or not self.native_amx)):  # AMX tiles take multi-row products
             products = self._decode_output_products(q.shape[0], wo_a, wo_b)
             if products is not None:
                 out = native.attention_output_bf16(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin,
@@ -201,13 +184,13 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
         # would pick (the tiles once the copies exist, or the GEMV for one token), see decode_attention_output
         lib, out = self.native_library, None
         quantised = isinstance(fused_x, QuantizedWeight) or isinstance(fused_qr, QuantizedWeight)
-        if quantised and lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2:
+        if quantised and lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
             copies = self._quant_linear_copies(x.shape[0], fused_x, fused_qr)  # the same call, on the codes
             if copies is not None:
                 out = native.run(lib, native.attention_projections_quant_arguments(
                     lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin, index_heads, index_cos,
                     index_sin, *copies, q_head_norm))
-        elif (lib is not None and not self.invariant and x.dtype == torch.bfloat16 and x.dim() == 2
+        elif (lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2
                 and (x.shape[0] == 1 or not self.native_amx)):
             copies = self._linear_copies(x.shape[0], fused_x, fused_qr)
             if copies is not None:
@@ -249,8 +232,8 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
         if copies is None or isinstance(wo_a, QuantizedWeight):
             return None if copies is None else (None, *copies)
         # a bf16 wo_a: as _decode_output_products picks its product (one token: the grouped GEMV)
-        if self.native_amx or tokens == 1:
-            return None if self.native_amx else (None, *copies)
+        if tokens == 1 or self.native_amx:
+            return None if tokens > 1 else (None, *copies)
         low, high = self.tuning.packed_gemm_rows
         packed_a = self.tile_weights.peek(wo_a) if max(low, _SKINNY_ROWS) <= tokens <= high else None
         return None if packed_a is None or packed_a.dim() != 5 else (packed_a, *copies)
@@ -274,12 +257,10 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             lib, out = self.native_library, None
-            if lib is not None and not self.invariant and x.shape[0] <= self.tuning.quant_max_rows:
+            if lib is not None and x.shape[0] <= self.tuning.quant_max_rows:
                 # decode sizes: each group quant_linear's products (the per-group linears' bits), one call
                 out = native.quant_grouped_linear(lib, x, weight, out_dtype=x.dtype)
             return super().grouped_linear(x, weight) if out is None else out  # one (tiled) linear per group
-        if self.invariant:  # a few groups: one fixed-order product each
-            return torch.stack([self._rows(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
         lib, out = self.native_library, None
         if lib is not None and x.shape[0] == 1:
             out = native.grouped_gemv_bf16(lib, x, weight)
@@ -314,43 +295,18 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                      mask: torch.Tensor, k: int) -> torch.Tensor:
         lib = self.native_library
-        if not self.invariant and lib is not None and keys.shape[1] and q.shape[1] <= self.tuning.decode_queries:
+        if lib is not None and keys.shape[1] and q.shape[1] <= self.tuning.decode_queries:
             score = native.indexer_scores(lib, q, weights, keys, mask)  # -inf where not visible
             if score is not None:
                 vals, idx = score.topk(min(k, keys.shape[1]), dim=-1)
                 picks = idx.masked_fill_(vals == float("-inf"), -1)
                 return picks if picks.shape[-1] == k else torch.nn.functional.pad(picks, (0, k - picks.shape[-1]),
                                                                                   value=-1)
-        if not self.invariant or keys.shape[1] == 0:
-            return super().indexer_topk(q, weights, keys, mask, k)
-        B, S, Hi, _ = q.shape
-        E, kk = keys.shape[1], min(k, keys.shape[1])
-        # per sequence: every (query, head, entry) score as a fixed-order dot product; the head sum in order
-        dots = torch.stack([self._rows(q[b].float(), keys[b].float(), torch.float32) for b in range(B)]).relu_()
-        w = weights.float()
-        score = dots[:, :, 0] * w[:, :, 0, None]
-        for h in range(1, Hi):
-            score += dots[:, :, h] * w[:, :, h, None]
-        score = score.masked_fill(~mask, float("-inf"))
-        # ties (common with quantised keys) go to the lower entry index: topk breaks them differently
-        # depending on the number of (padded) entries, i.e. on the batch
-        idx = score.sort(dim=-1, descending=True, stable=True).indices[..., :kk]
-        picks = torch.where(mask.gather(-1, idx), idx, torch.full_like(idx, -1))
-        return picks if kk == k else torch.nn.functional.pad(picks, (0, k - kk), value=-1)
-
-    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        if not self.invariant:
-            return super().compress_pool(kv, score)
-        # the softmax over the slots and the weighted sum, one slot after another
-        score = score.float()
-        top = score.amax(dim=-2, keepdim=True)
-        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # all slots empty: weights 0
-        e = lanewise(torch.exp, score - top)
-        return (sum_fixed(e * kv.float(), -2) / sum_fixed(e, -2)).squeeze(-2)
+        return super().indexer_topk(q, weights, keys, mask, k)
 
     def model_ops(self, family: str) -> DeepseekV4Ops | None:
-        """V4's table (CpuKernels), and for V4.1 one that the batch-invariant mode switches."""
-        return CpuDeepseekV41Ops(self) if family == DEEPSEEK_V41 else super().model_ops(family)
+        """V4's table (CpuKernels), and for V4.1 its own, with a batch-invariant table of its own."""
+        return self.with_fixed_order(CpuDeepseekV41Ops(self)) if family == DEEPSEEK_V41 else super().model_ops(family)
 
     def argmax_logsumexp(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lib = self.native_library

@@ -16,8 +16,7 @@ class NativeMoEKernels(NativeKernelsBase):
     def moe_route(self, scores: torch.Tensor, bias: torch.Tensor | None, top_k: int, routed_scaling_factor: float,
                   hash_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         lib, out = self.native_library, None
-        # batch-invariant mode: always C, so that a token's weights are the same bits at any batch size
-        if lib is not None and (scores.shape[0] <= self.tuning.route_max_tokens or self.invariant):
+        if lib is not None and scores.shape[0] <= self.tuning.route_max_tokens:
             out = native.moe_route_rows(lib, scores, bias, top_k, routed_scaling_factor, hash_ids)
         return super().moe_route(scores, bias, top_k, routed_scaling_factor, hash_ids) if out is None else out
 
@@ -43,8 +42,6 @@ class NativeMoEKernels(NativeKernelsBase):
             out = self._quant_experts(rows, plan, w13, w2, swiglu_limit)
             # else per expert, through this linear (more rows: dequantised tiles)
             return super().moe_experts(rows, plan, w13, w2, swiglu_limit) if out is None else out
-        if self.invariant:
-            return self._experts_invariant(rows, plan, w13, w2, swiglu_limit)
         lib = self.native_library
         out = None
         if lib is not None and rows.shape[0] <= self._native_expert_rows(w13.shape[0]):
@@ -90,9 +87,9 @@ class NativeMoEKernels(NativeKernelsBase):
                        w2: torch.Tensor | QuantizedWeight, swiglu_limit: float) -> torch.Tensor | None:
         """All routed experts on their FP4/FP8 codes in one C call (quant_experts.c) while no expert has
         more than tuning.quant_max_rows rows (the per-expert path's products on the codes go to that size too);
-        None: the per-expert path (more rows, batch-invariant mode, no library, mixed formats)."""
+        None: the per-expert path (more rows, no library, mixed formats)."""
         lib = self.native_library
-        if lib is None or self.invariant:
+        if lib is None:
             return None
         most = self.tuning.quant_max_rows
         if rows.shape[0] > most and int(plan.tokens_per_expert.max()) > most:
@@ -136,7 +133,7 @@ class NativeMoEKernels(NativeKernelsBase):
         """Whether the bf16 MoE sub-layer of `rows` tokens runs as one C call (moe_layer_bf16), and on what:
         (the routed experts' packed copies or None, the shared expert's or None, round_silu); None: the
         composed path. Its lookups count uses, as the composed products' would (a copy is made at the second)."""
-        if (self.native_library is None or self.invariant or (rows != 1 and self.native_amx)
+        if (self.native_library is None or (rows != 1 and self.native_amx)
                 or rows * top_k > self._native_expert_rows(w13.shape[0])):
             return None
         low, high = self.tuning.packed_gemm_rows
@@ -177,7 +174,7 @@ class NativeMoEKernels(NativeKernelsBase):
         """Whether the MoE sub-layer of `rows` bf16 tokens with quantised routed experts runs as one C call
         (moe_layer_quant), and on what: (a bf16 shared expert's packed copies or None, round_silu); None: the
         composed path. Its lookups count uses, as the composed products' would."""
-        if (self.native_library is None or self.invariant or rows > self.tuning.moe_fused_max_tokens
+        if (self.native_library is None or rows > self.tuning.moe_fused_max_tokens
                 or not isinstance(w13, QuantizedWeight) or not isinstance(w2, QuantizedWeight)):
             return None
         packed_shared = None
@@ -191,20 +188,6 @@ class NativeMoEKernels(NativeKernelsBase):
             if tiles is not None:
                 packed_shared = tiles.lookup(shared_w13), tiles.lookup(shared_w2)
         return packed_shared, shared_w2 is not None and rows * shared_w2.shape[1] < self.tuning.swiglu_torch_max
-
-    def _experts_invariant(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
-                           swiglu_limit: float) -> torch.Tensor:
-        """Each expert's rows through the fixed-order product: a token's expert output does not depend
-        on which other tokens chose that expert (the combine then sums a token's k outputs in slot order)."""
-        out = torch.empty((rows.shape[0], w2.shape[1]), dtype=rows.dtype, device=rows.device)
-        inter, start = w2.shape[2], 0
-        for e, count in enumerate(plan.tokens_per_expert.tolist()):
-            if count:
-                gate_up = self._rows(rows[start:start + count], w13[e])
-                out[start:start + count] = self._rows(self.swiglu(gate_up[:, :inter], gate_up[:, inter:], swiglu_limit),
-                                                      w2[e])
-            start += count
-        return out
 
     def _native_expert_rows(self, num_experts: int) -> int:
         if self.native_amx:

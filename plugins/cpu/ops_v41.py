@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's op table on the cpu back end (`NativeCpuKernels.model_ops("deepseek_v41")`): its C
 kernels for the single-pass mHC sites' entries, the fused attention projections without the per-head
 query norm, the MXFP4 indexer, the decode attention over the FP8 window and NVFP4 entries and the cache
-writes; in batch-invariant mode the composed ops over the invariant kernels (fixed_order.py)."""
+writes; batch-invariant mode's ops are a table of their own (fixed_order.py's `FixedOrderV41Ops`)."""
 from __future__ import annotations
 
 import threading
@@ -13,7 +13,7 @@ from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED, KVFormat
 from deepinfer.models.deepseek_v41.ops import CandidateBlocks, DeepseekV41Ops
 from deepinfer_plugins.cpu import native
-from deepinfer_plugins.cpu.fixed_order import sum_fixed
+from deepinfer_plugins.cpu.fixed_order import FixedOrderV41Ops
 from deepinfer_plugins.cpu.program import V41_BINDERS
 
 if TYPE_CHECKING:
@@ -23,11 +23,10 @@ if TYPE_CHECKING:
 class CpuDeepseekV41Ops(DeepseekV41Ops):
     """DeepSeek-V4.1's op table on the cpu back end: its C kernels (the single-pass mHC sites' entries, the
     fused attention projections without the per-head query norm, the MXFP4 indexer, the decode attention
-    over the FP8 window and NVFP4 entries), and in batch-invariant mode the composed ops over the invariant
-    kernels, with versions whose every reduction has a fixed order (the kernels' fixed-order products,
-    sums one add after another, transcendental functions on torch's vector path only)."""
+    over the FP8 window and NVFP4 entries); in batch-invariant mode `FixedOrderV41Ops` installed over it."""
 
     program_binders = V41_BINDERS  # how the prepared programs bind its ops (program.py)
+    fixed_order_ops = FixedOrderV41Ops  # its ops in batch-invariant mode (NativeKernelsBase.with_fixed_order)
 
     def __init__(self, kernels: NativeCpuKernels):
         super().__init__(kernels)
@@ -51,9 +50,8 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
                              base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,
                              norm_eps: float, norm_weight: torch.Tensor, rms_eps: float
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        k = self.kernels
-        lib = k.native_library
-        if lib is not None and not k.invariant:  # hc_mix, hc_collapse and rms_norm in one C call
+        lib = self.kernels.native_library
+        if lib is not None:  # hc_mix, hc_collapse and rms_norm in one C call
             out = native.hc_mix_collapse_norm(lib, streams, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps,
                                               norm_weight, rms_eps, self._site_outputs(streams, pre_in))
             if out is not None:
@@ -66,9 +64,8 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
                                   scale: torch.Tensor, sinkhorn_iters: int, eps: float, norm_eps: float,
                                   norm_weight: torch.Tensor, rms_eps: float
                                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        k = self.kernels
-        lib = k.native_library
-        if lib is not None and not k.invariant:  # hc_post and the next site's entry in one C call
+        lib = self.kernels.native_library
+        if lib is not None:  # hc_post and the next site's entry in one C call
             out = native.run(lib, native.hc_post_mix_collapse_norm_arguments(
                 y, streams, post, comb, pre_in, fn, base, scale, sinkhorn_iters, eps, norm_eps, norm_weight, rms_eps,
                 self._site_outputs(streams, pre_in)))
@@ -76,18 +73,6 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
                 return out
         return super().hc_post_mix_collapse_norm(y, streams, post, comb, pre_in, fn, base, scale, sinkhorn_iters, eps,
                                                  norm_eps, norm_weight, rms_eps)
-
-    def hc_mix(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-               sinkhorn_iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not self.kernels.invariant:
-            return super().hc_mix(streams, fn, base, scale, sinkhorn_iters, eps, norm_eps)
-        return self.kernels._hc_coefficients_invariant(streams.float(), fn, base, scale, sinkhorn_iters, eps,
-                                                       norm_eps)
-
-    def hc_collapse(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        if not self.kernels.invariant:
-            return super().hc_collapse(streams, pre)
-        return sum_fixed(streams.float() * pre.float().unsqueeze(-1), -2).squeeze(-2).to(streams.dtype)
 
     def hc_post(self, y: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         return self.kernels.hc_post(y, streams, post, comb)  # the C kernel: one token at a time
@@ -112,7 +97,7 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
         # decoded as it is read; prefill blocks keep the batched products
         kernels = self.kernels
         lib, out = kernels.native_library, None
-        if lib is not None and not kernels.invariant and q.dim() == 4 and q.shape[1] <= kernels.tuning.decode_queries:
+        if lib is not None and q.dim() == 4 and q.shape[1] <= kernels.tuning.decode_queries:
             out = native.index_select(lib, q, weights, weight_scale, index_keys, rows, visible, k, candidates,
                                       None if pool is None else (pool.size, pool.keep, pool.rate, pool.positions))
         if out is not None:
@@ -126,7 +111,7 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
                                 wo_b: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         k = self.kernels
         lib = k.native_library
-        if lib is None or k.invariant:
+        if lib is None:
             return super().decode_attention_output(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a,
                                                    wo_b)
         # bf16 with the products the composed path would pick: one C call (attention_layer.c), V4's own
@@ -151,14 +136,3 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
         lib = self.kernels.native_library  # one pass per row (kv_cache.c): the same bytes in every mode
         if lib is None or not native.kv_store(lib, x, fmt, cache, rows):
             super().cache_store(x, fmt, cache, rows)
-
-    def compress_pool(self, kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
-        if not self.kernels.invariant:
-            return super().compress_pool(kv, score)
-        return self.kernels.compress_pool(kv, score)
-
-    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
-                     mask: torch.Tensor, k: int) -> torch.Tensor:
-        if not self.kernels.invariant:
-            return super().indexer_topk(q, weights, keys, mask, k)
-        return self.kernels.indexer_topk(q, weights, keys, mask, k)

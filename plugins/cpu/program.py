@@ -256,7 +256,7 @@ class AttentionOutput(Binder):
         T, wo_a, wo_b = a["q"].shape[0], a["wo_a"], a["wo_b"]
         if _quantised(wo_a, wo_b):
             return k._quant_output_products(T, wo_a, wo_b)
-        return None if k.native_amx else k._decode_output_products(T, wo_a, wo_b)
+        return None if T > 1 and k.native_amx else k._decode_output_products(T, wo_a, wo_b)
 
     def bind(self, k, a, choices):
         parts = len(a["caches"])
