@@ -101,12 +101,13 @@ class FixedOrderKernels(FixedOrderTable):
 
     ops = ("linear", "grouped_linear", "swiglu", "sink_attention", "sink_attention_rows", "indexer_topk",
            "compress_pool", "hc_pre", "hc_pre_norm", "hc_post_pre_norm", "hc_head", "moe_route", "moe_experts",
-           "moe_sublayer", "fused_attention_projections", "fused_decode_attention_output")
+           "moe_sublayer", "fused_attention_projections", "fused_decode_attention_output", "prepare_program")
     target: NativeKernelsBase
 
-    # the fused sub-layers run as their parts; the parts below run on the fixed-order kernels
+    # the fused sub-layers and the prepared programs run as their parts: the ones below, the fixed-order kernels
     fused_attention_projections = staticmethod(declined)
     fused_decode_attention_output = staticmethod(declined)
+    prepare_program = staticmethod(declined)
     hc_pre_norm = composed(CpuKernels.hc_pre_norm)
     hc_post_pre_norm = composed(CpuKernels.hc_post_pre_norm)
     moe_sublayer = composed(CpuKernels.moe_sublayer)

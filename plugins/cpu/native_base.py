@@ -91,7 +91,7 @@ class NativeKernelsBase(CpuKernels):
 
     def prepare_program(self, program: Program) -> PreparedProgram | None:
         """A model's step program with its C calls bound once (program.py); None (run eagerly) without the
-        library, in batch-invariant mode (its kernels are the composed ops'), or when switched off."""
-        if self.native_library is None or self.invariant or not self.prepared_programs:
+        library or when switched off (and in batch-invariant mode: fixed_order.py declines it)."""
+        if self.native_library is None or not self.prepared_programs:
             return None
         return PreparedProgram(self, program)
