@@ -87,13 +87,16 @@ class FixedOrderTable:
         self.target = target
 
 
-def install(target: Any, table: FixedOrderTable | None, ops: tuple[str, ...]) -> None:
-    """`table`'s ops `ops` over `target`'s methods of the same names, or (table None) the target's own again."""
-    for name in ops:
+def install(target: Any, table_class: type[FixedOrderTable], enabled: bool) -> FixedOrderTable | None:
+    """A `table_class` for `target` with its ops put over the target's methods of the same names (enabled),
+    or the target's own methods again (None)."""
+    table = table_class(target) if enabled else None
+    for name in table_class.ops:
         if table is None:
             target.__dict__.pop(name, None)
         else:
             target.__dict__[name] = getattr(table, name)
+    return table
 
 
 class FixedOrderKernels(FixedOrderTable):

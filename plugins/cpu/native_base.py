@@ -10,7 +10,6 @@ import functools
 import weakref
 from typing import Any
 
-
 from deepinfer.program import Program
 from deepinfer_plugins.cpu import native, packed_weights
 from deepinfer_plugins.cpu.fixed_order import FixedOrderKernels, install
@@ -35,8 +34,7 @@ class NativeKernelsBase(CpuKernels):
                                "available (DEEPINFER_CPU_NATIVE=0, or no C compiler: see the warning logged at "
                                "start-up); enable them or disable the batch_invariant feature")
         self.invariant = enabled
-        self.fixed_order = FixedOrderKernels(self) if enabled else None
-        install(self, self.fixed_order, FixedOrderKernels.ops)
+        self.fixed_order = install(self, FixedOrderKernels, enabled)
         for table in list(self._op_tables):
             self.with_fixed_order(table)
 
@@ -49,8 +47,7 @@ class NativeKernelsBase(CpuKernels):
         """`table` (a family op table this object made, with `fixed_order_ops`: its batch-invariant table's
         class) switched with this object's mode from now on, its fixed-order ops installed while it is on."""
         self._op_tables.add(table)
-        ops = table.fixed_order_ops
-        install(table, ops(table) if self.invariant else None, ops.ops)
+        install(table, table.fixed_order_ops, self.invariant)
         return table
 
     @functools.cached_property

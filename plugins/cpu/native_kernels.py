@@ -232,8 +232,10 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
         if copies is None or isinstance(wo_a, QuantizedWeight):
             return None if copies is None else (None, *copies)
         # a bf16 wo_a: as _decode_output_products picks its product (one token: the grouped GEMV)
-        if tokens == 1 or self.native_amx:
-            return None if tokens > 1 else (None, *copies)
+        if tokens == 1:
+            return None, *copies
+        if self.native_amx:  # AMX tiles take the multi-row products
+            return None
         low, high = self.tuning.packed_gemm_rows
         packed_a = self.tile_weights.peek(wo_a) if max(low, _SKINNY_ROWS) <= tokens <= high else None
         return None if packed_a is None or packed_a.dim() != 5 else (packed_a, *copies)
