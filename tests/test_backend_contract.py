@@ -88,11 +88,12 @@ def test_model_specific_ops_are_not_in_the_accelerator_interface():
     for op in v4ops.OPS:
         assert not hasattr(api.Accelerator, op), op
         assert callable(getattr(v4ops.DeepseekV4Ops, op))
-    assert api.INTERFACE_VERSION == "3.0"
+    assert api.INTERFACE_VERSION == "3.1"
     # 3.0 moved V4's attention halves out: a 2.x plugin may override them on the accelerator, which no
     # model calls any more, so it is refused (the error names both versions) until migrated
     assert api.interface_compatible("3.0") and not api.interface_compatible("2.7")
-    assert not api.interface_compatible("1.1") and not api.interface_compatible("3.1")
+    assert api.interface_compatible("3.1") and not api.interface_compatible("3.2")
+    assert not api.interface_compatible("1.1")
     assert "graph_capture" not in api.Capabilities.model_fields and "fp8_weights" not in api.Capabilities.model_fields
 
 

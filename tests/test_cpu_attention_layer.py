@@ -57,15 +57,20 @@ def projection_calls(monkeypatch) -> list[int]:
 
 
 def expected_calls(kernels: NativeCpuKernels, dtype: torch.dtype, tokens: int, smallest: int = 1) -> list[int]:
-    """The C calls of three calls on the same weights: on the tiles from the third (the copies are made at
-    a weight's second use), for one token without them on every call; none for fp32 or other sizes, nor
-    for more than one token where AMX tiles take the products (one token's are the same kernels there)."""
+    """The C calls of three calls on weights given to `prepare_weights` (their copies exist from the first
+    call): every call for one token (the GEMVs, or the tiles) or, from `smallest` tokens, within the tiles'
+    rows; none for fp32 or other sizes, nor for more than one token where AMX tiles take the products (one
+    token's are the same kernels there)."""
     low, high = kernels.tuning.packed_gemm_rows
     if dtype != torch.bfloat16 or (kernels.native_amx and tokens > 1):
         return []
-    if max(low, smallest) <= tokens <= high:
-        return [tokens]
-    return [tokens] * 3 if tokens == 1 else []
+    return [tokens] * 3 if tokens == 1 or max(low, smallest) <= tokens <= high else []
+
+
+def prepared(kernels: NativeCpuKernels, *uses: tuple[str, object]) -> NativeCpuKernels:
+    """`kernels` given these weights by op, as a model gives its weights at load."""
+    kernels.prepare_weights(uses)
+    return kernels
 
 
 def case(B: int, entries: int, dtype: torch.dtype, seed: int = 0):
@@ -108,8 +113,9 @@ def run(kernels, op, inputs):
 @pytest.mark.parametrize("B", [1, 3, 16, 17])
 def test_fused_matches_the_composed_kernels(B, entries, dtype, fused_calls):
     inputs = case(B, entries, dtype, seed=B + entries)
-    fused_side, composed_side = fresh(), fresh()  # each its own packed copies, made at the same uses
-    for _ in range(3):  # the tiles' copies are made at a weight's second use
+    uses = ("grouped_linear", inputs[-2]), ("linear", inputs[-1])
+    fused_side, composed_side = prepared(fresh(), *uses), prepared(fresh(), *uses)  # each its own copies
+    for _ in range(3):  # the same path every call
         got, got_caches = run(fused_side, fused, inputs)
         want, want_caches = run(composed_side, composed, inputs)
         assert torch.equal(got, want)
@@ -135,7 +141,8 @@ def test_fused_projections_match_the_composed_kernels(T, index_heads, dtype, pro
     angles, index_angles = torch.randn(T, half, generator=g), torch.randn(T, half, generator=g)
     args = (x, fused_x, rank, q_norm, fused_qr, H, kv_norm, 1e-6, angles.cos(), angles.sin(), index_heads,
             *((index_angles.cos(), index_angles.sin()) if index_heads else (None, None)))
-    fused_side, composed_side = fresh(), fresh()
+    uses = ("linear", fused_x), ("linear", fused_qr)
+    fused_side, composed_side = prepared(fresh(), *uses), prepared(fresh(), *uses)
     for _ in range(3):
         got = fused_side.model_ops("deepseek_v4").attention_projections(*args)
         want = DeepseekV4Ops(composed_side).attention_projections(*args)
@@ -248,7 +255,8 @@ def test_quantised_projections_match_the_composed_kernels(lib, T, index_heads, k
     angles, index_angles = torch.randn(T, half, generator=g), torch.randn(T, half, generator=g)
     args = (x, fused_x, rank, q_norm, fused_qr, H, kv_norm, 1e-6, angles.cos(), angles.sin(), index_heads,
             *((index_angles.cos(), index_angles.sin()) if index_heads else (None, None)))
-    fused_side, composed_side = _quant_kernels(lib), _quant_kernels(lib)
+    uses = ("linear", fused_x), ("linear", fused_qr)
+    fused_side, composed_side = prepared(_quant_kernels(lib), *uses), prepared(_quant_kernels(lib), *uses)
     for _ in range(3):
         got = fused_side.model_ops("deepseek_v4").attention_projections(*args)
         want = DeepseekV4Ops(composed_side).attention_projections(*args)
@@ -269,7 +277,8 @@ def test_quantised_output_matches_the_composed_kernels(lib, B, entries, kinds, m
     *inputs, wo_a, wo_b = case(B, entries, torch.bfloat16, seed=B + entries)
     wo_a, wo_b = _quant(kinds[0], wo_a), _quant(kinds[1], wo_b)
     inputs = (*inputs, wo_a, wo_b)
-    fused_side, composed_side = _quant_kernels(lib), _quant_kernels(lib)
+    uses = ("grouped_linear", wo_a), ("linear", wo_b)
+    fused_side, composed_side = prepared(_quant_kernels(lib), *uses), prepared(_quant_kernels(lib), *uses)
     for _ in range(3):
         got, got_caches = run(fused_side, fused, inputs)
         want, want_caches = run(composed_side, composed, inputs)

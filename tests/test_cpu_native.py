@@ -167,11 +167,13 @@ def test_hc_pre_tiles(nat, T, dtype):
 
 
 def test_hc_pre_keeps_one_transposed_fn(nat):
-    """The op table transposes a site's fn at its second call of 4 rows or more and reuses that copy."""
+    """A site's fn given as hc_pre's weight is transposed once, at load; calls of 4 rows or more read that
+    copy."""
     kernels = NativeCpuKernels()
     n, D = 4, 64
     fn = make((n * (n + 2), n * D), torch.float32, 1) * 0.05
-    assert kernels._hc_fn_t(make((8, n, D), torch.bfloat16), fn) is None  # first use
+    assert kernels._hc_fn_t(make((8, n, D), torch.bfloat16), fn) is None  # not given: dot products on fn
+    kernels.prepare_weights([("hc_pre", fn)])
     copy = kernels._hc_fn_t(make((8, n, D), torch.bfloat16), fn)
     assert torch.equal(copy, fn.t()) and kernels._hc_fn_t(make((5, n, D), torch.bfloat16), fn) is copy
     assert kernels._hc_fn_t(make((3, n, D), torch.bfloat16), fn) is None  # one row at a time below a tile
@@ -469,41 +471,41 @@ def test_packed_gemm_bf16(nat, M, N, K):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 64, 65, 300])
 def test_linear_on_packed_tiles(rows):
-    # the decode batches' linears: on the tiles from a weight's second use, within the tier's rows
+    # the decode batches' linears: on the tiles (the copy made at load) within the tier's rows
     kernels = NativeCpuKernels()
     if kernels.native_library is None:
         pytest.fail("the native library did not build")
     W, x = make((130, 96), torch.bfloat16), make((rows, 96), torch.bfloat16, 1)
+    kernels.prepare_weights([("linear", W)])
     want = (x.double() @ W.double().t()).to(torch.bfloat16)
     for _ in range(3):
         assert_close(kernels.linear(x.view(1, rows, 96), W).view(rows, 130), want)
     low, high = kernels.tuning.packed_gemm_rows
-    assert len(kernels.tile_weights) == (1 if low <= rows <= high else 0)
     if low <= rows <= high:
         assert torch.equal(kernels.linear(x, W), native.packed_linear_bf16(kernels.native_library, x,
                                                                            kernels.tile_weights.lookup(W), W.shape))
 
 
 def test_one_row_on_tiles_for_large_weights_on_avx2(monkeypatch):
-    # the AVX2 tier's LM head: one row on the tiles from the weight's second use, from a weight size on
-    # (lowered here); smaller weights keep the GEMV, and the other tiers their own row range
+    # the AVX2 tier's LM head: one row on the tiles, from a weight size on (lowered here); smaller weights
+    # keep the GEMV, and the other tiers their own row range
     kernels = NativeCpuKernels()
     if kernels.native_library is None:
         pytest.fail("the native library did not build")
     if native.gemv_tier(kernels.native_library) == "avx2-fma":
         kernels.tuning = dataclasses.replace(kernels.tuning, one_row_tiles_min_elements=130 * 96)
     large, small = make((130, 96), torch.bfloat16), make((129, 96), torch.bfloat16, 1)
-    x = make((1, 96), torch.bfloat16, 2)
+    x, lib = make((1, 96), torch.bfloat16, 2), kernels.native_library
+    kernels.prepare_weights([("linear", large), ("linear", small)])
     for W in (large, small):
         want = (x.double() @ W.double().t()).to(torch.bfloat16)
         for _ in range(3):
             assert_close(kernels.linear(x, W), want)
-    avx2, one_row = native.gemv_tier(kernels.native_library) == "avx2-fma", kernels.tuning.packed_gemm_rows[0] == 1
-    assert (kernels.tile_weights.peek(large) is not None) == (avx2 or one_row)
-    assert (kernels.tile_weights.peek(small) is not None) == one_row
-    if avx2:
-        assert torch.equal(kernels.linear(x, large), native.packed_linear_bf16(
-            kernels.native_library, x, kernels.tile_weights.peek(large), large.shape))
+    avx2, one_row = native.gemv_tier(lib) == "avx2-fma", kernels.tuning.packed_gemm_rows[0] == 1
+    for W, on_tiles in ((large, avx2 or one_row), (small, one_row)):
+        tiles = native.packed_linear_bf16(lib, x, kernels.tile_weights.lookup(W), W.shape)
+        gemv = native.run(lib, native.gemv_bf16_arguments(lib, W, x)).view(1, -1)
+        assert torch.equal(kernels.linear(x, W), tiles if on_tiles else gemv)
 
 
 def test_packed_gemm_bf16_stacked(nat):
@@ -517,8 +519,8 @@ def test_packed_gemm_bf16_stacked(nat):
 
 
 def test_moe_experts_on_packed_tiles(nat, monkeypatch):
-    # prefill-sized expert rows (above the C expert kernel's limit): from the stacks' second use, each
-    # expert's rows on the packed tiles where the tier's tile rows cover them, rounded where the
+    # prefill-sized expert rows (above the C expert kernel's limit): with the stacks' copies (made at load),
+    # each expert's rows on the packed tiles where the tier's tile rows cover them, rounded where the
     # composed path rounds (gate/up, swiglu, output)
     if nat.native_amx:
         pytest.skip("with AMX tiles the C expert kernel takes more rows per expert than the register tiles do "
@@ -530,6 +532,7 @@ def test_moe_experts_on_packed_tiles(nat, monkeypatch):
     ids = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)]).view(n, 1)
     grouped, plan = nat.moe_dispatch(rows, ids, E)
     assert n > nat._native_expert_rows(E)
+    nat.prepare_weights([("moe_experts", w13), ("moe_experts", w2)])
     low, high = nat.tuning.packed_gemm_rows
     for _ in range(3):
         got = nat.moe_experts(grouped, plan, w13, w2, limit)
@@ -554,6 +557,7 @@ def test_moe_experts_on_packed_tiles(nat, monkeypatch):
 @pytest.mark.parametrize("T", [2, 40])
 def test_grouped_linear_on_packed_tiles(nat, T):
     x, w = make((T, 3, 70), torch.bfloat16), make((3, 50, 70), torch.bfloat16, 1)
+    nat.prepare_weights([("grouped_linear", w)])
     want = torch.einsum("tgk,gnk->tgn", x.double(), w.double()).to(torch.bfloat16)
     for _ in range(3):
         got = nat.grouped_linear(x, w)
@@ -853,7 +857,7 @@ def test_moe_layer_bf16(nat, T, D, E, k, inter, shared_inter, hashed, scoring):
     # expert's swiglu rounded as the composed path's: torch's ops below 4,096 elements, its products on
     # the kernels the composed linear picks): the same bits as the back end's own composition but where
     # the router's fp32 sums differ (torch's vs the C dot) and, on the tiles, the routed experts' sums.
-    # Twice: the weights are packed at their second use.
+    nat.prepare_weights([("moe_experts", w13), ("moe_experts", w2), ("linear", case[-2]), ("linear", case[-1])])
     for _ in range(2):
         composed = super(NativeCpuKernels, nat).moe_sublayer(*case, *args)
         assert_close(nat.moe_sublayer(*case, *args), composed)
@@ -894,14 +898,16 @@ def test_moe_layer_bf16_declines_what_it_does_not_handle(nat, monkeypatch):
 
 
 def test_moe_sublayer_runs_decode_batches_on_the_tiles(nat, monkeypatch):
-    """16 and 64 tokens: the fused call, its routed and shared experts on their packed copies from the
-    weights' second use (on the tiers with register tiles)."""
+    """16 and 64 tokens: the fused call, its routed and shared experts on their packed copies, made at load
+    (on the tiers with register tiles)."""
     if nat.native_amx or nat.tuning.packed_gemm_rows == (0, 0):
         pytest.skip("the fused MoE takes 16 tokens on the AVX2 and AVX512-BF16 register tiles (not with AMX)")
     calls, fused = [], native.moe_layer_bf16
     monkeypatch.setattr(native, "moe_layer_bf16", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
     for T in (16, 64):
         case = moe_case(T, 64, 16, 4, 32, 32, False)
+        nat.prepare_weights([("moe_experts", case[4]), ("moe_experts", case[5]), ("linear", case[6]),
+                             ("linear", case[7])])
         for _ in range(2):
             nat.moe_sublayer(*case, 4, 1.5, "sqrtsoftplus", 10.0)
         assert calls[-1]["packed_experts"] is not None and calls[-1]["packed_shared"][0] is not None

@@ -1,5 +1,6 @@
 """oneDNN-packed weights of the cpu back end (plugins/cpu/packed_weights.py): which weights get packed,
-that a packed product equals the plain one, and that entries never outlive or mix up their weights."""
+that a packed product equals the plain one, that a model's copies are made at load, and that entries
+never outlive their weights."""
 from __future__ import annotations
 
 import gc
@@ -21,66 +22,88 @@ def bf16(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-def test_packed_at_the_second_use_of_the_same_weight():
+def test_copies_are_made_when_given_and_only_then():
     table, w = PackedWeights(), bf16(96, 64)
-    assert table.lookup(w) is None and len(table) == 0  # first use: remembered, not packed
+    assert table.lookup(w) is None and len(table) == 0  # never given: none, however often it is asked
+    table.add(w)
     packed = table.lookup(w)
     assert packed is not None and packed.is_mkldnn and len(table) == 1
-    assert table.lookup(w) is packed  # packed once
-    # a new view object each call (e.g. one expert of a stacked weight) is never packed
+    table.add(w)
+    assert table.lookup(w) is packed and len(table) == 1  # packed once
+    # a view of a weight (e.g. one expert of a stacked weight) is another object: it has no copy
     stacked = bf16(4, 96, 64)
-    assert all(table.lookup(stacked[1]) is None for _ in range(3)) and len(table) == 1
-    assert table.peek(w) is packed and table.peek(bf16(96, 64, seed=1)) is None
-    fresh = bf16(32, 64, seed=2)
-    assert all(table.peek(fresh) is None for _ in range(3))  # peeking counts no use
-    assert table.lookup(fresh) is None and table.peek(fresh) is None and table.lookup(fresh) is not None
+    table.add(stacked)
+    assert table.lookup(stacked[1]) is None and table.lookup(bf16(96, 64)) is None and len(table) == 1
 
 
 def test_only_contiguous_2d_bf16_weights():
     table = PackedWeights()
-    for w in (bf16(8, 16).float(), bf16(16, 8).t(), bf16(2, 8, 16)):
-        assert table.lookup(w) is None and table.lookup(w) is None
+    for w in (bf16(8, 16).float(), bf16(16, 8).t(), bf16(2, 8, 16), "not a tensor"):
+        table.add(w)
     assert len(table) == 0
     # a table whose packing takes stacks of matrices (the C tiles' expert weights) packs 3-D ones too
     stacks, w = PackedWeights(pack=lambda w: w.clone(), stacks=True), bf16(2, 8, 16)
-    assert stacks.lookup(w) is None and torch.equal(stacks.lookup(w), w) and len(stacks) == 1
+    stacks.add(w)
+    assert torch.equal(stacks.lookup(w), w) and len(stacks) == 1
+    # a packing function that declines a weight (None) leaves it without a copy
+    declines = PackedWeights(pack=lambda w: None)
+    declines.add(bf16(8, 16))
+    assert len(declines) == 0
 
 
-def test_entries_go_with_their_weight_and_ids_are_checked():
+def test_entries_go_with_their_weight():
     table, w = PackedWeights(), bf16(32, 32)
-    table.lookup(w), table.lookup(w)
-    key, ref = id(w), weakref.ref(w)
+    table.add(w)
+    ref = weakref.ref(w)
     del w
     gc.collect()
-    assert ref() is None and key not in table._entries
-    # a live tensor that happens to have a recorded id (another, dead tensor's) gets no stale copy
-    other = bf16(32, 32)
-    table._entries[id(other)] = (weakref.ref(bf16(32, 32)), torch.ops.mkldnn._reorder_linear_weight(bf16(32, 32), 1))
-    assert table.lookup(other) is None
+    assert ref() is None and len(table) == 0
+    assert table.lookup(bf16(32, 32)) is None  # a new tensor (perhaps at the dead one's id) has no copy
 
 
 @pytest.mark.parametrize("rows", [2, 7, 16, 40, 300])  # skinny, and bucketed GEMM row counts
 def test_linear_on_packed_weights_matches_the_plain_product(rows):
     kernels, w, x = NativeCpuKernels(), bf16(200, 96), bf16(rows, 96, seed=1)
+    kernels.prepare_weights([("linear", w)])
+    assert kernels.packed_weights.lookup(w) is not None
     want = F.linear(x.double(), w.double())
-    for _ in range(3):  # plain, then packed twice
-        got = kernels.linear(x.view(1, rows, 96), w)
-        assert got.shape == (1, rows, 200) and got.dtype == torch.bfloat16
-        # fp32 sums of exact bf16 products, rounded once: within one bf16 rounding of the exact value
-        assert ((got.view(rows, 200).double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
-    # decode batches run on the C tiles' packed copy (or, at first use, the C multi-token GEMV) instead
-    low, high = kernels.tuning.packed_gemm_rows
-    on_gemv = rows <= kernels.tuning.gemv_tokens_max_rows
-    assert len(kernels.packed_weights) == (0 if on_gemv or low <= rows <= high else 1)
+    first = kernels.linear(x.view(1, rows, 96), w)
+    assert first.shape == (1, rows, 200) and first.dtype == torch.bfloat16
+    # fp32 sums of exact bf16 products, rounded once: within one bf16 rounding of the exact value
+    assert ((first.view(rows, 200).double() - want).abs() <= want.abs() * 2 ** -8 + 1e-3).all()
+    # the copies exist from the start: every call takes the first call's path and bits
+    assert all(torch.equal(kernels.linear(x.view(1, rows, 96), w), first) for _ in range(2))
 
 
-def test_one_row_and_fp32_use_the_plain_weights():
+def test_only_the_uses_a_table_has_a_layout_for_are_packed():
     kernels = NativeCpuKernels()
-    w, w32 = bf16(64, 32), bf16(64, 32).float()
-    for _ in range(3):
-        kernels.linear(bf16(1, 32), w)
-        kernels.linear(bf16(4, 32).float(), w32)
-    assert len(kernels.packed_weights) == 0
+    w, w32, embed, fn = bf16(64, 32), bf16(64, 32).float(), bf16(64, 32, seed=1), torch.randn(24, 4 * 32)
+    kernels.prepare_weights([("linear", w), ("linear", w32), ("embedding", embed), ("hc_pre", fn),
+                             ("hc_head", torch.randn(4, 4 * 32))])
+    assert kernels.packed_weights.lookup(w) is not None and kernels.packed_weights.lookup(w32) is None
+    assert kernels.packed_weights.lookup(embed) is None and len(kernels.packed_weights) == 1
+    if kernels.native_library is not None:
+        assert kernels.tile_weights.lookup(w) is not None and kernels.tile_weights.lookup(embed) is None
+        assert torch.equal(kernels.hc_weights.lookup(fn), fn.t()) and len(kernels.hc_weights) == 1
+
+
+def test_a_model_packs_its_weights_at_load(tiny_v4):
+    """`load_weights` gives the back end the model's weights by op: the copies exist before the first step, so
+    the first request runs the path (and gives the bits) of every later one."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_v4), dtype="bfloat16", max_num_seqs=4)
+    model, kernels = llm.engine.model, llm.engine.model.accel
+    try:
+        assert kernels.packed_weights.lookup(model.top["head.weight"]) is not None
+        assert kernels.packed_weights.lookup(model.top["embed.weight"]) is None  # an index, not a product
+        params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
+        prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [5, 4, 3, 2, 1, 9, 8]]
+        runs = [[(o.outputs[0].token_ids, [list(p.values())[0].logprob for p in o.outputs[0].logprobs])
+                 for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)] for _ in range(2)]
+        assert runs[0] == runs[1]
+    finally:
+        llm.shutdown()
 
 
 def test_environment_switch(monkeypatch):

@@ -148,10 +148,9 @@ def test_the_calls_follow_torchs_thread_count(prepared_runs):
         torch.set_num_threads(before)
 
 
-def test_the_kernel_choices_are_asked_while_the_packed_copies_change(prepared_runs, monkeypatch):
-    """The calls' kernel choices are asked again only at steps after the tables of packed copies changed
-    (their own lookups count uses, so the copies still get made and the bits stay the call-by-call
-    ones); once nothing changes, a step asks none, and a change elsewhere makes the next step ask again."""
+def test_the_kernel_choices_are_asked_once(prepared_runs, monkeypatch):
+    """The packed copies are made at load, so the calls' kernel choices are asked once, when the program is
+    bound at its first step: the later steps ask none, with the call-by-call bits at every step."""
     prepared, eager = _models()
     asked = []
     choices = program.MoESublayer.choices
@@ -161,16 +160,12 @@ def test_the_kernel_choices_are_asked_while_the_packed_copies_change(prepared_ru
         r.add("a")
     outs = [r.step({"a": list(range(1, 12))}) for r in runners]
     per_step = []
-    for step in range(12):
+    for step in range(6):
         before = len(asked)
         outs = [r.step({"a": [int(outs[0]["a"][-1].argmax())]}) for r in runners]
         assert torch.equal(outs[0]["a"], outs[1]["a"]), f"decode step {step}"
         per_step.append(len(asked) - before)
-        if step == 8:  # another user of the tables made a copy
-            prepared.accel.tile_weights.changes += 1
-    blocks = len(prepared.blocks)
-    assert per_step[0] >= blocks and per_step[6:9] == [0, 0, 0], per_step
-    assert per_step[9] == blocks and per_step[10:] == [0, 0], per_step
+    assert per_step[0] >= len(prepared.blocks) and per_step[1:] == [0] * 5, per_step
 
 
 def test_a_float32_model_binds_only_what_the_composed_ops_run_in_c(prepared_runs):

@@ -358,6 +358,7 @@ def test_attention_projections_without_the_query_head_norm(kernels, index_heads)
     cs = (angles.cos(), angles.sin())
     args = (x, fused_x, rank, q_norm, fused_qr, 2, kv_norm, 1e-6, *cs, index_heads,
             *(cs if index_heads else (None, None)))
+    kernels.prepare_weights([("linear", fused_x), ("linear", fused_qr)])  # as the model at load
     got = CpuDeepseekV41Ops(kernels).attention_projections(*args)
     want = DeepseekV41Ops(kernels).attention_projections(*args)
     assert kernels.fused_attention_projections(*args, q_head_norm=False) is not None  # the one C call ran

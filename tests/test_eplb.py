@@ -160,11 +160,13 @@ def test_install_gives_every_slot_its_experts_weights():
     w13 = torch.arange(E, dtype=torch.bfloat16).reshape(E, 1, 1).expand(E, 3, 2).contiguous()
     ids = torch.arange(E, dtype=torch.float32).reshape(E, 1, 1)
     q = QuantizedWeight(ids.expand(E, 4, 4).to(torch.float8_e4m3fn), ids + 1, 4, torch.bfloat16)
-    ep = ExpertParallel(OneRank(), 0, 1, torch.device("cpu"))
+    given = []  # what the back end is given to prepare (its packed copies of the moved stacks)
+    ep = ExpertParallel(OneRank(), 0, 1, torch.device("cpu"), prepare_weights=lambda uses: given.extend(uses))
     key = ep.register(lambda rows, plan: rows, 2, E, [w13, q])
     placement = ExpertPlacement(num_experts=E, ep_size=1, slots=(3, 0, 0, 1, 2, 3))
     ep.install(key, placement)
     moved, mq = ep.weights(key)
+    assert [(op, id(w)) for op, w in given] == [("moe_experts", id(moved)), ("moe_experts", id(mq))]
     assert moved.dtype == torch.bfloat16 and moved.shape == (6, 3, 2)
     assert moved[:, 0, 0].tolist() == [3, 0, 0, 1, 2, 3]
     assert mq.data.dtype == torch.float8_e4m3fn and mq.data[:, 0, 0].float().tolist() == [3, 0, 0, 1, 2, 3]

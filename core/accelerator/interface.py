@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -62,7 +63,9 @@ from deepinfer.program import Program, Runnable
 #: Migrating a 2.x plugin: move overrides of those two methods onto your subclass of
 #: `DeepseekV4Ops` (same signatures), build that table with your accelerator as its `kernels`, and
 #: set `interface_version = "3.0"`.
-INTERFACE_VERSION = "3.0"
+#: 3.1 added the optional kernel `prepare_weights` (a model's weights by the op that reads them, once they
+#: are loaded: the back end makes its copies laid out for its kernels there; default does nothing).
+INTERFACE_VERSION = "3.1"
 
 
 class ProbeResult(BaseModel):
@@ -191,6 +194,14 @@ class SmallOps(_Interface):
         format (as for `linear`). Optional: this default runs one `linear` per group; a back end
         overrides it with one batched product."""
         return torch.stack([self.linear(x[:, g], weight[g]) for g in range(weight.shape[0])], dim=1)
+
+    def prepare_weights(self, uses: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """A model's weights, each with the name of the op that will read it, given once they are loaded
+        ("linear", "grouped_linear", "moe_experts", or a family op table's op such as
+        DeepSeek-V4's "hc_pre"). The ops are later called with these same tensor objects. A back end that
+        reads weights in a layout of its own (packed tiles) makes those copies here, so every call, the
+        first included, takes the same path; it ignores uses it has no layout for. Optional: this default
+        does nothing. Must not change any tensor's values."""
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -40,6 +40,7 @@ longer than that one move.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,12 +75,16 @@ class _Layer:
 
 class ExpertParallel:
     """This rank's view of its EP group: `collectives` are the group's (a `GroupCollectives`, or a
-    back end's own when the group is the whole world), `rank` and `size` its place in the group."""
+    back end's own when the group is the whole world), `rank` and `size` its place in the group;
+    `prepare_weights`: the back end's (`SmallOps.prepare_weights`), given the expert weights a re-placement
+    brings (`install`), as the model gives its own at load."""
 
-    def __init__(self, collectives: Collectives | GroupCollectives, rank: int, size: int, device: torch.device):
+    def __init__(self, collectives: Collectives | GroupCollectives, rank: int, size: int, device: torch.device,
+                 prepare_weights: Callable[[Iterable[tuple[str, Weight]]], None] | None = None):
         if not 0 <= rank < size:
             raise ValueError(f"EP rank {rank} is outside an EP group of {size}")
         self.collectives, self.rank, self.size, self.device = collectives, rank, size, device
+        self.prepare_weights = prepare_weights
         self._layers: list[_Layer] = []
         self.load: ExpertLoad | None = None  # counted only once `track_load` is called
         self._rounds = 0  # non-idle exchanges, the same count on every rank
@@ -176,6 +181,8 @@ class ExpertParallel:
         local = [(slot % S, i) for slot, (r, i) in enumerate(sources) if r == self.rank and slot // S == self.rank]
         send[self.rank], recv[self.rank] = [], []
         layer.weights = [_move(w, send, recv, local, S, self.collectives) for w in layer.weights]
+        if self.prepare_weights is not None:
+            self.prepare_weights([("moe_experts", w) for w in layer.weights])
         layer.placement, layer.router = placement, Router(placement, self.rank, self.device)
         return sum(map(len, recv))
 
@@ -334,8 +341,9 @@ def join_world(accelerator: Accelerator, rank: int, layout: ParallelLayout, init
     accelerator.init_process_group(rank, layout.world_size, init_method)
     groups = make_groups(accelerator, layout, rank)
     device = accelerator.device(0)
-    set_expert_parallel(ExpertParallel(groups.ep, groups.ep.rank, groups.ep.size, device) if groups.ep else None,
-                        layout)
+    ep = ExpertParallel(groups.ep, groups.ep.rank, groups.ep.size, device, accelerator.prepare_weights) \
+        if groups.ep else None
+    set_expert_parallel(ep, layout)
     set_context_parallel(ContextParallel(groups.cp, groups.cp.rank, groups.cp.size, device) if groups.cp else None)
 
 

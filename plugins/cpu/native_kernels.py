@@ -48,8 +48,7 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
 
     def linear_tiles(self, rows: int, dtype: torch.dtype, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy `linear` multiplies `rows` rows by on the C register tiles, or None (another
-        path; at a weight's first use in the tiles' row range: the lookup counts it, the copy is made at
-        the second)."""
+        path, or a weight without a copy: not given to `prepare_weights`)."""
         low, high = self.tuning.packed_gemm_rows
         if rows == 1 and weight.numel() >= self.tuning.one_row_tiles_min_elements:
             low = 1  # the AVX2 tier's LM head
@@ -154,9 +153,8 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
         `coded_keys`: DeepSeek-V4.1's caches (the FP8 window ring, the NVFP4 entries; kv_quant.py)."""
         # bf16 decode steps in one C call (attention_layer.c) where every stage is a C kernel the composed
         # path would pick: one token (grouped GEMV, then the tiles if wo_b has its packed copy, else the
-        # GEMV), or _SKINNY_ROWS and more on the tiles. It runs only once the packed copies the composed
-        # calls would read exist (`peek` does not count a use): before, those calls run and count the
-        # uses that pack them, so both paths switch products at the same step.
+        # GEMV), or _SKINNY_ROWS and more on the tiles, with the packed copies the composed calls read (made at
+        # load: weights without them take the composed calls).
         lib, out = self.native_library, None
         quantised = isinstance(wo_a, QuantizedWeight) or isinstance(wo_b, QuantizedWeight)
         if quantised and lib is not None and q.dtype == torch.bfloat16 and q.dim() == 3:
@@ -202,13 +200,12 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
     def _linear_copies(self, tokens: int, *weights: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
         """The packed copies (or None: the plain weight, one token's GEMV) that `linear` reads for `tokens`
         bf16 rows by each weight, where it runs on the C tiles or GEMV and the copies it needs exist; None
-        otherwise. `peek` counts no use: until the copies exist the composed calls run and count the uses
-        that make them, so the fused and the composed path switch products at the same step."""
+        otherwise."""
         low, high = self.tuning.packed_gemm_rows
         tiles = self.tile_weights if low <= tokens <= high else None
         if tiles is None:
             return (None,) * len(weights) if tokens == 1 else None
-        copies = tuple(tiles.peek(w) for w in weights)
+        copies = tuple(tiles.lookup(w) for w in weights)
         return None if any(c is None for c in copies) else copies
 
     def _quant_linear_copies(self, tokens: int, *weights: torch.Tensor | QuantizedWeight
@@ -237,7 +234,7 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
         if self.native_amx:  # AMX tiles take the multi-row products
             return None
         low, high = self.tuning.packed_gemm_rows
-        packed_a = self.tile_weights.peek(wo_a) if max(low, _SKINNY_ROWS) <= tokens <= high else None
+        packed_a = self.tile_weights.lookup(wo_a) if max(low, _SKINNY_ROWS) <= tokens <= high else None
         return None if packed_a is None or packed_a.dim() != 5 else (packed_a, *copies)
 
     def _decode_output_products(self, tokens: int, wo_a: torch.Tensor, wo_b: torch.Tensor
@@ -253,7 +250,7 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
         low, high = self.tuning.packed_gemm_rows
         if tokens < max(low, _SKINNY_ROWS):  # tokens in the tiles' range (copies): wo_a on torch's bmm below
             return None
-        packed_a = self.tile_weights.peek(wo_a)
+        packed_a = self.tile_weights.lookup(wo_a)
         return None if packed_a is None or packed_a.dim() != 5 else (packed_a, copies[0])
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
@@ -274,7 +271,7 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
 
     def _tile_grouped(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
         """x [T, G, K] by each group's weight [G, N, K] on the packed register tiles (the stack packed
-        once, from its second use) where the tier's tile rows cover T, from _SKINNY_ROWS tokens; None
+        once, at load) where the tier's tile rows cover T, from _SKINNY_ROWS tokens; None
         otherwise. One thread, tiles against torch's batched products (cold weights): AVX2 2.1-3.3x at
         16-64 tokens and 4.6-5.1x at 512 on 2 x 64 x 256 (the 161 M V4's) and 8 x 1024 x 4096, 0.5-0.65x
         at 2-4 tokens on the small one (a call per group); AVX512-BF16 1.0-1.9x at 16-64 tokens."""

@@ -11,23 +11,13 @@ import torch
 
 from deepinfer_plugins.cpu import native
 from deepinfer_plugins.cpu.native_base import NativeKernelsBase
-from deepinfer_plugins.cpu.packed_weights import PackedWeights
 
 
 class NativeMhcKernels(NativeKernelsBase):
-    @functools.cached_property
-    def hc_weights(self) -> PackedWeights | None:
-        """The mHC sites' fn transposed for hc_pre's 4-row tiles (native.transpose_fn): decode batches
-        2.5x faster than the dot products on fn itself."""
-        if self.native_library is None or not self.pack_weights:
-            return None
-        return PackedWeights(pack=native.transpose_fn, dtype=torch.float32)
-
     def _hc_fn_t(self, streams: torch.Tensor, fn: torch.Tensor) -> torch.Tensor | None:
         """fn's transposed copy for bf16 calls with a 4-row tile (None below 4 rows: one row reads fn itself).
-        The tiles sum in another order than the dot products on fn, and the copy exists only from the
-        site's second call: fp32 streams (the reference dtype) keep the dot products, so running the same
-        fp32 tokens twice gives the same bits."""
+        The tiles sum in another order than the dot products on fn: fp32 streams (the reference dtype) keep
+        the dot products."""
         if streams.dtype != torch.bfloat16 or streams.shape[0] < 4 or fn.shape[0] != native.TRANSPOSED_MIXES:
             return None
         table = self.hc_weights

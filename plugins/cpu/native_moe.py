@@ -52,9 +52,9 @@ class NativeMoEKernels(NativeKernelsBase):
 
     def _tile_experts(self, rows: torch.Tensor, plan: MoEDispatch, w13: torch.Tensor, w2: torch.Tensor,
                       swiglu_limit: float) -> torch.Tensor | None:
-        """Each expert's rows through the packed register tiles (both expert stacks packed once, from
-        their second use), rounded where the composed path rounds: gate/up, swiglu, output. None where
-        the tier's tile rows do not cover the largest expert's rows (or at the first use). On the AVX2
+        """Each expert's rows through the packed register tiles (both expert stacks packed once, at
+        load), rounded where the composed path rounds: gate/up, swiglu, output. None where
+        the tier's tile rows do not cover the largest expert's rows (or a stack has no copy). On the AVX2
         tier this is prefill's MoE: torch's bf16 GEMMs there (no oneDNN bf16 kernel) ran the 161 M V4
         checkpoint's 16 experts at 128 rows each at ~3 GFLOP/s, two thirds of a 512-token prefill (one
         thread); the tiles run them 3.8-5.2x faster. AVX512-BF16 (up to 64 rows per expert): 1.3-1.8x
@@ -64,7 +64,7 @@ class NativeMoEKernels(NativeKernelsBase):
         tiles = self.tile_weights
         if tiles is None or rows.dtype != torch.bfloat16 or not counts or not low <= max(counts) <= high:
             return None
-        p13, p2 = tiles.lookup(w13), tiles.lookup(w2)  # both looked up: each counts its uses
+        p13, p2 = tiles.lookup(w13), tiles.lookup(w2)
         if p13 is None or p2 is None:
             return None
         lib, inter = self.native_library, w2.shape[2]
@@ -132,7 +132,7 @@ class NativeMoEKernels(NativeKernelsBase):
                            ) -> tuple[tuple | None, tuple | None, bool] | None:
         """Whether the bf16 MoE sub-layer of `rows` tokens runs as one C call (moe_layer_bf16), and on what:
         (the routed experts' packed copies or None, the shared expert's or None, round_silu); None: the
-        composed path. Its lookups count uses, as the composed products' would (a copy is made at the second)."""
+        composed path."""
         if (self.native_library is None or (rows != 1 and self.native_amx)
                 or rows * top_k > self._native_expert_rows(w13.shape[0])):
             return None
@@ -140,7 +140,7 @@ class NativeMoEKernels(NativeKernelsBase):
         tiles = self.tile_weights if low <= rows <= high and dtype == torch.bfloat16 else None
         experts = None
         if tiles is not None and rows * top_k >= self.tuning.moe_tiles_rows_per_expert * w13.shape[0]:
-            experts = tiles.lookup(w13), tiles.lookup(w2)  # None at the weights' first use
+            experts = tiles.lookup(w13), tiles.lookup(w2)
             experts = None if any(p is None for p in experts) else experts
         tuning = self.tuning
         if not (rows <= tuning.gemv_tokens_max_rows or (tiles is not None and rows <= tuning.moe_fused_max_tokens)):
@@ -173,7 +173,7 @@ class NativeMoEKernels(NativeKernelsBase):
                                  shared_w2: torch.Tensor | QuantizedWeight | None) -> tuple[tuple | None, bool] | None:
         """Whether the MoE sub-layer of `rows` bf16 tokens with quantised routed experts runs as one C call
         (moe_layer_quant), and on what: (a bf16 shared expert's packed copies or None, round_silu); None: the
-        composed path. Its lookups count uses, as the composed products' would."""
+        composed path."""
         if (self.native_library is None or rows > self.tuning.moe_fused_max_tokens
                 or not isinstance(w13, QuantizedWeight) or not isinstance(w2, QuantizedWeight)):
             return None

@@ -5,19 +5,20 @@ call; a weight packed once with oneDNN's own layout skips that pass. Measured wi
 (200 distinct 1024 x 1024 matrices, 2 threads): 1.3-1.7x faster from 2 to 512 rows; at one row the
 plain weight and the C GEMV stream as fast, so decode at batch 1 keeps using them.
 
-A weight is packed at its second multi-row use by the same tensor object, so the model's weights
-(long-lived) are packed once, and the per-call views and temporaries that pass through `linear` are
-never packed. Entries go away with their weight. The cost is the packed weights' size again in RAM.
+The copies are made once, when the model gives its weights by the op that reads them
+(`prepare_weights`, at load), so every call, the first included, takes the same path and gives the same
+bits; the per-call views and temporaries that pass through `linear` have none. An entry goes with its
+weight. The cost is the packed weights' size again in RAM (DEEPINFER_CPU_PACKED_WEIGHTS=0: none).
 The same table keeps the C kernels' packed copies (native.pack_bf16, the decode batches' register tiles)
 when given that packing function, and the mHC sites' fp32 fn transposed for hc_pre's tiles
 (native.transpose_fn, a table of fp32 weights).
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from deepinfer import envs
 
@@ -50,55 +51,30 @@ def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 class PackedWeights:
-    """Packed copies keyed by the weight tensor's identity (held weakly and checked on every hit, so a
-    reused id never returns another tensor's copy); `pack` makes a copy (default: oneDNN's layout) of
-    weights in `dtype` (default bf16); `stacks`: it also packs 3-D weights, stacks of matrices (the routed
-    experts)."""
+    """Packed copies of the weights given to `add`, found by the weight (a weak key: an entry goes with its
+    tensor, and a reused id never finds another tensor's copy); `pack` makes a copy (default: oneDNN's
+    layout) of weights in `dtype` (default bf16); `stacks`: it also packs 3-D weights, stacks of matrices
+    (the routed experts)."""
 
-    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor] = _onednn_pack,
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor | None] = _onednn_pack,
                  dtype: torch.dtype = torch.bfloat16, stacks: bool = False) -> None:
         self._pack, self._dtype = pack, dtype
         self._dims = (2, 3) if stacks else (2,)
-        # id(weight) -> (weak reference, packed copy or None after the first use)
-        self._entries: dict[int, tuple[weakref.ref, torch.Tensor | None]] = {}
-        #: how many times the table changed (a use counted, a copy made, an entry dropped): an answer read
-        #: from it holds while this stays the same
-        self.changes = 0
+        self._copies: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __len__(self) -> int:
-        return sum(packed is not None for _, packed in self._entries.values())
+        return len(self._copies)
+
+    def add(self, weight: object) -> None:
+        """Make `weight`'s packed copy, if it is a contiguous 2-D tensor of the table's dtype (or 3-D, a
+        stack of them, with `stacks`) and has none yet; anything else is left alone."""
+        if (isinstance(weight, torch.Tensor) and weight.dtype == self._dtype and weight.dim() in self._dims
+                and weight.is_contiguous() and not weight.requires_grad and weight.numel() > 0
+                and weight not in self._copies):
+            packed = self._pack(weight)
+            if packed is not None:
+                self._copies[weight] = packed
 
     def lookup(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of a contiguous 2-D `weight` of the table's dtype (or 3-D, a stack of them, with
-        `stacks`), or None on its first use (and for any other weight)."""
-        if (weight.dtype != self._dtype or weight.dim() not in self._dims or not weight.is_contiguous()
-                or weight.requires_grad or weight.numel() == 0):
-            return None
-        key = id(weight)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0]() is weight:
-            if entry[1] is not None:
-                return entry[1]
-            packed = self._pack(weight)
-            self._entries[key] = (entry[0], packed)
-            self.changes += 1
-            return packed
-        self._entries[key] = (weakref.ref(weight, self._forget(key)), None)
-        self.changes += 1
-        return None
-
-    def peek(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """`weight`'s packed copy if it exists, without counting a use (a fused call that runs only where
-        the composed calls' `lookup`s would already find the copy)."""
-        entry = self._entries.get(id(weight))
-        return entry[1] if entry is not None and entry[0]() is weight else None
-
-    def _forget(self, key: int):
-        owner = weakref.ref(self)  # the callback must not keep this table alive
-
-        def drop(ref: weakref.ref) -> None:
-            table = owner()
-            if table is not None and key in table._entries and table._entries[key][0] is ref:
-                del table._entries[key]
-                table.changes += 1
-        return drop
+        """`weight`'s packed copy, or None (a weight never given to `add`, or one it left alone)."""
+        return self._copies.get(weight)

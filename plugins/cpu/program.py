@@ -15,13 +15,11 @@ differ from those names' (DeepSeek-V4.1's: its own site entries, projections wit
 norm, coded caches) names its binders (`program_binders`, here `V41_BINDERS`). A call without a
 binder, or whose binder declines the inputs, runs as it is, in its place.
 
-The kernel choices (which packed copy a product reads, which kernel a row count takes) are asked as the
-composed ops ask them (their lookups count a weight's uses: a copy is made at its second), at every step
-where the tables of packed copies changed since they were last asked (`packed_changes`: a use counted,
-a copy made; the choices' own lookups count as uses, so they are asked again the next step until
-nothing changes); when one changes, the calls are bound again. A call whose inputs of a step do not fit its
-binding (a layout it does not take), or whose C status says it did not run, runs as the composed op
-that step, its results copied into the call's buffers.
+The kernel choices (which packed copy a product reads, which kernel a row count takes) are asked once, at
+the first step, as the composed ops ask them: the packed copies are made at load (`prepare_weights`), so
+they hold for good. A call whose inputs of a step do not fit its binding (a layout it does not take), or
+whose C status says it did not run, runs as the composed op that step, its results copied into the call's
+buffers.
 """
 from __future__ import annotations
 
@@ -56,10 +54,10 @@ class Binding:
 
 
 class Binder:
-    """How one op becomes a C call: `choices` (asked where the packed copies changed, with the call's
-    constant and bound arguments) names the kernels the composed op would pick for them, None where that
-    is not one C call now (a function of the tables of packed copies and of constants only); `bind`
-    binds the call on example values of every argument."""
+    """How one op becomes a C call: `choices` (asked once, with the call's constant and bound arguments)
+    names the kernels the composed op would pick for them, None where that is not one C call (a function
+    of the packed copies and of constants only); `bind` binds the call on example values of every
+    argument."""
 
     #: the op's arguments that may change per step, and how each reaches the C call
     patches: dict[str, Patch] = {}
@@ -368,8 +366,6 @@ class _Step:
     """One call of the prepared program: bound (`binding`), or run as it is."""
 
     call: Call
-    binder: Binder | None = None  # the op's binder, asked for its kernel choices (PreparedProgram.run)
-    args: dict[str, Any] | None = None  # the values it was bound on (what `choices` is asked with)
     binding: Binding | None = None
     dynamic: tuple[tuple[str, Any], ...] = ()  # (parameter, its Ref(s)) that change per step: patched
     threads_at: int = -1  # the bound call's num_threads argument, or -1
@@ -391,20 +387,14 @@ class PreparedProgram:
         self.kernels, self.program = kernels, program
         self.steps: list[_Step] = []  # bound at the first run, on its values
         self.static: dict[str, Any] = {}  # the bound calls' outputs and views of them: fixed storage
-        self.choices: list = []  # the kernel choices the calls were bound for
-        self.seen = -1  # the packed tables' changes when the choices were last asked (kernels.packed_changes)
         self.threads = threads()
 
     def run(self, step: Any, **given: Any) -> tuple[Any, ...]:
-        program, k = self.program, self.kernels
+        program = self.program
         env = program.feed(step, given)
-        changes = k.packed_changes()
-        if not self.steps or changes != self.seen:  # the tables changed since the choices were last asked
-            self.seen = changes  # before asking: a use the choices count themselves makes them asked again
-            choices = [s.binder.choices(k, s.args) if s.binder is not None else None for s in self.steps]
-            if not self.steps or not _same(choices, self.choices):
-                self._bind(env)  # the first step, or a packed copy appeared: bind again (running this step)
-                return tuple(env[name] for name in program.outputs)
+        if not self.steps:
+            self._bind(env)  # the first step: bind (running this step)
+            return tuple(env[name] for name in program.outputs)
         if threads() != self.threads:  # torch's thread count changed: the calls use it, as the composed ops do
             self.threads = threads()
             for s in self.steps:
@@ -426,15 +416,14 @@ class PreparedProgram:
         """Run the program on `env` (a step's inputs) call by call, binding each call a binder takes on the
         values it sees before making it (so this step's results come from the bound calls too)."""
         program, k = self.program, self.kernels
-        self.steps, self.static, self.choices, self.threads = [], {}, [], threads()
+        self.threads = threads()
         for call in program.calls:
-            s = _Step(call, self._binder(call))
+            s, binder = _Step(call), self._binder(call)
             args = {name: resolve(v, env) for name, v in call.args.items()}
-            chosen = None
-            if s.binder is not None:
-                s.args, chosen = args, s.binder.choices(k, args)
+            if binder is not None:
+                chosen = binder.choices(k, args)
                 dynamic = tuple((p, v) for p, v in call.args.items() if not _is_static(v, self.static))
-                binding = None if chosen is None else s.binder.bind(k, args, chosen)
+                binding = None if chosen is None else binder.bind(k, args, chosen)
                 if binding is not None and all(p in binding.patches for p, _ in dynamic):
                     s.binding, s.dynamic = binding, dynamic
                     s.threads_at = binding.call.index("num_threads") if "num_threads" in binding.call.names else -1
@@ -448,7 +437,6 @@ class PreparedProgram:
                 if call.view and _is_static(tuple(call.args.values()), self.static):
                     self.static.update((name, env[name]) for name in call.outs)
             self.steps.append(s)
-            self.choices.append(chosen)
 
     def _binder(self, call: Call) -> Binder | None:
         """The binder of a table's op: the table's own (`program_binders`), else this back end's `BINDERS`."""
@@ -456,19 +444,6 @@ class PreparedProgram:
             return None
         table = self.program.tables[call.op.partition(".")[0]]
         return getattr(table, "program_binders", BINDERS).get(call.op)
-
-
-def _flat(values: Any) -> list:
-    out = []
-    for v in values if isinstance(values, (tuple, list)) else (values,):
-        out.extend(_flat(v) if isinstance(v, (tuple, list)) else (v,))
-    return out
-
-
-def _same(a: list, b: list) -> bool:
-    """The same kernel choices: the same objects (packed copies by identity) and flags."""
-    fa, fb = _flat(a), _flat(b)
-    return len(fa) == len(fb) and all(x is y or (type(x) is bool and x == y) for x, y in zip(fa, fb))
 
 
 def _copy_into(buffers: Any, result: Any) -> None:

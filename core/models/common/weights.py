@@ -26,13 +26,22 @@ about 1.5k x hidden FP8 values per layer, a fraction of a percent of the model.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from deepinfer.accelerator.quantized_weight import QuantizedWeight, can_cat_rows, cat_rows, stack
 
 Weight = torch.Tensor | QuantizedWeight
+#: a module's weights, each with the op that reads it (what `SmallOps.prepare_weights` is given)
+WeightUses = Iterator[tuple[str, Weight]]
+
+def module_weight_uses(module: object) -> WeightUses:
+    """`module.weight_uses()`; nothing for a module without it (one of a plugin's, which then runs on the
+    plain weights wherever a back end would read a copy of its own)."""
+    uses = getattr(module, "weight_uses", None)
+    return uses() if callable(uses) else iter(())
+
 
 def drop_prefix(name: str, prefix: str = "model.") -> str:
     return name[len(prefix):] if name.startswith(prefix) else name

@@ -15,7 +15,8 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
-from deepinfer.models.common.weights import fused_part, fused_parts, group_rows, split_fused, strip_prefix
+from deepinfer.models.common.weights import (WeightUses, fused_part, fused_parts, group_rows, split_fused,
+                                             strip_prefix)
 from deepinfer.models.deepseek_v4.compressor import Compressor
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops, resolve_ops
@@ -88,6 +89,12 @@ class Attention:
         local = torch.cat([keyed[n].reshape(keyed[n].shape[0], -1).to(dtype) for n in names], dim=1)
         full = split.gather(local)
         return {n: part for n, part in zip(names, full.split(widths, dim=1))}
+
+    def weight_uses(self) -> WeightUses:
+        """The tensors this layer passes to the ops, by op (`SmallOps.prepare_weights`)."""
+        for name in ("fused_x.weight", "fused_qr.weight", "wo_b.weight"):
+            yield "linear", self.w[name]
+        yield "grouped_linear", self.wo_a
 
     def run(self, x: torch.Tensor, step) -> torch.Tensor:
         """The block's sub-layer call (`block.StepInputs`): `forward` with the step's plan and RoPE."""

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
-from deepinfer.models.common.weights import strip_prefix
+from deepinfer.models.common.weights import WeightUses, module_weight_uses, strip_prefix
 from deepinfer.models.deepseek_v4.attention import Attention
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.models.deepseek_v4.moe import MoE
@@ -78,6 +78,11 @@ class HyperConnected:
         self.ops = resolve_ops(accel) if ops is None else ops  # V4's own ops (mHC)
         self.fn, self.base, self.scale = weights[f"hc_{name}_fn"], weights[f"hc_{name}_base"], weights[f"hc_{name}_scale"]
         self.norm = weights[f"{name}_norm.weight"]
+
+    def weight_uses(self) -> WeightUses:
+        """This site's mix weights (V4's mHC ops read them) and its sub-layer's weights, by op."""
+        yield "hc_pre", self.fn
+        yield from module_weight_uses(self.layer)
 
     def forward(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
         x, post, comb = self.pre(streams)
@@ -216,6 +221,11 @@ class DecoderBlock:
     def ffn(self) -> MoE:
         return self.module(FFN).layer
 
+    def weight_uses(self) -> WeightUses:
+        """Every sub-module's weights, by the op that reads them (`SmallOps.prepare_weights`)."""
+        for m in self.modules:
+            yield from module_weight_uses(m)
+
     def run(self, streams: torch.Tensor, step: StepInputs) -> torch.Tensor:
         """streams `[T, n, D]` -> `[T, n, D]`: every sub-module in order (`run_modules`)."""
         return run_modules(self.modules, streams, step)
@@ -237,3 +247,4 @@ def build_decoder_block(config: DeepseekV4Config, layer_type: str, mlp_type: str
     ffn = HyperConnected(FFN, MoE(config, mlp_type == "hash_moe", strip_prefix(weights, "ffn."), accel), weights,
                          config, accel, ops)
     return DecoderBlock([*pre_modules, attn, ffn], weights)
+

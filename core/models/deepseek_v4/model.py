@@ -17,7 +17,7 @@ import torch
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
 from deepinfer.models.deepseek_v4.attention import AttentionState
-from deepinfer.models.common.weights import ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
+from deepinfer.models.common.weights import WeightUses, ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
 from deepinfer.models.deepseek_v4.block import (DecoderBlock, StepInputs, build_decoder_block, lower_blocks,
                                                  run_blocks)
 from deepinfer.models.deepseek_v4.config import CSA, HCA, SLIDING, DeepseekV4Config
@@ -99,8 +99,21 @@ class DeepseekV4ForCausalLM:
             self.mtp_top = {k: mtp.pop(k) for k in ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight",
                                                     "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale")}
             self.mtp_block = build_decoder_block(c, SLIDING, "moe", self._fuse_block(mtp), self.accel, ops=self.ops)
+        self.accel.prepare_weights(self.weight_uses())
         if self._cache is not None:
             self.bind_cache(self._cache)
+
+    def weight_uses(self) -> WeightUses:
+        """Every weight the forward passes to an op, by that op (`SmallOps.prepare_weights`)."""
+        yield "linear", self.top["head.weight"]
+        yield "hc_head", self.top["hc_head_fn"]
+        for block in self.blocks:
+            yield from block.weight_uses()
+        if self.mtp_block is not None:
+            for name in ("e_proj.weight", "h_proj.weight"):
+                yield "linear", self.mtp_top[name]
+            yield "hc_head", self.mtp_top["hc_head_fn"]
+            yield from self.mtp_block.weight_uses()
 
     def twin(self) -> DeepseekV4ForCausalLM:
         """A second model over the same weight tensors (no copy) with no cache bound: bind a cache of
@@ -113,6 +126,7 @@ class DeepseekV4ForCausalLM:
                         for i, blk in enumerate(self.blocks)]
         if self.mtp_block is not None:
             other.mtp_block = build_decoder_block(c, SLIDING, "moe", self.mtp_block.w, self.accel, ops=self.ops)
+        other.accel.prepare_weights(other.weight_uses())  # its own views of the shared tensors (wo_a's groups)
         return other
 
     def _convert(self, name: str, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:

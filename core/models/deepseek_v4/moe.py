@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.accelerator.interface import Accelerator, MoEDispatch, routing_scores, shared_expert
+from deepinfer.models.common.weights import WeightUses
 from deepinfer.models.deepseek_v4.config import DeepseekV4Config
 from deepinfer.program import Builder, Ref
 from deepinfer.parallel.context_parallel import RowSplit, current_context_parallel
@@ -49,6 +50,15 @@ class MoE:
         if config.n_shared_experts:
             # w1 and w3 fused into one [2I, D] matrix at load (weights.FUSED_PROJECTIONS)
             self.shared = (weights["fused_shared.weight"], weights["shared_experts.w2.weight"])
+
+    def weight_uses(self) -> WeightUses:
+        """The router's and the experts' tensors, by the op that reads them (`SmallOps.prepare_weights`)."""
+        yield "linear", self.gate
+        experts = (self.w13, self.w2) if self.ep is None else self.ep.weights(self.ep_key)
+        for w in experts:
+            yield "moe_experts", w
+        for w in self.shared or ():
+            yield "linear", w
 
     def _local_experts(self, rows: torch.Tensor, plan: MoEDispatch) -> torch.Tensor:
         """This rank's experts on the rows the EP exchange brought (the load balancer may re-place them)."""

@@ -38,7 +38,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
-from deepinfer.models.common.weights import fused_parts, group_rows, split_fused
+from deepinfer.models.common.weights import WeightUses, fused_parts, group_rows, split_fused
 from deepinfer.models.deepseek_v41.config import FULL, REINDEX, SLIDING, DeepseekV41Config
 from deepinfer.models.deepseek_v41.context_parallel import gather_parts
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, MXFP4_INDEX, NVFP4_COMPRESSED, decode, encode
@@ -86,6 +86,19 @@ class Attention:
         if self.role == FULL and self.rate == 1:
             self.compress_wkv = weights["compressor.wkv.weight"].to(weights["wo_b.weight"].dtype)
         self.state: CacheViews | None = None
+
+    def weight_uses(self) -> WeightUses:
+        """The tensors this layer passes to the ops, by op (`SmallOps.prepare_weights`)."""
+        w = self.w
+        for name in ("fused_x.weight", "fused_qr.weight", "wo_b.weight", "indexer.wk.weight"):
+            if name in w:
+                yield "linear", w[name]
+        yield "grouped_linear", self.wo_a
+        if self.compress_wkv is not None:
+            yield "linear", self.compress_wkv
+        elif "compressor.wkv.weight" in w:
+            yield "linear", w["compressor.wkv.weight"]
+            yield "linear", w["compressor.wgate.weight"]
 
     @property
     def indexes(self) -> bool:

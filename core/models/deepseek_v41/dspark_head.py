@@ -34,7 +34,7 @@ from typing import Literal
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
-from deepinfer.models.common.weights import fuse_experts, fuse_rows, group_rows, strip_prefix
+from deepinfer.models.common.weights import WeightUses, fuse_experts, fuse_rows, group_rows, strip_prefix
 from deepinfer.models.deepseek_v4.block import ATTN, FFN, DecoderBlock
 from deepinfer.models.deepseek_v4.moe import MoE
 from deepinfer.models.deepseek_v4.rope import RotaryTables
@@ -71,6 +71,11 @@ class DraftAttention:
         self.c, self.layer, self.a, self.w = config, config.num_hidden_layers + stage, accel, weights
         self.wo_a = group_rows(weights["wo_a.weight"], config.o_groups)  # [G, R, in] for grouped_linear
         self.ring: torch.Tensor | None = None  # [slots, W, bytes] uint8 FP8 window keys
+
+    def weight_uses(self) -> WeightUses:
+        for name in ("wkv.weight", "wq_a.weight", "wq_b.weight", "wo_b.weight"):
+            yield "linear", self.w[name]
+        yield "grouped_linear", self.wo_a
 
     def key(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """FP8 codes of the keys of rows `x` `[T, D]` at their positions' RoPE."""
@@ -142,6 +147,13 @@ class DSparkHead:
                 self.confidence_proj = w["confidence_head.proj.weight"].float()
         self.device = self.main_proj.device
         self.num_slots = 0
+
+    def weight_uses(self) -> WeightUses:
+        """The stages' weights by the op that reads them (the shared LM head is the target's)."""
+        yield "linear", self.main_proj
+        yield "linear", self.markov_out
+        for block in self.blocks:
+            yield from block.weight_uses()
 
     def bind(self, num_slots: int) -> None:
         """Allocate the stages' context rings for `num_slots` engine cache slots (zeroed)."""

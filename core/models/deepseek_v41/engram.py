@@ -35,6 +35,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.models.common.ragged import take_rows
+from deepinfer.models.common.weights import WeightUses
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 
 ENGRAM = "engram"
@@ -143,6 +144,9 @@ class Engram:
         self.scale = weights["embed.scale"].view(torch.uint8)
         self.wkv = weights["wkv.weight"]
         self.qk = (weights["q_weight"].float() * weights["k_weight"].float())  # [n, D]
+
+    def weight_uses(self) -> WeightUses:
+        yield "linear", self.wkv
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantised table rows `[*ids.shape, hd]` on `ids`' device (only the gathered rows are read).

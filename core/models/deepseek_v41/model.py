@@ -48,7 +48,7 @@ import torch
 
 from deepinfer.accelerator.interface import Accelerator
 from deepinfer.accelerator.quantized_weight import QuantizedWeight
-from deepinfer.models.common.weights import ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
+from deepinfer.models.common.weights import WeightUses, ensure_row_groups, fuse_experts, fuse_rows, strip_prefix
 from deepinfer.models.deepseek_v4.block import ATTN, FFN, DecoderBlock
 from deepinfer.models.deepseek_v4.model import DECODE_PROGRAM_MAX_TOKENS
 from deepinfer.models.deepseek_v4.moe import MoE
@@ -220,8 +220,20 @@ class DeepseekV41ForCausalLM:
             self.dspark = DSparkHead(c, {k: v for k, v in state.items() if k.startswith("mtp.")}, self.top,
                                      self.rope, self.accel, self.ops)
             self.drafter_unsupported = None
+        self.accel.prepare_weights(self.weight_uses())
         if self._cache is not None:
             self.bind_cache(self._cache)
+
+    def weight_uses(self) -> WeightUses:
+        """Every weight the forward (and the drafter, the vision tower) passes to an op, by that op
+        (`SmallOps.prepare_weights`)."""
+        yield "linear", self.top["head.weight"]
+        for block in self.blocks:
+            yield from block.weight_uses()
+        if self.dspark is not None:
+            yield from self.dspark.weight_uses()
+        if self.images is not None:
+            yield from self.images.tower.weight_uses()
 
     def _convert(self, name: str, t: torch.Tensor | QuantizedWeight) -> torch.Tensor | QuantizedWeight:
         if isinstance(t, QuantizedWeight):  # a linear weight kept quantised: own memory on the device

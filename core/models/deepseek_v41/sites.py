@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.common.weights import WeightUses, module_weight_uses
 from deepinfer.models.deepseek_v4.block import ATTN, DecoderBlock
 from deepinfer.models.deepseek_v41.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41.ops import DeepseekV41Ops
@@ -34,6 +35,11 @@ class Site:
         self.name, self.layer, self.c, self.accel, self.ops = name, layer, config, accel, ops
         self.fn, self.base, self.scale = weights[f"hc_{name}_fn"], weights[f"hc_{name}_base"], weights[f"hc_{name}_scale"]
         self.norm = weights[f"{name}_norm.weight"]
+
+    def weight_uses(self) -> WeightUses:
+        """This site's mix weights (V4.1's mHC ops read them) and its sub-layer's weights, by op."""
+        yield "hc_mix", self.fn
+        yield from module_weight_uses(self.layer)
 
     def forward(self, streams: torch.Tensor, step: Any) -> torch.Tensor:
         """streams `[T, n, D]` -> `[T, n, D]`: this site alone (its `hc_post` applied)."""

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.accelerator.interface import Accelerator
+from deepinfer.models.common.weights import WeightUses
 from deepinfer.models.deepseek_v41.image_processing import (
     END, IMAGE, NEWLINE, START, ImageGrid, ProcessedImage, span_roles,
 )
@@ -91,6 +92,12 @@ class VisionTower:
             raise ValueError(f"the vision tower needs {len(missing)} more tensors (e.g. {missing[0]!r}); load the "
                              f"checkpoint with deepinfer.models.deepseek_v41.checkpoint")
         self.w = {name: self._convert(name, t) for name, t in weights.items() if is_vision_weight(name)}
+
+    def weight_uses(self) -> WeightUses:
+        """The projections (every matrix but the norms'), read by `linear`."""
+        for name, t in self.w.items():
+            if name.endswith(".weight") and t.dim() == 2 and not is_vision_norm(name):
+                yield "linear", t
 
     def _convert(self, name: str, t: torch.Tensor) -> torch.Tensor:
         dtype = torch.float32 if is_vision_norm(name) else self.dtype
