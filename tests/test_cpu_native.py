@@ -503,9 +503,9 @@ def test_one_row_on_tiles_for_large_weights_on_avx2(monkeypatch):
             assert_close(kernels.linear(x, W), want)
     avx2, one_row = native.gemv_tier(lib) == "avx2-fma", kernels.tuning.packed_gemm_rows[0] == 1
     for W, on_tiles in ((large, avx2 or one_row), (small, one_row)):
-        tiles = native.packed_linear_bf16(lib, x, kernels.tile_weights.lookup(W), W.shape)
-        gemv = native.run(lib, native.gemv_bf16_arguments(lib, W, x)).view(1, -1)
-        assert torch.equal(kernels.linear(x, W), tiles if on_tiles else gemv)
+        want = native.packed_linear_bf16(lib, x, kernels.tile_weights.lookup(W), W.shape) if on_tiles else \
+            native.run(lib, native.gemv_bf16_arguments(lib, W, x)).view(1, -1)
+        assert torch.equal(kernels.linear(x, W), want)
 
 
 def test_packed_gemm_bf16_stacked(nat):

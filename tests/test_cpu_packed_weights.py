@@ -14,14 +14,17 @@ from deepinfer_plugins.cpu import packed_weights
 from deepinfer_plugins.cpu.accelerator import CpuAccelerator
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
+from deepinfer_plugins.cpu.tuning import NEVER
 
-pytestmark = pytest.mark.skipif(not packed_weights.available(), reason="this torch build has no oneDNN bf16")
+needs_onednn = pytest.mark.skipif(not packed_weights.available(), reason="this torch build (or its CPU: "
+                                  "ONEDNN_MAX_CPU_ISA) has no oneDNN bf16, so no oneDNN copies are made")
 
 
 def bf16(*shape: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
+@needs_onednn
 def test_copies_are_made_when_given_and_only_then():
     table, w = PackedWeights(), bf16(96, 64)
     assert table.lookup(w) is None and len(table) == 0  # never given: none, however often it is asked
@@ -36,6 +39,7 @@ def test_copies_are_made_when_given_and_only_then():
     assert table.lookup(stacked[1]) is None and table.lookup(bf16(96, 64)) is None and len(table) == 1
 
 
+@needs_onednn
 def test_only_contiguous_2d_bf16_weights():
     table = PackedWeights()
     for w in (bf16(8, 16).float(), bf16(16, 8).t(), bf16(2, 8, 16), "not a tensor"):
@@ -51,6 +55,7 @@ def test_only_contiguous_2d_bf16_weights():
     assert len(declines) == 0
 
 
+@needs_onednn
 def test_entries_go_with_their_weight():
     table, w = PackedWeights(), bf16(32, 32)
     table.add(w)
@@ -61,11 +66,13 @@ def test_entries_go_with_their_weight():
     assert table.lookup(bf16(32, 32)) is None  # a new tensor (perhaps at the dead one's id) has no copy
 
 
+@needs_onednn
 @pytest.mark.parametrize("rows", [2, 7, 16, 40, 300])  # skinny, and bucketed GEMM row counts
 def test_linear_on_packed_weights_matches_the_plain_product(rows):
     kernels, w, x = NativeCpuKernels(), bf16(200, 96), bf16(rows, 96, seed=1)
     kernels.prepare_weights([("linear", w)])
-    assert kernels.packed_weights.lookup(w) is not None
+    # oneDNN's copy, but where the tiles take every multi-row product (AVX2: oneDNN has no bf16 kernel there)
+    assert (kernels.packed_weights.lookup(w) is not None) == (kernels.tuning.packed_gemm_rows[1] < NEVER)
     want = F.linear(x.double(), w.double())
     first = kernels.linear(x.view(1, rows, 96), w)
     assert first.shape == (1, rows, 200) and first.dtype == torch.bfloat16
@@ -75,16 +82,24 @@ def test_linear_on_packed_weights_matches_the_plain_product(rows):
     assert all(torch.equal(kernels.linear(x.view(1, rows, 96), w), first) for _ in range(2))
 
 
-def test_only_the_uses_a_table_has_a_layout_for_are_packed():
+def test_only_the_uses_a_kernel_reads_are_packed():
+    """Each table copies the weights of the uses whose kernels read its copy on this build's tier."""
     kernels = NativeCpuKernels()
+    if kernels.native_library is None:
+        pytest.fail("the native library did not build")
     w, w32, embed, fn = bf16(64, 32), bf16(64, 32).float(), bf16(64, 32, seed=1), torch.randn(24, 4 * 32)
+    experts, groups = bf16(4, 64, 32, seed=2), bf16(2, 64, 32, seed=3)
     kernels.prepare_weights([("linear", w), ("linear", w32), ("embedding", embed), ("hc_pre", fn),
-                             ("hc_head", torch.randn(4, 4 * 32))])
-    assert kernels.packed_weights.lookup(w) is not None and kernels.packed_weights.lookup(w32) is None
-    assert kernels.packed_weights.lookup(embed) is None and len(kernels.packed_weights) == 1
-    if kernels.native_library is not None:
-        assert kernels.tile_weights.lookup(w) is not None and kernels.tile_weights.lookup(embed) is None
-        assert torch.equal(kernels.hc_weights.lookup(fn), fn.t()) and len(kernels.hc_weights) == 1
+                             ("hc_head", torch.randn(4, 4 * 32)), ("moe_experts", experts), ("grouped_linear", groups)])
+    low, high = kernels.tuning.packed_gemm_rows
+    tiles, onednn, amx = kernels.tile_weights, kernels.packed_weights, kernels.native_amx
+    if onednn is not None:  # w's, but where the tiles take every multi-row product (AVX2)
+        assert len(onednn) == (1 if high < NEVER else 0) and onednn.lookup(w32) is None
+        assert onednn.lookup(embed) is None
+    assert len(tiles) == (0 if high < 1 else 1 + (not amx) + (not amx or kernels.tuning.grouped_amx_max_tokens < high))
+    assert (tiles.lookup(w) is not None) == (high >= 1) and tiles.lookup(embed) is None
+    assert (tiles.lookup(experts) is not None) == (high >= 1 and not amx)  # AMX's expert kernel takes those rows
+    assert torch.equal(kernels.hc_weights.lookup(fn), fn.t()) and len(kernels.hc_weights) == 1
 
 
 def test_a_model_packs_its_weights_at_load(tiny_v4):
@@ -95,8 +110,12 @@ def test_a_model_packs_its_weights_at_load(tiny_v4):
     llm = LLM(model=str(tiny_v4), dtype="bfloat16", max_num_seqs=4)
     model, kernels = llm.engine.model, llm.engine.model.accel
     try:
-        assert kernels.packed_weights.lookup(model.top["head.weight"]) is not None
-        assert kernels.packed_weights.lookup(model.top["embed.weight"]) is None  # an index, not a product
+        probe = bf16(8, 8)  # a linear's weight given now: the tables this build copies one into
+        kernels.prepare_weights([("linear", probe)])
+        for table in (kernels.packed_weights, kernels.tile_weights):
+            if table is not None:  # the LM head's copies were made before any step; the embedding has none
+                assert (table.lookup(model.top["head.weight"]) is not None) == (table.lookup(probe) is not None)
+                assert table.lookup(model.top["embed.weight"]) is None
         params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
         prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [5, 4, 3, 2, 1, 9, 8]]
         runs = [[(o.outputs[0].token_ids, [list(p.values())[0].logprob for p in o.outputs[0].logprobs])
@@ -111,7 +130,9 @@ def test_environment_switch(monkeypatch):
     monkeypatch.setenv("DEEPINFER_CPU_PACKED_WEIGHTS", "0")
     kernels, w, x = CpuAccelerator(), bf16(64, 32), bf16(4, 32)
     assert kernels.packed_weights is None and kernels.tile_weights is None and kernels.hc_weights is None
-    assert NativeCpuKernels().packed_weights is not None  # the switch is the accelerator's, not a step's read
+    kernels.prepare_weights([("linear", w)])  # nothing to make
+    # the switch is the accelerator's, not a step's read
+    assert NativeCpuKernels().hc_weights is not None or NativeCpuKernels().native_library is None
     assert torch.equal(kernels.linear(x, w), kernels.linear(x, w))
     monkeypatch.setenv("DEEPINFER_CPU_PACKED_WEIGHTS", "sometimes")
     with pytest.raises(ValueError, match="DEEPINFER_CPU_PACKED_WEIGHTS"):

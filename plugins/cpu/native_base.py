@@ -19,7 +19,7 @@ from deepinfer_plugins.cpu.fixed_order import FixedOrderKernels, install
 from deepinfer_plugins.cpu.kernels import CpuKernels
 from deepinfer_plugins.cpu.packed_weights import PackedWeights
 from deepinfer_plugins.cpu.program import PreparedProgram
-from deepinfer_plugins.cpu.tuning import TUNING, Tuning
+from deepinfer_plugins.cpu.tuning import NEVER, TUNING, Tuning
 
 
 class NativeKernelsBase(CpuKernels):
@@ -71,16 +71,28 @@ class NativeKernelsBase(CpuKernels):
         return PackedWeights(pack=functools.partial(native.pack_bf16, lib, huge=self.use_huge_pages), stacks=True)
 
     def prepare_weights(self, uses: Iterable[tuple[str, Any]]) -> None:
-        """The packed copies, made once here (the model's weights by the op that reads them, at load): the
-        linears' in oneDNN's layout and on the C register tiles, the attention's grouped output projection's
-        and the routed experts' on the tiles, V4's mHC fn transposed for hc_pre's tiles; nothing for other
-        uses. Products of weights not given here read the plain weight."""
-        tables = {"linear": (self.packed_weights, self.tile_weights), "grouped_linear": (self.tile_weights,),
-                  "moe_experts": (self.tile_weights,), "hc_pre": (self.hc_weights,)}
+        """The packed copies, made once here (the model's weights by the op that reads them, at load), each
+        only where a kernel of this build reads it: the linears' on the C register tiles and in oneDNN's
+        layout (not where the tiles take every multi-row product: AVX2), the attention's grouped output
+        projection's and the routed experts' on the tiles (not where AMX tiles take those products), V4's
+        mHC fn transposed for hc_pre's tiles. Products of weights not given here read the plain weight."""
+        tables = self._tables_by_use
         for op, weight in uses:
             for table in tables.get(op, ()):
                 if table is not None:
                     table.add(weight)
+
+    @functools.cached_property
+    def _tables_by_use(self) -> dict[str, tuple[PackedWeights | None, ...]]:
+        """The tables that keep a copy of a weight of each use: those whose copy a kernel choice of this
+        build's tier reads (tuning.py), decided once."""
+        low, high = self.tuning.packed_gemm_rows
+        tiles = self.tile_weights if high >= 1 else None
+        amx = self.native_amx  # AMX's expert kernel and grouped products take the rows the tiles would
+        return {"linear": (self.packed_weights if high < NEVER else None, tiles),
+                "grouped_linear": (None if amx and self.tuning.grouped_amx_max_tokens >= high else tiles,),
+                "moe_experts": (None if amx else tiles,),
+                "hc_pre": (self.hc_weights,)}
 
     @functools.cached_property
     def hc_weights(self) -> PackedWeights | None:
