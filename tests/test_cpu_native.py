@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer.models.deepseek_v4.ops import DeepseekV4Ops
-from deepinfer_plugins.cpu import CpuAccelerator, native
+from deepinfer_plugins.cpu import CpuAccelerator, native, packed_weights
 from deepinfer_plugins.cpu.kernels import CpuKernels
 from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 
@@ -955,6 +955,24 @@ def test_linear_amx_bf16_tiles(nat, rows):
     x, w = make((rows, 96), torch.bfloat16), make((192, 96), torch.bfloat16, 1)
     want = (x.double() @ w.double().t()).to(torch.bfloat16)
     assert_close(native.linear_amx_bf16(nat.native_library, x, w), want)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 16, 32, 33, 64])
+def test_decode_batch_linears_take_amx_where_it_is_fastest(rows):
+    """With AMX (the "amx" tuning): the register tiles up to 6 rows, AMX's tiles from 7 to 32, oneDNN's packed
+    copy above (each where it measured fastest), on weights given at load."""
+    kernels = NativeCpuKernels()
+    require_amx(kernels)
+    lib, (low, high) = kernels.native_library, kernels.tuning.packed_gemm_rows
+    w, x = make((192, 96), torch.bfloat16), make((rows, 96), torch.bfloat16, 1)
+    kernels.prepare_weights([("linear", w)])
+    if low <= rows <= high:
+        want = native.packed_linear_bf16(lib, x, kernels.tile_weights.lookup(w), w.shape)
+    elif rows <= kernels.tuning.linear_amx_max_rows:
+        want = native.linear_amx_bf16(lib, x, w)
+    else:
+        want = packed_weights.linear(x, kernels.packed_weights.lookup(w))
+    assert (low, high) == (1, 6) and torch.equal(kernels.linear(x, w), want)
 
 
 @pytest.mark.parametrize("G,N,K", [(4, 256, 512), (3, 20, 70)])  # model size; tails of rows and of K

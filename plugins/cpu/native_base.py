@@ -104,9 +104,10 @@ class NativeKernelsBase(CpuKernels):
 
     @functools.cached_property
     def tuning(self) -> Tuning:
-        """The path choices' thresholds of the tier the library was built for (tuning.py; no library: portable)."""
+        """The path choices' thresholds of the tier the library was built for (tuning.py; no library: portable;
+        usable AMX tiles: amx)."""
         lib = self.native_library
-        return TUNING["portable" if lib is None else native.gemv_tier(lib)]
+        return TUNING["portable" if lib is None else "amx" if self.native_amx else native.gemv_tier(lib)]
 
     @functools.cached_property
     def native_amx(self) -> bool:

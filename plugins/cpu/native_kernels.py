@@ -70,9 +70,7 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
             y = native.run(lib, native.gemv_bf16_arguments(lib, weight, x))
             if y is not None:
                 return y.view(*x.shape[:-1], weight.shape[0])
-        tuning = self.tuning
-        if (lib is not None and 1 < rows <= tuning.linear_amx_max_rows
-                and weight.numel() <= tuning.linear_amx_max_elements):
+        if lib is not None and 1 < rows <= self.tuning.linear_amx_max_rows:
             y = native.linear_amx_bf16(lib, x.reshape(rows, x.shape[-1]), weight)  # None without AMX
             if y is not None:
                 return y.view(*x.shape[:-1], weight.shape[0])

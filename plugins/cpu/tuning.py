@@ -3,7 +3,8 @@
 The C kernels and torch / oneDNN are picked by row counts and sizes; each value is where the measured
 crossover lay (docs/performance.md, "The cpu back end's tuning thresholds", has the measurements).
 `Tuning` holds every threshold; `TUNING` gives the values of each tier the native library is built for
-(native.gemv_tier: "avx512-bf16", "avx2-fma", "portable"; no library: "portable"). The kernels read
+(native.gemv_tier: "avx512-bf16", "avx2-fma", "portable"; no library: "portable"; "avx512-bf16" with usable
+AMX tiles: "amx"). The kernels read
 them once, from `NativeCpuKernels.tuning`, so a test or an experiment replaces one value with
 `dataclasses.replace`.
 """
@@ -26,9 +27,8 @@ class Tuning:
     expert_rows_per_expert_dot: int = 16
     #: tokens up to which the grouped output projection runs on AMX tiles
     grouped_amx_max_tokens: int = 64
-    #: decode-batch linears (2 to this many rows) of weights up to `linear_amx_max_elements` on AMX tiles
+    #: decode-batch linears (2 to this many rows) on AMX tiles, where the register tiles do not take them
     linear_amx_max_rows: int = 32
-    linear_amx_max_elements: int = 8 << 20
     #: tokens up to which the router's top-k runs in C (one thread; prefill keeps torch's parallel top-k)
     route_max_tokens: int = 64
     #: decode batches up to this many tokens take the fused MoE sub-layer (moe_layer.c)
@@ -56,6 +56,9 @@ class Tuning:
 TUNING = {
     # the tiles from one row (the GEMV's limit 8); the MoE's experts on the tiles from 3 rows per expert
     "avx512-bf16": Tuning(gemv_tokens_max_rows=8, packed_gemm_rows=(1, 64), moe_tiles_rows_per_expert=3),
+    # with AMX: the register tiles up to 6 rows, AMX's from 7 to 32, oneDNN's from 33 (the tiles 2.6-4.5x
+    # slower than either there); AMX's expert and grouped kernels take their rows
+    "amx": Tuning(gemv_tokens_max_rows=8, packed_gemm_rows=(1, 6), moe_tiles_rows_per_expert=3),
     # oneDNN has no AVX2 bf16 kernel: the tiles from 2 rows up, prefill too, and the LM head's one row
     "avx2-fma": Tuning(gemv_tokens_max_rows=16, packed_gemm_rows=(2, NEVER), one_row_tiles_min_elements=32 << 20,
                        moe_tiles_rows_per_expert=4),
