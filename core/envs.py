@@ -74,8 +74,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in [
            "broken path."),
     EnvVar("DEEPINFER_CPU_PACKED_WEIGHTS",
            "cpu back end: 1 (default) keeps packed copies of the bf16 weights that linears read, "
-           "each made at load (the model gives its weights by the op that reads them): the C register tiles' for decode batches "
-           "(AVX512-BF16: 1-64 rows; AVX2+FMA: every multi-row product) and oneDNN's blocked one "
+           "each made at load (the model gives its weights by the op that reads them) where a kernel of "
+           "this CPU's tier reads it: the C register tiles' for decode batches (AVX512-BF16: 1-64 rows; "
+           "with AMX 1-6, then AMX tiles and oneDNN; AVX2+FMA: every multi-row product) and oneDNN's blocked one "
            "for the other multi-row products (each 1.1-3.7x faster, each costs the weights' size "
            "again in RAM), the tiles' copies of the bf16 routed expert stacks (decode batches of several "
            "rows per expert, AVX2 prefill) and the mHC sites' fn transposed (bf16 batches of 4+ rows); "

@@ -1,6 +1,7 @@
 """The measuring scripts in scripts/ run on tiny checkpoints and print what they promise (their
 figures' format and the checks they make, never a timing): the prefix cache on and off, SWA bounded
-replay against exact prefill, and on gloo ranks context parallelism and EPLB."""
+replay against exact prefill, the cpu back end's linear paths, and on gloo ranks context parallelism and
+EPLB."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,8 @@ import sys
 
 import pytest
 
+from deepinfer_plugins.cpu import packed_weights
+from deepinfer_plugins.cpu.native_kernels import NativeCpuKernels
 from example_modules import REPO, load_script
 
 
@@ -36,6 +39,23 @@ def test_prefix_cache_bench_reuses_prefixes_and_agrees_under_batch_invariant_ker
     assert hits > 0  # the system prompt and the first turn come back from the cache
     assert "answers identical in both modes: 8/8" in out
     assert "speed-up " in out and "(per round; min-max)" in out
+
+
+def test_linear_paths_bench_prints_a_row_per_shape_and_row_count(capsys):
+    """Every path this build has (the register tiles where the tier has them, AMX where usable, oneDNN where
+    torch has its bf16 kernel) gets a time in each row, and the fastest is one of them."""
+    script = load_script("bench_linear_paths")
+    kernels = NativeCpuKernels()
+    if kernels.native_library is None:
+        pytest.fail("the native library did not build")
+    assert script.main(["--shapes", "128x64", "--rows", "1,9", "--rounds", "2", "--cold_mb", "1"]) == 0
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 128 x 64")]
+    assert [r[1] for r in rows] == ["1", "9"]
+    has = {"tiles": True, "amx": kernels.native_amx, "onednn": packed_weights.onednn_bf16()}
+    for r in rows:
+        timed = {name for name, cell in zip(("tiles", "amx", "onednn"), r[2:5]) if cell != "-"}
+        assert timed == {name for name, present in has.items() if present} and r[5] in timed
 
 
 @pytest.mark.slow  # the fast lane runs the prefix-cache script

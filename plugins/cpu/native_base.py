@@ -1,8 +1,8 @@
 """What every op family of the cpu back end's C kernels shares (`NativeKernelsBase`): the library,
 batch-invariant mode (its tables, fixed_order.py, installed over the kernels and the op tables), the
-switches the accelerator sets once, the tables of packed weight copies (made at load: `prepare_weights`), the tuning table of the tier,
-and the prepared programs. The families are native_kernels.py (products, norms, attention, sampling),
-native_moe.py and native_mhc.py; `NativeCpuKernels` is all of them."""
+switches the accelerator sets once, the tables of packed weight copies (made at load: `prepare_weights`),
+the tuning table of the tier, and the prepared programs. The families are native_kernels.py (products,
+norms, attention, sampling), native_moe.py and native_mhc.py; `NativeCpuKernels` is all of them."""
 from __future__ import annotations
 
 import ctypes
