@@ -233,3 +233,22 @@ def test_the_cpu_back_end_prepares_the_toy_decode_step(checkpoint, clean_env, mo
     # one decode token a step at the end: its products are the C GEMV or the packed tiles, all bound
     linears = sum(1 for s in runs[-1].steps if s.call.op == "kernels.linear")
     assert runs[-1].program.key == ("decode", 1) and bound.get("kernels.linear") == linears
+
+
+def test_the_toy_family_gives_its_weights_by_use(checkpoint, clean_env):
+    """`load_weights` gives the back end its linears' weights: on the cpu back end their packed copies exist
+    before the first step, wherever this build makes a linear's copy; the embedding (an index) has none."""
+    import torch
+
+    llm = _llm(checkpoint, dtype="bfloat16", async_pipeline=False)
+    try:
+        model = llm.engine.model
+        kernels, probe = model.accel, torch.ones(8, 8, dtype=torch.bfloat16)
+        kernels.prepare_weights([("linear", probe)])
+        tables = [t for t in (kernels.packed_weights, kernels.tile_weights)
+                  if t is not None and t.lookup(probe) is not None]
+        for table in tables:
+            assert all(table.lookup(t) is not None for k, t in model.w.items() if t.dim() == 2 and k != "embed.weight")
+            assert table.lookup(model.w["embed.weight"]) is None
+    finally:
+        llm.shutdown()

@@ -74,6 +74,8 @@ class ToyDenseForCausalLM:
                              f"wrong shape {wrong}")
         self.w = {k: v.to(self.device, target_dtype(k, self.dtype)).contiguous() for k, v in weights.items()}
         self.programs.clear()
+        # every matrix but the embedding is a linear's weight: the back end makes its copies of them now
+        self.accel.prepare_weights(("linear", t) for k, t in self.w.items() if t.dim() == 2 and k != "embed.weight")
 
     def cache_layout(self, max_rollback: int) -> CacheLayout:
         c = self.config
