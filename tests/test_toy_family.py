@@ -247,6 +247,9 @@ def test_the_toy_family_gives_its_weights_by_use(checkpoint, clean_env):
         kernels.prepare_weights([("linear", probe)])
         tables = [t for t in (kernels.packed_weights, kernels.tile_weights)
                   if t is not None and t.lookup(probe) is not None]
+        if not tables:
+            pytest.skip("this build keeps no copy of a linear's weight (no register tiles on its tier, no oneDNN "
+                        "bf16): nothing to check")
         for table in tables:
             assert all(table.lookup(t) is not None for k, t in model.w.items() if t.dim() == 2 and k != "embed.weight")
             assert table.lookup(model.w["embed.weight"]) is None

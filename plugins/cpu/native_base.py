@@ -86,7 +86,7 @@ class NativeKernelsBase(CpuKernels):
     def _tables_by_use(self) -> dict[str, tuple[PackedWeights | None, ...]]:
         """The tables that keep a copy of a weight of each use: those whose copy a kernel choice of this
         build's tier reads (tuning.py), decided once."""
-        low, high = self.tuning.packed_gemm_rows
+        high = self.tuning.packed_gemm_rows[1]
         tiles = self.tile_weights if high >= 1 else None
         amx = self.native_amx  # AMX's expert kernel and grouped products take the rows the tiles would
         return {"linear": (self.packed_weights if high < NEVER else None, tiles),
