@@ -162,16 +162,19 @@ def test_attention_ignores_key_order_padding_and_neighbours(lib):
     _check_attention(lib)
 
 
-def test_narrow_products_keep_torch_elementwise_math_per_row(lib, one_thread):
-    """A product narrower than 16 columns (the router's 8 experts) comes back row-strided, so the
-    model's own torch math on it (softplus, sigmoid) takes the same path for a row whatever the row
-    count: torch computes the last numel % 16 elements of a flat loop with the scalar libm function."""
+@pytest.mark.parametrize("experts", [8, 16, 48, 64])
+def test_narrow_products_keep_torch_elementwise_math_per_row(lib, one_thread, experts):
+    """A product whose width is not a multiple of 64 columns (a router's 8, 16 or 48 experts) comes back
+    row-strided, so the model's own torch math on it (softplus, sigmoid) takes the same path for a row
+    whatever the row count: on a contiguous tensor torch computes the last elements of its flat loop (up
+    to two vectors: 31 with AVX-512) with the scalar libm function. 16 experts failed here (and a tiny
+    V4.1 checkpoint's routing with them) while only widths below 16 were strided."""
     from deepinfer_plugins.cpu.accelerator import CpuAccelerator
 
     accel = CpuAccelerator()
     accel.set_batch_invariant(True)
     g = torch.Generator().manual_seed(2)
-    x, w = torch.randn(513, 64, generator=g).bfloat16().float(), torch.randn(8, 64, generator=g)
+    x, w = torch.randn(513, 64, generator=g).bfloat16().float(), torch.randn(experts, 64, generator=g) * 3
     full = torch.nn.functional.softplus(accel.linear(x, w))
     rows = torch.cat([torch.nn.functional.softplus(accel.linear(x[i:i + 1], w)) for i in range(513)])
     assert torch.equal(full, rows)

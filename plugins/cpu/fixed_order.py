@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 def lanewise(op, x: torch.Tensor) -> torch.Tensor:
     """`op` (an element-wise torch function) of `x` with every element on torch's vector path. torch
-    computes the last `numel % 16` elements of a tensor (and of each thread's share) with the scalar
+    computes the last elements of a tensor (up to 31 with AVX-512) (and of each thread's share) with the scalar
     libm function, which may differ from the vector one in the last bit; zero padding to a multiple
     of 64 elements per thread keeps an element's bits independent of the tensor's size."""
     flat = x.reshape(-1)
@@ -44,15 +44,16 @@ def lanewise(op, x: torch.Tensor) -> torch.Tensor:
 
 
 def row_strided(y: torch.Tensor) -> torch.Tensor:
-    """`y` (values unchanged) as a view whose rows are a multiple of 16 elements apart when its last
-    dimension is not. torch runs an element-wise op over a contiguous tensor as one flat loop whose
-    last `numel % 16` elements take the scalar libm path; over rows that cannot be merged it loops
-    row by row, so every row takes the same path whatever the row count. The model's own element-wise
-    math on narrow products (e.g. the router's softplus over 8 experts) then stays batch-invariant."""
+    """`y` (values unchanged) as a view whose rows are apart by more than their width when that width is
+    not a multiple of 64 elements. torch runs an element-wise op over a contiguous tensor as one flat loop
+    of two vectors a step (32 floats with AVX-512) whose last elements take the scalar libm path; over
+    rows that cannot be merged it loops row by row, so every row takes the same path whatever the row
+    count. The model's own element-wise math on narrow products (the router's softplus over 8, 16 or 48
+    experts) then stays batch-invariant."""
     width = y.shape[-1]
-    if width % 16 == 0 or y.dim() < 2:
+    if width % 64 == 0 or y.dim() < 2:
         return y
-    padded = y.new_empty((*y.shape[:-1], width + (-width % 16)))
+    padded = y.new_empty((*y.shape[:-1], width + 16))
     padded[..., :width] = y
     return padded[..., :width]
 
