@@ -48,7 +48,7 @@ def count_calls(monkeypatch, name: str) -> list[int]:
 
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[int]:
-    return count_calls(monkeypatch, "attention_output_bf16")
+    return count_calls(monkeypatch, "attention_output")
 
 
 @pytest.fixture
@@ -158,19 +158,19 @@ def test_bad_key_rows_are_refused():
     q, kv, key_rows, caches, rows, masks, *rest = case(1, 7, torch.bfloat16)
     window = caches[0].clone()
     with pytest.raises(IndexError, match="outside the window"):  # before anything is written
-        native.attention_output_bf16(lib, q, kv, key_rows + 64, tuple(caches), tuple(rows), tuple(masks), *rest,
-                                     None, None)
+        native.attention_output(lib, q, kv, key_rows + 64, tuple(caches), tuple(rows), tuple(masks), *rest,
+                                None, None)
     assert torch.equal(caches[0], window)
     with pytest.raises(IndexError, match="outside its cache"):
-        native.attention_output_bf16(lib, q, kv, key_rows, tuple(caches), (rows[0], rows[1] + 40), tuple(masks),
-                                     *rest, None, None)
+        native.attention_output(lib, q, kv, key_rows, tuple(caches), (rows[0], rows[1] + 40), tuple(masks),
+                                *rest, None, None)
     # what the C call does not take: None, nothing written (the composed path runs)
     cache_f = tuple(c.float() for c in caches)
-    assert native.attention_output_bf16(lib, q, kv, key_rows, cache_f, tuple(rows), tuple(masks), *rest,
-                                        None, None) is None
+    assert native.attention_output(lib, q, kv, key_rows, cache_f, tuple(rows), tuple(masks), *rest,
+                                   None, None) is None
     q3, kv3, rows3, masks3 = q.expand(3, -1, -1).contiguous(), kv.expand(3, -1), (), ()
-    assert native.attention_output_bf16(lib, q3, kv3, key_rows.expand(3), tuple(caches), rows3, masks3, *rest,
-                                        None, None) is None
+    assert native.attention_output(lib, q3, kv3, key_rows.expand(3), tuple(caches), rows3, masks3, *rest,
+                                   None, None) is None
 
 
 def test_the_model_decodes_the_same_bits(fused_calls, projection_calls, monkeypatch):
@@ -209,7 +209,7 @@ def test_the_model_decodes_the_same_bits(fused_calls, projection_calls, monkeypa
             assert 16 in fused_calls and 16 in projection_calls
 
 
-# ----- the same two calls on weights kept quantised (attention_layer_quant.py) -----
+# ----- the same two calls on weights kept quantised (attention_layer.py) -----
 
 def _quant(kind: str, w: torch.Tensor, block: int = 32):
     """w (logical [*, out, in]) as `kind`: 'bf16' itself, else FP8-block / FP4 codes (test_cpu_quant_gemv's
@@ -244,7 +244,7 @@ QUANT_PROJECTIONS = [("fp8", "fp8"), ("fp4", "bf16"), ("bf16", "fp8-f32"), ("fp8
 @pytest.mark.parametrize("index_heads", [0, 4])
 @pytest.mark.parametrize("T", [1, 3])
 def test_quantised_projections_match_the_composed_kernels(lib, T, index_heads, kinds, monkeypatch):  # noqa: F811
-    calls = count_calls(monkeypatch, "attention_projections_quant_arguments")
+    calls = count_calls(monkeypatch, "attention_projections_arguments")
     g = torch.Generator().manual_seed(T + index_heads)
     D, rank, H, d, di, half = 128, 64, 4, 64, 32, 8
     x = torch.randn(T, D, generator=g).bfloat16()
@@ -273,7 +273,7 @@ QUANT_OUTPUTS = [("fp8", "fp8"), ("bf16", "fp8"), ("fp4", "fp8-f32"), ("fp8", "b
 @pytest.mark.parametrize("entries", [0, 7])
 @pytest.mark.parametrize("B", [1, 3, 16])
 def test_quantised_output_matches_the_composed_kernels(lib, B, entries, kinds, monkeypatch):  # noqa: F811
-    calls = count_calls(monkeypatch, "attention_output_quant")
+    calls = count_calls(monkeypatch, "attention_output")
     *inputs, wo_a, wo_b = case(B, entries, torch.bfloat16, seed=B + entries)
     wo_a, wo_b = _quant(kinds[0], wo_a), _quant(kinds[1], wo_b)
     inputs = (*inputs, wo_a, wo_b)
@@ -301,15 +301,15 @@ def test_quantised_bad_key_rows_are_refused():
     q, kv, key_rows, caches, rows, masks, *rest = (*inputs, _quant("fp8", wo_a), _quant("fp8", wo_b))
     window = caches[0].clone()
     with pytest.raises(IndexError, match="outside the window"):
-        native.attention_output_quant(lib, q, kv, key_rows + 64, tuple(caches), tuple(rows), tuple(masks), *rest,
-                                      None, None)
+        native.attention_output(lib, q, kv, key_rows + 64, tuple(caches), tuple(rows), tuple(masks), *rest,
+                                None, None)
     assert torch.equal(caches[0], window)
     with pytest.raises(IndexError, match="outside its cache"):
-        native.attention_output_quant(lib, q, kv, key_rows, tuple(caches), (rows[0], rows[1] + 40), tuple(masks),
-                                      *rest, None, None)
+        native.attention_output(lib, q, kv, key_rows, tuple(caches), (rows[0], rows[1] + 40), tuple(masks),
+                                *rest, None, None)
     # what the C call does not take: None, nothing written (the composed path runs)
     cache_f = tuple(c.float() for c in caches)
-    assert native.attention_output_quant(lib, q, kv, key_rows, cache_f, tuple(rows), tuple(masks), *rest,
-                                         None, None) is None
-    assert native.attention_output_quant(lib, q, kv, key_rows, tuple(caches), tuple(rows), tuple(masks), *rest[:-1],
-                                         rest[-1].dequantize(torch.float32), None, None) is None
+    assert native.attention_output(lib, q, kv, key_rows, cache_f, tuple(rows), tuple(masks), *rest,
+                                   None, None) is None
+    assert native.attention_output(lib, q, kv, key_rows, tuple(caches), tuple(rows), tuple(masks), *rest[:-1],
+                                   rest[-1].dequantize(torch.float32), None, None) is None

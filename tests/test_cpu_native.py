@@ -1231,8 +1231,8 @@ def check_attention_layer(lib):
     rows, masks = (torch.tensor([[1, 4, 7]]), torch.tensor([[0, 5]])), (torch.ones(1, 1, 3, dtype=torch.bool),) * 2
     wo_a, wo_b = make((2, 16, 64), torch.bfloat16, 6) * 0.2, make((40, 32), torch.bfloat16, 7) * 0.2
     caches = (window.clone(), entries)
-    got = native.attention_output_bf16(lib, q, kv, torch.tensor([7]), caches, rows, (masks[0], masks[1][..., :2]),
-                                       sinks, 0.125, *cs, wo_a, wo_b, None, None)
+    got = native.attention_output(lib, q, kv, torch.tensor([7]), caches, rows, (masks[0], masks[1][..., :2]),
+                                  sinks, 0.125, *cs, wo_a, wo_b, None, None)
     window[7] = kv[0]
     assert torch.equal(caches[0], window)
     o = native.sink_attention_rows(lib, q.unsqueeze(1), (window, entries), rows, (masks[0], masks[1][..., :2]),

@@ -410,7 +410,7 @@ def test_the_fused_quantised_attention_decodes_the_composed_bits(v4_path, clean_
     clean_env.setenv("DEEPINFER_CPU_QUANTIZED_WEIGHTS", "1")
     clean_env.setenv("DEEPINFER_CPU_DECODE_BLOCKS", "0")  # decode programs call by call: through these ops
     calls = []
-    for name in ("attention_projections_quant_arguments", "attention_output_quant"):
+    for name in ("attention_projections_arguments", "attention_output"):
         def counted(*args, _fn=getattr(native, name), _name=name, **kw):
             out = _fn(*args, **kw)
             calls.append(_name if out is not None else None)
@@ -429,7 +429,7 @@ def test_the_fused_quantised_attention_decodes_the_composed_bits(v4_path, clean_
                 for o in outs]
 
     fused = generate()
-    assert {"attention_projections_quant_arguments", "attention_output_quant"} <= set(calls)
+    assert {"attention_projections_arguments", "attention_output"} <= set(calls)
     monkeypatch.setattr(CpuDeepseekV4Ops, "attention_projections", DeepseekV4Ops.attention_projections)
     monkeypatch.setattr(CpuDeepseekV4Ops, "decode_attention_output", DeepseekV4Ops.decode_attention_output)
     assert generate() == fused

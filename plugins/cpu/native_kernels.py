@@ -147,26 +147,16 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
                                       cos: torch.Tensor, sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
                                       wo_b: torch.Tensor | QuantizedWeight, coded_keys: bool = False
                                       ) -> torch.Tensor | None:
-        """V4's `decode_attention_output` in one C call where it runs so, else None (the composed calls).
+        """V4's `decode_attention_output` in one C call (attention_layer.c) where it runs so (bf16 queries, the
+        products the composed calls would pick: `fused_copies`), else None (the composed calls).
         `coded_keys`: DeepSeek-V4.1's caches (the FP8 window ring, the NVFP4 entries; kv_quant.py)."""
-        # bf16 decode steps in one C call (attention_layer.c) where every stage is a C kernel the composed
-        # path would pick: one token (grouped GEMV, then the tiles if wo_b has its packed copy, else the
-        # GEMV), or _SKINNY_ROWS and more on the tiles, with the packed copies the composed calls read (made at
-        # load: weights without them take the composed calls).
-        lib, out = self.native_library, None
-        quantised = isinstance(wo_a, QuantizedWeight) or isinstance(wo_b, QuantizedWeight)
-        if quantised and lib is not None and q.dtype == torch.bfloat16 and q.dim() == 3:
-            products = self._quant_output_products(q.shape[0], wo_a, wo_b)  # the same call, on the codes
-            if products is not None:
-                out = native.attention_output_quant(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos,
-                                                    sin, wo_a, wo_b, *products, coded_keys)
-        elif (lib is not None and q.dtype == torch.bfloat16 and q.dim() == 3
-                and (q.shape[0] == 1 or not self.native_amx)):  # AMX tiles take multi-row products
-            products = self._decode_output_products(q.shape[0], wo_a, wo_b)
-            if products is not None:
-                out = native.attention_output_bf16(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin,
-                                                   wo_a, wo_b, *products, coded_keys)
-        return out
+        lib = self.native_library
+        if lib is None or q.dtype != torch.bfloat16 or q.dim() != 3:
+            return None
+        products = self.fused_copies(q.shape[0], ("grouped_linear", wo_a), ("linear", wo_b))
+        return None if products is None else native.attention_output(lib, q, kv, key_rows, caches, rows, masks, sinks,
+                                                                     scale, cos, sin, wo_a, wo_b, *products,
+                                                                     coded_keys)
 
     def fused_attention_projections(self, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight, rank: int,
                                     q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight, heads: int,
@@ -174,82 +164,44 @@ class NativeCpuKernels(NativeMoEKernels, NativeMhcKernels):
                                     index_heads: int = 0, index_cos: torch.Tensor | None = None,
                                     index_sin: torch.Tensor | None = None, q_head_norm: bool = True
                                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """V4's `attention_projections` in one C call where it runs so, else None (the composed calls).
-        Without `q_head_norm` the query heads are only rotated (DeepSeek-V4.1's)."""
-        # bf16 decode steps in one C call (attention_layer.c) where both products run on the kernels `linear`
-        # would pick (the tiles once the copies exist, or the GEMV for one token), see decode_attention_output
-        lib, out = self.native_library, None
-        quantised = isinstance(fused_x, QuantizedWeight) or isinstance(fused_qr, QuantizedWeight)
-        if quantised and lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2:
-            copies = self._quant_linear_copies(x.shape[0], fused_x, fused_qr)  # the same call, on the codes
-            if copies is not None:
-                out = native.run(lib, native.attention_projections_quant_arguments(
-                    lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin, index_heads, index_cos,
-                    index_sin, *copies, q_head_norm))
-        elif (lib is not None and x.dtype == torch.bfloat16 and x.dim() == 2
-                and (x.shape[0] == 1 or not self.native_amx)):
-            copies = self._linear_copies(x.shape[0], fused_x, fused_qr)
-            if copies is not None:
-                out = native.run(lib, native.attention_projections_arguments(
-                    lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin, index_heads, index_cos,
-                    index_sin, *copies, q_head_norm))
-        return out
+        """V4's `attention_projections` in one C call (attention_layer.c) where it runs so (bf16 tokens, the
+        products `linear` would pick: `fused_copies`), else None (the composed calls). Without
+        `q_head_norm` the query heads are only rotated (DeepSeek-V4.1's)."""
+        lib = self.native_library
+        if lib is None or x.dtype != torch.bfloat16 or x.dim() != 2:
+            return None
+        copies = self.fused_copies(x.shape[0], ("linear", fused_x), ("linear", fused_qr))
+        return None if copies is None else native.run(lib, native.attention_projections_arguments(
+            lib, x, fused_x, rank, q_norm, fused_qr, heads, kv_norm, eps, cos, sin, index_heads, index_cos, index_sin,
+            *copies, q_head_norm))
 
-    def _linear_copies(self, tokens: int, *weights: torch.Tensor) -> tuple[torch.Tensor | None, ...] | None:
-        """The packed copies (or None: the plain weight, one token's GEMV) that `linear` reads for `tokens`
-        bf16 rows by each weight, where it runs on the C tiles or GEMV and the copies it needs exist; None
-        otherwise."""
+    def fused_copies(self, tokens: int, *uses: tuple[str, torch.Tensor | QuantizedWeight]
+                     ) -> tuple[torch.Tensor | None, ...] | None:
+        """What a fused C call (attention_layer.c) reads for each (op, weight) product of `tokens` bf16 rows,
+        where the composed op (`linear`, `grouped_linear`) runs that product on the same C kernel: the
+        weight's register-tile copy (made at load), or None (its codes, kept quantised, up to
+        tuning.quant_max_rows rows; one row's GEMV on the plain weight). None where some product runs on
+        another kernel (AMX tiles for multi-row products, oneDNN, torch): then the composed calls."""
+        operands = tuple(self._fused_operand(tokens, op, weight) for op, weight in uses)
+        return None if any(o is False for o in operands) else operands
+
+    def _fused_operand(self, tokens: int, op: str, weight: torch.Tensor | QuantizedWeight
+                       ) -> torch.Tensor | None | bool:
+        """One product's part of `fused_copies`: its copy, None, or False (another kernel)."""
+        if isinstance(weight, QuantizedWeight):
+            return None if tokens <= self.tuning.quant_max_rows else False
+        if tokens > 1 and self.native_amx:
+            return False
         low, high = self.tuning.packed_gemm_rows
+        if op == "grouped_linear":  # one token: the grouped GEMV; the tiles from _SKINNY_ROWS (_tile_grouped)
+            if tokens == 1:
+                return None
+            low = max(low, _SKINNY_ROWS)
         tiles = self.tile_weights if low <= tokens <= high else None
         if tiles is None:
-            return (None,) * len(weights) if tokens == 1 else None
-        copies = tuple(tiles.lookup(w) for w in weights)
-        return None if any(c is None for c in copies) else copies
-
-    def _quant_linear_copies(self, tokens: int, *weights: torch.Tensor | QuantizedWeight
-                             ) -> tuple[torch.Tensor | None, ...] | None:
-        """`_linear_copies` where some weights are kept quantised: None (the codes) for those, where `linear`
-        runs on them (up to tuning.quant_max_rows tokens), and the bf16 ones' copies as there; None otherwise."""
-        plain = [w for w in weights if not isinstance(w, QuantizedWeight)]
-        if tokens > self.tuning.quant_max_rows or plain and tokens > 1 and self.native_amx:
-            return None
-        if not plain:
-            return (None,) * len(weights)
-        copies = iter(self._linear_copies(tokens, *plain) or ())
-        out = tuple(None if isinstance(w, QuantizedWeight) else next(copies, False) for w in weights)
-        return None if any(c is False for c in out) else out
-
-    def _quant_output_products(self, tokens: int, wo_a: torch.Tensor | QuantizedWeight,
-                               wo_b: torch.Tensor | QuantizedWeight) -> tuple[torch.Tensor | None, ...] | None:
-        """`_decode_output_products` where wo_a or wo_b is kept quantised: None (the codes) for it, where
-        `grouped_linear` / `linear` run on them (up to tuning.quant_max_rows tokens); None otherwise."""
-        copies = self._quant_linear_copies(tokens, wo_b)
-        if copies is None or isinstance(wo_a, QuantizedWeight):
-            return None if copies is None else (None, *copies)
-        # a bf16 wo_a: as _decode_output_products picks its product (one token: the grouped GEMV)
-        if tokens == 1:
-            return None, *copies
-        if self.native_amx:  # AMX tiles take the multi-row products
-            return None
-        low, high = self.tuning.packed_gemm_rows
-        packed_a = self.tile_weights.lookup(wo_a) if max(low, _SKINNY_ROWS) <= tokens <= high else None
-        return None if packed_a is None or packed_a.dim() != 5 else (packed_a, *copies)
-
-    def _decode_output_products(self, tokens: int, wo_a: torch.Tensor, wo_b: torch.Tensor
-                                ) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-        """The packed copies (or None: the plain weight) of wo_a and wo_b that `grouped_linear` and `linear`
-        would read for `tokens` bf16 rows, where both run in C with the copies they need already made;
-        None otherwise."""
-        copies = self._linear_copies(tokens, wo_b)
-        if copies is None:
-            return None
-        if tokens == 1:
-            return None, copies[0]
-        low, high = self.tuning.packed_gemm_rows
-        if tokens < max(low, _SKINNY_ROWS):  # tokens in the tiles' range (copies): wo_a on torch's bmm below
-            return None
-        packed_a = self.tile_weights.lookup(wo_a)
-        return None if packed_a is None or packed_a.dim() != 5 else (packed_a, copies[0])
+            return None if tokens == 1 else False
+        copy = tiles.lookup(weight)
+        return False if copy is None or op == "grouped_linear" and copy.dim() != 5 else copy
 
     def grouped_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):

@@ -179,19 +179,14 @@ class AttentionProjections(Binder):
                "index_cos": table_pointer("icos"), "index_sin": table_pointer("isin")}
 
     def choices(self, k, a):
-        T, fx, fqr = a["x"].shape[0], a["fused_x"], a["fused_qr"]
-        if _quantised(fx, fqr):
-            return k._quant_linear_copies(T, fx, fqr)
-        return None if T > 1 and k.native_amx else k._linear_copies(T, fx, fqr)
+        return k.fused_copies(a["x"].shape[0], ("linear", a["fused_x"]), ("linear", a["fused_qr"]))
 
     def bind(self, k, a, choices):
         if a["x"].dtype is not torch.bfloat16:
             return None
-        arguments = (native.attention_projections_quant_arguments if _quantised(a["fused_x"], a["fused_qr"]) else
-                     native.attention_projections_arguments)
-        bound = arguments(k.native_library, a["x"], a["fused_x"], a["rank"], a["q_norm"], a["fused_qr"], a["heads"],
-                          a["kv_norm"], a["eps"], a["cos"], a["sin"], a["index_heads"], a["index_cos"],
-                          a["index_sin"], *choices, self.q_head_norm)
+        bound = native.attention_projections_arguments(
+            k.native_library, a["x"], a["fused_x"], a["rank"], a["q_norm"], a["fused_qr"], a["heads"], a["kv_norm"],
+            a["eps"], a["cos"], a["sin"], a["index_heads"], a["index_cos"], a["index_sin"], *choices, self.q_head_norm)
         tables = (a["cos"], a["sin"], a["index_cos"] if a["index_heads"] else a["cos"],
                   a["index_sin"] if a["index_heads"] else a["sin"])
         if bound is None or [bound.values[n] for n in ("cos_t", "sin_t", "icos", "isin")] != [
@@ -251,19 +246,15 @@ class AttentionOutput(Binder):
         self.coded_keys = coded_keys
 
     def choices(self, k, a):
-        T, wo_a, wo_b = a["q"].shape[0], a["wo_a"], a["wo_b"]
-        if _quantised(wo_a, wo_b):
-            return k._quant_output_products(T, wo_a, wo_b)
-        return None if T > 1 and k.native_amx else k._decode_output_products(T, wo_a, wo_b)
+        return k.fused_copies(a["q"].shape[0], ("grouped_linear", a["wo_a"]), ("linear", a["wo_b"]))
 
     def bind(self, k, a, choices):
         parts = len(a["caches"])
         if a["q"].dtype is not torch.bfloat16 or parts not in (1, 2):
             return None
-        arguments = (native.attention_output_quant_arguments if _quantised(a["wo_a"], a["wo_b"]) else
-                     native.attention_output_arguments)
-        bound = arguments(k.native_library, a["q"], a["kv"], a["key_rows"], a["caches"], a["rows"], a["masks"],
-                          a["sinks"], a["scale"], a["cos"], a["sin"], a["wo_a"], a["wo_b"], *choices, self.coded_keys)
+        bound = native.attention_output_arguments(k.native_library, a["q"], a["kv"], a["key_rows"], a["caches"],
+                                                  a["rows"], a["masks"], a["sinks"], a["scale"], a["cos"], a["sin"],
+                                                  a["wo_a"], a["wo_b"], *choices, self.coded_keys)
         tables = (a["cos"].data_ptr(), a["sin"].data_ptr())
         if bound is None or (bound.values["cos_t"], bound.values["sin_t"]) != tables:
             return None  # a RoPE table it would copy: read where it is, or not this way

@@ -19,9 +19,8 @@ prototypes (binding.Kernel) next to its typed tensor wrappers:
     moe_layer.c / .py   moe_layer_bf16 (a decode step's MoE sub-layer in one call, from the stages above),
                         moe_layer_quant (the same with FP4 / FP8 experts as stored)
     compressor.c / .py  compress_store (the compressor's ring writes of a decode step)
-    attention_layer.c / .py  attention_projections_bf16, attention_output_bf16 (a decode step's attention
-                        sub-layer in two calls, from the stages above); attention_layer_quant.py:
-                        attention_projections_quant, attention_output_quant (the same with FP8 / FP4 weights)
+    attention_layer.c / .py  attention_projections, attention_output (a decode step's attention sub-layer in
+                        two calls, from the stages above; each weight bf16 or FP8 / FP4 codes as stored)
     quant_gemv.c / .py  quant_linear (fp4_linear, fp8_linear: FP4 / FP8-block weights as stored),
                         quant_grouped_linear, quant_simd
     quant_experts.c / .py  quant_experts (all routed experts of a step on FP4 / FP8-block weights, one call)
@@ -39,11 +38,8 @@ call, binding.Bound), made by `run(lib, foo_arguments(lib, ...))`.
 """
 from deepinfer_plugins.cpu.native.activation import swiglu
 from deepinfer_plugins.cpu.native.attention import sink_attention_decode, sink_attention_invariant, sink_attention_rows
-from deepinfer_plugins.cpu.native.attention_layer import (attention_output_arguments, attention_output_bf16,
+from deepinfer_plugins.cpu.native.attention_layer import (attention_output, attention_output_arguments,
                                                           attention_projections_arguments)
-from deepinfer_plugins.cpu.native.attention_layer_quant import (attention_output_quant,
-                                                                attention_output_quant_arguments,
-                                                                attention_projections_quant_arguments)
 from deepinfer_plugins.cpu.native.binding import run
 from deepinfer_plugins.cpu.native.build import (BUILD_VARIANTS, FLAGS, SOURCES, SWITCHED_OFF, CacheError, CompilerError,
                                                 _build, _compile, _compiler, _cpu_features, _load, active_library,
@@ -74,9 +70,8 @@ from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_row
 
 __all__ = [
     "BUILD_VARIANTS", "FLAGS", "SOURCES", "SWITCHED_OFF", "TRANSPOSED_MIXES", "CacheError", "CompilerError",
-    "HcOutputs", "SiteOutputs", "active_library", "amx_usable", "argmax_logsumexp", "attention_output_arguments",
-    "attention_output_bf16", "attention_output_quant", "attention_output_quant_arguments",
-    "attention_projections_arguments", "attention_projections_quant_arguments", "build_flags", "build_isa",
+    "HcOutputs", "SiteOutputs", "active_library", "amx_usable", "argmax_logsumexp", "attention_output",
+    "attention_output_arguments", "attention_projections_arguments", "build_flags", "build_isa",
     "build_variant", "compress_store", "compress_store_arguments", "enabled", "experts_bf16", "gemv_bf16_arguments",
     "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16", "grouped_gemv_bf16", "hc_head",
     "hc_mix_collapse_norm", "hc_mix_collapse_norm_arguments", "hc_outputs", "hc_post",

@@ -1,17 +1,16 @@
-/* The attention sub-layer of a decode step in two calls (bf16):
- * - attention_projections_bf16 (the interface's attention_projections): the fused input projection,
- *   the query's low-rank norm, the fused query projection, the norms and rotaries of the query heads and
- *   the key, and the indexer query's rotary;
- * - attention_output_bf16 (decode_attention_output): each query's own key into the window ring, the
- *   sink attention over the ring rows and the compressed entries read in place, the inverse rotary, the
+/* The attention sub-layer of a decode step in two calls:
+ * - attention_projections (the interface's attention_projections): the fused input projection, the
+ *   query's low-rank norm, the fused query projection, the norms and rotaries of the query heads and the
+ *   key, and the indexer query's rotary;
+ * - attention_output (decode_attention_output): each query's own key into the window ring, the sink
+ *   attention over the ring rows and the compressed entries read in place, the inverse rotary, the
  *   grouped output projection wo_a and the output projection wo_b.
  * (the compressors and the indexer's top-k run between them, as before). Each stage is the kernel the
  * composed path calls (attention.c, norm_rope.c, gemv.c, packed_gemm.c), with its roundings to bf16
  * between them, so the results are the composed path's bits; what the calls save is the Python between
- * them (ten wrapper calls and ~20 torch ops per layer).
- * attention_projections_quant and attention_output_quant are the same two calls where any of the four
- * weights is kept as FP8-block or FP4 codes (the others bf16): such a product is quant_gemv.c's, rounded
- * to bf16 as the composed linear / grouped_linear round it.
+ * them (ten wrapper calls and ~20 torch ops per layer). Each of the four weights is bf16 or kept as
+ * FP8-block or FP4 codes (weight_ref): such a product is quant_gemv.c's, rounded to bf16 as the composed
+ * linear / grouped_linear round it.
  * DeepSeek-V4.1 runs them too: without the query heads' norm (`q_head_norm` 0), and with `coded_keys` 1,
  * its caches as it stores them (kv_codes.h): the own keys written as FP8 window codes, the window and
  * the compressed entries (NVFP4) read through sink_attention_coded_rows. */
@@ -43,7 +42,7 @@ void quant_grouped_linear(int fp4, const void *x, int x_dtype, long rows, long G
 
 /* A weight of the sub-layer's products: bf16 (`w`, or its packed copy `packed` where not NULL) or the
  * codes `w` of an FP8-block / FP4 weight as stored with their `scale` (ue8m0 bytes or fp32); the
- * quantised calls take it by pointer (attention_layer_quant.py's WeightRef, the same fields) */
+ * calls take it by pointer (attention_layer.py's WeightRef, the same fields) */
 enum { W_BF16 = 0, W_FP8 = 1, W_FP4 = 2 };
 typedef struct {
     int format;
@@ -97,11 +96,11 @@ static void grouped_product(const weight_ref *A, long pa_size, const uint16_t *r
 /* x [T, D]; fused_x [Nx, D], fused_qr [Nqr, rank] (weight_ref); q_norm, kv_norm [rank], [d] of dtype code
  * qn_dtype, kv_dtype; cos/sin [T, half], icos/isin [T, ihalf] fp32 (Hi = 0: no indexer query). Out: px
  * [T, Nx], q [T, H, d], kv [T, d], iq [T, Hi, (Nqr - H d) / Hi], all bf16. */
-static void projections(const uint16_t *x, long T, long D, const weight_ref *fx, long Nx, long rank,
-                        const void *q_norm, int qn_dtype, const weight_ref *fqr, long Nqr, long H, long d,
-                        int q_head_norm, const void *kv_norm, int kv_dtype, float eps, const float *cos_t,
-                        const float *sin_t, long half, long Hi, const float *icos, const float *isin, long ihalf,
-                        uint16_t *px, uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
+void attention_projections(const uint16_t *x, long T, long D, const weight_ref *fx, long Nx, long rank,
+                           const void *q_norm, int qn_dtype, const weight_ref *fqr, long Nqr, long H, long d,
+                           int q_head_norm, const void *kv_norm, int kv_dtype, float eps, const float *cos_t,
+                           const float *sin_t, long half, long Hi, const float *icos, const float *isin, long ihalf,
+                           uint16_t *px, uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
     uint16_t *qr = malloc((size_t)T * rank * 2), *pqr = malloc((size_t)T * Nqr * 2);
     product(fx, x, px, T, Nx, D, num_threads);
     rms_norm(px, Nx, q_norm, qn_dtype, qr, T, rank, eps, DT_BF16, num_threads);
@@ -122,29 +121,6 @@ static void projections(const uint16_t *x, long T, long D, const weight_ref *fx,
     free(qr);
 }
 
-/* projections on bf16 weights: fused_x, fused_qr plain (one token: the GEMVs) or their packed copies
- * pfx, pfqr */
-void attention_projections_bf16(const uint16_t *x, long T, long D, const uint16_t *fused_x, const uint16_t *pfx,
-                                long Nx, long rank, const void *q_norm, int qn_dtype, const uint16_t *fused_qr,
-                                const uint16_t *pfqr, long Nqr, long H, long d, int q_head_norm,
-                                const void *kv_norm, int kv_dtype, float eps, const float *cos_t,
-                                const float *sin_t, long half, long Hi, const float *icos, const float *isin,
-                                long ihalf, uint16_t *px, uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
-    const weight_ref fx = {W_BF16, fused_x, pfx, NULL, 0, 0}, fqr = {W_BF16, fused_qr, pfqr, NULL, 0, 0};
-    projections(x, T, D, &fx, Nx, rank, q_norm, qn_dtype, &fqr, Nqr, H, d, q_head_norm, kv_norm, kv_dtype, eps, cos_t,
-                sin_t, half, Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
-}
-
-/* projections where each weight is bf16 (plain, or its packed copy) or FP8-block / FP4 codes */
-void attention_projections_quant(const uint16_t *x, long T, long D, const weight_ref *fx, long Nx, long rank,
-                                 const void *q_norm, int qn_dtype, const weight_ref *fqr, long Nqr, long H, long d,
-                                 int q_head_norm, const void *kv_norm, int kv_dtype, float eps, const float *cos_t,
-                                 const float *sin_t, long half, long Hi, const float *icos, const float *isin,
-                                 long ihalf, uint16_t *px, uint16_t *q, uint16_t *kv, uint16_t *iq, int num_threads) {
-    projections(x, T, D, fx, Nx, rank, q_norm, qn_dtype, fqr, Nqr, H, d, q_head_norm, kv_norm, kv_dtype, eps, cos_t,
-                sin_t, half, Hi, icos, isin, ihalf, px, q, kv, iq, num_threads);
-}
-
 /* q [B, H, d], kv [B, d] (the queries' own keys), window [n0, d] (written at key_rows [B]); the key
  * parts as sink_attention_rows takes them (S = 1); cos/sin [B, half] fp32. wo_a [G, R, K] (K = H d / G)
  * and wo_b [D, G R] as grouped_product and product take them (pa_size: the elements of one group's
@@ -152,11 +128,11 @@ void attention_projections_quant(const uint16_t *x, long T, long D, const weight
  * own keys encoded into it) and cache1 NVFP4 entries. Returns 0; -1 (nothing written) for a key row
  * outside the window; -2 (the keys written, as the composed path leaves them) for a key part's row
  * outside its cache. */
-static int output(const uint16_t *q, const uint16_t *kv, void *window, long n0, const long *key_rows,
-                  const long *rows0, const uint8_t *mask0, long L0, const void *cache1, const long *rows1,
-                  const uint8_t *mask1, long n1, long L1, int coded_keys, const float *sinks, float scale,
-                  const float *cos_t, const float *sin_t, long half, const weight_ref *wo_a, long pa_size, long G,
-                  long R, const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d, int num_threads) {
+int attention_output(const uint16_t *q, const uint16_t *kv, void *window, long n0, const long *key_rows,
+                     const long *rows0, const uint8_t *mask0, long L0, const void *cache1, const long *rows1,
+                     const uint8_t *mask1, long n1, long L1, int coded_keys, const float *sinks, float scale,
+                     const float *cos_t, const float *sin_t, long half, const weight_ref *wo_a, long pa_size, long G,
+                     long R, const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d, int num_threads) {
     for (long b = 0; b < B; b++)
         if (key_rows[b] < 0 || key_rows[b] >= n0) return -1;
     if (coded_keys) {
@@ -186,29 +162,4 @@ static int output(const uint16_t *q, const uint16_t *kv, void *window, long n0, 
     free(rot);
     free(att);
     return status ? -2 : 0;
-}
-
-/* output on bf16 weights: wo_a packed per group (pwo_a, pack_bf16 of each group, pa_size elements apart)
- * or, for one token, plain (grouped_gemv_bf16); wo_b packed (pwo_b) or, for one token, plain (gemv_bf16) */
-int attention_output_bf16(const uint16_t *q, const uint16_t *kv, void *window, long n0, const long *key_rows,
-                          const long *rows0, const uint8_t *mask0, long L0, const void *cache1, const long *rows1,
-                          const uint8_t *mask1, long n1, long L1, int coded_keys, const float *sinks, float scale,
-                          const float *cos_t, const float *sin_t, long half, const uint16_t *wo_a,
-                          const uint16_t *pwo_a, long pa_size, long G, long R, const uint16_t *wo_b,
-                          const uint16_t *pwo_b, long D, uint16_t *out, long B, long H, long d, int num_threads) {
-    const weight_ref a = {W_BF16, wo_a, pwo_a, NULL, 0, 0}, b = {W_BF16, wo_b, pwo_b, NULL, 0, 0};
-    return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, coded_keys, sinks,
-                  scale, cos_t, sin_t, half, &a, pa_size, G, R, &b, D, out, B, H, d, num_threads);
-}
-
-/* output where each weight is bf16 (as attention_output_bf16 takes it) or FP8-block / FP4 codes (wo_a's
- * scales [G, ...], one weight's a group) */
-int attention_output_quant(const uint16_t *q, const uint16_t *kv, void *window, long n0, const long *key_rows,
-                           const long *rows0, const uint8_t *mask0, long L0, const void *cache1, const long *rows1,
-                           const uint8_t *mask1, long n1, long L1, int coded_keys, const float *sinks, float scale,
-                           const float *cos_t, const float *sin_t, long half, const weight_ref *wo_a, long pa_size,
-                           long G, long R, const weight_ref *wo_b, long D, uint16_t *out, long B, long H, long d,
-                           int num_threads) {
-    return output(q, kv, window, n0, key_rows, rows0, mask0, L0, cache1, rows1, mask1, n1, L1, coded_keys, sinks,
-                  scale, cos_t, sin_t, half, wo_a, pa_size, G, R, wo_b, D, out, B, H, d, num_threads);
 }

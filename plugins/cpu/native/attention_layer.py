@@ -1,20 +1,39 @@
-"""The attention sub-layer of a decode step in two calls (attention_layer.c): attention_projections_bf16,
-its input projections with their norms and rotaries, and attention_output_bf16, from the own keys' write
-to the output projection. DeepSeek-V4.1's run through them too (`q_head_norm=False`: its queries have
-no per-head norm; `coded_keys=True`: its FP8 window and NVFP4 entry caches)."""
+"""The attention sub-layer of a decode step in two calls (attention_layer.c): attention_projections, its
+input projections with their norms and rotaries, and attention_output, from the own keys' write to the output
+projection. Each weight is bf16 (its packed copy, or for one token the plain weight: the GEMVs) or kept as
+stored, FP8-block or FP4 codes (their products quant_gemv.c's, rounded to bf16 as the composed linear /
+grouped_linear round them). DeepSeek-V4.1's run through them too (`q_head_norm=False`: its queries have no
+per-head norm; `coded_keys=True`: its FP8 window and NVFP4 entry caches)."""
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
+from deepinfer.accelerator.quantized_weight import FP4_GROUP, QuantizedWeight
 from deepinfer.models.deepseek_v41.kv_quant import FP8_WINDOW, NVFP4_COMPRESSED
 from deepinfer_plugins.cpu.native.binding import Bound, Kernel, dtype_code, f32, threads
 from deepinfer_plugins.cpu.native.packed_gemm import packed_shape
 
-_ATTENTION_OUTPUT_BF16 = Kernel("attention_output_bf16")
+_ATTENTION_PROJECTIONS = Kernel("attention_projections")
 
-_ATTENTION_PROJECTIONS_BF16 = Kernel("attention_projections_bf16")
+_ATTENTION_OUTPUT = Kernel("attention_output")
+
+# attention_layer.c's weight formats
+_W_BF16, _W_FP8, _W_FP4 = 0, 1, 2
+
+
+class WeightRef(ctypes.Structure):
+    """attention_layer.c's `weight_ref`: a bf16 weight (`w`, or its `packed` copy) or FP8-block / FP4
+    codes `w` with their scales (ue8m0 where `scale_e8m0`, else fp32) and FP8 block."""
+    _fields_ = [("format", ctypes.c_int), ("w", ctypes.c_void_p), ("packed", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("scale_e8m0", ctypes.c_int), ("block", ctypes.c_long)]
+
+
+# a quantised weight's (logical shape, WeightRef, its address), made at its first call: its storage never
+# changes (QuantizedWeight is frozen), and the entry goes with the weight
+_QUANT_REFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _bf16(t: torch.Tensor) -> bool:
@@ -27,13 +46,10 @@ def _rotary_table(cos: torch.Tensor | None, sin: torch.Tensor | None, T: int, d:
             and 0 < 2 * cos.shape[1] <= d and cos.is_cpu and sin.is_cpu)
 
 
-def _packed_fits(lib: ctypes.CDLL, packed: torch.Tensor | None, weight: torch.Tensor) -> bool:
-    return packed is None or packed.shape == packed_shape(lib, *weight.shape)
-
-
 def _projection_io(T: int, Nx: int, Nqr: int, heads: int, d: int, q_norm: torch.Tensor, kv_norm: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, index_heads: int, index_cos: torch.Tensor | None,
-                   index_sin: torch.Tensor | None) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]] | None:
+                   index_sin: torch.Tensor | None
+                   ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor | None, ...]] | None:
     """The projections call's norm and rotary inputs (q_norm, kv_norm, cos, sin, the indexer's cos, sin) as C
     reads them and its new outputs (px, q, kv, the indexer's q or None); None where the indexer's heads do not
     split the rest of the fused query projection or their rotary table does not fit."""
@@ -50,40 +66,72 @@ def _projection_io(T: int, Nx: int, Nqr: int, heads: int, d: int, q_norm: torch.
     return (q_norm.contiguous(), kv_norm.contiguous(), cs, sn, ic, isn), outputs
 
 
-def attention_projections_arguments(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor, rank: int,
-                                    q_norm: torch.Tensor, fused_qr: torch.Tensor, heads: int, kv_norm: torch.Tensor,
-                                    eps: float, cos: torch.Tensor, sin: torch.Tensor, index_heads: int,
-                                    index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
+def _quant_ref(weight: QuantizedWeight, dims: int) -> tuple[tuple[int, ...], WeightRef, int] | None:
+    data, scale = weight.data, weight.scale
+    if data.dim() != dims or not (data.is_cpu and scale.is_cpu and data.is_contiguous() and scale.is_contiguous()):
+        return None
+    fp4 = data.dtype is not torch.float8_e4m3fn
+    shape = (*data.shape[:-1], data.shape[-1] * 2) if fp4 else tuple(data.shape)
+    if fp4 and shape[-1] % FP4_GROUP:
+        return None
+    ref = WeightRef(_W_FP4 if fp4 else _W_FP8, data.data_ptr(), None, scale.data_ptr(),
+                    int(scale.dtype is torch.float8_e8m0fnu), weight.block)
+    return shape, ref, ctypes.addressof(ref)
+
+
+def _weight(lib: ctypes.CDLL, weight: torch.Tensor | QuantizedWeight, packed: torch.Tensor | None, dims: int,
+            tokens: int) -> tuple[tuple[int, ...], WeightRef, int] | None:
+    """(the logical shape, the WeightRef, its address) of a `dims`-D weight: FP8-block or FP4 codes as stored
+    (FP4 rows whole scale groups), or bf16 with its packed copy (pack_bf16's layout; of each group for a 3-D
+    weight) or, for one token, without; None for anything else."""
+    if isinstance(weight, QuantizedWeight):
+        entry = _QUANT_REFS.get(weight)
+        if entry is None:
+            entry = _quant_ref(weight, dims)
+            if entry is None:
+                return None
+            _QUANT_REFS[weight] = entry
+        return entry if len(entry[0]) == dims else None
+    if not _bf16(weight) or weight.dim() != dims or packed is None and tokens != 1:
+        return None
+    if packed is not None and packed.shape != (*weight.shape[:-2], *packed_shape(lib, *weight.shape[-2:])):
+        return None
+    ref = WeightRef(_W_BF16, weight.data_ptr(), None if packed is None else packed.data_ptr(), None, 0, 0)
+    return weight.shape, ref, ctypes.addressof(ref)
+
+
+def attention_projections_arguments(lib: ctypes.CDLL, x: torch.Tensor, fused_x: torch.Tensor | QuantizedWeight,
+                                    rank: int, q_norm: torch.Tensor, fused_qr: torch.Tensor | QuantizedWeight,
+                                    heads: int, kv_norm: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                                    index_heads: int, index_cos: torch.Tensor | None, index_sin: torch.Tensor | None,
                                     packed_x: torch.Tensor | None, packed_qr: torch.Tensor | None,
                                     q_head_norm: bool = True) -> Bound | None:
-    """`attention_projections` (the interface's) of bf16 tokens `x [T, D]` with bf16 weights, each product
-    on its packed copy when given, else (one token) on the plain weight. Without `q_head_norm` the query heads
-    are only rotated (DeepSeek-V4.1's). The checked call (outputs: px, q, kv, the indexer's q), not made
+    """`attention_projections` (the interface's) of bf16 tokens `x [T, D]`, each weight FP8-block / FP4 codes
+    or bf16 (its packed copy given, or None: the GEMV, one token). Without `q_head_norm` the query heads are
+    only rotated (DeepSeek-V4.1's). The checked call (outputs: px, q, kv, the indexer's q), not made
     (binding.run makes it); None for anything else."""
-    if x.dim() != 2 or not all(_bf16(t) for t in (x, fused_x, fused_qr)) or fused_x.dim() != 2 or fused_qr.dim() != 2:
+    if x.dim() != 2 or not _bf16(x):
         return None
     T, D = x.shape
-    (Nx, _), (Nqr, _), d = fused_x.shape, fused_qr.shape, kv_norm.shape[0]
+    wx, wqr = _weight(lib, fused_x, packed_x, 2, T), _weight(lib, fused_qr, packed_qr, 2, T)
+    if wx is None or wqr is None:
+        return None
+    (Nx, in_x), (Nqr, in_qr), d = wx[0], wqr[0], kv_norm.shape[0]
     qn_dtype, kv_dtype = dtype_code(q_norm), dtype_code(kv_norm)
-    if (fused_x.shape[1] != D or fused_qr.shape[1] != rank or not (0 < rank and rank + d <= Nx) or qn_dtype is None
-            or kv_dtype is None or q_norm.shape != (rank,) or kv_norm.dim() != 1 or heads * d > Nqr
-            or not _rotary_table(cos, sin, T, d) or (packed_x is None or packed_qr is None) and T != 1
-            or not (_packed_fits(lib, packed_x, fused_x) and _packed_fits(lib, packed_qr, fused_qr))):
+    if (in_x != D or in_qr != rank or not (0 < rank and rank + d <= Nx) or qn_dtype is None or kv_dtype is None
+            or q_norm.shape != (rank,) or kv_norm.dim() != 1 or heads * d > Nqr or not _rotary_table(cos, sin, T, d)):
         return None
     io = _projection_io(T, Nx, Nqr, heads, d, q_norm, kv_norm, cos, sin, index_heads, index_cos, index_sin)
     if io is None:
         return None
     inputs, (px, q, kv, iq) = io
     qn, kn, cs, sn, ic, isn = inputs
-    values = dict(x=x.data_ptr(), T=T, D=D, fused_x=fused_x.data_ptr(),
-                  pfx=None if packed_x is None else packed_x.data_ptr(), Nx=Nx, rank=rank, q_norm=qn.data_ptr(),
-                  qn_dtype=qn_dtype, fused_qr=fused_qr.data_ptr(),
-                  pfqr=None if packed_qr is None else packed_qr.data_ptr(), Nqr=Nqr, H=heads, d=d,
-                  q_head_norm=int(q_head_norm), kv_norm=kn.data_ptr(), kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(),
-                  half=cos.shape[1], Hi=index_heads, icos=ic.data_ptr(), isin=isn.data_ptr(), ihalf=ic.shape[1],
-                  px=px.data_ptr(), q=q.data_ptr(), kv=kv.data_ptr(), iq=None if iq is None else iq.data_ptr(),
-                  num_threads=threads())
-    return Bound(_ATTENTION_PROJECTIONS_BF16, values, (px, q, kv, iq), inputs)
+    values = dict(x=x.data_ptr(), T=T, D=D, fx=wx[2], Nx=Nx, rank=rank, q_norm=qn.data_ptr(), qn_dtype=qn_dtype,
+                  fqr=wqr[2], Nqr=Nqr, H=heads, d=d, q_head_norm=int(q_head_norm), kv_norm=kn.data_ptr(),
+                  kv_dtype=kv_dtype, eps=eps, cos_t=cs.data_ptr(), sin_t=sn.data_ptr(), half=cos.shape[1],
+                  Hi=index_heads, icos=ic.data_ptr(), isin=isn.data_ptr(), ihalf=ic.shape[1], px=px.data_ptr(),
+                  q=q.data_ptr(), kv=kv.data_ptr(), iq=None if iq is None else iq.data_ptr(), num_threads=threads())
+    return Bound(_ATTENTION_PROJECTIONS, values, (px, q, kv, iq), (*inputs, wx[1], wqr[1]))
 
 
 def _part(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor, width: int | None) -> bool:
@@ -140,17 +188,18 @@ def check_output_status(status: int, caches: tuple[torch.Tensor, ...]) -> None:
                          f"{[c.shape[0] for c in caches]}); the step plan's key rows must address the bound cache")
 
 
-def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
-                          caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
-                          masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
-                          sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
-                          packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None, coded_keys: bool = False
-                          ) -> torch.Tensor | None:
+def attention_output(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
+                     caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...], masks: tuple[torch.Tensor, ...],
+                     sinks: torch.Tensor, scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                     wo_a: torch.Tensor | QuantizedWeight, wo_b: torch.Tensor | QuantizedWeight,
+                     packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None, coded_keys: bool = False
+                     ) -> torch.Tensor | None:
     """`decode_attention_output` (the interface's) of bf16 queries `q [B, H, d]` with bf16 caches (or, with
-    `coded_keys`, DeepSeek-V4.1's FP8 window and NVFP4 entries, the own keys encoded) and bf16 weights, the
-    products on the packed copies given (pack_bf16 of wo_a's groups and of wo_b), else, for one token, on
-    the plain weights (the GEMVs); None for anything else, with nothing written. IndexError for a key row
-    outside its cache (the own keys then written, as the composed path does)."""
+    `coded_keys`, DeepSeek-V4.1's FP8 window and NVFP4 entries, the own keys encoded), each weight FP8-block /
+    FP4 codes (wo_a `[G, R, K]` per group) or bf16, its product on the packed copy given (pack_bf16 of wo_a's
+    groups and of wo_b), else, for one token, on the plain weight (the GEMVs); None for anything else, with
+    nothing written. IndexError for a key row outside its cache (the own keys then written, as the composed
+    path does)."""
     bound = attention_output_arguments(lib, q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, wo_a, wo_b,
                                        packed_wo_a, packed_wo_b, coded_keys)
     if bound is None:
@@ -162,28 +211,23 @@ def attention_output_bf16(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, k
 def attention_output_arguments(lib: ctypes.CDLL, q: torch.Tensor, kv: torch.Tensor, key_rows: torch.Tensor,
                                caches: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...],
                                masks: tuple[torch.Tensor, ...], sinks: torch.Tensor, scale: float, cos: torch.Tensor,
-                               sin: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
-                               packed_wo_a: torch.Tensor | None, packed_wo_b: torch.Tensor | None,
-                               coded_keys: bool = False) -> Bound | None:
-    """`attention_output_bf16`'s checked call (outputs: the `[B, D]` result; its status goes to
+                               sin: torch.Tensor, wo_a: torch.Tensor | QuantizedWeight,
+                               wo_b: torch.Tensor | QuantizedWeight, packed_wo_a: torch.Tensor | None,
+                               packed_wo_b: torch.Tensor | None, coded_keys: bool = False) -> Bound | None:
+    """`attention_output`'s checked call (outputs: the `[B, D]` result; its status goes to
     `check_output_status`), not made."""
-    if q.dim() != 3 or not all(_bf16(t) for t in (q, wo_a, wo_b)) or wo_a.dim() != 3 or wo_b.dim() != 2:
+    if q.dim() != 3 or not _bf16(q):
         return None
     B, H, d = q.shape
-    G, R, K = wo_a.shape
-    if (G * K != H * d or wo_b.shape[1] != G * R
+    wa, wb = _weight(lib, wo_a, packed_wo_a, 3, B), _weight(lib, wo_b, packed_wo_b, 2, B)
+    if wa is None or wb is None:
+        return None
+    (G, R, K), (D, in_b) = wa[0], wb[0]
+    if (G * K != H * d or in_b != G * R
             or not _keys_fit(q, kv, key_rows, caches, rows, masks, sinks, cos, sin, coded_keys)):
         return None
-    if (packed_wo_a is None or packed_wo_b is None) and B != 1:
-        return None
-    if packed_wo_a is not None and packed_wo_a.shape != (G, *packed_shape(lib, R, K)):
-        return None
-    if not _packed_fits(lib, packed_wo_b, wo_b):
-        return None
     keys, held = _key_arguments(q, kv, key_rows, caches, rows, masks, sinks, scale, cos, sin, coded_keys)
-    out = torch.empty((B, wo_b.shape[0]), dtype=torch.bfloat16)
-    values = dict(keys, wo_a=wo_a.data_ptr(), pwo_a=None if packed_wo_a is None else packed_wo_a.data_ptr(),
-                  pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R, wo_b=wo_b.data_ptr(),
-                  pwo_b=None if packed_wo_b is None else packed_wo_b.data_ptr(), D=wo_b.shape[0], out=out.data_ptr(),
-                  B=B, H=H, d=d, num_threads=threads())
-    return Bound(_ATTENTION_OUTPUT_BF16, values, out, held)
+    out = torch.empty((B, D), dtype=torch.bfloat16)
+    values = dict(keys, wo_a=wa[2], pa_size=0 if packed_wo_a is None else packed_wo_a.numel() // G, G=G, R=R,
+                  wo_b=wb[2], D=D, out=out.data_ptr(), B=B, H=H, d=d, num_threads=threads())
+    return Bound(_ATTENTION_OUTPUT, values, out, (*held, wa[1], wb[1]))
