@@ -5,7 +5,6 @@ buffers for decode-sized steps (batch-invariant mode's: fixed_order.py)."""
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 
@@ -61,24 +60,15 @@ class NativeMhcKernels(NativeKernelsBase):
                                         norm_weight, rms_eps)
 
     @functools.cached_property
-    def _hc_buffers(self) -> threading.local:
-        return threading.local()
+    def _hc_sets(self) -> native.OutputSets:
+        return native.OutputSets(native.hc_outputs, "streams")
 
     def _hc_outputs(self, streams: torch.Tensor) -> native.HcOutputs | None:
-        """hc_post_pre_norm's output buffers for decode-sized calls: two sets per streams shape and dtype (the
-        last used in this thread), taken in turn: never the set `streams` is, so a chain of calls each
-        reading the one before's results (the block loop) allocates nothing, where 4 new tensors cost ~6 us
-        a call. None (new tensors) above tuning.hc_reuse_max_rows rows: no prefill-sized buffers kept."""
+        """hc_post_pre_norm's output buffers for decode-sized calls (native.OutputSets), None (new tensors) above
+        tuning.hc_reuse_max_rows rows: no prefill-sized buffers kept."""
         if streams.dim() != 3 or streams.shape[0] > self.tuning.hc_reuse_max_rows:
             return None
-        local = self._hc_buffers
-        key = (streams.shape, streams.dtype)
-        if getattr(local, "key", None) != key:
-            T, n, D = streams.shape
-            local.key, local.sets = key, (native.hc_outputs(T, n, D, streams.dtype),
-                                          native.hc_outputs(T, n, D, streams.dtype))
-        first, second = local.sets
-        return second if streams is first.streams else first
+        return self._hc_sets.other_than(streams, streams)
 
     def hc_head(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                 eps: float, norm_eps: float) -> torch.Tensor:

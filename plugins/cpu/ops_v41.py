@@ -4,7 +4,6 @@ query norm, the MXFP4 indexer, the decode attention over the FP8 window and NVFP
 writes; batch-invariant mode's ops are a table of their own (fixed_order.py's `FixedOrderV41Ops`)."""
 from __future__ import annotations
 
-import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,21 +29,15 @@ class CpuDeepseekV41Ops(DeepseekV41Ops):
 
     def __init__(self, kernels: NativeCpuKernels):
         super().__init__(kernels)
-        self._site_buffers = threading.local()
+        self._site_sets = native.OutputSets(native.site_outputs, "pre")
 
     def _site_outputs(self, streams: torch.Tensor, pre_in: torch.Tensor) -> native.SiteOutputs | None:
-        """The site calls' output buffers for decode-sized steps (as NativeCpuKernels._hc_outputs): two sets
-        per streams shape and dtype in this thread, taken in turn, never the one `pre_in` is in (a site
-        chain reads the previous call's results); None (new tensors) above tuning.hc_reuse_max_rows rows."""
+        """The site calls' output buffers for decode-sized steps (native.OutputSets: never the set `pre_in` is
+        in, as a site chain reads the previous call's results); None (new tensors) above
+        tuning.hc_reuse_max_rows rows."""
         if streams.dim() != 3 or streams.shape[0] > self.kernels.tuning.hc_reuse_max_rows:
             return None
-        local = self._site_buffers
-        key = (streams.shape, streams.dtype)
-        if getattr(local, "key", None) != key:
-            local.key, local.sets = key, (native.site_outputs(*streams.shape, streams.dtype),
-                                          native.site_outputs(*streams.shape, streams.dtype))
-        first, second = local.sets
-        return second if pre_in is first.pre else first
+        return self._site_sets.other_than(streams, pre_in)
 
     def hc_mix_collapse_norm(self, streams: torch.Tensor, pre_in: torch.Tensor, fn: torch.Tensor,
                              base: torch.Tensor, scale: torch.Tensor, sinkhorn_iters: int, eps: float,

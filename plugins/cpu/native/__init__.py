@@ -53,9 +53,9 @@ from deepinfer_plugins.cpu.native.gemv import (amx_usable, gemv_bf16_arguments, 
 from deepinfer_plugins.cpu.native.indexer import index_select
 from deepinfer_plugins.cpu.native.kv_cache import kv_store
 from deepinfer_plugins.cpu.native.mhc import (
-    TRANSPOSED_MIXES, HcOutputs, SiteOutputs, hc_head, hc_mix_collapse_norm, hc_mix_collapse_norm_arguments, hc_outputs,
-    hc_post, hc_post_mix_collapse_norm_arguments, hc_post_pre_norm_arguments, hc_pre_arguments, site_outputs,
-    transpose_fn,
+    TRANSPOSED_MIXES, HcOutputs, OutputSets, SiteOutputs, hc_head, hc_mix_collapse_norm, hc_mix_collapse_norm_arguments,
+    hc_outputs, hc_post, hc_post_mix_collapse_norm_arguments, hc_post_pre_norm_arguments, hc_pre_arguments,
+    site_outputs, transpose_fn,
 )
 from deepinfer_plugins.cpu.native.moe_layer import (moe_layer_arguments, moe_layer_bf16, moe_layer_quant,
                                                     moe_layer_quant_arguments)
@@ -70,7 +70,7 @@ from deepinfer_plugins.cpu.native.selection import indexer_scores, moe_route_row
 
 __all__ = [
     "BUILD_VARIANTS", "FLAGS", "SOURCES", "SWITCHED_OFF", "TRANSPOSED_MIXES", "CacheError", "CompilerError",
-    "HcOutputs", "SiteOutputs", "active_library", "amx_usable", "argmax_logsumexp", "attention_output",
+    "HcOutputs", "OutputSets", "SiteOutputs", "active_library", "amx_usable", "argmax_logsumexp", "attention_output",
     "attention_output_arguments", "attention_projections_arguments", "build_flags", "build_isa",
     "build_variant", "compress_store", "compress_store_arguments", "enabled", "experts_bf16", "gemv_bf16_arguments",
     "gemv_tier", "gemv_tier_for", "gemv_tokens_bf16", "grouped_amx_bf16", "grouped_gemv_bf16", "hc_head",

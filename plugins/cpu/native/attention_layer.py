@@ -7,7 +7,6 @@ per-head norm; `coded_keys=True`: its FP8 window and NVFP4 entry caches)."""
 from __future__ import annotations
 
 import ctypes
-import weakref
 
 import torch
 
@@ -30,10 +29,6 @@ class WeightRef(ctypes.Structure):
     _fields_ = [("format", ctypes.c_int), ("w", ctypes.c_void_p), ("packed", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("scale_e8m0", ctypes.c_int), ("block", ctypes.c_long)]
 
-
-# a quantised weight's (logical shape, WeightRef, its address), made at its first call: its storage never
-# changes (QuantizedWeight is frozen), and the entry goes with the weight
-_QUANT_REFS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _bf16(t: torch.Tensor) -> bool:
@@ -66,32 +61,22 @@ def _projection_io(T: int, Nx: int, Nqr: int, heads: int, d: int, q_norm: torch.
     return (q_norm.contiguous(), kv_norm.contiguous(), cs, sn, ic, isn), outputs
 
 
-def _quant_ref(weight: QuantizedWeight, dims: int) -> tuple[tuple[int, ...], WeightRef, int] | None:
-    data, scale = weight.data, weight.scale
-    if data.dim() != dims or not (data.is_cpu and scale.is_cpu and data.is_contiguous() and scale.is_contiguous()):
-        return None
-    fp4 = data.dtype is not torch.float8_e4m3fn
-    shape = (*data.shape[:-1], data.shape[-1] * 2) if fp4 else tuple(data.shape)
-    if fp4 and shape[-1] % FP4_GROUP:
-        return None
-    ref = WeightRef(_W_FP4 if fp4 else _W_FP8, data.data_ptr(), None, scale.data_ptr(),
-                    int(scale.dtype is torch.float8_e8m0fnu), weight.block)
-    return shape, ref, ctypes.addressof(ref)
-
-
 def _weight(lib: ctypes.CDLL, weight: torch.Tensor | QuantizedWeight, packed: torch.Tensor | None, dims: int,
             tokens: int) -> tuple[tuple[int, ...], WeightRef, int] | None:
     """(the logical shape, the WeightRef, its address) of a `dims`-D weight: FP8-block or FP4 codes as stored
     (FP4 rows whole scale groups), or bf16 with its packed copy (pack_bf16's layout; of each group for a 3-D
     weight) or, for one token, without; None for anything else."""
     if isinstance(weight, QuantizedWeight):
-        entry = _QUANT_REFS.get(weight)
-        if entry is None:
-            entry = _quant_ref(weight, dims)
-            if entry is None:
-                return None
-            _QUANT_REFS[weight] = entry
-        return entry if len(entry[0]) == dims else None
+        data, scale = weight.data, weight.scale
+        if data.dim() != dims or not (data.is_cpu and scale.is_cpu and data.is_contiguous() and scale.is_contiguous()):
+            return None
+        fp4 = data.dtype is not torch.float8_e4m3fn
+        shape = (*data.shape[:-1], data.shape[-1] * 2) if fp4 else tuple(data.shape)
+        if fp4 and shape[-1] % FP4_GROUP:
+            return None
+        ref = WeightRef(_W_FP4 if fp4 else _W_FP8, data.data_ptr(), None, scale.data_ptr(),
+                        int(scale.dtype is torch.float8_e8m0fnu), weight.block)
+        return shape, ref, ctypes.addressof(ref)
     if not _bf16(weight) or weight.dim() != dims or packed is None and tokens != 1:
         return None
     if packed is not None and packed.shape != (*weight.shape[:-2], *packed_shape(lib, *weight.shape[-2:])):

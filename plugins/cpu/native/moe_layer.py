@@ -1,4 +1,4 @@
-"""moe_layer_bf16, the MoE sub-layer of a decode step in one call (moe_layer.c)."""
+"""moe_layer_bf16 and moe_layer_quant, the MoE sub-layer of a decode step in one call (moe_layer.c)."""
 from __future__ import annotations
 
 import ctypes
@@ -60,26 +60,11 @@ def _bf16_shared(sw13: torch.Tensor | None, sw2: torch.Tensor | None, D: int) ->
     return dict(sw13=sw13.data_ptr(), sw2=sw2.data_ptr(), SI=si)
 
 
-def moe_layer_bf16(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
-                   hash_ids: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
-                   shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
-                   routed_scaling_factor: float, scoring_func: str, swiglu_limit: float,
-                   round_silu: bool = False, packed_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
-                   ) -> torch.Tensor | None:
-    """The MoE sub-layer (`MoEOps.moe_sublayer`) of a few bf16 tokens `x [T, D]` with bf16 experts, an
-    fp32 router; None for anything else (or a hash id outside the experts: the reference reports it).
-    `round_silu`: the shared expert's swiglu rounds where torch's bf16 ops do (silu, then the product),
-    else once, as the C swiglu and expert kernels. `packed_experts` (pack_bf16 of w13 and w2): the routed
-    experts on the register tiles (packed_gemm.c), else on the multi-token GEMVs; `packed_shared`
-    (pack_bf16 of shared_w13, shared_w2, either None): those products on the tiles. A packed copy of
-    another shape than its weight's is not used."""
-    bound = moe_layer_arguments(lib, x, gate, bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
-                                routed_scaling_factor, scoring_func, swiglu_limit, round_silu, packed_experts,
-                                packed_shared)
-    if bound is None:
-        return None
-    return None if bound.call(lib) else bound.outputs
+def moe_layer_bf16(lib: ctypes.CDLL, *args, **kwargs) -> torch.Tensor | None:
+    """`moe_layer_arguments`' call made: the `[T, D]` result, or None (input it does not take, or a hash id
+    outside the experts: the reference reports it)."""
+    bound = moe_layer_arguments(lib, *args, **kwargs)
+    return None if bound is None or bound.call(lib) else bound.outputs
 
 
 def moe_layer_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
@@ -88,7 +73,13 @@ def moe_layer_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, b
                         routed_scaling_factor: float, scoring_func: str, swiglu_limit: float, round_silu: bool = False,
                         packed_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
                         packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None) -> Bound | None:
-    """`moe_layer_bf16`'s checked call (outputs: the `[T, D]` result, valid where its status is 0), not made."""
+    """The MoE sub-layer (`MoEOps.moe_sublayer`) of a few bf16 tokens `x [T, D]` with bf16 experts and an fp32
+    router, as a checked call (outputs: the `[T, D]` result, valid where its status is 0), not made; None for
+    anything else. `round_silu`: the shared expert's swiglu rounds where torch's bf16 ops do (silu, then the
+    product), else once, as the C swiglu and expert kernels. `packed_experts` (pack_bf16 of w13 and w2): the
+    routed experts on the register tiles (packed_gemm.c), else on the multi-token GEMVs; `packed_shared`
+    (pack_bf16 of shared_w13, shared_w2, either None): those products on the tiles. A packed copy of another
+    shape than its weight's is not used."""
     router = _router(x, gate, bias, hash_ids, top_k, scoring_func)
     if router is None or not (_usable(w13, torch.bfloat16) and _usable(w2, torch.bfloat16)) or w13.dim() != 3:
         return None
@@ -116,10 +107,6 @@ def moe_layer_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, b
     return Bound(_MOE_LAYER_BF16, values, out, (hash_ids,))
 
 
-
-
-
-
 def _quant_shared(sw13: QuantizedWeight, sw2: QuantizedWeight, D: int) -> dict | None:
     """The C arguments of a quantised shared expert (`sw13 [2SI, D]`, `sw2 [D, SI]`, one format), or None."""
     if not isinstance(sw13, QuantizedWeight) or not isinstance(sw2, QuantizedWeight):
@@ -137,21 +124,10 @@ def _quant_shared(sw13: QuantizedWeight, sw2: QuantizedWeight, D: int) -> dict |
                 s_block=sw13.block, SI=si)
 
 
-def moe_layer_quant(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
-                    hash_ids: torch.Tensor | None, w13: QuantizedWeight, w2: QuantizedWeight,
-                    shared_w13: torch.Tensor | QuantizedWeight | None,
-                    shared_w2: torch.Tensor | QuantizedWeight | None, top_k: int, routed_scaling_factor: float,
-                    scoring_func: str, swiglu_limit: float, round_silu: bool = False,
-                    packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
-                    ) -> torch.Tensor | None:
-    """`moe_layer_bf16` with the routed experts kept quantised (FP4 or FP8-block stacks, as quant_experts
-    takes them) and the shared expert bf16 (`packed_shared` as there), quantised (both FP4 or both FP8) or
-    absent; None for anything else."""
-    bound = moe_layer_quant_arguments(lib, x, gate, bias, hash_ids, w13, w2, shared_w13, shared_w2, top_k,
-                                      routed_scaling_factor, scoring_func, swiglu_limit, round_silu, packed_shared)
-    if bound is None:
-        return None
-    return None if bound.call(lib) else bound.outputs
+def moe_layer_quant(lib: ctypes.CDLL, *args, **kwargs) -> torch.Tensor | None:
+    """`moe_layer_quant_arguments`' call made, as `moe_layer_bf16`."""
+    bound = moe_layer_quant_arguments(lib, *args, **kwargs)
+    return None if bound is None or bound.call(lib) else bound.outputs
 
 
 def moe_layer_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
@@ -162,7 +138,9 @@ def moe_layer_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Ten
                               round_silu: bool = False,
                               packed_shared: tuple[torch.Tensor | None, torch.Tensor | None] | None = None
                               ) -> Bound | None:
-    """`moe_layer_quant`'s checked call (outputs: the `[T, D]` result, valid where its status is 0), not made."""
+    """`moe_layer_arguments` with the routed experts kept quantised (FP4 or FP8-block stacks, as quant_experts
+    takes them) and the shared expert bf16 (`packed_shared` as there), quantised (both FP4 or both FP8) or
+    absent; None for anything else."""
     router = _router(x, gate, bias, hash_ids, top_k, scoring_func)
     if router is None:
         return None
