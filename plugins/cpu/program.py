@@ -122,9 +122,7 @@ class HcPreNorm(Binder):
         return (k._hc_fn_t(a["streams"], a["fn"]),)
 
     def bind(self, k, a, choices):
-        return _bound(k, native.hc_pre_arguments(k.native_library, a["streams"], a["fn"], a["base"], a["scale"],
-                                                 a["sinkhorn_iters"], a["eps"], a["norm_eps"], a["norm_weight"],
-                                                 a["rms_eps"], choices[0]), self.patches)
+        return _bound(k, native.hc_pre_arguments(k.native_library, **a, fn_t=choices[0]), self.patches)
 
 
 class HcPostPreNorm(Binder):
@@ -135,11 +133,9 @@ class HcPostPreNorm(Binder):
         return (k._hc_fn_t(a["streams"], a["fn"]),)
 
     def bind(self, k, a, choices):
-        T, n, D = a["streams"].shape
-        return _bound(k, native.hc_post_pre_norm_arguments(
-            k.native_library, a["y"], a["streams"], a["post"], a["comb"], a["fn"], a["base"], a["scale"],
-            a["sinkhorn_iters"], a["eps"], a["norm_eps"], a["norm_weight"], a["rms_eps"], choices[0],
-            native.hc_outputs(T, n, D, a["streams"].dtype)), self.patches)
+        out = native.hc_outputs(*a["streams"].shape, a["streams"].dtype)
+        return _bound(k, native.hc_post_pre_norm_arguments(k.native_library, **a, fn_t=choices[0], out=out),
+                      self.patches)
 
 
 class HcMixCollapseNorm(Binder):
@@ -148,9 +144,7 @@ class HcMixCollapseNorm(Binder):
     patches = {"streams": pointer("streams"), "pre_in": pointer("pre_in", dtype=torch.float32)}
 
     def bind(self, k, a, choices):
-        binding = _bound(k, native.hc_mix_collapse_norm_arguments(
-            a["streams"], a["pre_in"], a["fn"], a["base"], a["scale"], a["sinkhorn_iters"], a["eps"], a["norm_eps"],
-            a["norm_weight"], a["rms_eps"]), self.patches)
+        binding = _bound(k, native.hc_mix_collapse_norm_arguments(**a), self.patches)
         if binding is not None:
             out = binding.outputs
             binding.outputs = (out.normed, out.pre, out.post, out.comb)  # the op's results
@@ -164,9 +158,7 @@ class HcPostMixCollapseNorm(Binder):
                "comb": pointer("comb_in", dtype=torch.float32), "pre_in": pointer("pre_in", dtype=torch.float32)}
 
     def bind(self, k, a, choices):
-        return _bound(k, native.hc_post_mix_collapse_norm_arguments(
-            a["y"], a["streams"], a["post"], a["comb"], a["pre_in"], a["fn"], a["base"], a["scale"],
-            a["sinkhorn_iters"], a["eps"], a["norm_eps"], a["norm_weight"], a["rms_eps"]), self.patches)
+        return _bound(k, native.hc_post_mix_collapse_norm_arguments(**a), self.patches)
 
 
 class AttentionProjections(Binder):
@@ -184,9 +176,8 @@ class AttentionProjections(Binder):
     def bind(self, k, a, choices):
         if a["x"].dtype is not torch.bfloat16:
             return None
-        bound = native.attention_projections_arguments(
-            k.native_library, a["x"], a["fused_x"], a["rank"], a["q_norm"], a["fused_qr"], a["heads"], a["kv_norm"],
-            a["eps"], a["cos"], a["sin"], a["index_heads"], a["index_cos"], a["index_sin"], *choices, self.q_head_norm)
+        bound = native.attention_projections_arguments(k.native_library, **a, packed_x=choices[0],
+                                                       packed_qr=choices[1], q_head_norm=self.q_head_norm)
         tables = (a["cos"], a["sin"], a["index_cos"] if a["index_heads"] else a["cos"],
                   a["index_sin"] if a["index_heads"] else a["sin"])
         if bound is None or [bound.values[n] for n in ("cos_t", "sin_t", "icos", "isin")] != [
@@ -204,10 +195,8 @@ class CompressStore(Binder):
                "ring_row": pointer("ring_row", dtype=torch.long)}
 
     def bind(self, k, a, choices):
-        return _bound(k, native.compress_store_arguments(k.native_library, a["kv"], a["score"], a["ape"],
-                                                         a["position_mod"], a["ring_row"], a["rows_kv"],
-                                                         a["rows_score"]),
-                      self.patches, check=lambda status: status == 0)  # else the composed op reports the row
+        return _bound(k, native.compress_store_arguments(k.native_library, **a), self.patches,
+                      check=lambda status: status == 0)  # else the composed op reports the row
 
 
 def _key_rows(parts: int) -> Patch:
@@ -252,9 +241,8 @@ class AttentionOutput(Binder):
         parts = len(a["caches"])
         if a["q"].dtype is not torch.bfloat16 or parts not in (1, 2):
             return None
-        bound = native.attention_output_arguments(k.native_library, a["q"], a["kv"], a["key_rows"], a["caches"],
-                                                  a["rows"], a["masks"], a["sinks"], a["scale"], a["cos"], a["sin"],
-                                                  a["wo_a"], a["wo_b"], *choices, self.coded_keys)
+        bound = native.attention_output_arguments(k.native_library, **a, packed_wo_a=choices[0],
+                                                  packed_wo_b=choices[1], coded_keys=self.coded_keys)
         tables = (a["cos"].data_ptr(), a["sin"].data_ptr())
         if bound is None or (bound.values["cos_t"], bound.values["sin_t"]) != tables:
             return None  # a RoPE table it would copy: read where it is, or not this way
