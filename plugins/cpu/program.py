@@ -265,15 +265,14 @@ class MoESublayer(Binder):
         return k.moe_layer_products(x.shape[0], x.dtype, w13, w2, sw13, sw2, a["top_k"])
 
     def bind(self, k, a, choices):
-        inputs = (k.native_library, a["x"], a["gate"], a["gate_bias"], a["hash_ids"], a["w13"], a["w2"],
-                  a["shared_w13"], a["shared_w2"], a["top_k"], a["routed_scaling_factor"], a["scoring_func"],
-                  a["swiglu_limit"])
         if _quantised(a["w13"], a["w2"], a["shared_w13"], a["shared_w2"]):
             packed_shared, round_silu = choices
-            bound = native.moe_layer_quant_arguments(*inputs, round_silu, packed_shared)
+            bound = native.moe_layer_quant_arguments(k.native_library, **a, round_silu=round_silu,
+                                                     packed_shared=packed_shared)
         else:
             experts, packed_shared, round_silu = choices
-            bound = native.moe_layer_arguments(*inputs, round_silu, experts, packed_shared)
+            bound = native.moe_layer_arguments(k.native_library, **a, round_silu=round_silu, packed_experts=experts,
+                                               packed_shared=packed_shared)
         return _bound(k, bound, self.patches, check=lambda status: status == 0)  # else the composed op
 
 

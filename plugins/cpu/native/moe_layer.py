@@ -67,7 +67,7 @@ def moe_layer_bf16(lib: ctypes.CDLL, *args, **kwargs) -> torch.Tensor | None:
     return None if bound is None or bound.call(lib) else bound.outputs
 
 
-def moe_layer_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+def moe_layer_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
                         hash_ids: torch.Tensor | None, w13: torch.Tensor, w2: torch.Tensor,
                         shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None, top_k: int,
                         routed_scaling_factor: float, scoring_func: str, swiglu_limit: float, round_silu: bool = False,
@@ -80,7 +80,7 @@ def moe_layer_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, b
     routed experts on the register tiles (packed_gemm.c), else on the multi-token GEMVs; `packed_shared`
     (pack_bf16 of shared_w13, shared_w2, either None): those products on the tiles. A packed copy of another
     shape than its weight's is not used."""
-    router = _router(x, gate, bias, hash_ids, top_k, scoring_func)
+    router = _router(x, gate, gate_bias, hash_ids, top_k, scoring_func)
     if router is None or not (_usable(w13, torch.bfloat16) and _usable(w2, torch.bfloat16)) or w13.dim() != 3:
         return None
     scoring, hash_ids = router
@@ -98,7 +98,8 @@ def moe_layer_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, b
         pw13 = pw2 = None
     psw13, psw2 = (None, None) if packed_shared is None else packed_shared
     out = torch.empty((T, D), dtype=torch.bfloat16)
-    values = dict(x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+    values = dict(x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(),
+                  bias=None if gate_bias is None else gate_bias.data_ptr(),
                   hash_ids=None if hash_ids is None else hash_ids.data_ptr(), E=E, k=top_k,
                   scaling=routed_scaling_factor, scoring=scoring, w13=w13.data_ptr(), w2=w2.data_ptr(), I=inter,
                   **shared, pw13=pw13, pw2=pw2, psw13=_packed_ptr(lib, psw13, shared_w13),
@@ -130,7 +131,7 @@ def moe_layer_quant(lib: ctypes.CDLL, *args, **kwargs) -> torch.Tensor | None:
     return None if bound is None or bound.call(lib) else bound.outputs
 
 
-def moe_layer_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor | None,
+def moe_layer_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Tensor, gate_bias: torch.Tensor | None,
                               hash_ids: torch.Tensor | None, w13: QuantizedWeight, w2: QuantizedWeight,
                               shared_w13: torch.Tensor | QuantizedWeight | None,
                               shared_w2: torch.Tensor | QuantizedWeight | None, top_k: int,
@@ -141,7 +142,7 @@ def moe_layer_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Ten
     """`moe_layer_arguments` with the routed experts kept quantised (FP4 or FP8-block stacks, as quant_experts
     takes them) and the shared expert bf16 (`packed_shared` as there), quantised (both FP4 or both FP8) or
     absent; None for anything else."""
-    router = _router(x, gate, bias, hash_ids, top_k, scoring_func)
+    router = _router(x, gate, gate_bias, hash_ids, top_k, scoring_func)
     if router is None:
         return None
     scoring, hash_ids = router
@@ -159,7 +160,8 @@ def moe_layer_quant_arguments(lib: ctypes.CDLL, x: torch.Tensor, gate: torch.Ten
         return None
     psw13, psw2 = (None, None) if packed_shared is None else packed_shared  # the C code ignores them when quantised
     out = torch.empty((T, D), dtype=torch.bfloat16)
-    values = dict(x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+    values = dict(x=x.data_ptr(), T=T, D=D, gate=gate.data_ptr(),
+                  bias=None if gate_bias is None else gate_bias.data_ptr(),
                   hash_ids=None if hash_ids is None else hash_ids.data_ptr(), k=top_k, scaling=routed_scaling_factor,
                   scoring=scoring, **stacks, **shared, psw13=_packed_ptr(lib, psw13, shared_w13),
                   psw2=_packed_ptr(lib, psw2, shared_w2), limit=swiglu_limit, round_silu=int(round_silu),
