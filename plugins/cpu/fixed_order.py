@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 def lanewise(op, x: torch.Tensor) -> torch.Tensor:
     """`op` (an element-wise torch function) of `x` with every element on torch's vector path. torch
-    computes the last elements of a tensor (up to 31 with AVX-512) (and of each thread's share) with the scalar
-    libm function, which may differ from the vector one in the last bit; zero padding to a multiple
+    computes the last elements of a tensor and of each thread's share (up to 31 with AVX-512) with the
+    scalar libm function, which may differ from the vector one in the last bit; zero padding to a multiple
     of 64 elements per thread keeps an element's bits independent of the tensor's size."""
     flat = x.reshape(-1)
     pad = -flat.numel() % (64 * torch.get_num_threads())
